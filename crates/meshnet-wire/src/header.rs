@@ -1,0 +1,525 @@
+//! The `X-Meshnet-*` header mapping of an activation frame's metadata.
+
+use std::fmt;
+use std::ops::Range;
+
+use http::{HeaderMap, HeaderValue, header};
+use uuid::Uuid;
+
+use crate::error::quote;
+use crate::{Shape, WIRE_VERSION, WireError};
+
+/// `X-Meshnet-Shape`: comma-separated dimensions, outermost first.
+pub const SHAPE: &str = "x-meshnet-shape";
+/// `X-Meshnet-Dtype`: always `bfloat16`.
+pub const DTYPE: &str = "x-meshnet-dtype";
+/// `X-Meshnet-Session`: the session's UUID.
+pub const SESSION: &str = "x-meshnet-session";
+/// `X-Meshnet-Chunk-Index`: the zero-based index of this prefill chunk.
+pub const CHUNK_INDEX: &str = "x-meshnet-chunk-index";
+/// `X-Meshnet-Chunk-Total`: how many chunks the prefill was split into (1 for a decode step).
+pub const CHUNK_TOTAL: &str = "x-meshnet-chunk-total";
+/// `X-Meshnet-Encoding`: `zstd`, or absent (or `identity`) for raw bytes.
+pub const ENCODING: &str = "x-meshnet-encoding";
+/// `X-Meshnet-Wire-Version`: the wire format version, [`WIRE_VERSION`].
+pub const WIRE_VERSION_HEADER: &str = "x-meshnet-wire-version";
+/// `X-Meshnet-Position`: the absolute token position of the frame's first token (ADR-0010).
+pub const POSITION: &str = "x-meshnet-position";
+/// `X-Meshnet-Layers`: the half-open layer range `start-end` the receiver runs (ADR-0011).
+pub const LAYERS: &str = "x-meshnet-layers";
+/// `X-Meshnet-Route`: the hops after the receiver, `start-end@endpoint` comma-separated (ADR-0011).
+pub const ROUTE: &str = "x-meshnet-route";
+
+/// The only content type of an activation body.
+pub const OCTET_STREAM: &str = "application/octet-stream";
+/// The only dtype on the wire.
+pub const BFLOAT16: &str = "bfloat16";
+
+/// The most hops a route may list.
+pub const MAX_ROUTE_HOPS: usize = 64;
+/// The longest endpoint string a hop may carry.
+pub const MAX_ENDPOINT_LEN: usize = 512;
+
+/// How the body bytes are encoded on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Encoding {
+    /// Raw little-endian bfloat16 bytes (no `X-Meshnet-Encoding` header).
+    #[default]
+    Raw,
+    /// zstd-compressed (level 1) little-endian bfloat16 bytes.
+    Zstd,
+}
+
+impl Encoding {
+    /// Every encoding this build understands, as listed in error messages.
+    pub const KNOWN: &'static str = "zstd, identity (or no header)";
+
+    /// The header value for this encoding; `None` means "omit the header".
+    pub fn header_value(self) -> Option<&'static str> {
+        match self {
+            Encoding::Raw => None,
+            Encoding::Zstd => Some("zstd"),
+        }
+    }
+
+    /// Reads `X-Meshnet-Encoding` from a header map (absent means raw).
+    pub fn from_headers(headers: &HeaderMap) -> Result<Self, WireError> {
+        let Some(value) = optional_str(headers, ENCODING, "zstd or identity")? else {
+            return Ok(Encoding::Raw);
+        };
+        match value.trim().to_ascii_lowercase().as_str() {
+            "zstd" => Ok(Encoding::Zstd),
+            "identity" | "raw" => Ok(Encoding::Raw),
+            _ => Err(WireError::UnsupportedEncoding {
+                expected: Encoding::KNOWN,
+                got: quote(value),
+            }),
+        }
+    }
+}
+
+/// A half-open range of transformer layers `[start, end)`, written `start-end` in headers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LayerRange {
+    /// The first layer in the range.
+    pub start: u32,
+    /// One past the last layer in the range.
+    pub end: u32,
+}
+
+impl LayerRange {
+    /// Builds a non-empty range; `None` when `start >= end`.
+    pub fn new(start: u32, end: u32) -> Option<Self> {
+        (start < end).then_some(LayerRange { start, end })
+    }
+
+    /// The range as a standard `Range<usize>`.
+    pub fn as_range(self) -> Range<usize> {
+        self.start as usize..self.end as usize
+    }
+
+    /// The number of layers in the range.
+    pub fn len(self) -> u32 {
+        self.end - self.start
+    }
+
+    /// Always false: a `LayerRange` holds at least one layer.
+    pub fn is_empty(self) -> bool {
+        false
+    }
+
+    fn parse(text: &str, field: &'static str) -> Result<Self, WireError> {
+        let invalid = || WireError::InvalidHeader {
+            name: field,
+            expected: "a layer range start-end with start < end",
+            got: quote(text),
+        };
+        let (start, end) = text.trim().split_once('-').ok_or_else(invalid)?;
+        let start = parse_decimal::<u32>(start).ok_or_else(invalid)?;
+        let end = parse_decimal::<u32>(end).ok_or_else(invalid)?;
+        LayerRange::new(start, end).ok_or_else(invalid)
+    }
+}
+
+impl fmt::Display for LayerRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.start, self.end)
+    }
+}
+
+/// One hop of a source route: the layers that hop runs and where to reach it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Hop {
+    /// The layers the hop runs.
+    pub layers: LayerRange,
+    /// How to reach the hop: an HTTP base URL such as `http://10.0.0.7:8081` today.
+    pub endpoint: String,
+}
+
+impl Hop {
+    /// Builds a hop, checking that the endpoint can travel in a header (visible ASCII, no comma,
+    /// no `@`, at most [`MAX_ENDPOINT_LEN`] bytes).
+    pub fn new(layers: LayerRange, endpoint: impl Into<String>) -> Result<Self, WireError> {
+        let endpoint = endpoint.into();
+        if !valid_endpoint(&endpoint) {
+            return Err(WireError::InvalidHeader {
+                name: "X-Meshnet-Route",
+                expected: "an endpoint of 1 to 512 visible ASCII characters without ',' or '@'",
+                got: quote(&endpoint),
+            });
+        }
+        Ok(Hop { layers, endpoint })
+    }
+}
+
+fn valid_endpoint(endpoint: &str) -> bool {
+    !endpoint.is_empty()
+        && endpoint.len() <= MAX_ENDPOINT_LEN
+        && endpoint
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && b != b',' && b != b'@')
+}
+
+/// The remaining hops after the receiver, in order; empty at the last hop.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct Route {
+    hops: Vec<Hop>,
+}
+
+impl Route {
+    /// Builds a route of at most [`MAX_ROUTE_HOPS`] hops.
+    pub fn new(hops: Vec<Hop>) -> Result<Self, WireError> {
+        if hops.len() > MAX_ROUTE_HOPS {
+            return Err(WireError::InvalidHeader {
+                name: "X-Meshnet-Route",
+                expected: "at most 64 hops",
+                got: format!("{} hops", hops.len()),
+            });
+        }
+        Ok(Route { hops })
+    }
+
+    /// The hops, next first.
+    pub fn hops(&self) -> &[Hop] {
+        &self.hops
+    }
+
+    /// Whether no hop follows the receiver.
+    pub fn is_empty(&self) -> bool {
+        self.hops.is_empty()
+    }
+
+    /// Splits off the next hop, returning it and the route that hop must forward along.
+    pub fn pop_next(&self) -> Option<(Hop, Route)> {
+        let (next, rest) = self.hops.split_first()?;
+        Some((
+            next.clone(),
+            Route {
+                hops: rest.to_vec(),
+            },
+        ))
+    }
+
+    fn parse(text: &str) -> Result<Self, WireError> {
+        let text = text.trim();
+        if text.is_empty() {
+            return Ok(Route::default());
+        }
+        let parts: Vec<&str> = text.split(',').collect();
+        if parts.len() > MAX_ROUTE_HOPS {
+            return Err(WireError::InvalidHeader {
+                name: "X-Meshnet-Route",
+                expected: "at most 64 hops",
+                got: format!("{} hops", parts.len()),
+            });
+        }
+        let hops = parts
+            .into_iter()
+            .map(|part| {
+                let part = part.trim();
+                let (layers, endpoint) = part.split_once('@').ok_or(WireError::InvalidHeader {
+                    name: "X-Meshnet-Route",
+                    expected: "comma-separated hops of the form start-end@endpoint",
+                    got: quote(part),
+                })?;
+                Hop::new(LayerRange::parse(layers, ROUTE)?, endpoint)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Route { hops })
+    }
+}
+
+impl fmt::Display for Route {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, hop) in self.hops.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{}@{}", hop.layers, hop.endpoint)?;
+        }
+        Ok(())
+    }
+}
+
+/// Everything a frame carries besides its tensor: who it belongs to, where its tokens sit, which
+/// layers the receiver runs and where the result goes next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FrameMeta {
+    /// The generation session the frame belongs to (selects the KV cache).
+    pub session: Uuid,
+    /// The zero-based index of this chunk within its prefill (0 for a decode step).
+    pub chunk_index: u32,
+    /// How many chunks the prefill has (1 for a decode step).
+    pub chunk_total: u32,
+    /// The absolute token position of the frame's first token.
+    pub position: u64,
+    /// The layers the receiver runs (in a response: the layers that were run).
+    pub layers: LayerRange,
+    /// The hops after the receiver (empty in a response and at the last hop).
+    pub route: Route,
+}
+
+impl FrameMeta {
+    /// Checks that the chunk index is below the chunk total.
+    pub fn validate(&self) -> Result<(), WireError> {
+        if self.chunk_index >= self.chunk_total {
+            return Err(WireError::ChunkOutOfRange {
+                index: self.chunk_index,
+                total: self.chunk_total,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Checks `X-Meshnet-Wire-Version` alone, so that a version mismatch is reported before anything
+/// else about the request.
+pub fn check_wire_version(headers: &HeaderMap) -> Result<(), WireError> {
+    let value = required_str(headers, WIRE_VERSION_HEADER, "the wire version number")?;
+    match parse_decimal::<u32>(value) {
+        Some(v) if v == WIRE_VERSION => Ok(()),
+        _ => Err(WireError::version_mismatch(value)),
+    }
+}
+
+/// Checks `Content-Type`, `X-Meshnet-Dtype` and `X-Meshnet-Encoding`, returning the encoding.
+pub fn check_media(headers: &HeaderMap) -> Result<Encoding, WireError> {
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let essence = content_type.as_deref().map(|ct| {
+        ct.split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase()
+    });
+    if essence.as_deref() != Some(OCTET_STREAM) {
+        return Err(WireError::UnsupportedContentType {
+            got: content_type.map_or_else(|| "(none)".to_owned(), |ct| quote(&ct)),
+        });
+    }
+    let dtype = required_str(headers, DTYPE, "bfloat16")?;
+    if !dtype.trim().eq_ignore_ascii_case(BFLOAT16) {
+        return Err(WireError::UnsupportedDtype { got: quote(dtype) });
+    }
+    Encoding::from_headers(headers)
+}
+
+/// Reads the shape and the frame metadata from the headers (version and media are checked by
+/// [`check_wire_version`] and [`check_media`]).
+pub fn read_meta(headers: &HeaderMap) -> Result<(Shape, FrameMeta), WireError> {
+    let shape = Shape::parse(
+        required_str(headers, SHAPE, "comma-separated dimensions")?,
+        "X-Meshnet-Shape",
+    )?;
+    let session_text = required_str(headers, SESSION, "a UUID")?;
+    let session = Uuid::try_parse(session_text.trim()).map_err(|_| WireError::InvalidHeader {
+        name: "X-Meshnet-Session",
+        expected: "a UUID",
+        got: quote(session_text),
+    })?;
+    let meta = FrameMeta {
+        session,
+        chunk_index: required_number(headers, CHUNK_INDEX, "X-Meshnet-Chunk-Index")?,
+        chunk_total: required_number(headers, CHUNK_TOTAL, "X-Meshnet-Chunk-Total")?,
+        position: required_number(headers, POSITION, "X-Meshnet-Position")?,
+        layers: LayerRange::parse(
+            required_str(headers, LAYERS, "a layer range start-end")?,
+            "X-Meshnet-Layers",
+        )?,
+        route: match optional_str(headers, ROUTE, "start-end@endpoint hops")? {
+            Some(text) => Route::parse(text)?,
+            None => Route::default(),
+        },
+    };
+    meta.validate()?;
+    Ok((shape, meta))
+}
+
+/// Writes every header of a frame: version, content type, dtype, shape, metadata and encoding.
+pub fn write_headers(shape: &Shape, meta: &FrameMeta, encoding: Encoding) -> HeaderMap {
+    let mut headers = HeaderMap::with_capacity(12);
+    let mut put = |name: &'static str, value: String| {
+        // Every value written here is built from digits, UUIDs, validated endpoints and fixed
+        // names, all of which are valid header characters.
+        if let Ok(value) = HeaderValue::try_from(value) {
+            headers.insert(name, value);
+        }
+    };
+    put(WIRE_VERSION_HEADER, WIRE_VERSION.to_string());
+    put(header::CONTENT_TYPE.as_str(), OCTET_STREAM.to_owned());
+    put(DTYPE, BFLOAT16.to_owned());
+    put(SHAPE, shape.to_string());
+    put(SESSION, meta.session.to_string());
+    put(CHUNK_INDEX, meta.chunk_index.to_string());
+    put(CHUNK_TOTAL, meta.chunk_total.to_string());
+    put(POSITION, meta.position.to_string());
+    put(LAYERS, meta.layers.to_string());
+    if !meta.route.is_empty() {
+        put(ROUTE, meta.route.to_string());
+    }
+    if let Some(value) = encoding.header_value() {
+        put(ENCODING, value.to_owned());
+    }
+    headers
+}
+
+/// Parses a decimal number of digits only (no sign, no spaces inside).
+fn parse_decimal<T: std::str::FromStr>(text: &str) -> Option<T> {
+    let text = text.trim();
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
+fn display_name(name: &'static str) -> &'static str {
+    match name {
+        SHAPE => "X-Meshnet-Shape",
+        DTYPE => "X-Meshnet-Dtype",
+        SESSION => "X-Meshnet-Session",
+        CHUNK_INDEX => "X-Meshnet-Chunk-Index",
+        CHUNK_TOTAL => "X-Meshnet-Chunk-Total",
+        ENCODING => "X-Meshnet-Encoding",
+        WIRE_VERSION_HEADER => "X-Meshnet-Wire-Version",
+        POSITION => "X-Meshnet-Position",
+        LAYERS => "X-Meshnet-Layers",
+        ROUTE => "X-Meshnet-Route",
+        other => other,
+    }
+}
+
+fn optional_str<'h>(
+    headers: &'h HeaderMap,
+    name: &'static str,
+    expected: &'static str,
+) -> Result<Option<&'h str>, WireError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(WireError::InvalidHeader {
+            name: display_name(name),
+            expected: "the header exactly once",
+            got: "several values".to_owned(),
+        });
+    }
+    value
+        .to_str()
+        .map(Some)
+        .map_err(|_| WireError::InvalidHeader {
+            name: display_name(name),
+            expected,
+            got: quote(&String::from_utf8_lossy(value.as_bytes())),
+        })
+}
+
+fn required_str<'h>(
+    headers: &'h HeaderMap,
+    name: &'static str,
+    expected: &'static str,
+) -> Result<&'h str, WireError> {
+    optional_str(headers, name, expected)?.ok_or(WireError::MissingHeader {
+        name: display_name(name),
+    })
+}
+
+fn required_number<T: std::str::FromStr>(
+    headers: &HeaderMap,
+    name: &'static str,
+    display: &'static str,
+) -> Result<T, WireError> {
+    let text = required_str(headers, name, "a non-negative decimal integer")?;
+    parse_decimal(text).ok_or_else(|| WireError::InvalidHeader {
+        name: display,
+        expected: "a non-negative decimal integer",
+        got: quote(text),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta() -> FrameMeta {
+        FrameMeta {
+            session: Uuid::from_u128(0x1234),
+            chunk_index: 1,
+            chunk_total: 3,
+            position: 128,
+            layers: LayerRange::new(10, 20).unwrap(),
+            route: Route::new(vec![
+                Hop::new(LayerRange::new(20, 25).unwrap(), "http://127.0.0.1:8082").unwrap(),
+                Hop::new(LayerRange::new(25, 30).unwrap(), "http://[::1]:8083").unwrap(),
+            ])
+            .unwrap(),
+        }
+    }
+
+    #[test]
+    fn headers_round_trip() {
+        let shape = Shape::new(&[1, 128, 576]).unwrap();
+        let headers = write_headers(&shape, &meta(), Encoding::Zstd);
+        assert_eq!(headers[SHAPE], "1,128,576");
+        assert_eq!(
+            headers[ROUTE],
+            "20-25@http://127.0.0.1:8082,25-30@http://[::1]:8083"
+        );
+        check_wire_version(&headers).unwrap();
+        assert_eq!(check_media(&headers).unwrap(), Encoding::Zstd);
+        let (read_shape, read) = read_meta(&headers).unwrap();
+        assert_eq!(read_shape, shape);
+        assert_eq!(read, meta());
+    }
+
+    #[test]
+    fn raw_encoding_omits_the_header() {
+        let shape = Shape::new(&[4]).unwrap();
+        let headers = write_headers(&shape, &meta(), Encoding::Raw);
+        assert!(headers.get(ENCODING).is_none());
+        assert_eq!(check_media(&headers).unwrap(), Encoding::Raw);
+    }
+
+    #[test]
+    fn pop_next_walks_the_route() {
+        let (next, rest) = meta().route.pop_next().unwrap();
+        assert_eq!(next.layers, LayerRange::new(20, 25).unwrap());
+        let (last, empty) = rest.pop_next().unwrap();
+        assert_eq!(last.endpoint, "http://[::1]:8083");
+        assert!(empty.is_empty() && empty.pop_next().is_none());
+    }
+
+    #[test]
+    fn rejects_bad_routes_and_ranges() {
+        for route in [
+            "20-25",
+            "25-20@x",
+            "a-b@x",
+            "1-2@",
+            "1-2@a b",
+            "1-2@x,,3-4@y",
+        ] {
+            assert!(Route::parse(route).is_err(), "{route:?} accepted");
+        }
+        let too_long = vec!["1-2@x"; MAX_ROUTE_HOPS + 1].join(",");
+        assert!(Route::parse(&too_long).is_err());
+        assert!(LayerRange::new(3, 3).is_none());
+    }
+
+    #[test]
+    fn version_is_checked_first_and_named() {
+        let mut headers = HeaderMap::new();
+        assert!(matches!(
+            check_wire_version(&headers),
+            Err(WireError::MissingHeader {
+                name: "X-Meshnet-Wire-Version"
+            })
+        ));
+        headers.insert(WIRE_VERSION_HEADER, HeaderValue::from_static("2"));
+        let err = check_wire_version(&headers).unwrap_err();
+        assert_eq!(err.class(), crate::ErrorClass::VersionMismatch);
+        assert!(err.to_string().contains("expected 1, got \"2\""), "{err}");
+    }
+}
