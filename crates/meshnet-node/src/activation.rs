@@ -1,0 +1,155 @@
+//! The receiving side of the activation plane: `POST /forward`.
+//!
+//! A request carries one frame. The peer runs the frame's layers, then, if the route names
+//! further hops, posts the result to the next one (which does the same) and answers with what
+//! comes back: the hidden states after the last layer of the route travel back up the chain to
+//! the sender. Answers use the request's encoding.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use meshnet_wire::header::{Encoding, check_wire_version};
+use meshnet_wire::{ActivationFrame, LayerRange, Limits};
+
+use crate::blocking;
+use crate::client::ForwardClient;
+use crate::error::NodeError;
+use crate::executor::{ExecutorError, SpanExecutor};
+
+/// What `POST /forward` needs: the layers to run, the limits to enforce and a client for the
+/// next hop.
+#[derive(Clone)]
+pub struct ActivationPlane {
+    executor: Arc<dyn SpanExecutor>,
+    limits: Limits,
+    client: ForwardClient,
+}
+
+impl ActivationPlane {
+    /// An activation plane over `executor`, enforcing `limits` on requests and on answers from the
+    /// next hop.
+    pub fn new(executor: Arc<dyn SpanExecutor>, limits: Limits, client: ForwardClient) -> Self {
+        ActivationPlane {
+            executor,
+            limits,
+            client,
+        }
+    }
+
+    /// The routes of the activation plane: `POST /forward`.
+    pub fn router(self) -> Router {
+        Router::new()
+            .route("/forward", post(forward))
+            .with_state(Arc::new(self))
+    }
+
+    /// Runs one frame through this peer and the rest of its route, sending it onward in
+    /// `encoding`, and returns the hidden states after the route's last layer.
+    pub async fn handle(
+        &self,
+        frame: ActivationFrame,
+        encoding: Encoding,
+    ) -> Result<ActivationFrame, NodeError> {
+        let executor = Arc::clone(&self.executor);
+        let my_layers = frame.meta.layers;
+        let (meta, output) = blocking(move || {
+            let served = executor.served_layers();
+            let covers =
+                served.is_some_and(|s| s.start <= my_layers.start && my_layers.end <= s.end);
+            if !covers {
+                return Err(ExecutorError::LayersNotServed {
+                    requested: my_layers,
+                    served,
+                });
+            }
+            let output = executor.forward(&frame.meta, frame.activations)?;
+            Ok((frame.meta, output))
+        })
+        .await
+        .map_err(NodeError::Internal)??;
+
+        let Some((next, rest)) = meta.route.pop_next() else {
+            let mut meta = meta;
+            meta.route = Default::default();
+            return Ok(ActivationFrame {
+                meta,
+                activations: output,
+            });
+        };
+        let mut onward = meta.clone();
+        onward.layers = next.layers;
+        onward.route = rest;
+        let answer = self
+            .client
+            .forward(
+                &next.endpoint,
+                ActivationFrame {
+                    meta: onward,
+                    activations: output,
+                },
+                encoding,
+            )
+            .await?;
+        let mut meta = answer.meta;
+        meta.layers = LayerRange::new(my_layers.start, meta.layers.end.max(my_layers.end))
+            .unwrap_or(my_layers);
+        Ok(ActivationFrame {
+            meta,
+            activations: answer.activations,
+        })
+    }
+}
+
+/// `POST /forward`: decode, run, forward along the route, answer in the request's encoding.
+async fn forward(
+    State(plane): State<Arc<ActivationPlane>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, NodeError> {
+    // The version comes first: a peer of another version learns ours before anything else.
+    check_wire_version(&headers)?;
+    let declared_len = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if let Some(len) = declared_len {
+        plane.limits.check_body_len(len)?;
+    }
+    let body = read_limited(body, plane.limits.max_body_bytes()).await?;
+    let limits = plane.limits;
+    let (frame, encoding) = blocking(move || {
+        let frame = ActivationFrame::decode(&headers, &body, &limits)?;
+        let encoding = Encoding::from_headers(&headers)?;
+        Ok::<_, NodeError>((frame, encoding))
+    })
+    .await
+    .map_err(NodeError::Internal)??;
+
+    let session = frame.meta.session;
+    let answer = plane.handle(frame, encoding).await.inspect_err(|e| {
+        tracing::debug!(%session, error = %e, "forward failed");
+    })?;
+    let encoded = blocking(move || answer.into_encoded(encoding))
+        .await
+        .map_err(NodeError::Internal)?;
+    Ok((StatusCode::OK, encoded.headers, encoded.body).into_response())
+}
+
+/// Reads a request body, refusing (413) as soon as it passes `limit` bytes.
+async fn read_limited(body: Body, limit: usize) -> Result<bytes::Bytes, NodeError> {
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<LengthLimitError>() => Err(meshnet_wire::WireError::BodyTooLarge {
+            body_bytes: limit as u64 + 1,
+            limit,
+        }
+        .into()),
+        Err(e) => Err(NodeError::BodyRead(e.to_string())),
+    }
+}

@@ -1,0 +1,49 @@
+//! The seam between the activation plane and whatever runs the layers.
+
+use meshnet_wire::{Activations, FrameMeta, LayerRange};
+
+/// Runs a contiguous span of transformer layers on one frame's activations.
+///
+/// The HTTP layer calls it from a blocking thread, never on the async workers, so an
+/// implementation may compute for as long as it needs. It must be safe to call from several
+/// threads at once (one call per in-flight request).
+pub trait SpanExecutor: Send + Sync + 'static {
+    /// The layers this peer can run right now, if any.
+    fn served_layers(&self) -> Option<LayerRange>;
+
+    /// Runs `meta.layers` over `input` for `meta.session`, whose tokens start at absolute position
+    /// `meta.position`, and returns the hidden states after the last of those layers.
+    fn forward(&self, meta: &FrameMeta, input: Activations) -> Result<Activations, ExecutorError>;
+}
+
+/// Why a span executor refused or failed a frame.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutorError {
+    /// The frame asks for layers this peer does not hold.
+    #[error("layers {requested} are not served here (serving {})", served.map_or_else(|| "nothing".to_owned(), |s| s.to_string()))]
+    LayersNotServed {
+        /// The layers the frame asked for.
+        requested: LayerRange,
+        /// The layers this peer holds, if any.
+        served: Option<LayerRange>,
+    },
+    /// The frame's position does not continue the session's KV cache.
+    #[error(
+        "session position conflict: the cache expects position {expected}, the frame starts at {got}"
+    )]
+    PositionConflict {
+        /// The next position the session's cache expects.
+        expected: u64,
+        /// The position the frame declared.
+        got: u64,
+    },
+    /// The frame's activations do not fit the model (for example a wrong hidden size).
+    #[error("activations do not fit the model: {0}")]
+    BadActivations(String),
+    /// The peer has no room for another session right now.
+    #[error("no capacity for another session; retry later")]
+    Overloaded,
+    /// The computation itself failed.
+    #[error("layer computation failed: {0}")]
+    Compute(String),
+}

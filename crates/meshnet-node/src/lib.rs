@@ -1,0 +1,29 @@
+//! The meshnet node: the HTTP activation plane and its client.
+//!
+//! [`ActivationPlane`] serves `POST /forward` (ADR-0008): it decodes a binary activation frame,
+//! hands it to a [`SpanExecutor`] on a blocking thread, forwards the result to the next hop named
+//! in the frame's route (ADR-0011), and answers with the final hidden states in the request's
+//! encoding. [`ForwardClient`] is the sending side. Errors map to HTTP status codes in one place,
+//! [`NodeError`]'s `IntoResponse`, with a JSON body `{"error":{"code","message"}}`.
+
+mod activation;
+mod client;
+mod error;
+mod executor;
+
+pub use activation::ActivationPlane;
+pub use client::{ClientError, DEFAULT_HOP_TIMEOUT, ForwardClient};
+pub use error::{ErrorBody, ErrorDetail, NodeError};
+pub use executor::{ExecutorError, SpanExecutor};
+
+/// Runs CPU-bound work (decoding, compression, layer compute) on tokio's blocking pool, off the
+/// async workers. A panic in `work` comes back as an error message.
+pub(crate) async fn blocking<T, F>(work: F) -> Result<T, String>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| format!("worker task failed: {e}"))
+}

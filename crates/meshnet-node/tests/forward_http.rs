@@ -1,0 +1,383 @@
+//! `POST /forward` through `oneshot` and against real servers on port 0.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::{Body, to_bytes};
+use axum::http::{Request, StatusCode};
+use half::bf16;
+use meshnet_node::{
+    ActivationPlane, ClientError, ErrorBody, ExecutorError, ForwardClient, SpanExecutor,
+};
+use meshnet_wire::header::{DTYPE, ENCODING, SHAPE, WIRE_VERSION_HEADER};
+use meshnet_wire::{
+    ActivationFrame, Activations, Encoding, FrameMeta, Hop, LayerRange, Limits, Route, Shape,
+};
+use tower::ServiceExt;
+use uuid::Uuid;
+
+/// A stand-in for real layers: every layer adds 1 to every value, and every call is recorded.
+struct AddOnePerLayer {
+    serves: LayerRange,
+    overloaded: bool,
+    calls: Mutex<Vec<(Uuid, u64, LayerRange)>>,
+}
+
+impl AddOnePerLayer {
+    fn new(start: u32, end: u32) -> Arc<Self> {
+        Arc::new(AddOnePerLayer {
+            serves: LayerRange::new(start, end).unwrap(),
+            overloaded: false,
+            calls: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+impl SpanExecutor for AddOnePerLayer {
+    fn served_layers(&self) -> Option<LayerRange> {
+        Some(self.serves)
+    }
+
+    fn forward(&self, meta: &FrameMeta, input: Activations) -> Result<Activations, ExecutorError> {
+        if self.overloaded {
+            return Err(ExecutorError::Overloaded);
+        }
+        self.calls
+            .lock()
+            .unwrap()
+            .push((meta.session, meta.position, meta.layers));
+        let add = meta.layers.len() as f32;
+        let (shape, values) = input.into_parts();
+        let values = values
+            .into_iter()
+            .map(|v| bf16::from_f32(v.to_f32() + add))
+            .collect();
+        Activations::new(shape, values).map_err(|e| ExecutorError::Compute(e.to_string()))
+    }
+}
+
+fn limits() -> Limits {
+    Limits {
+        max_frame_bytes: 1 << 20,
+    }
+}
+
+fn client() -> ForwardClient {
+    ForwardClient::new(limits(), Duration::from_secs(10))
+}
+
+fn plane(executor: Arc<dyn SpanExecutor>) -> ActivationPlane {
+    ActivationPlane::new(executor, limits(), client())
+}
+
+fn frame(layers: (u32, u32), route: Vec<Hop>, tokens: usize) -> ActivationFrame {
+    let shape = Shape::new(&[1, tokens, 8]).unwrap();
+    let values = (0..shape.elements())
+        .map(|i| bf16::from_f32((i % 50) as f32))
+        .collect();
+    ActivationFrame {
+        meta: FrameMeta {
+            session: Uuid::new_v4(),
+            chunk_index: 1,
+            chunk_total: 3,
+            position: 128,
+            layers: LayerRange::new(layers.0, layers.1).unwrap(),
+            route: Route::new(route).unwrap(),
+        },
+        activations: Activations::new(shape, values).unwrap(),
+    }
+}
+
+fn request(frame: &ActivationFrame, encoding: Encoding) -> Request<Body> {
+    let encoded = frame.encode(encoding);
+    let mut request = Request::post("/forward")
+        .body(Body::from(encoded.body))
+        .unwrap();
+    *request.headers_mut() = encoded.headers;
+    request
+}
+
+async fn error_of(response: axum::response::Response) -> ErrorBody {
+    let body = to_bytes(response.into_body(), 1 << 20).await.unwrap();
+    serde_json::from_slice(&body).unwrap_or_else(|e| panic!("not an error body ({e}): {body:?}"))
+}
+
+fn shifted(frame: &ActivationFrame, by: f32) -> Vec<bf16> {
+    frame
+        .activations
+        .values()
+        .iter()
+        .map(|v| bf16::from_f32(v.to_f32() + by))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_valid_frame_runs_the_span_and_answers_in_kind() {
+    for encoding in [Encoding::Raw, Encoding::Zstd] {
+        let executor = AddOnePerLayer::new(0, 10);
+        let app = plane(executor.clone()).router();
+        let sent = frame((2, 7), vec![], 4);
+        let response = app.oneshot(request(&sent, encoding)).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(
+            response
+                .headers()
+                .get(ENCODING)
+                .map(|v| v.to_str().unwrap()),
+            encoding.header_value()
+        );
+        let headers = response.headers().clone();
+        let body = to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let answer = ActivationFrame::decode(&headers, &body, &limits()).unwrap();
+        assert_eq!(answer.meta.session, sent.meta.session);
+        assert_eq!(answer.meta.position, 128);
+        assert_eq!(answer.meta.layers, LayerRange::new(2, 7).unwrap());
+        assert_eq!(answer.activations.values(), shifted(&sent, 5.0).as_slice());
+        assert_eq!(
+            *executor.calls.lock().unwrap(),
+            vec![(sent.meta.session, 128, LayerRange::new(2, 7).unwrap())]
+        );
+    }
+}
+
+#[tokio::test]
+async fn malformed_requests_get_their_status_and_a_json_reason() {
+    type Breaker = Box<dyn Fn(&mut Request<Body>)>;
+    let set = |name: &'static str, value: &'static str| -> Breaker {
+        Box::new(move |r: &mut Request<Body>| {
+            r.headers_mut().insert(name, value.parse().unwrap());
+        })
+    };
+    let body = |bytes: Vec<u8>| -> Breaker {
+        Box::new(move |r: &mut Request<Body>| *r.body_mut() = Body::from(bytes.clone()))
+    };
+    let cases: Vec<(&str, Encoding, Breaker, StatusCode, &str)> = vec![
+        (
+            "wrong version",
+            Encoding::Raw,
+            set(WIRE_VERSION_HEADER, "7"),
+            StatusCode::BAD_REQUEST,
+            "wire_version_mismatch",
+        ),
+        (
+            "bad shape",
+            Encoding::Raw,
+            set(SHAPE, "1,x,8"),
+            StatusCode::BAD_REQUEST,
+            "invalid_shape",
+        ),
+        (
+            "zero dim",
+            Encoding::Raw,
+            set(SHAPE, "1,0,8"),
+            StatusCode::BAD_REQUEST,
+            "invalid_shape",
+        ),
+        (
+            "huge shape",
+            Encoding::Raw,
+            set(SHAPE, "1000000,1000000"),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "frame_too_large",
+        ),
+        (
+            "overflowing shape",
+            Encoding::Raw,
+            set(SHAPE, "99999999999,99999999999,99999999999"),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "frame_too_large",
+        ),
+        (
+            "body too large",
+            Encoding::Raw,
+            body(vec![0; 2 << 20]),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "body_too_large",
+        ),
+        (
+            "unknown encoding",
+            Encoding::Raw,
+            set(ENCODING, "br"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_encoding",
+        ),
+        (
+            "unknown dtype",
+            Encoding::Raw,
+            set(DTYPE, "float32"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_dtype",
+        ),
+        (
+            "json content type",
+            Encoding::Raw,
+            set("content-type", "application/json"),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "unsupported_content_type",
+        ),
+        (
+            "short body",
+            Encoding::Raw,
+            body(vec![0; 10]),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "length_mismatch",
+        ),
+        (
+            "zstd past the shape",
+            Encoding::Zstd,
+            body(zstd::bulk::compress(&[0u8; 4096], 1).unwrap()),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "decompressed_too_large",
+        ),
+        (
+            "corrupt zstd",
+            Encoding::Zstd,
+            body(vec![0x28, 0xb5, 0x2f, 0xfd, 1, 2, 3]),
+            StatusCode::BAD_REQUEST,
+            "corrupt_compression",
+        ),
+        (
+            "layers not served",
+            Encoding::Raw,
+            set("x-meshnet-layers", "5-15"),
+            StatusCode::CONFLICT,
+            "layers_not_served",
+        ),
+    ];
+    let app = plane(AddOnePerLayer::new(0, 10)).router();
+    for (name, encoding, breaker, status, code) in cases {
+        let mut req = request(&frame((0, 10), vec![], 4), encoding);
+        breaker(&mut req);
+        let response = app.clone().oneshot(req).await.unwrap();
+        assert_eq!(response.status(), status, "{name}");
+        assert_eq!(
+            response.headers()[WIRE_VERSION_HEADER],
+            "1",
+            "{name}: every answer names our wire version"
+        );
+        let error = error_of(response).await;
+        assert_eq!(error.error.code, code, "{name}: {}", error.error.message);
+        assert!(!error.error.message.is_empty());
+    }
+}
+
+#[tokio::test]
+async fn an_overloaded_peer_answers_503_with_retry_after() {
+    let executor = Arc::new(AddOnePerLayer {
+        serves: LayerRange::new(0, 10).unwrap(),
+        overloaded: true,
+        calls: Mutex::new(Vec::new()),
+    });
+    let response = plane(executor)
+        .router()
+        .oneshot(request(&frame((0, 10), vec![], 2), Encoding::Raw))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(response.headers().contains_key("retry-after"));
+    assert_eq!(error_of(response).await.error.code, "overloaded");
+}
+
+/// Starts a peer on a free loopback port and returns its base URL.
+async fn serve(executor: Arc<dyn SpanExecutor>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = plane(executor).router();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+#[tokio::test]
+async fn a_frame_travels_the_whole_route_and_back() {
+    let a = AddOnePerLayer::new(0, 10);
+    let b = AddOnePerLayer::new(10, 20);
+    let c = AddOnePerLayer::new(18, 30);
+    let (url_a, url_b, url_c) = (
+        serve(a.clone()).await,
+        serve(b.clone()).await,
+        serve(c.clone()).await,
+    );
+    for encoding in [Encoding::Raw, Encoding::Zstd] {
+        let route = vec![
+            Hop::new(LayerRange::new(10, 20).unwrap(), url_b.clone()).unwrap(),
+            Hop::new(LayerRange::new(20, 30).unwrap(), url_c.clone()).unwrap(),
+        ];
+        let sent = frame((0, 10), route, 130);
+        let answer = client()
+            .forward(&url_a, sent.clone(), encoding)
+            .await
+            .unwrap();
+        assert_eq!(answer.meta.layers, LayerRange::new(0, 30).unwrap());
+        assert!(answer.meta.route.is_empty());
+        assert_eq!(answer.activations.values(), shifted(&sent, 30.0).as_slice());
+        // Peer c holds 18..30 but the route asked it for 20..30 only.
+        let last = c.calls.lock().unwrap().last().copied().unwrap();
+        assert_eq!(
+            last,
+            (sent.meta.session, 128, LayerRange::new(20, 30).unwrap())
+        );
+    }
+    assert_eq!(a.calls.lock().unwrap().len(), 2);
+    assert_eq!(b.calls.lock().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn failures_down_the_route_come_back_as_502_with_the_reason() {
+    // A port that nothing listens on.
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", listener.local_addr().unwrap())
+    };
+    let wrong_span = serve(AddOnePerLayer::new(40, 50)).await;
+    let entry = serve(AddOnePerLayer::new(0, 10)).await;
+    let cases = [
+        (closed, "next_hop_unreachable", "unreachable"),
+        (wrong_span, "next_hop_rejected", "layers_not_served"),
+    ];
+    for (next, code, needle) in cases {
+        let route = vec![Hop::new(LayerRange::new(10, 20).unwrap(), next).unwrap()];
+        let err = client()
+            .forward(&entry, frame((0, 10), route, 2), Encoding::Zstd)
+            .await
+            .unwrap_err();
+        match err {
+            ClientError::Rejected {
+                status,
+                code: got,
+                message,
+                peer_wire_version,
+                ..
+            } => {
+                assert_eq!(status, 502);
+                assert_eq!(got, code);
+                assert!(message.contains(needle), "{message}");
+                assert_eq!(peer_wire_version.as_deref(), Some("1"));
+            }
+            other => panic!("expected a rejection, got {other}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_client_reports_a_dead_peer_and_a_bad_endpoint() {
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", listener.local_addr().unwrap())
+    };
+    let err = client()
+        .forward(&closed, frame((0, 1), vec![], 1), Encoding::Raw)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::Unreachable { .. }), "{err}");
+    let err = client()
+        .forward(
+            "peer-without-scheme",
+            frame((0, 1), vec![], 1),
+            Encoding::Raw,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::InvalidEndpoint { .. }), "{err}");
+}
