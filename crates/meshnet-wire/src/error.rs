@@ -150,6 +150,7 @@ pub enum WireError {
         got: usize,
     },
     /// A candle tensor could not be converted.
+    #[cfg(feature = "candle")]
     #[error("tensor conversion failed: {0}")]
     Tensor(#[from] candle_core::Error),
 }
@@ -190,9 +191,9 @@ impl WireError {
             WireError::LengthMismatch { .. } | WireError::DecompressedTooLarge { .. } => {
                 ErrorClass::LengthMismatch
             }
-            WireError::Reassembly { .. }
-            | WireError::ElementCount { .. }
-            | WireError::Tensor(_) => ErrorClass::Internal,
+            WireError::Reassembly { .. } | WireError::ElementCount { .. } => ErrorClass::Internal,
+            #[cfg(feature = "candle")]
+            WireError::Tensor(_) => ErrorClass::Internal,
         }
     }
 
@@ -214,6 +215,7 @@ impl WireError {
             WireError::ChunkOutOfRange { .. } => "chunk_out_of_range",
             WireError::Reassembly { .. } => "reassembly_failed",
             WireError::ElementCount { .. } => "element_count_mismatch",
+            #[cfg(feature = "candle")]
             WireError::Tensor(_) => "tensor_conversion_failed",
         }
     }

@@ -33,6 +33,7 @@ mod error;
 mod frame;
 pub mod header;
 mod shape;
+#[cfg(feature = "candle")]
 mod tensor;
 
 pub use activations::{Activations, bf16_from_le_bytes, bf16_to_le_bytes, write_le_bytes};

@@ -1,0 +1,422 @@
+//! `meshnet-sim`: replays a churn trace against the planner and, in the same
+//! run, against a Petals-like greedy baseline, and reports availability,
+//! redundancy, reload cost and planning time for both.
+
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use meshnet_planner::baseline::GreedyBaseline;
+use meshnet_planner::scenario::{self, MeshProfile};
+use meshnet_planner::{
+    CoverageMap, Directive, LayerSpan, ModelShape, PeerCapacity, PeerId, Planner, PlannerConfig,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+/// Model shapes the simulator knows.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ModelChoice {
+    /// Llama 3 70B (80 layers).
+    Llama70b,
+    /// SmolLM2-135M (30 layers).
+    Smollm2_135m,
+}
+
+/// Simulate shard planning under churn.
+#[derive(Debug, Parser)]
+#[command(name = "meshnet-sim", version)]
+struct Args {
+    /// Number of volunteer peers at the start (the tracker comes on top).
+    #[arg(long, default_value_t = 1000)]
+    peers: usize,
+    /// Number of layers; defaults to the model's own (per-layer sizes are kept).
+    #[arg(long)]
+    layers: Option<u32>,
+    /// Model whose layer sizes are simulated.
+    #[arg(long, value_enum, default_value = "llama70b")]
+    model: ModelChoice,
+    /// Number of churn events to replay.
+    #[arg(long, default_value_t = 500)]
+    steps: usize,
+    /// Seed of the mesh and of the churn trace.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Relative weight of joins in the churn trace.
+    #[arg(long, default_value_t = 0.5)]
+    join_rate: f64,
+    /// Relative weight of clean leaves in the churn trace.
+    #[arg(long, default_value_t = 0.25)]
+    leave_rate: f64,
+    /// Relative weight of crashes in the churn trace.
+    #[arg(long, default_value_t = 0.25)]
+    crash_rate: f64,
+    /// Fraction of volunteers that are CPU-only.
+    #[arg(long, default_value_t = 0.2)]
+    cpu_fraction: f64,
+    /// Tracker device memory in GiB (its span `[0..k)` is as long as this allows).
+    #[arg(long, default_value_t = 12)]
+    tracker_gib: u64,
+    /// Fix the tracker's span to `[0..k)` instead of sizing it by its memory.
+    #[arg(long)]
+    tracker_layers: Option<u32>,
+    /// Planner hysteresis (fraction of the weakest layer's throughput).
+    #[arg(long, default_value_t = 0.2)]
+    hysteresis: f64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    Join,
+    Leave,
+    Crash,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct Summary {
+    mean: f64,
+    max: f64,
+}
+
+#[derive(Debug, Default, Serialize)]
+struct Percentiles {
+    p50: f64,
+    max: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct StrategyReport {
+    /// Fraction of churn steps during which every layer had a holder.
+    availability: f64,
+    /// Fewest holders of any volunteer-served layer `[k, L)` after any step.
+    min_redundancy: u32,
+    directives_per_event: Summary,
+    bytes_loaded_per_event: Summary,
+    plan_time_ms: Percentiles,
+    initial_plan_ms: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct EventCounts {
+    joins: usize,
+    leaves: usize,
+    crashes: usize,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    model: String,
+    peers: usize,
+    layers: u32,
+    tracker_layers: u32,
+    steps: usize,
+    seed: u64,
+    events: EventCounts,
+    planner: StrategyReport,
+    baseline: StrategyReport,
+}
+
+/// Per-strategy accumulators.
+#[derive(Debug, Default)]
+struct Tally {
+    available_steps: usize,
+    min_redundancy: Option<u32>,
+    directives: Vec<f64>,
+    bytes: Vec<f64>,
+    times_ms: Vec<f64>,
+    initial_ms: f64,
+}
+
+impl Tally {
+    fn record(
+        &mut self,
+        model: &ModelShape,
+        available: bool,
+        directives: &[Directive],
+        redundancy: u32,
+        ms: f64,
+    ) {
+        if available {
+            self.available_steps += 1;
+        }
+        self.min_redundancy = Some(
+            self.min_redundancy
+                .map_or(redundancy, |m| m.min(redundancy)),
+        );
+        self.directives.push(directives.len() as f64);
+        self.bytes.push(
+            directives
+                .iter()
+                .map(|d| d.bytes_loaded(model))
+                .sum::<u64>() as f64,
+        );
+        self.times_ms.push(ms);
+    }
+
+    fn report(mut self, steps: usize) -> StrategyReport {
+        let summary = |values: &[f64]| Summary {
+            mean: if values.is_empty() {
+                0.0
+            } else {
+                values.iter().sum::<f64>() / values.len() as f64
+            },
+            max: values.iter().copied().fold(0.0, f64::max),
+        };
+        self.times_ms.sort_by(f64::total_cmp);
+        StrategyReport {
+            availability: if steps == 0 {
+                1.0
+            } else {
+                self.available_steps as f64 / steps as f64
+            },
+            min_redundancy: self.min_redundancy.unwrap_or(0),
+            directives_per_event: summary(&self.directives),
+            bytes_loaded_per_event: summary(&self.bytes),
+            plan_time_ms: Percentiles {
+                p50: self
+                    .times_ms
+                    .get(self.times_ms.len() / 2)
+                    .copied()
+                    .unwrap_or(0.0),
+                max: self.times_ms.last().copied().unwrap_or(0.0),
+            },
+            initial_plan_ms: self.initial_ms,
+        }
+    }
+}
+
+fn elapsed_ms(start: Instant) -> f64 {
+    start.elapsed().as_secs_f64() * 1000.0
+}
+
+fn pick_event(rng: &mut StdRng, args: &Args) -> Event {
+    let weights = [
+        args.join_rate.max(0.0),
+        args.leave_rate.max(0.0),
+        args.crash_rate.max(0.0),
+    ];
+    let total: f64 = weights.iter().sum();
+    if total <= 0.0 {
+        return Event::Join;
+    }
+    let draw = rng.random_range(0.0..total);
+    if draw < weights[0] {
+        Event::Join
+    } else if draw < weights[0] + weights[1] {
+        Event::Leave
+    } else {
+        Event::Crash
+    }
+}
+
+fn min_over(counts: &[u32], range: LayerSpan) -> u32 {
+    counts
+        .get(range.start as usize..range.end as usize)
+        .and_then(|slice| slice.iter().copied().min())
+        .unwrap_or(0)
+}
+
+fn run(args: &Args) -> Result<Report, String> {
+    let mut model = match args.model {
+        ModelChoice::Llama70b => ModelShape::llama_70b(),
+        ModelChoice::Smollm2_135m => ModelShape::smollm2_135m(),
+    };
+    if let Some(layers) = args.layers {
+        if layers == 0 {
+            return Err("--layers must be at least 1".into());
+        }
+        model.num_layers = layers;
+    }
+    let profile = MeshProfile {
+        cpu_fraction: args.cpu_fraction,
+        tracker_gib: args.tracker_gib,
+    };
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let mut peers: Vec<PeerCapacity> = scenario::mesh(&mut rng, args.peers, &profile);
+    let mut next_id = args.peers;
+    let planner = Planner::new(
+        model.clone(),
+        PlannerConfig {
+            hysteresis: args.hysteresis,
+            tracker_layers: args.tracker_layers,
+            ..PlannerConfig::default()
+        },
+    );
+
+    // Initial placement.
+    let mut ours = Tally::default();
+    let start = Instant::now();
+    let initial = planner
+        .plan(&CoverageMap::empty(0), &peers)
+        .map_err(|e| e.to_string())?;
+    ours.initial_ms = elapsed_ms(start);
+    let tracker_layers = initial.tracker_layers;
+    // Redundancy is measured where volunteers serve; if the tracker holds the
+    // whole model, over all layers.
+    let volunteer_layers = if tracker_layers < model.num_layers {
+        LayerSpan::new(tracker_layers, model.num_layers)
+    } else {
+        LayerSpan::new(0, model.num_layers)
+    };
+    let mut map = initial.map;
+    map.mark_all_ready();
+
+    let mut theirs = Tally::default();
+    let start = Instant::now();
+    let mut baseline = GreedyBaseline::new(&model, tracker_layers, peers[0].throughput);
+    for peer in peers.iter().filter(|p| !p.is_tracker) {
+        baseline.join(&model, peer);
+    }
+    baseline.rebalance();
+    theirs.initial_ms = elapsed_ms(start);
+
+    let mut counts = EventCounts {
+        joins: 0,
+        leaves: 0,
+        crashes: 0,
+    };
+    for _ in 0..args.steps {
+        let volunteers = peers.len() - 1;
+        let event = match pick_event(&mut rng, args) {
+            Event::Leave | Event::Crash if volunteers == 0 => Event::Join,
+            event => event,
+        };
+        match event {
+            Event::Join => {
+                counts.joins += 1;
+                let peer = scenario::volunteer(&mut rng, scenario::volunteer_id(next_id), &profile);
+                next_id += 1;
+                peers.push(peer.clone());
+
+                let start = Instant::now();
+                let plan = planner.plan(&map, &peers).map_err(|e| e.to_string())?;
+                let ms = elapsed_ms(start);
+                let available =
+                    map.uncovered(model.num_layers).is_empty() && plan.report.is_complete();
+                let redundancy = plan.report.min_redundancy(volunteer_layers);
+                ours.record(&model, available, &plan.directives, redundancy, ms);
+                map = plan.map;
+                map.mark_all_ready();
+
+                let before = baseline.is_complete();
+                let start = Instant::now();
+                let mut directives = baseline.join(&model, &peer);
+                directives.extend(baseline.rebalance());
+                let ms = elapsed_ms(start);
+                let available = before && baseline.is_complete();
+                let redundancy = min_over(baseline.holders_per_layer(), volunteer_layers);
+                theirs.record(&model, available, &directives, redundancy, ms);
+            }
+            Event::Leave | Event::Crash => {
+                let crashed = event == Event::Crash;
+                if crashed {
+                    counts.crashes += 1;
+                } else {
+                    counts.leaves += 1;
+                }
+                let index = rng.random_range(1..peers.len());
+                let gone: PeerId = peers.swap_remove(index).peer;
+
+                // A crashed peer stops serving at once; a leaving one keeps
+                // serving until the tracker's replacement plan has loaded.
+                if crashed {
+                    map.remove_peer(&gone);
+                }
+                let served_before = map.uncovered(model.num_layers).is_empty();
+                let start = Instant::now();
+                let plan = planner.plan(&map, &peers).map_err(|e| e.to_string())?;
+                let ms = elapsed_ms(start);
+                let available = served_before && plan.report.is_complete();
+                let redundancy = plan.report.min_redundancy(volunteer_layers);
+                ours.record(&model, available, &plan.directives, redundancy, ms);
+                map = plan.map;
+                map.mark_all_ready();
+
+                // Petals-like servers announce nothing useful: the layers are
+                // gone until some server decides to move there.
+                baseline.remove(&gone);
+                let served_before = baseline.is_complete();
+                let start = Instant::now();
+                let directives = baseline.rebalance();
+                let ms = elapsed_ms(start);
+                let available = served_before && baseline.is_complete();
+                let redundancy = min_over(baseline.holders_per_layer(), volunteer_layers);
+                theirs.record(&model, available, &directives, redundancy, ms);
+            }
+        }
+    }
+
+    Ok(Report {
+        model: model.name.clone(),
+        peers: args.peers,
+        layers: model.num_layers,
+        tracker_layers,
+        steps: args.steps,
+        seed: args.seed,
+        events: counts,
+        planner: ours.report(args.steps),
+        baseline: theirs.report(args.steps),
+    })
+}
+
+fn print_table(report: &Report) {
+    println!(
+        "{} | {} peers | {} layers (tracker holds {}) | {} events ({} joins, {} leaves, {} crashes), seed {}",
+        report.model,
+        report.peers,
+        report.layers,
+        report.tracker_layers,
+        report.steps,
+        report.events.joins,
+        report.events.leaves,
+        report.events.crashes,
+        report.seed
+    );
+    println!(
+        "{:<10} {:>12} {:>9} {:>14} {:>14} {:>16} {:>16} {:>9} {:>9}",
+        "strategy",
+        "availability",
+        "min red.",
+        "directives/ev",
+        "max dir./ev",
+        "GB loaded/ev",
+        "max GB/ev",
+        "p50 ms",
+        "max ms"
+    );
+    for (name, strategy) in [("planner", &report.planner), ("baseline", &report.baseline)] {
+        println!(
+            "{:<10} {:>12.4} {:>9} {:>14.2} {:>14.0} {:>16.3} {:>16.3} {:>9.3} {:>9.3}",
+            name,
+            strategy.availability,
+            strategy.min_redundancy,
+            strategy.directives_per_event.mean,
+            strategy.directives_per_event.max,
+            strategy.bytes_loaded_per_event.mean / 1e9,
+            strategy.bytes_loaded_per_event.max / 1e9,
+            strategy.plan_time_ms.p50,
+            strategy.plan_time_ms.max
+        );
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(report) if args.json => match serde_json::to_string_pretty(&report) {
+            Ok(json) => println!("{json}"),
+            Err(error) => {
+                eprintln!("meshnet-sim: cannot encode the report: {error}");
+                std::process::exit(1);
+            }
+        },
+        Ok(report) => print_table(&report),
+        Err(error) => {
+            eprintln!("meshnet-sim: {error}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,1090 @@
+//! The coverage-first, memory-aware planner.
+//!
+//! See the crate documentation for the phases; every phase works on two
+//! per-layer arrays (holder count and summed throughput), so a plan costs
+//! roughly `O(peers × layers)` in the worst case and far less on a steady mesh.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::PlanError;
+use crate::model::{ModelShape, Quantization};
+use crate::types::{
+    CoverageMap, Directive, LayerSpan, PeerCapacity, PeerId, PeerState, ShardHolding, spans_where,
+};
+
+/// Tunable knobs of the planner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlannerConfig {
+    /// Fixed size `k` of the tracker's span `[0..k)`; `None` means as many
+    /// layers as the tracker's memory allows.
+    pub tracker_layers: Option<u32>,
+    /// Minimum gain, as a fraction of the weakest layer's throughput, that a
+    /// rebalancing move must bring before the planner moves a healthy peer.
+    pub hysteresis: f64,
+    /// Upper bound on rebalancing moves per plan (gap repairs are not limited).
+    pub max_rebalance_moves: u32,
+}
+
+impl Default for PlannerConfig {
+    fn default() -> Self {
+        PlannerConfig {
+            tracker_layers: None,
+            hysteresis: 0.2,
+            max_rebalance_moves: 64,
+        }
+    }
+}
+
+/// How well the planned mesh covers the model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CoverageReport {
+    /// Maximal runs of layers nobody holds after the plan.
+    pub uncovered: Vec<LayerSpan>,
+    /// Extra memory, in bytes, that would cover the uncovered layers: one more
+    /// peer running the cheapest quantization with the smallest KV reservation
+    /// seen in the mesh. Zero when everything is covered.
+    pub missing_memory_bytes: u64,
+    /// Number of holders of every layer.
+    pub holders_per_layer: Vec<u32>,
+    /// Summed throughput (tokens/s) of the holders of every layer.
+    pub throughput_per_layer: Vec<f64>,
+}
+
+impl CoverageReport {
+    /// Whether every layer has at least one holder.
+    pub fn is_complete(&self) -> bool {
+        self.uncovered.is_empty()
+    }
+
+    /// The smallest number of holders of any layer in `layers`.
+    pub fn min_redundancy(&self, layers: LayerSpan) -> u32 {
+        self.holders_per_layer
+            .get(layers.start as usize..layers.end as usize)
+            .and_then(|counts| counts.iter().copied().min())
+            .unwrap_or(0)
+    }
+}
+
+/// The outcome of one planning round.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Number of layers `k` of the tracker's span `[0..k)`.
+    pub tracker_layers: u32,
+    /// Directives to publish, grouped by peer id; each peer's drops come first.
+    pub directives: Vec<Directive>,
+    /// The coverage map once the directives are applied (new layers `Loading`).
+    /// Its epoch is the input epoch plus one if there are directives.
+    pub map: CoverageMap,
+    /// Coverage and redundancy of the planned mesh.
+    pub report: CoverageReport,
+}
+
+/// Plans shard placement for one model.
+#[derive(Debug, Clone)]
+pub struct Planner {
+    model: ModelShape,
+    config: PlannerConfig,
+}
+
+/// Scale from tokens/s to the integer units used internally, so that the
+/// arithmetic is exact and replanning the same mesh reaches the same result.
+pub(crate) const THROUGHPUT_SCALE: f64 = 1000.0;
+
+const QUANTIZATION_COUNT: usize = Quantization::ALL.len();
+
+fn quantization_index(quantization: Quantization) -> usize {
+    quantization as usize
+}
+
+/// A held span in the current map, split into segments of uniform state.
+#[derive(Debug, Clone)]
+struct Holding {
+    span: LayerSpan,
+    quantization: Quantization,
+    segments: Vec<(LayerSpan, PeerState)>,
+}
+
+/// Working state for one live peer.
+#[derive(Debug, Clone)]
+struct Candidate {
+    /// Index into the caller's capacity slice.
+    input_index: usize,
+    throughput: u64,
+    is_tracker: bool,
+    /// Longest span per quantization (0 when unusable), capped to the range it may hold.
+    reach_by_quantization: [u32; QUANTIZATION_COUNT],
+    /// Longest span at any quantization.
+    reach: u32,
+    /// What the peer holds now (the run kept from the map).
+    old: Option<Holding>,
+    /// Other runs in the map that the peer must drop.
+    stray: Vec<LayerSpan>,
+    /// What the peer holds in the plan being built.
+    planned: Option<(LayerSpan, Quantization)>,
+}
+
+impl Candidate {
+    fn best_quantization_for(&self, layers: u32) -> Option<Quantization> {
+        Quantization::ALL
+            .iter()
+            .rev()
+            .copied()
+            .find(|&q| layers > 0 && self.reach_by_quantization[quantization_index(q)] >= layers)
+    }
+
+    fn reach_at(&self, quantization: Quantization) -> u32 {
+        self.reach_by_quantization[quantization_index(quantization)]
+    }
+}
+
+/// Per-layer holder counts and summed throughput.
+#[derive(Debug, Clone)]
+struct LayerLoad {
+    count: Vec<u32>,
+    throughput: Vec<u64>,
+}
+
+impl LayerLoad {
+    fn new(num_layers: u32) -> Self {
+        LayerLoad {
+            count: vec![0; num_layers as usize],
+            throughput: vec![0; num_layers as usize],
+        }
+    }
+
+    fn add(&mut self, span: LayerSpan, throughput: u64) {
+        for layer in span.start as usize..span.end as usize {
+            self.count[layer] += 1;
+            self.throughput[layer] += throughput;
+        }
+    }
+
+    fn remove(&mut self, span: LayerSpan, throughput: u64) {
+        for layer in span.start as usize..span.end as usize {
+            self.count[layer] -= 1;
+            self.throughput[layer] -= throughput;
+        }
+    }
+}
+
+impl Planner {
+    /// A planner for `model` with `config`.
+    pub fn new(model: ModelShape, config: PlannerConfig) -> Self {
+        Planner { model, config }
+    }
+
+    /// The model this planner places.
+    pub fn model(&self) -> &ModelShape {
+        &self.model
+    }
+
+    /// The planner's configuration.
+    pub fn config(&self) -> &PlannerConfig {
+        &self.config
+    }
+
+    /// Plans placement from the current `map` and the live `peers`.
+    ///
+    /// Holders in `map` that are missing from `peers` are treated as departed.
+    /// The result depends only on the inputs, not on the order of `peers`.
+    pub fn plan(&self, map: &CoverageMap, peers: &[PeerCapacity]) -> Result<Plan, PlanError> {
+        self.model.validate()?;
+        if !self.config.hysteresis.is_finite() || self.config.hysteresis < 0.0 {
+            return Err(PlanError::InvalidConfig(
+                "hysteresis must be a finite, non-negative fraction".into(),
+            ));
+        }
+        let mut round = Round::new(self, map, peers)?;
+        round.retain_current_spans();
+        round.fill_gaps();
+        if round.has_gap() && round.cover_is_possible() {
+            round.retile_from_scratch();
+        }
+        round.place_free_peers();
+        round.rebalance();
+        Ok(round.finish(map))
+    }
+}
+
+/// One planning round over sorted candidates.
+struct Round<'a> {
+    model: &'a ModelShape,
+    config: &'a PlannerConfig,
+    peers: &'a [PeerCapacity],
+    num_layers: u32,
+    tracker_layers: u32,
+    /// Candidates sorted by peer id.
+    candidates: Vec<Candidate>,
+    tracker: usize,
+    load: LayerLoad,
+    /// Free candidates keyed by (reach, position), for best-fit lookups.
+    free: BTreeSet<(u32, usize)>,
+}
+
+impl<'a> Round<'a> {
+    fn new(
+        planner: &'a Planner,
+        map: &CoverageMap,
+        peers: &'a [PeerCapacity],
+    ) -> Result<Self, PlanError> {
+        let model = &planner.model;
+        let num_layers = model.num_layers;
+        let mut order: Vec<usize> = (0..peers.len()).collect();
+        order.sort_unstable_by(|&a, &b| peers[a].peer.cmp(&peers[b].peer));
+        for pair in order.windows(2) {
+            if peers[pair[0]].peer == peers[pair[1]].peer {
+                return Err(PlanError::DuplicatePeer(peers[pair[0]].peer.clone()));
+            }
+        }
+        let mut tracker: Option<usize> = None;
+        for (position, &input_index) in order.iter().enumerate() {
+            let capacity = &peers[input_index];
+            if !capacity.throughput.is_finite() || capacity.throughput < 0.0 {
+                return Err(PlanError::InvalidThroughput(capacity.peer.clone()));
+            }
+            if capacity.is_tracker {
+                if let Some(first) = tracker {
+                    return Err(PlanError::MultipleTrackers {
+                        first: peers[order[first]].peer.clone(),
+                        second: capacity.peer.clone(),
+                    });
+                }
+                tracker = Some(position);
+            }
+        }
+        let tracker = tracker.ok_or(PlanError::NoTracker)?;
+        let tracker_capacity = &peers[order[tracker]];
+        let extra = model.tracker_extra_bytes();
+        if tracker_capacity.memory_bytes < extra {
+            return Err(PlanError::TrackerCannotHoldEmbeddings {
+                available: tracker_capacity.memory_bytes,
+                required: extra,
+            });
+        }
+        let tracker_max = Quantization::ALL
+            .iter()
+            .filter_map(|&q| tracker_capacity.max_layers(model, q))
+            .max()
+            .unwrap_or(0);
+        let tracker_layers = match planner.config.tracker_layers {
+            Some(requested) if requested > num_layers => {
+                return Err(PlanError::InvalidConfig(format!(
+                    "tracker_layers {requested} exceeds the model's {num_layers} layers"
+                )));
+            }
+            Some(requested) if requested > tracker_max => {
+                return Err(PlanError::TrackerSpanDoesNotFit {
+                    requested,
+                    max: tracker_max,
+                });
+            }
+            Some(requested) => requested,
+            None => tracker_max,
+        };
+        let volunteer_layers = num_layers - tracker_layers;
+
+        let mut candidates: Vec<Candidate> = order
+            .iter()
+            .enumerate()
+            .map(|(position, &input_index)| {
+                let capacity = &peers[input_index];
+                let cap = if position == tracker {
+                    num_layers
+                } else {
+                    volunteer_layers
+                };
+                let mut reach_by_quantization = [0u32; QUANTIZATION_COUNT];
+                for q in Quantization::ALL {
+                    reach_by_quantization[quantization_index(q)] =
+                        capacity.max_layers(model, q).unwrap_or(0).min(cap);
+                }
+                let reach = reach_by_quantization.iter().copied().max().unwrap_or(0);
+                Candidate {
+                    input_index,
+                    throughput: scale_throughput(capacity.throughput),
+                    is_tracker: position == tracker,
+                    reach_by_quantization,
+                    reach,
+                    old: None,
+                    stray: Vec::new(),
+                    planned: None,
+                }
+            })
+            .collect();
+
+        attach_current_holdings(&mut candidates, peers, map, num_layers);
+
+        Ok(Round {
+            model,
+            config: &planner.config,
+            peers,
+            num_layers,
+            tracker_layers,
+            candidates,
+            tracker,
+            load: LayerLoad::new(num_layers),
+            free: BTreeSet::new(),
+        })
+    }
+
+    fn volunteer_range(&self) -> LayerSpan {
+        LayerSpan::new(self.tracker_layers, self.num_layers)
+    }
+
+    fn assign(&mut self, position: usize, span: LayerSpan, quantization: Quantization) {
+        let candidate = &mut self.candidates[position];
+        if let Some((old_span, _)) = candidate.planned.take() {
+            self.load.remove(old_span, candidate.throughput);
+        }
+        candidate.planned = Some((span, quantization));
+        self.load.add(span, candidate.throughput);
+    }
+
+    fn unassign(&mut self, position: usize) {
+        let candidate = &mut self.candidates[position];
+        if let Some((span, _)) = candidate.planned.take() {
+            self.load.remove(span, candidate.throughput);
+        }
+    }
+
+    /// Phase 1: the tracker's span, then every current span that still fits
+    /// (shrunk in place when the peer's memory no longer allows all of it).
+    fn retain_current_spans(&mut self) {
+        let tracker = self.tracker;
+        if self.tracker_layers > 0 {
+            let quantization = self.candidates[tracker]
+                .best_quantization_for(self.tracker_layers)
+                .expect("the tracker's span length was derived from its own reach");
+            self.assign(
+                tracker,
+                LayerSpan::new(0, self.tracker_layers),
+                quantization,
+            );
+        }
+        let volunteer = self.volunteer_range();
+        let mut shrinking = Vec::new();
+        for position in 0..self.candidates.len() {
+            if position == tracker {
+                continue;
+            }
+            let candidate = &self.candidates[position];
+            let Some(old) = &candidate.old else {
+                self.free_up(position);
+                continue;
+            };
+            let reach = candidate.reach_at(old.quantization);
+            let span = old.span.intersection(&volunteer);
+            if reach == 0 || span.is_empty() {
+                self.free_up(position);
+            } else if span.len() > reach {
+                shrinking.push((position, span, old.quantization, reach));
+            } else {
+                self.assign(position, span, old.quantization);
+            }
+        }
+        // Shrunk peers keep the part of their span where the mesh is weakest.
+        for (position, span, quantization, reach) in shrinking {
+            let start = min_sum_window(&self.load.throughput, span, reach);
+            self.assign(position, LayerSpan::new(start, start + reach), quantization);
+        }
+    }
+
+    fn free_up(&mut self, position: usize) {
+        let candidate = &self.candidates[position];
+        if candidate.reach > 0 && !candidate.is_tracker {
+            self.free.insert((candidate.reach, position));
+        }
+    }
+
+    fn first_gap_from(&self, from: u32) -> Option<LayerSpan> {
+        let start = (from..self.num_layers).find(|&l| self.load.count[l as usize] == 0)?;
+        let end = (start..self.num_layers)
+            .find(|&l| self.load.count[l as usize] > 0)
+            .unwrap_or(self.num_layers);
+        Some(LayerSpan::new(start, end))
+    }
+
+    fn has_gap(&self) -> bool {
+        self.load.count.contains(&0)
+    }
+
+    /// Phase 2: close every gap, cheapest repair first: grow a span that can
+    /// reach the gap, else place a free peer, else move a fully redundant one.
+    fn fill_gaps(&mut self) {
+        loop {
+            let mut progressed = false;
+            let mut cursor = self.tracker_layers;
+            while let Some(gap) = self.first_gap_from(cursor) {
+                if self.grow_into(gap) || self.place_free_into(gap) || self.move_redundant_into(gap)
+                {
+                    progressed = true;
+                } else {
+                    cursor = gap.end;
+                }
+            }
+            if !progressed || !self.has_gap() {
+                break;
+            }
+        }
+    }
+
+    /// Grows the neighbouring span that covers most of `gap` for the fewest loads.
+    fn grow_into(&mut self, gap: LayerSpan) -> bool {
+        // (covered layers, loaded layers, position, new span)
+        let mut best: Option<(u32, u32, usize, LayerSpan)> = None;
+        for (position, candidate) in self.candidates.iter().enumerate() {
+            if candidate.is_tracker {
+                continue;
+            }
+            let Some((span, quantization)) = candidate.planned else {
+                continue;
+            };
+            let reach = candidate.reach_at(quantization);
+            let grown = if span.end <= gap.start && span.start + reach > gap.start {
+                LayerSpan::new(span.start, (span.start + reach).min(gap.end))
+            } else if span.start >= gap.end && span.end.saturating_sub(reach) < gap.end {
+                LayerSpan::new(span.end.saturating_sub(reach).max(gap.start), span.end)
+            } else {
+                continue;
+            };
+            let covered = gap.intersection(&grown).len();
+            let loaded = grown.len() - span.len();
+            let better = match best {
+                None => true,
+                Some((best_covered, best_loaded, _, _)) => {
+                    covered > best_covered || (covered == best_covered && loaded < best_loaded)
+                }
+            };
+            if better {
+                best = Some((covered, loaded, position, grown));
+            }
+        }
+        let Some((_, _, position, grown)) = best else {
+            return false;
+        };
+        let quantization = self.candidates[position]
+            .planned
+            .map(|(_, q)| q)
+            .expect("only planned candidates are grown");
+        self.assign(position, grown, quantization);
+        true
+    }
+
+    /// Places the free peer that best fits `gap` (smallest reach that closes it,
+    /// else the longest reach) at its full reach starting at the gap.
+    fn place_free_into(&mut self, gap: LayerSpan) -> bool {
+        let need = gap.len();
+        let chosen = self
+            .free
+            .range((need, 0)..)
+            .next()
+            .or_else(|| self.free.iter().next_back())
+            .copied();
+        let Some(key) = chosen else {
+            return false;
+        };
+        self.free.remove(&key);
+        self.place_at_full_reach(key.1, gap.start);
+        true
+    }
+
+    fn place_at_full_reach(&mut self, position: usize, from: u32) {
+        let reach = self.candidates[position].reach;
+        let span = if from + reach <= self.num_layers {
+            LayerSpan::new(from, from + reach)
+        } else {
+            LayerSpan::new(
+                self.num_layers
+                    .saturating_sub(reach)
+                    .max(self.tracker_layers),
+                self.num_layers,
+            )
+        };
+        let quantization = self.candidates[position]
+            .best_quantization_for(span.len())
+            .expect("a span no longer than the peer's reach fits some quantization");
+        self.assign(position, span, quantization);
+    }
+
+    /// Moves a peer whose every layer has another holder into `gap`.
+    fn move_redundant_into(&mut self, gap: LayerSpan) -> bool {
+        let need = gap.len();
+        // (closes the gap, weakest remaining throughput on its old span, position)
+        let mut best: Option<(bool, u64, usize)> = None;
+        for (position, candidate) in self.candidates.iter().enumerate() {
+            if candidate.is_tracker || candidate.reach == 0 {
+                continue;
+            }
+            let Some((span, _)) = candidate.planned else {
+                continue;
+            };
+            let layers = span.start as usize..span.end as usize;
+            if self.load.count[layers.clone()].iter().any(|&c| c < 2) {
+                continue;
+            }
+            let remaining = self.load.throughput[layers]
+                .iter()
+                .map(|&t| t - candidate.throughput)
+                .min()
+                .unwrap_or(0);
+            let key = (candidate.reach >= need, remaining, position);
+            let better = match best {
+                None => true,
+                Some((closes, weakest, _)) => (key.0, key.1) > (closes, weakest),
+            };
+            if better {
+                best = Some(key);
+            }
+        }
+        let Some((_, _, position)) = best else {
+            return false;
+        };
+        self.unassign(position);
+        self.place_at_full_reach(position, gap.start);
+        true
+    }
+
+    /// Whether the live peers could cover every layer if placed from scratch:
+    /// each volunteer span can be laid end to end after the tracker's.
+    fn cover_is_possible(&self) -> bool {
+        let needed = u64::from(self.num_layers - self.tracker_layers);
+        let offered: u64 = self
+            .candidates
+            .iter()
+            .filter(|c| !c.is_tracker)
+            .map(|c| u64::from(c.reach))
+            .sum();
+        offered >= needed
+    }
+
+    /// Fallback when repairs in place cannot close the gaps but a cover exists:
+    /// lay volunteer spans end to end, longest reach first.
+    fn retile_from_scratch(&mut self) {
+        let volunteers: Vec<usize> = (0..self.candidates.len())
+            .filter(|&p| p != self.tracker)
+            .collect();
+        for &position in &volunteers {
+            self.unassign(position);
+        }
+        let mut order: Vec<usize> = volunteers
+            .into_iter()
+            .filter(|&p| self.candidates[p].reach > 0)
+            .collect();
+        order.sort_by_key(|&p| (std::cmp::Reverse(self.candidates[p].reach), p));
+        self.free.clear();
+        let mut next = self.tracker_layers;
+        for position in order {
+            if next < self.num_layers {
+                self.place_at_full_reach(position, next);
+                next = self.candidates[position]
+                    .planned
+                    .map_or(next, |(span, _)| span.end);
+            } else {
+                self.free
+                    .insert((self.candidates[position].reach, position));
+            }
+        }
+    }
+
+    /// Phase 3: peers still free take the window with the least throughput behind it.
+    fn place_free_peers(&mut self) {
+        let volunteer = self.volunteer_range();
+        if volunteer.is_empty() {
+            return;
+        }
+        let mut order: Vec<usize> = self.free.iter().map(|&(_, p)| p).collect();
+        order.sort_by_key(|&p| {
+            let c = &self.candidates[p];
+            (
+                std::cmp::Reverse(c.reach),
+                std::cmp::Reverse(c.throughput),
+                p,
+            )
+        });
+        self.free.clear();
+        for position in order {
+            let reach = self.candidates[position].reach;
+            let start = min_sum_window(&self.load.throughput, volunteer, reach);
+            let span = LayerSpan::new(start, start + reach);
+            let quantization = self.candidates[position]
+                .best_quantization_for(reach)
+                .expect("the peer's own reach fits some quantization");
+            self.assign(position, span, quantization);
+        }
+    }
+
+    /// Phase 4: move or grow a span only while that raises the weakest
+    /// volunteer layer's throughput by more than the hysteresis.
+    fn rebalance(&mut self) {
+        let volunteer = self.volunteer_range();
+        if volunteer.is_empty() || self.has_gap() || self.config.max_rebalance_moves == 0 {
+            return;
+        }
+        // Strongest peers first: a move can lift the weakest layer by at most
+        // the mover's own throughput, which lets the search stop early.
+        let mut order: Vec<usize> = (0..self.candidates.len())
+            .filter(|&p| !self.candidates[p].is_tracker && self.candidates[p].reach > 0)
+            .collect();
+        order.sort_by_key(|&p| (std::cmp::Reverse(self.candidates[p].throughput), p));
+        let mut scratch = WindowScratch::default();
+        for _ in 0..self.config.max_rebalance_moves {
+            let found = self
+                .best_rebalance_change(volunteer, &order, true, &mut scratch)
+                .or_else(|| self.best_rebalance_change(volunteer, &order, false, &mut scratch));
+            match found {
+                Some((position, span, quantization)) => self.assign(position, span, quantization),
+                None => break,
+            }
+        }
+    }
+
+    /// The best single grow (`grow == true`) or move that lifts the weakest
+    /// volunteer layer above the hysteresis threshold.
+    fn best_rebalance_change(
+        &self,
+        volunteer: LayerSpan,
+        order: &[usize],
+        grow: bool,
+        scratch: &mut WindowScratch,
+    ) -> Option<(usize, LayerSpan, Quantization)> {
+        let base = volunteer.start as usize;
+        let layers = &self.load.throughput[base..volunteer.end as usize];
+        let weakest = layers.iter().copied().min()?;
+        let required = weakest as f64 * (1.0 + self.config.hysteresis);
+        let weak_first = layers.iter().position(|&t| t as f64 <= required)?;
+        let weak_last = layers.iter().rposition(|&t| t as f64 <= required)?;
+        let weak_extent = (weak_last - weak_first + 1) as u32;
+
+        // (new weakest, loaded layers, position, span, quantization)
+        let mut best: Option<(u64, u32, usize, LayerSpan, Quantization)> = None;
+        let mut without = vec![0u64; layers.len()];
+        for &position in order {
+            let candidate = &self.candidates[position];
+            let ceiling = weakest + candidate.throughput;
+            if ceiling as f64 <= required || best.is_some_and(|(gain, ..)| ceiling < gain) {
+                break;
+            }
+            let Some((span, quantization)) = candidate.planned else {
+                continue;
+            };
+            let (length, new_quantization) = if grow {
+                let length = candidate.reach_at(quantization);
+                if length <= span.len() {
+                    continue;
+                }
+                (length, quantization)
+            } else {
+                let Some(q) = candidate.best_quantization_for(candidate.reach) else {
+                    continue;
+                };
+                (candidate.reach, q)
+            };
+            if length < weak_extent {
+                continue;
+            }
+            without.copy_from_slice(layers);
+            for layer in span.start..span.end {
+                without[(layer - volunteer.start) as usize] -= candidate.throughput;
+            }
+            let relative = LayerSpan::new(span.start - volunteer.start, span.end - volunteer.start);
+            let starts = if grow {
+                relative.end.saturating_sub(length)..=relative.start.min(volunteer.len() - length)
+            } else {
+                0..=volunteer.len() - length
+            };
+            let Some((gain, start, loaded)) = best_window_after_move(
+                &without,
+                candidate.throughput,
+                length,
+                starts,
+                relative,
+                new_quantization == quantization,
+                scratch,
+            ) else {
+                continue;
+            };
+            if gain as f64 > required {
+                let span =
+                    LayerSpan::new(start + volunteer.start, start + volunteer.start + length);
+                consider(&mut best, (gain, loaded, position, span, new_quantization));
+            }
+        }
+        best.map(|(_, _, position, span, quantization)| (position, span, quantization))
+    }
+
+    fn finish(self, map: &CoverageMap) -> Plan {
+        let mut directives = Vec::new();
+        let mut holdings = Vec::new();
+        for candidate in &self.candidates {
+            let peer = &self.peers[candidate.input_index].peer;
+            diff_directives(peer, candidate, &mut directives);
+            if let Some((span, quantization)) = candidate.planned {
+                planned_holdings(
+                    peer,
+                    candidate.old.as_ref(),
+                    span,
+                    quantization,
+                    &mut holdings,
+                );
+            }
+        }
+        let epoch = if directives.is_empty() {
+            map.epoch
+        } else {
+            map.epoch + 1
+        };
+        let uncovered = spans_where(&self.load.count, |count| count == 0);
+        let uncovered_layers: u64 = uncovered.iter().map(|s| u64::from(s.len())).sum();
+        let missing_memory_bytes = if uncovered_layers == 0 {
+            0
+        } else {
+            let smallest_kv = self
+                .candidates
+                .iter()
+                .filter(|c| !c.is_tracker)
+                .map(|c| self.peers[c.input_index].kv_tokens)
+                .min()
+                .unwrap_or(0);
+            let cheapest = Quantization::ALL
+                .iter()
+                .filter_map(|&q| self.model.layer_cost(q, smallest_kv))
+                .min()
+                .unwrap_or(0);
+            cheapest.saturating_mul(uncovered_layers)
+        };
+        Plan {
+            tracker_layers: self.tracker_layers,
+            directives,
+            map: CoverageMap { epoch, holdings },
+            report: CoverageReport {
+                uncovered,
+                missing_memory_bytes,
+                holders_per_layer: self.load.count,
+                throughput_per_layer: self
+                    .load
+                    .throughput
+                    .iter()
+                    .map(|&t| t as f64 / THROUGHPUT_SCALE)
+                    .collect(),
+            },
+        }
+    }
+}
+
+fn consider(
+    best: &mut Option<(u64, u32, usize, LayerSpan, Quantization)>,
+    option: (u64, u32, usize, LayerSpan, Quantization),
+) {
+    let better = match best {
+        None => true,
+        Some((gain, loaded, _, _, _)) => {
+            option.0 > *gain || (option.0 == *gain && option.1 < *loaded)
+        }
+    };
+    if better {
+        *best = Some(option);
+    }
+}
+
+/// Largest throughput taken into account, in internal units (about 10^9
+/// tokens/s): sums over millions of peers then still fit in a `u64`.
+const MAX_SCALED_THROUGHPUT: u64 = 1 << 40;
+
+pub(crate) fn scale_throughput(tokens_per_second: f64) -> u64 {
+    // Float-to-int `as` saturates; inputs were checked to be finite and >= 0.
+    ((tokens_per_second * THROUGHPUT_SCALE).round() as u64).min(MAX_SCALED_THROUGHPUT)
+}
+
+/// Start of the window of `length` layers inside `range` with the least
+/// summed throughput (leftmost on ties).
+pub(crate) fn min_sum_window(throughput: &[u64], range: LayerSpan, length: u32) -> u32 {
+    let length = length.min(range.len());
+    if length == 0 {
+        return range.start;
+    }
+    let mut window: u64 = throughput[range.start as usize..(range.start + length) as usize]
+        .iter()
+        .sum();
+    let mut best = (window, range.start);
+    for start in range.start + 1..=range.end - length {
+        window =
+            window + throughput[(start + length - 1) as usize] - throughput[(start - 1) as usize];
+        if window < best.0 {
+            best = (window, start);
+        }
+    }
+    best.1
+}
+
+/// Reusable buffers for [`best_window_after_move`].
+#[derive(Debug, Default)]
+struct WindowScratch {
+    prefix_min: Vec<u64>,
+    suffix_min: Vec<u64>,
+    window_min: Vec<u64>,
+    deque: VecDeque<usize>,
+}
+
+/// For a peer of throughput `added` whose old span `old` has already been
+/// subtracted from `without`, finds the window of `length` layers (start in
+/// `starts`) that maximizes the weakest layer afterwards. Returns the new
+/// weakest throughput, the window start, and the layers it would load.
+fn best_window_after_move(
+    without: &[u64],
+    added: u64,
+    length: u32,
+    starts: std::ops::RangeInclusive<u32>,
+    old: LayerSpan,
+    same_format: bool,
+    scratch: &mut WindowScratch,
+) -> Option<(u64, u32, u32)> {
+    let n = without.len();
+    let length = length as usize;
+    if length == 0 || length > n {
+        return None;
+    }
+    let WindowScratch {
+        prefix_min,
+        suffix_min,
+        window_min,
+        deque,
+    } = scratch;
+    prefix_min.clear();
+    prefix_min.resize(n + 1, u64::MAX);
+    for i in 0..n {
+        prefix_min[i + 1] = prefix_min[i].min(without[i]);
+    }
+    suffix_min.clear();
+    suffix_min.resize(n + 1, u64::MAX);
+    for i in (0..n).rev() {
+        suffix_min[i] = suffix_min[i + 1].min(without[i]);
+    }
+    // Sliding minimum of `without` over windows of `length`.
+    window_min.clear();
+    window_min.resize(n - length + 1, u64::MAX);
+    deque.clear();
+    for i in 0..n {
+        while deque.back().is_some_and(|&j| without[j] >= without[i]) {
+            deque.pop_back();
+        }
+        deque.push_back(i);
+        if deque.front().is_some_and(|&j| j + length <= i) {
+            deque.pop_front();
+        }
+        if i + 1 >= length {
+            window_min[i + 1 - length] = without[deque.front().copied().unwrap_or(i)];
+        }
+    }
+    let mut best: Option<(u64, u32, u32)> = None;
+    for start in starts {
+        let s = start as usize;
+        if s + length > n {
+            break;
+        }
+        let weakest = prefix_min[s]
+            .min(suffix_min[s + length])
+            .min(window_min[s] + added);
+        let window = LayerSpan::new(start, start + length as u32);
+        let loaded = if same_format {
+            window.len() - window.intersection(&old).len()
+        } else {
+            window.len()
+        };
+        let better = match best {
+            None => true,
+            Some((w, _, l)) => weakest > w || (weakest == w && loaded < l),
+        };
+        if better {
+            best = Some((weakest, start, loaded));
+        }
+    }
+    best
+}
+
+/// Reads each live peer's current holding from the map: runs of the same
+/// quantization are merged, the longest run is kept and the rest become strays.
+fn attach_current_holdings(
+    candidates: &mut [Candidate],
+    peers: &[PeerCapacity],
+    map: &CoverageMap,
+    num_layers: u32,
+) {
+    let position_of: HashMap<&str, usize> = candidates
+        .iter()
+        .enumerate()
+        .map(|(position, c)| (peers[c.input_index].peer.as_str(), position))
+        .collect();
+    let mut entries: Vec<(usize, &ShardHolding)> = map
+        .holdings
+        .iter()
+        .filter(|h| h.layers.start < h.layers.end.min(num_layers))
+        .filter_map(|h| position_of.get(h.peer.as_str()).map(|&p| (p, h)))
+        .collect();
+    entries.sort_by_key(|(position, h)| (*position, h.layers.start, h.layers.end, h.quantization));
+    let mut index = 0;
+    while index < entries.len() {
+        let position = entries[index].0;
+        let mut runs: Vec<Holding> = Vec::new();
+        while index < entries.len() && entries[index].0 == position {
+            let holding = entries[index].1;
+            let span = LayerSpan::new(holding.layers.start, holding.layers.end.min(num_layers));
+            match runs
+                .iter_mut()
+                .find(|r| r.quantization == holding.quantization && r.span.end >= span.start)
+            {
+                Some(run) if run.span.end >= span.start => {
+                    let fresh = LayerSpan::new(span.start.max(run.span.end), span.end);
+                    if !fresh.is_empty() {
+                        run.segments.push((fresh, holding.state));
+                    }
+                    run.span.end = run.span.end.max(span.end);
+                }
+                _ => runs.push(Holding {
+                    span,
+                    quantization: holding.quantization,
+                    segments: vec![(span, holding.state)],
+                }),
+            }
+            index += 1;
+        }
+        let keep = runs
+            .iter()
+            .enumerate()
+            .max_by(|(_, a), (_, b)| {
+                a.span
+                    .len()
+                    .cmp(&b.span.len())
+                    .then(b.span.start.cmp(&a.span.start))
+                    .then(a.quantization.cmp(&b.quantization))
+            })
+            .map(|(i, _)| i)
+            .unwrap_or(0);
+        let kept = runs.swap_remove(keep);
+        let candidate = &mut candidates[position];
+        if !runs.is_empty() {
+            // Layers held outside the kept run, as maximal runs (overlaps merged).
+            let mut stray_layers = vec![0u32; num_layers as usize];
+            for run in &runs {
+                stray_layers[run.span.start as usize..run.span.end as usize].fill(1);
+            }
+            stray_layers[kept.span.start as usize..kept.span.end as usize].fill(0);
+            candidate.stray = spans_where(&stray_layers, |held| held == 1);
+        }
+        candidate.old = Some(kept);
+    }
+}
+
+/// `span` minus `removed`: up to two pieces, in layer order.
+fn subtract(span: LayerSpan, removed: LayerSpan) -> Vec<LayerSpan> {
+    let overlap = span.intersection(&removed);
+    if overlap.is_empty() {
+        return vec![span];
+    }
+    [
+        LayerSpan::new(span.start, overlap.start),
+        LayerSpan::new(overlap.end, span.end),
+    ]
+    .into_iter()
+    .filter(|piece| !piece.is_empty())
+    .collect()
+}
+
+/// Directives turning what `candidate` holds into what it is planned to hold.
+fn diff_directives(peer: &PeerId, candidate: &Candidate, directives: &mut Vec<Directive>) {
+    let drop = |layers: LayerSpan| Directive::DropShard {
+        peer: peer.clone(),
+        layers,
+    };
+    for &stray in &candidate.stray {
+        directives.push(drop(stray));
+    }
+    let old = candidate
+        .old
+        .as_ref()
+        .map(|holding| (holding.span, holding.quantization));
+    match (old, candidate.planned) {
+        (None, None) => {}
+        (Some((old_span, _)), None) => directives.push(drop(old_span)),
+        (old, Some((new_span, quantization))) => {
+            let kept = match old {
+                Some((old_span, old_q))
+                    if old_q == quantization && !old_span.intersection(&new_span).is_empty() =>
+                {
+                    for piece in subtract(old_span, new_span) {
+                        directives.push(drop(piece));
+                    }
+                    Some(old_span)
+                }
+                Some((old_span, _)) => {
+                    directives.push(drop(old_span));
+                    None
+                }
+                None => None,
+            };
+            let to_load = match kept {
+                Some(old_span) => subtract(new_span, old_span),
+                None => vec![new_span],
+            };
+            for layers in to_load {
+                directives.push(Directive::LoadShard {
+                    peer: peer.clone(),
+                    layers,
+                    quantization,
+                });
+            }
+        }
+    }
+}
+
+/// Map entries for a planned span: kept layers keep their state, new layers
+/// are `Loading`; adjacent segments in the same state are merged.
+fn planned_holdings(
+    peer: &PeerId,
+    old: Option<&Holding>,
+    span: LayerSpan,
+    quantization: Quantization,
+    holdings: &mut Vec<ShardHolding>,
+) {
+    let mut segments: Vec<(LayerSpan, PeerState)> = Vec::new();
+    let kept_segments: Vec<(LayerSpan, PeerState)> = match old {
+        Some(holding) if holding.quantization == quantization => holding
+            .segments
+            .iter()
+            .map(|&(segment, state)| (segment.intersection(&span), state))
+            .filter(|(segment, _)| !segment.is_empty())
+            .collect(),
+        _ => Vec::new(),
+    };
+    let mut cursor = span.start;
+    for (segment, state) in kept_segments {
+        if segment.start > cursor {
+            segments.push((LayerSpan::new(cursor, segment.start), PeerState::Loading));
+        }
+        segments.push((segment, state));
+        cursor = segment.end;
+    }
+    if cursor < span.end {
+        segments.push((LayerSpan::new(cursor, span.end), PeerState::Loading));
+    }
+    let mut merged: Vec<(LayerSpan, PeerState)> = Vec::new();
+    for (segment, state) in segments {
+        match merged.last_mut() {
+            Some((last, last_state)) if *last_state == state && last.end == segment.start => {
+                last.end = segment.end;
+            }
+            _ => merged.push((segment, state)),
+        }
+    }
+    holdings.extend(merged.into_iter().map(|(layers, state)| ShardHolding {
+        peer: peer.clone(),
+        layers,
+        quantization,
+        state,
+    }));
+}
+
+#[cfg(test)]
+#[path = "planner_tests.rs"]
+mod tests;

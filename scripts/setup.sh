@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what building and testing meshnet needs on a fresh Debian machine with a Rust
+# toolchain: rustfmt and clippy, and cargo-fuzz for the fuzz targets. Idempotent.
+set -euo pipefail
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "cargo not found: install a Rust toolchain (https://rustup.rs) first" >&2
+  exit 1
+fi
+if command -v rustup >/dev/null 2>&1; then
+  rustup component add rustfmt clippy >/dev/null 2>&1 || true
+fi
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "installing cargo-fuzz"
+  cargo install --locked cargo-fuzz
+fi
+echo "setup done"
