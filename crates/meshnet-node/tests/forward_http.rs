@@ -381,3 +381,26 @@ async fn the_client_reports_a_dead_peer_and_a_bad_endpoint() {
         .unwrap_err();
     assert!(matches!(err, ClientError::InvalidEndpoint { .. }), "{err}");
 }
+
+#[tokio::test]
+async fn an_oversized_content_length_is_refused_before_the_body_is_read() {
+    let url = serve(AddOnePerLayer::new(0, 10)).await;
+    let encoded = frame((0, 10), vec![], 4).encode(Encoding::Raw);
+    // 4 MiB against a limit of about 1 MiB: refused on the declared length alone.
+    let response = reqwest::Client::new()
+        .post(format!("{url}/forward"))
+        .headers(encoded.headers)
+        .body(vec![0u8; 4 << 20])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 413);
+    assert_eq!(response.headers()[WIRE_VERSION_HEADER], "1");
+    let error: ErrorBody = serde_json::from_slice(&response.bytes().await.unwrap()).unwrap();
+    assert_eq!(error.error.code, "body_too_large");
+    assert!(
+        error.error.message.contains("4194304"),
+        "{}",
+        error.error.message
+    );
+}
