@@ -1,18 +1,28 @@
 //! A Petals-like placement, kept as a yardstick for the planner.
 //!
-//! Every server picks its own span greedily: on joining, it takes the window
-//! whose layers have the least throughput behind them; afterwards each server
-//! in turn checks whether moving its whole span elsewhere would raise the
-//! weakest layer's throughput enough (by `1 / balance_quality`, 75 % as in
-//! Petals) and, if so, reloads its whole span there. There is no global view:
-//! departures are repaired only by these local moves.
+//! Every server picks its own span greedily, as Petals' `choose_best_blocks`
+//! does: among the windows of its length, it takes the one whose per-layer
+//! throughputs, sorted ascending, are lexicographically smallest (so it always
+//! targets the weakest layer first, then the next weakest, ...; leftmost on
+//! ties). Afterwards each server in turn checks whether moving its whole span
+//! to the window it would choose now raises the weakest layer's throughput
+//! enough (`before < balance_quality × after`, with `balance_quality` 0.75 as
+//! in Petals) and, if so, reloads its whole span there. There is no global
+//! view: departures are repaired only by these local moves.
+//!
+//! One simplification against Petals: Petals' `should_choose_other_blocks`
+//! judges a move after simulating the whole swarm settling (every other server
+//! re-choosing its blocks until nobody moves); here a server judges only its
+//! own move, with everybody else staying put. Moves that pay off only once
+//! others follow are therefore not made. The simulation would cost
+//! `O(servers² × layers²)` per check, too much to replay churn on large meshes.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
 use crate::model::{ModelShape, Quantization};
-use crate::planner::{min_sum_window, scale_throughput};
+use crate::planner::scale_throughput;
 use crate::types::{Directive, LayerSpan, PeerCapacity, PeerId};
 
 /// One server of the baseline mesh.
@@ -94,7 +104,7 @@ impl GreedyBaseline {
         };
         let mut directives = Vec::new();
         if length > 0 {
-            let start = min_sum_window(&self.throughput, volunteer, length);
+            let start = lexicographic_window(&self.throughput, volunteer, length);
             let span = LayerSpan::new(start, start + length);
             self.add(span, server.throughput);
             server.span = Some(span);
@@ -134,8 +144,14 @@ impl GreedyBaseline {
                 };
                 let Some(span) = server.span else { continue };
                 let before = self.weakest(volunteer);
+                // A move lifts the weakest layer by at most the server's own
+                // throughput; skip servers that could not clear the threshold.
+                let ceiling = before.saturating_add(server.throughput.max(1));
+                if (before as f64) >= self.balance_quality * ceiling as f64 {
+                    continue;
+                }
                 self.remove_span(span, server.throughput);
-                let start = min_sum_window(&self.throughput, volunteer, server.length);
+                let start = lexicographic_window(&self.throughput, volunteer, server.length);
                 let candidate = LayerSpan::new(start, start + server.length);
                 self.add(candidate, server.throughput);
                 let after = self.weakest(volunteer);
@@ -146,6 +162,7 @@ impl GreedyBaseline {
                     directives.push(Directive::DropShard {
                         peer: id.clone(),
                         layers: span,
+                        quantization: server.quantization,
                     });
                     directives.push(Directive::LoadShard {
                         peer: id.clone(),
@@ -195,9 +212,50 @@ impl GreedyBaseline {
     }
 }
 
+/// Start of the window of `length` layers inside `range` whose throughputs,
+/// sorted ascending, are lexicographically smallest (leftmost on ties): the
+/// window Petals' `_choose_best_start` picks.
+fn lexicographic_window(throughput: &[u64], range: LayerSpan, length: u32) -> u32 {
+    let length = length.min(range.len());
+    if length == 0 {
+        return range.start;
+    }
+    let mut best: Option<(Vec<u64>, u32)> = None;
+    let mut window: Vec<u64> = Vec::with_capacity(length as usize);
+    for start in range.start..=range.end - length {
+        window.clear();
+        window.extend_from_slice(&throughput[start as usize..(start + length) as usize]);
+        window.sort_unstable();
+        if best.as_ref().is_none_or(|(sorted, _)| window < *sorted) {
+            best = Some((window.clone(), start));
+        }
+    }
+    best.map_or(range.start, |(_, start)| start)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn windows_are_chosen_by_their_sorted_throughputs() {
+        // The least summed window is [3,5) (3 + 3), but [0,2) holds the
+        // weakest layer (1): Petals targets it.
+        assert_eq!(
+            lexicographic_window(&[1, 9, 9, 3, 3], LayerSpan::new(0, 5), 2),
+            0
+        );
+        let throughput = [0, 10, 0, 4];
+        // Equal minima: the second-smallest value decides ([1,3) sorts to [0, 10],
+        // [2,4) to [0, 4]).
+        assert_eq!(
+            lexicographic_window(&throughput, LayerSpan::new(1, 4), 2),
+            2
+        );
+        // Ties go to the leftmost window; lengths are capped by the range.
+        assert_eq!(lexicographic_window(&[5, 5, 5], LayerSpan::new(0, 3), 1), 0);
+        assert_eq!(lexicographic_window(&[5, 5, 5], LayerSpan::new(1, 3), 9), 1);
+    }
 
     fn server(id: &str, layers: u32, model: &ModelShape) -> PeerCapacity {
         let cost = model.layer_cost(Quantization::Nf4, 0).unwrap();

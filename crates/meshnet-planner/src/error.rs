@@ -41,6 +41,9 @@ pub enum PlanError {
         /// Bytes of embedding plus LM head.
         required: u64,
     },
+    /// The map's epoch is already `u64::MAX`, so a changed map cannot get a newer one.
+    #[error("the coverage map's epoch {0} cannot be incremented")]
+    EpochOverflow(u64),
     /// The configured tracker span does not fit the tracker's memory.
     #[error("the tracker is configured for {requested} layers but fits at most {max}")]
     TrackerSpanDoesNotFit {

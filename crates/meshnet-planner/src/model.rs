@@ -80,41 +80,69 @@ pub struct TransformerDimensions {
 
 impl TransformerDimensions {
     /// Parameters of one layer: attention, gated MLP and two RMS norms.
+    ///
+    /// Saturates at `u64::MAX` for dimensions too large to count (no peer can
+    /// then hold a layer), instead of overflowing.
     pub fn params_per_layer(&self) -> u64 {
-        let q_out = self.attention_heads * self.head_dim;
-        let kv_out = self.kv_heads * self.head_dim;
-        let attention = self.hidden * q_out + 2 * self.hidden * kv_out + q_out * self.hidden;
-        let mlp = 3 * self.hidden * self.intermediate;
-        attention + mlp + 2 * self.hidden
+        let q_out = self.attention_heads.saturating_mul(self.head_dim);
+        let kv_out = self.kv_heads.saturating_mul(self.head_dim);
+        let attention = self
+            .hidden
+            .saturating_mul(q_out)
+            .saturating_add(self.hidden.saturating_mul(kv_out).saturating_mul(2))
+            .saturating_add(q_out.saturating_mul(self.hidden));
+        let mlp = self
+            .hidden
+            .saturating_mul(self.intermediate)
+            .saturating_mul(3);
+        attention
+            .saturating_add(mlp)
+            .saturating_add(self.hidden.saturating_mul(2))
     }
 
     /// Output rows of the layer's matrices (one quantization scale each for int8).
     fn output_rows_per_layer(&self) -> u64 {
-        let q_out = self.attention_heads * self.head_dim;
-        let kv_out = self.kv_heads * self.head_dim;
-        q_out + 2 * kv_out + self.hidden + 2 * self.intermediate + self.hidden
+        let q_out = self.attention_heads.saturating_mul(self.head_dim);
+        let kv_out = self.kv_heads.saturating_mul(self.head_dim);
+        q_out
+            .saturating_add(kv_out.saturating_mul(2))
+            .saturating_add(self.hidden)
+            .saturating_add(self.intermediate.saturating_mul(2))
+            .saturating_add(self.hidden)
     }
 
     /// Bytes of one layer stored in `quantization`; norms always stay in bf16.
+    ///
+    /// Saturates at `u64::MAX` like [`Self::params_per_layer`].
     pub fn layer_bytes(&self, quantization: Quantization) -> u64 {
-        let norms = 2 * self.hidden;
-        let matrices = self.params_per_layer() - norms;
-        let norm_bytes = norms * 2;
+        let norms = self.hidden.saturating_mul(2);
+        let matrices = self.params_per_layer().saturating_sub(norms);
+        let norm_bytes = norms.saturating_mul(2);
         let matrix_bytes = match quantization {
-            Quantization::Bf16 => matrices * 2,
-            Quantization::Int8 => matrices + self.output_rows_per_layer() * 2,
-            Quantization::Q8_0 => matrices.div_ceil(32) * 34,
-            Quantization::Q4_1 => matrices.div_ceil(32) * 20,
-            Quantization::Nf4 => matrices / 2 + matrices.div_ceil(64) * 2,
+            Quantization::Bf16 => matrices.saturating_mul(2),
+            Quantization::Int8 => {
+                matrices.saturating_add(self.output_rows_per_layer().saturating_mul(2))
+            }
+            Quantization::Q8_0 => matrices.div_ceil(32).saturating_mul(34),
+            Quantization::Q4_1 => matrices.div_ceil(32).saturating_mul(20),
+            Quantization::Nf4 => (matrices / 2).saturating_add(matrices.div_ceil(64) * 2),
         };
-        matrix_bytes + norm_bytes
+        matrix_bytes.saturating_add(norm_bytes)
     }
 
     /// Bytes of K and V for one token in one layer, stored in bf16.
+    ///
+    /// Saturates at `u64::MAX` like [`Self::params_per_layer`].
     pub fn kv_bytes_per_token_per_layer(&self) -> u64 {
-        2 * self.kv_heads * self.head_dim * 2
+        self.kv_heads
+            .saturating_mul(self.head_dim)
+            .saturating_mul(4)
     }
 }
+
+/// Largest number of layers a model may have. Real models have at most a few
+/// hundred; the cap bounds the planner's per-layer arrays.
+pub const MAX_LAYERS: u32 = 65_536;
 
 /// Everything the planner needs to know about the model's memory footprint.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,7 +169,7 @@ impl ModelShape {
             .iter()
             .map(|&quantization| (quantization, dims.layer_bytes(quantization)))
             .collect();
-        let embedding_bytes = dims.vocab * dims.hidden * 2;
+        let embedding_bytes = dims.vocab.saturating_mul(dims.hidden).saturating_mul(2);
         ModelShape {
             name: name.into(),
             num_layers: dims.num_layers,
@@ -218,6 +246,12 @@ impl ModelShape {
         if self.num_layers == 0 {
             return Err(PlanError::InvalidModel("the model has no layers".into()));
         }
+        if self.num_layers > MAX_LAYERS {
+            return Err(PlanError::InvalidModel(format!(
+                "the model has {} layers; at most {MAX_LAYERS} are supported",
+                self.num_layers
+            )));
+        }
         if self.layer_bytes.is_empty() {
             return Err(PlanError::InvalidModel(
                 "the model lists no quantization".into(),
@@ -267,6 +301,34 @@ mod tests {
             assert!(pair[0] < pair[1]);
             assert!(shape.bytes_per_layer(pair[0]) < shape.bytes_per_layer(pair[1]));
         }
+    }
+
+    #[test]
+    fn absurd_dimensions_saturate_instead_of_overflowing() {
+        let dims = TransformerDimensions {
+            hidden: u64::MAX / 2,
+            intermediate: u64::MAX,
+            vocab: u64::MAX,
+            ..ModelShape::LLAMA_70B
+        };
+        assert_eq!(dims.params_per_layer(), u64::MAX);
+        for quantization in Quantization::ALL {
+            assert!(dims.layer_bytes(quantization) > u64::MAX / 64);
+        }
+        let shape = ModelShape::from_dimensions("huge", &dims);
+        assert_eq!(shape.embedding_bytes, u64::MAX);
+        assert_eq!(shape.tracker_extra_bytes(), u64::MAX);
+    }
+
+    #[test]
+    fn layer_counts_are_capped() {
+        let mut shape = ModelShape::smollm2_135m();
+        shape.num_layers = MAX_LAYERS;
+        assert_eq!(shape.validate(), Ok(()));
+        shape.num_layers = MAX_LAYERS + 1;
+        assert!(matches!(shape.validate(), Err(PlanError::InvalidModel(_))));
+        shape.num_layers = u32::MAX;
+        assert!(matches!(shape.validate(), Err(PlanError::InvalidModel(_))));
     }
 
     #[test]

@@ -22,9 +22,32 @@ pub struct PlannerConfig {
     pub tracker_layers: Option<u32>,
     /// Minimum gain, as a fraction of the weakest layer's throughput, that a
     /// rebalancing move must bring before the planner moves a healthy peer.
+    ///
+    /// Must be finite and at least [`PlannerConfig::MIN_HYSTERESIS`]. A positive
+    /// hysteresis is what makes rebalancing terminate without a move limit:
+    /// every move multiplies the weakest layer's throughput by more than
+    /// `1 + hysteresis`, so a plan is a fixed point and replanning it is quiet.
     pub hysteresis: f64,
-    /// Upper bound on rebalancing moves per plan (gap repairs are not limited).
-    pub max_rebalance_moves: u32,
+}
+
+impl PlannerConfig {
+    /// Smallest accepted hysteresis (0.1 %). Rebalancing makes at most
+    /// `1 + ln(total throughput) / ln(1 + hysteresis)` moves per plan, which
+    /// this keeps in the tens of thousands even for absurd throughputs.
+    pub const MIN_HYSTERESIS: f64 = 0.001;
+
+    /// Checks that every knob is in range.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        // NaN fails `is_finite`, so the comparison below is total.
+        if !self.hysteresis.is_finite() || self.hysteresis < Self::MIN_HYSTERESIS {
+            return Err(PlanError::InvalidConfig(format!(
+                "hysteresis must be a finite fraction of at least {}, got {}",
+                Self::MIN_HYSTERESIS,
+                self.hysteresis
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl Default for PlannerConfig {
@@ -32,7 +55,6 @@ impl Default for PlannerConfig {
         PlannerConfig {
             tracker_layers: None,
             hysteresis: 0.2,
-            max_rebalance_moves: 64,
         }
     }
 }
@@ -42,9 +64,13 @@ impl Default for PlannerConfig {
 pub struct CoverageReport {
     /// Maximal runs of layers nobody holds after the plan.
     pub uncovered: Vec<LayerSpan>,
-    /// Extra memory, in bytes, that would cover the uncovered layers: one more
-    /// peer running the cheapest quantization with the smallest KV reservation
-    /// seen in the mesh. Zero when everything is covered.
+    /// Extra memory, in bytes, one more volunteer would need so that the mesh
+    /// can cover the whole model: the layers the volunteers' combined reach
+    /// falls short of `[k, L)`, at the cheapest per-layer cost (cheapest
+    /// quantization, smallest KV reservation seen among volunteers). Zero when
+    /// everything is covered. It does not depend on where the current spans
+    /// sit, so it can be smaller than the uncovered layers' cost when the kept
+    /// spans overlap.
     pub missing_memory_bytes: u64,
     /// Number of holders of every layer.
     pub holders_per_layer: Vec<u32>,
@@ -76,6 +102,7 @@ pub struct Plan {
     pub directives: Vec<Directive>,
     /// The coverage map once the directives are applied (new layers `Loading`).
     /// Its epoch is the input epoch plus one if there are directives.
+    /// Replanning this map with the same peers gives no directives.
     pub map: CoverageMap,
     /// Coverage and redundancy of the planned mesh.
     pub report: CoverageReport,
@@ -119,8 +146,9 @@ struct Candidate {
     reach: u32,
     /// What the peer holds now (the run kept from the map).
     old: Option<Holding>,
-    /// Other runs in the map that the peer must drop.
-    stray: Vec<LayerSpan>,
+    /// Every other piece the map says the peer holds (other formats, layers
+    /// past the model's end, runs apart from the kept one): all to be dropped.
+    stray: Vec<(LayerSpan, Quantization)>,
     /// What the peer holds in the plan being built.
     planned: Option<(LayerSpan, Quantization)>,
 }
@@ -136,6 +164,43 @@ impl Candidate {
 
     fn reach_at(&self, quantization: Quantization) -> u32 {
         self.reach_by_quantization[quantization_index(quantization)]
+    }
+}
+
+/// The kinds of gap repair, in tie-break order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum RepairKind {
+    /// Extend a planned span over (part of) the gap.
+    Grow,
+    /// Place a free peer at the gap.
+    Place,
+    /// Move a peer whose every layer has another holder to the gap.
+    Move,
+}
+
+/// One candidate gap repair: `position` would hold `span` in `quantization`.
+#[derive(Debug, Clone, Copy)]
+struct Repair {
+    kind: RepairKind,
+    position: usize,
+    span: LayerSpan,
+    quantization: Quantization,
+    /// Gap layers the repair covers (at least one).
+    covered: u32,
+    /// Weight bytes the repair makes its peer load.
+    loaded_bytes: u64,
+}
+
+impl Repair {
+    /// Whether `self` is cheaper than `other`: fewer bytes per covered gap
+    /// layer, then grow before place before move, then more of the gap covered.
+    fn beats(&self, other: &Repair) -> bool {
+        let mine = u128::from(self.loaded_bytes) * u128::from(other.covered);
+        let theirs = u128::from(other.loaded_bytes) * u128::from(self.covered);
+        mine.cmp(&theirs)
+            .then(self.kind.cmp(&other.kind))
+            .then(other.covered.cmp(&self.covered))
+            .is_lt()
     }
 }
 
@@ -191,11 +256,7 @@ impl Planner {
     /// The result depends only on the inputs, not on the order of `peers`.
     pub fn plan(&self, map: &CoverageMap, peers: &[PeerCapacity]) -> Result<Plan, PlanError> {
         self.model.validate()?;
-        if !self.config.hysteresis.is_finite() || self.config.hysteresis < 0.0 {
-            return Err(PlanError::InvalidConfig(
-                "hysteresis must be a finite, non-negative fraction".into(),
-            ));
-        }
+        self.config.validate()?;
         let mut round = Round::new(self, map, peers)?;
         round.retain_current_spans();
         round.fill_gaps();
@@ -204,7 +265,7 @@ impl Planner {
         }
         round.place_free_peers();
         round.rebalance();
-        Ok(round.finish(map))
+        round.finish(map)
     }
 }
 
@@ -353,10 +414,10 @@ impl<'a> Round<'a> {
     /// (shrunk in place when the peer's memory no longer allows all of it).
     fn retain_current_spans(&mut self) {
         let tracker = self.tracker;
-        if self.tracker_layers > 0 {
-            let quantization = self.candidates[tracker]
-                .best_quantization_for(self.tracker_layers)
-                .expect("the tracker's span length was derived from its own reach");
+        // `tracker_layers` never exceeds the tracker's reach, so a format fits.
+        if let Some(quantization) =
+            self.candidates[tracker].best_quantization_for(self.tracker_layers)
+        {
             self.assign(
                 tracker,
                 LayerSpan::new(0, self.tracker_layers),
@@ -410,18 +471,20 @@ impl<'a> Round<'a> {
         self.load.count.contains(&0)
     }
 
-    /// Phase 2: close every gap, cheapest repair first: grow a span that can
-    /// reach the gap, else place a free peer, else move a fully redundant one.
+    /// Phase 2: close every gap, left to right, with the repair that loads the
+    /// fewest bytes per gap layer it covers (see [`Round::cheapest_repair`]).
     fn fill_gaps(&mut self) {
         loop {
             let mut progressed = false;
             let mut cursor = self.tracker_layers;
+            // Every repair covers at least one gap layer and uncovers none.
             while let Some(gap) = self.first_gap_from(cursor) {
-                if self.grow_into(gap) || self.place_free_into(gap) || self.move_redundant_into(gap)
-                {
-                    progressed = true;
-                } else {
-                    cursor = gap.end;
+                match self.cheapest_repair(gap) {
+                    Some(repair) => {
+                        self.apply(repair);
+                        progressed = true;
+                    }
+                    None => cursor = gap.end,
                 }
             }
             if !progressed || !self.has_gap() {
@@ -430,10 +493,18 @@ impl<'a> Round<'a> {
         }
     }
 
-    /// Grows the neighbouring span that covers most of `gap` for the fewest loads.
-    fn grow_into(&mut self, gap: LayerSpan) -> bool {
-        // (covered layers, loaded layers, position, new span)
-        let mut best: Option<(u32, u32, usize, LayerSpan)> = None;
+    /// The cheapest way to cover (part of) `gap`: grow a span that can reach
+    /// it, place the best-fitting free peer at its start, or move there a peer
+    /// all of whose layers have another holder. Repairs are ranked by bytes
+    /// loaded per gap layer covered; ties prefer growing, then placing, then
+    /// moving, then covering more of the gap.
+    fn cheapest_repair(&self, gap: LayerSpan) -> Option<Repair> {
+        let mut best: Option<Repair> = None;
+        let mut consider = |repair: Repair| {
+            if best.as_ref().is_none_or(|current| repair.beats(current)) {
+                best = Some(repair);
+            }
+        };
         for (position, candidate) in self.candidates.iter().enumerate() {
             if candidate.is_tracker {
                 continue;
@@ -449,49 +520,72 @@ impl<'a> Round<'a> {
             } else {
                 continue;
             };
-            let covered = gap.intersection(&grown).len();
-            let loaded = grown.len() - span.len();
-            let better = match best {
-                None => true,
-                Some((best_covered, best_loaded, _, _)) => {
-                    covered > best_covered || (covered == best_covered && loaded < best_loaded)
-                }
-            };
-            if better {
-                best = Some((covered, loaded, position, grown));
-            }
+            consider(Repair {
+                kind: RepairKind::Grow,
+                position,
+                span: grown,
+                quantization,
+                covered: gap.intersection(&grown).len(),
+                loaded_bytes: self
+                    .model
+                    .span_bytes(quantization, grown.len() - span.len()),
+            });
         }
-        let Some((_, _, position, grown)) = best else {
-            return false;
-        };
-        let quantization = self.candidates[position]
-            .planned
-            .map(|(_, q)| q)
-            .expect("only planned candidates are grown");
-        self.assign(position, grown, quantization);
-        true
+        if let Some(position) = self.best_free_for(gap)
+            && let Some(repair) = self.full_reach_repair(RepairKind::Place, position, gap)
+        {
+            consider(repair);
+        }
+        if let Some(position) = self.best_redundant_for(gap)
+            && let Some(repair) = self.full_reach_repair(RepairKind::Move, position, gap)
+        {
+            consider(repair);
+        }
+        best
     }
 
-    /// Places the free peer that best fits `gap` (smallest reach that closes it,
-    /// else the longest reach) at its full reach starting at the gap.
-    fn place_free_into(&mut self, gap: LayerSpan) -> bool {
-        let need = gap.len();
-        let chosen = self
-            .free
-            .range((need, 0)..)
+    fn apply(&mut self, repair: Repair) {
+        if repair.kind == RepairKind::Place {
+            let reach = self.candidates[repair.position].reach;
+            self.free.remove(&(reach, repair.position));
+        }
+        self.assign(repair.position, repair.span, repair.quantization);
+    }
+
+    /// A repair that puts `position` at its full reach from the start of `gap`.
+    fn full_reach_repair(
+        &self,
+        kind: RepairKind,
+        position: usize,
+        gap: LayerSpan,
+    ) -> Option<Repair> {
+        let (span, quantization) = self.full_reach_span(position, gap.start)?;
+        let covered = gap.intersection(&span).len();
+        (covered > 0).then(|| Repair {
+            kind,
+            position,
+            span,
+            quantization,
+            covered,
+            loaded_bytes: self.model.span_bytes(quantization, span.len()),
+        })
+    }
+
+    /// The free peer that best fits `gap`: the smallest reach that closes it,
+    /// else the longest reach.
+    fn best_free_for(&self, gap: LayerSpan) -> Option<usize> {
+        self.free
+            .range((gap.len(), 0)..)
             .next()
             .or_else(|| self.free.iter().next_back())
-            .copied();
-        let Some(key) = chosen else {
-            return false;
-        };
-        self.free.remove(&key);
-        self.place_at_full_reach(key.1, gap.start);
-        true
+            .map(|&(_, position)| position)
     }
 
-    fn place_at_full_reach(&mut self, position: usize, from: u32) {
-        let reach = self.candidates[position].reach;
+    /// The span of `position`'s full reach starting at `from` (shifted left to
+    /// end at the last layer if it would overrun), in the best format for it.
+    fn full_reach_span(&self, position: usize, from: u32) -> Option<(LayerSpan, Quantization)> {
+        let candidate = &self.candidates[position];
+        let reach = candidate.reach;
         let span = if from + reach <= self.num_layers {
             LayerSpan::new(from, from + reach)
         } else {
@@ -502,14 +596,18 @@ impl<'a> Round<'a> {
                 self.num_layers,
             )
         };
-        let quantization = self.candidates[position]
-            .best_quantization_for(span.len())
-            .expect("a span no longer than the peer's reach fits some quantization");
-        self.assign(position, span, quantization);
+        Some((span, candidate.best_quantization_for(span.len())?))
     }
 
-    /// Moves a peer whose every layer has another holder into `gap`.
-    fn move_redundant_into(&mut self, gap: LayerSpan) -> bool {
+    fn place_at_full_reach(&mut self, position: usize, from: u32) {
+        if let Some((span, quantization)) = self.full_reach_span(position, from) {
+            self.assign(position, span, quantization);
+        }
+    }
+
+    /// The peer whose every layer has another holder that is best moved into
+    /// `gap`: one whose reach closes it if any, leaving the strongest layers behind.
+    fn best_redundant_for(&self, gap: LayerSpan) -> Option<usize> {
         let need = gap.len();
         // (closes the gap, weakest remaining throughput on its old span, position)
         let mut best: Option<(bool, u64, usize)> = None;
@@ -538,12 +636,7 @@ impl<'a> Round<'a> {
                 best = Some(key);
             }
         }
-        let Some((_, _, position)) = best else {
-            return false;
-        };
-        self.unassign(position);
-        self.place_at_full_reach(position, gap.start);
-        true
+        best.map(|(_, _, position)| position)
     }
 
     /// Whether the live peers could cover every layer if placed from scratch:
@@ -608,10 +701,9 @@ impl<'a> Round<'a> {
             let reach = self.candidates[position].reach;
             let start = min_sum_window(&self.load.throughput, volunteer, reach);
             let span = LayerSpan::new(start, start + reach);
-            let quantization = self.candidates[position]
-                .best_quantization_for(reach)
-                .expect("the peer's own reach fits some quantization");
-            self.assign(position, span, quantization);
+            if let Some(quantization) = self.candidates[position].best_quantization_for(reach) {
+                self.assign(position, span, quantization);
+            }
         }
     }
 
@@ -619,7 +711,7 @@ impl<'a> Round<'a> {
     /// volunteer layer's throughput by more than the hysteresis.
     fn rebalance(&mut self) {
         let volunteer = self.volunteer_range();
-        if volunteer.is_empty() || self.has_gap() || self.config.max_rebalance_moves == 0 {
+        if volunteer.is_empty() || self.has_gap() {
             return;
         }
         // Strongest peers first: a move can lift the weakest layer by at most
@@ -629,7 +721,13 @@ impl<'a> Round<'a> {
             .collect();
         order.sort_by_key(|&p| (std::cmp::Reverse(self.candidates[p].throughput), p));
         let mut scratch = WindowScratch::default();
-        for _ in 0..self.config.max_rebalance_moves {
+        // No move limit is needed: every accepted change makes the weakest
+        // volunteer layer's (integer) throughput exceed `weakest × (1 + h)`
+        // with `h >= MIN_HYSTERESIS > 0`, so it strictly grows (from 0 to at
+        // least 1, then by a factor above 1 + h) and is bounded by the summed
+        // throughput of all peers. The loop therefore ends, and it ends only
+        // when no change clears the threshold: the plan is a fixed point.
+        loop {
             let found = self
                 .best_rebalance_change(volunteer, &order, true, &mut scratch)
                 .or_else(|| self.best_rebalance_change(volunteer, &order, false, &mut scratch));
@@ -714,7 +812,7 @@ impl<'a> Round<'a> {
         best.map(|(_, _, position, span, quantization)| (position, span, quantization))
     }
 
-    fn finish(self, map: &CoverageMap) -> Plan {
+    fn finish(self, map: &CoverageMap) -> Result<Plan, PlanError> {
         let mut directives = Vec::new();
         let mut holdings = Vec::new();
         for candidate in &self.candidates {
@@ -733,13 +831,30 @@ impl<'a> Round<'a> {
         let epoch = if directives.is_empty() {
             map.epoch
         } else {
-            map.epoch + 1
+            map.epoch
+                .checked_add(1)
+                .ok_or(PlanError::EpochOverflow(map.epoch))?
         };
         let uncovered = spans_where(&self.load.count, |count| count == 0);
         let uncovered_layers: u64 = uncovered.iter().map(|s| u64::from(s.len())).sum();
         let missing_memory_bytes = if uncovered_layers == 0 {
             0
         } else {
+            // Coverage is exact, so a gap means the volunteers' reaches add up
+            // to less than `[k, L)`; the shortfall is what one more peer needs.
+            let offered: u64 = self
+                .candidates
+                .iter()
+                .filter(|c| !c.is_tracker)
+                .map(|c| u64::from(c.reach))
+                .sum();
+            let shortfall =
+                u64::from(self.num_layers - self.tracker_layers).saturating_sub(offered);
+            let missing_layers = if shortfall == 0 {
+                uncovered_layers
+            } else {
+                shortfall
+            };
             let smallest_kv = self
                 .candidates
                 .iter()
@@ -752,9 +867,9 @@ impl<'a> Round<'a> {
                 .filter_map(|&q| self.model.layer_cost(q, smallest_kv))
                 .min()
                 .unwrap_or(0);
-            cheapest.saturating_mul(uncovered_layers)
+            cheapest.saturating_mul(missing_layers)
         };
-        Plan {
+        Ok(Plan {
             tracker_layers: self.tracker_layers,
             directives,
             map: CoverageMap { epoch, holdings },
@@ -769,7 +884,7 @@ impl<'a> Round<'a> {
                     .map(|&t| t as f64 / THROUGHPUT_SCALE)
                     .collect(),
             },
-        }
+        })
     }
 }
 
@@ -788,9 +903,9 @@ fn consider(
     }
 }
 
-/// Largest throughput taken into account, in internal units (about 10^9
-/// tokens/s): sums over millions of peers then still fit in a `u64`.
-const MAX_SCALED_THROUGHPUT: u64 = 1 << 40;
+/// Largest throughput taken into account, in internal units (about 4.3
+/// million tokens/s): sums over up to 2^32 peers then still fit in a `u64`.
+const MAX_SCALED_THROUGHPUT: u64 = 1 << 32;
 
 pub(crate) fn scale_throughput(tokens_per_second: f64) -> u64 {
     // Float-to-int `as` saturates; inputs were checked to be finite and >= 0.
@@ -903,8 +1018,10 @@ fn best_window_after_move(
     best
 }
 
-/// Reads each live peer's current holding from the map: runs of the same
-/// quantization are merged, the longest run is kept and the rest become strays.
+/// Reads each live peer's current holding from the map. Pieces inside the
+/// model in the same quantization are merged when they touch; the longest run
+/// is kept. Everything else the peer holds (other runs, other formats, layers
+/// past the model's end) becomes a stray to drop.
 fn attach_current_holdings(
     candidates: &mut [Candidate],
     peers: &[PeerCapacity],
@@ -919,37 +1036,57 @@ fn attach_current_holdings(
     let mut entries: Vec<(usize, &ShardHolding)> = map
         .holdings
         .iter()
-        .filter(|h| h.layers.start < h.layers.end.min(num_layers))
+        .filter(|h| !h.layers.is_empty())
         .filter_map(|h| position_of.get(h.peer.as_str()).map(|&p| (p, h)))
         .collect();
     entries.sort_by_key(|(position, h)| (*position, h.layers.start, h.layers.end, h.quantization));
     let mut index = 0;
     while index < entries.len() {
         let position = entries[index].0;
+        let group_len = entries[index..]
+            .iter()
+            .take_while(|(p, _)| *p == position)
+            .count();
+        let group = &entries[index..index + group_len];
+        index += group_len;
+
+        // The common case: one piece, inside the model. Nothing is stray.
+        if let [(_, holding)] = group
+            && holding.layers.end <= num_layers
+        {
+            candidates[position].old = Some(Holding {
+                span: holding.layers,
+                quantization: holding.quantization,
+                segments: vec![(holding.layers, holding.state)],
+            });
+            continue;
+        }
+
         let mut runs: Vec<Holding> = Vec::new();
-        while index < entries.len() && entries[index].0 == position {
-            let holding = entries[index].1;
+        for &(_, holding) in group {
             let span = LayerSpan::new(holding.layers.start, holding.layers.end.min(num_layers));
+            if span.is_empty() {
+                continue;
+            }
             match runs
                 .iter_mut()
                 .find(|r| r.quantization == holding.quantization && r.span.end >= span.start)
             {
-                Some(run) if run.span.end >= span.start => {
+                Some(run) => {
                     let fresh = LayerSpan::new(span.start.max(run.span.end), span.end);
                     if !fresh.is_empty() {
                         run.segments.push((fresh, holding.state));
                     }
                     run.span.end = run.span.end.max(span.end);
                 }
-                _ => runs.push(Holding {
+                None => runs.push(Holding {
                     span,
                     quantization: holding.quantization,
                     segments: vec![(span, holding.state)],
                 }),
             }
-            index += 1;
         }
-        let keep = runs
+        let kept = runs
             .iter()
             .enumerate()
             .max_by(|(_, a), (_, b)| {
@@ -960,19 +1097,36 @@ fn attach_current_holdings(
                     .then(a.quantization.cmp(&b.quantization))
             })
             .map(|(i, _)| i)
-            .unwrap_or(0);
-        let kept = runs.swap_remove(keep);
-        let candidate = &mut candidates[position];
-        if !runs.is_empty() {
-            // Layers held outside the kept run, as maximal runs (overlaps merged).
-            let mut stray_layers = vec![0u32; num_layers as usize];
-            for run in &runs {
-                stray_layers[run.span.start as usize..run.span.end as usize].fill(1);
+            .map(|keep| runs.swap_remove(keep));
+
+        // Everything held, per format, as disjoint runs (unclamped).
+        let mut held: Vec<(Quantization, LayerSpan)> = group
+            .iter()
+            .map(|(_, h)| (h.quantization, h.layers))
+            .collect();
+        held.sort_by_key(|&(q, span)| (q, span.start, span.end));
+        let mut merged: Vec<(Quantization, LayerSpan)> = Vec::new();
+        for (q, span) in held {
+            match merged.last_mut() {
+                Some((last_q, last)) if *last_q == q && last.end >= span.start => {
+                    last.end = last.end.max(span.end);
+                }
+                _ => merged.push((q, span)),
             }
-            stray_layers[kept.span.start as usize..kept.span.end as usize].fill(0);
-            candidate.stray = spans_where(&stray_layers, |held| held == 1);
         }
-        candidate.old = Some(kept);
+        let mut stray: Vec<(LayerSpan, Quantization)> = Vec::new();
+        for (q, span) in merged {
+            match &kept {
+                Some(run) if run.quantization == q => {
+                    stray.extend(subtract(span, run.span).into_iter().map(|piece| (piece, q)));
+                }
+                _ => stray.push((span, q)),
+            }
+        }
+        stray.sort_by_key(|&(span, q)| (span.start, span.end, q));
+        let candidate = &mut candidates[position];
+        candidate.stray = stray;
+        candidate.old = kept;
     }
 }
 
@@ -993,12 +1147,13 @@ fn subtract(span: LayerSpan, removed: LayerSpan) -> Vec<LayerSpan> {
 
 /// Directives turning what `candidate` holds into what it is planned to hold.
 fn diff_directives(peer: &PeerId, candidate: &Candidate, directives: &mut Vec<Directive>) {
-    let drop = |layers: LayerSpan| Directive::DropShard {
+    let drop = |layers: LayerSpan, quantization: Quantization| Directive::DropShard {
         peer: peer.clone(),
         layers,
+        quantization,
     };
-    for &stray in &candidate.stray {
-        directives.push(drop(stray));
+    for &(layers, quantization) in &candidate.stray {
+        directives.push(drop(layers, quantization));
     }
     let old = candidate
         .old
@@ -1006,19 +1161,19 @@ fn diff_directives(peer: &PeerId, candidate: &Candidate, directives: &mut Vec<Di
         .map(|holding| (holding.span, holding.quantization));
     match (old, candidate.planned) {
         (None, None) => {}
-        (Some((old_span, _)), None) => directives.push(drop(old_span)),
+        (Some((old_span, old_q)), None) => directives.push(drop(old_span, old_q)),
         (old, Some((new_span, quantization))) => {
             let kept = match old {
                 Some((old_span, old_q))
                     if old_q == quantization && !old_span.intersection(&new_span).is_empty() =>
                 {
                     for piece in subtract(old_span, new_span) {
-                        directives.push(drop(piece));
+                        directives.push(drop(piece, old_q));
                     }
                     Some(old_span)
                 }
-                Some((old_span, _)) => {
-                    directives.push(drop(old_span));
+                Some((old_span, old_q)) => {
+                    directives.push(drop(old_span, old_q));
                     None
                 }
                 None => None,

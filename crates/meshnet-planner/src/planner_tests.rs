@@ -199,7 +199,6 @@ fn hysteresis_suppresses_small_improvements() {
         PlannerConfig {
             tracker_layers: Some(2),
             hysteresis: 0.05,
-            ..PlannerConfig::default()
         },
     )
     .plan(&map, &peers)
@@ -216,31 +215,47 @@ fn hysteresis_suppresses_small_improvements() {
 
 #[test]
 fn growing_a_span_is_preferred_to_moving_it() {
-    // b's memory grew from 3 to 6 layers; the weak half of the mesh gains most
-    // if b extends over it.
-    let peers = vec![tracker(2), volunteer("a", 6, 10.0), volunteer("b", 6, 10.0)];
+    // Volunteers serve [2, 14); [5, 8) is the weakest stretch (10 tokens/s,
+    // 20 elsewhere). b's memory grew from 3 to 6 layers. Growing b to [2, 8)
+    // and moving it to [5, 11) both lift the weakest layer to 20, but growing
+    // loads 3 layers and drops none, while the move loads 6 and drops 3.
+    let peers = vec![
+        tracker(2),
+        volunteer("a", 12, 10.0),
+        volunteer("b", 6, 10.0),
+        volunteer("c", 6, 10.0),
+        volunteer("d", 3, 10.0),
+    ];
     let map = CoverageMap {
         epoch: 1,
         holdings: vec![
             holding("tracker", 0, 2),
-            holding("a", 2, 8),
+            holding("a", 2, 14),
             holding("b", 2, 5),
+            holding("c", 8, 14),
+            holding("d", 2, 5),
         ],
     };
-    let plan = planner(8, Some(2)).plan(&map, &peers).unwrap();
+    let plan = planner(14, Some(2)).plan(&map, &peers).unwrap();
     let b = directives_for(&plan, "b");
     assert_eq!(dropped_layers(&b), 0, "{b:?}");
     assert_eq!(loaded_layers(&b), 3, "{b:?}");
-    assert!(directives_for(&plan, "a").is_empty());
-    assert_eq!(
-        plan.map
-            .holdings
-            .iter()
-            .filter(|h| h.peer.as_str() == "b")
-            .map(|h| h.layers.len())
-            .sum::<u32>(),
-        6
-    );
+    for other in ["a", "c", "d", "tracker"] {
+        assert!(directives_for(&plan, other).is_empty(), "{other} moved");
+    }
+    let b_layers: Vec<LayerSpan> = plan
+        .map
+        .holdings
+        .iter()
+        .filter(|h| h.peer.as_str() == "b")
+        .map(|h| h.layers)
+        .collect();
+    assert_eq!(b_layers, vec![LayerSpan::new(2, 5), LayerSpan::new(5, 8)]);
+    let weakest = plan.report.throughput_per_layer[2..]
+        .iter()
+        .copied()
+        .fold(f64::INFINITY, f64::min);
+    assert!((weakest - 20.0).abs() < 1e-9, "{:?}", plan.report);
 }
 
 #[test]
@@ -426,7 +441,8 @@ fn stray_and_departed_holdings_are_cleaned_up() {
         a,
         vec![&Directive::DropShard {
             peer: PeerId::from("a"),
-            layers: LayerSpan::new(0, 1)
+            layers: LayerSpan::new(0, 1),
+            quantization: Quantization::Int8,
         }]
     );
     assert!(directives_for(&plan, "ghost").is_empty());
@@ -447,4 +463,210 @@ fn plans_round_trip_through_json() {
     let peers_json = serde_json::to_string(&peers).unwrap();
     let peers_back: Vec<PeerCapacity> = serde_json::from_str(&peers_json).unwrap();
     assert_eq!(peers_back, peers);
+}
+
+#[test]
+fn an_exhausted_epoch_is_an_error_not_an_overflow() {
+    let planner = planner(6, Some(2));
+    let peers = vec![tracker(2), volunteer("a", 4, 1.0)];
+    assert_eq!(
+        planner.plan(&CoverageMap::empty(u64::MAX), &peers),
+        Err(PlanError::EpochOverflow(u64::MAX))
+    );
+    // A plan without directives keeps the epoch, so it still succeeds.
+    let mut settled = planner.plan(&CoverageMap::empty(3), &peers).unwrap().map;
+    settled.epoch = u64::MAX;
+    let quiet = planner.plan(&settled, &peers).unwrap();
+    assert!(quiet.directives.is_empty());
+    assert_eq!(quiet.map.epoch, u64::MAX);
+}
+
+#[test]
+fn hysteresis_must_be_positive_and_finite() {
+    let peers = vec![tracker(2), volunteer("a", 4, 1.0)];
+    for hysteresis in [0.0, -0.1, 0.0005, f64::NAN, f64::INFINITY] {
+        let planner = Planner::new(
+            toy_model(6),
+            PlannerConfig {
+                hysteresis,
+                ..PlannerConfig::default()
+            },
+        );
+        assert!(
+            matches!(
+                planner.plan(&CoverageMap::empty(0), &peers),
+                Err(PlanError::InvalidConfig(_))
+            ),
+            "hysteresis {hysteresis} accepted"
+        );
+    }
+}
+
+/// 90 one-layer volunteers whose throughputs rise in 21 % steps, plus 90
+/// strong spare peers all stacked on the last layer. Each rebalancing move
+/// takes a spare to the weakest layer and lifts the weakest throughput by
+/// 21 %, so a plan takes 89 moves to settle.
+fn rising_mesh() -> (Vec<PeerCapacity>, CoverageMap) {
+    let mut peers = vec![tracker(0)];
+    let mut map = CoverageMap::empty(1);
+    for layer in 0..90u32 {
+        let id = format!("holder-{layer:02}");
+        peers.push(volunteer(&id, 1, 1.21f64.powi(layer as i32)));
+        map.holdings.push(holding(&id, layer, layer + 1));
+        let spare = format!("spare-{layer:02}");
+        peers.push(volunteer(&spare, 1, 1e6));
+        map.holdings.push(holding(&spare, 89, 90));
+    }
+    (peers, map)
+}
+
+#[test]
+fn a_plan_is_a_fixed_point_even_after_many_rebalancing_moves() {
+    let (peers, map) = rising_mesh();
+    for hysteresis in [0.01, 0.2] {
+        let planner = Planner::new(
+            toy_model(90),
+            PlannerConfig {
+                tracker_layers: Some(0),
+                hysteresis,
+            },
+        );
+        let first = planner.plan(&map, &peers).unwrap();
+        assert!(first.report.is_complete());
+        // Every move drops the last layer and loads another: far more than
+        // the 64 moves a capped rebalancing loop would stop after.
+        assert!(
+            first.directives.len() > 2 * 64,
+            "{} directives at {hysteresis}",
+            first.directives.len()
+        );
+        let again = planner.plan(&first.map, &peers).unwrap();
+        assert!(
+            again.directives.is_empty(),
+            "replan at {hysteresis} gave {} directives",
+            again.directives.len()
+        );
+        let mut ready = first.map.clone();
+        ready.mark_all_ready();
+        assert!(planner.plan(&ready, &peers).unwrap().directives.is_empty());
+    }
+}
+
+#[test]
+fn a_gap_is_filled_by_the_repair_that_loads_least() {
+    // a holds [0, 10) and could reach 50 layers; the departed peer held
+    // [49, 50). Growing a would load [10, 50); the free peer e loads one layer.
+    let planner = planner(60, Some(0));
+    let peers = vec![
+        tracker(0),
+        volunteer("a", 50, 1.0),
+        volunteer("c", 39, 1.0),
+        volunteer("d", 10, 1.0),
+        volunteer("e", 1, 1.0),
+    ];
+    let map = CoverageMap {
+        epoch: 1,
+        holdings: vec![
+            holding("a", 0, 10),
+            holding("c", 10, 49),
+            holding("gone", 49, 50),
+            holding("d", 50, 60),
+        ],
+    };
+    let plan = planner.plan(&map, &peers).unwrap();
+    assert!(plan.report.is_complete());
+    let loaded: u64 = plan
+        .directives
+        .iter()
+        .map(|d| d.bytes_loaded(planner.model()))
+        .sum();
+    assert_eq!(loaded, NF4);
+    assert_eq!(
+        plan.directives,
+        vec![Directive::LoadShard {
+            peer: PeerId::from("e"),
+            layers: LayerSpan::new(49, 50),
+            quantization: Quantization::Nf4,
+        }]
+    );
+}
+
+#[test]
+fn stale_pieces_get_a_drop_for_their_own_format() {
+    let planner = planner(8, Some(2));
+    let peers = vec![tracker(2), volunteer("a", 6, 10.0), volunteer("b", 6, 10.0)];
+    let map = CoverageMap {
+        epoch: 3,
+        holdings: vec![
+            holding("tracker", 0, 2),
+            // Past the model's end: [8, 12) does not exist.
+            holding("a", 2, 12),
+            holding("b", 2, 8),
+            // b also holds part of its span in another format.
+            ShardHolding {
+                quantization: Quantization::Int8,
+                ..holding("b", 4, 6)
+            },
+        ],
+    };
+    let plan = planner.plan(&map, &peers).unwrap();
+    assert_eq!(
+        directives_for(&plan, "a"),
+        vec![&Directive::DropShard {
+            peer: PeerId::from("a"),
+            layers: LayerSpan::new(8, 12),
+            quantization: Quantization::Nf4,
+        }]
+    );
+    assert_eq!(
+        directives_for(&plan, "b"),
+        vec![&Directive::DropShard {
+            peer: PeerId::from("b"),
+            layers: LayerSpan::new(4, 6),
+            quantization: Quantization::Int8,
+        }]
+    );
+    assert_eq!(
+        plan.map.holding_of(&PeerId::from("a")).map(|h| h.layers),
+        Some(LayerSpan::new(2, 8))
+    );
+    // A peer holding only layers past the end drops them all.
+    let beyond = CoverageMap {
+        epoch: 3,
+        holdings: vec![holding("tracker", 0, 2), holding("a", 9, 20)],
+    };
+    let plan = planner.plan(&beyond, &peers).unwrap();
+    assert!(directives_for(&plan, "a").contains(&&Directive::DropShard {
+        peer: PeerId::from("a"),
+        layers: LayerSpan::new(9, 20),
+        quantization: Quantization::Nf4,
+    }));
+}
+
+#[test]
+fn missing_memory_does_not_depend_on_where_spans_sit() {
+    // Two peers of reach 3 on 10 layers leave 4 layers short wherever they sit.
+    let planner = planner(10, Some(0));
+    let peers = vec![tracker(0), volunteer("a", 3, 1.0), volunteer("b", 3, 1.0)];
+    let overlapping = CoverageMap {
+        epoch: 1,
+        holdings: vec![holding("a", 0, 3), holding("b", 2, 5)],
+    };
+    let kept = planner.plan(&overlapping, &peers).unwrap();
+    let fresh = planner.plan(&CoverageMap::empty(0), &peers).unwrap();
+    let uncovered = |plan: &Plan| plan.report.uncovered.iter().map(|s| s.len()).sum::<u32>();
+    assert_eq!(uncovered(&kept), 5);
+    assert_eq!(uncovered(&fresh), 4);
+    assert_eq!(kept.report.missing_memory_bytes, 4 * NF4);
+    assert_eq!(fresh.report.missing_memory_bytes, 4 * NF4);
+    // That much memory more does make the model coverable.
+    let mut grown = peers.clone();
+    grown.push(volunteer("z", 4, 1.0));
+    assert!(
+        planner
+            .plan(&kept.map, &grown)
+            .unwrap()
+            .report
+            .is_complete()
+    );
 }

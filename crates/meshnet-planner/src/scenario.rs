@@ -7,6 +7,7 @@
 
 use rand::Rng;
 
+use crate::error::PlanError;
 use crate::model::Quantization;
 use crate::types::{PeerCapacity, PeerId};
 
@@ -27,6 +28,31 @@ pub struct MeshProfile {
     pub tracker_gib: u64,
 }
 
+impl MeshProfile {
+    /// Largest tracker memory accepted, in GiB (1 PiB): keeps byte counts far
+    /// from overflowing.
+    pub const MAX_TRACKER_GIB: u64 = 1 << 20;
+
+    /// Checks that `cpu_fraction` is a fraction in `[0, 1]` and that the
+    /// tracker's memory is at most [`Self::MAX_TRACKER_GIB`].
+    pub fn validate(&self) -> Result<(), PlanError> {
+        if !(0.0..=1.0).contains(&self.cpu_fraction) {
+            return Err(PlanError::InvalidConfig(format!(
+                "cpu_fraction must lie in [0, 1], got {}",
+                self.cpu_fraction
+            )));
+        }
+        if self.tracker_gib > Self::MAX_TRACKER_GIB {
+            return Err(PlanError::InvalidConfig(format!(
+                "tracker memory of {} GiB exceeds the supported {} GiB",
+                self.tracker_gib,
+                Self::MAX_TRACKER_GIB
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Default for MeshProfile {
     fn default() -> Self {
         MeshProfile {
@@ -37,10 +63,11 @@ impl Default for MeshProfile {
 }
 
 /// The tracker: a GPU (size from `profile`) that also runs the embedding and head.
+/// Memory saturates at `u64::MAX` for an out-of-range `tracker_gib`.
 pub fn tracker(profile: &MeshProfile) -> PeerCapacity {
     PeerCapacity {
         peer: PeerId::from("tracker"),
-        memory_bytes: profile.tracker_gib * GIB * USABLE_PERCENT / 100,
+        memory_bytes: usable_bytes(profile.tracker_gib),
         quantizations: vec![Quantization::Nf4, Quantization::Int8, Quantization::Bf16],
         throughput: 40.0,
         kv_tokens: 2048,
@@ -48,13 +75,27 @@ pub fn tracker(profile: &MeshProfile) -> PeerCapacity {
     }
 }
 
+/// Bytes a volunteer gives the mesh from a device of `gib` GiB.
+fn usable_bytes(gib: u64) -> u64 {
+    gib.checked_mul(GIB * USABLE_PERCENT)
+        .map_or(u64::MAX, |bytes| bytes / 100)
+}
+
 /// One random volunteer named `id`.
+///
+/// An out-of-range `cpu_fraction` is clamped to `[0, 1]` and NaN counts as 0;
+/// use [`MeshProfile::validate`] to reject such profiles instead.
 pub fn volunteer(rng: &mut impl Rng, id: PeerId, profile: &MeshProfile) -> PeerCapacity {
-    if rng.random_bool(profile.cpu_fraction.clamp(0.0, 1.0)) {
+    let cpu_fraction = if profile.cpu_fraction.is_nan() {
+        0.0
+    } else {
+        profile.cpu_fraction.clamp(0.0, 1.0)
+    };
+    if rng.random_bool(cpu_fraction) {
         let gib = rng.random_range(2..=8u64);
         PeerCapacity {
             peer: id,
-            memory_bytes: gib * GIB * USABLE_PERCENT / 100,
+            memory_bytes: usable_bytes(gib),
             quantizations: vec![Quantization::Q4_1, Quantization::Q8_0],
             throughput: rng.random_range(0.5..4.0),
             kv_tokens: 512,
@@ -78,7 +119,7 @@ pub fn volunteer(rng: &mut impl Rng, id: PeerId, profile: &MeshProfile) -> PeerC
         let base = 10.0 + 2.0 * gib as f64;
         PeerCapacity {
             peer: id,
-            memory_bytes: gib * GIB * USABLE_PERCENT / 100,
+            memory_bytes: usable_bytes(gib),
             quantizations: vec![Quantization::Nf4, Quantization::Int8, Quantization::Bf16],
             throughput: base * rng.random_range(0.6..1.4),
             kv_tokens: 2048,
@@ -125,5 +166,29 @@ mod tests {
             assert!(peer.memory_bytes >= 2 * GIB * 9 / 10 && peer.memory_bytes <= 24 * GIB);
             assert!(peer.throughput > 0.0);
         }
+    }
+
+    #[test]
+    fn bad_profiles_are_rejected_and_never_panic() {
+        assert_eq!(MeshProfile::default().validate(), Ok(()));
+        for cpu_fraction in [f64::NAN, -0.1, 1.5, f64::INFINITY] {
+            let profile = MeshProfile {
+                cpu_fraction,
+                ..MeshProfile::default()
+            };
+            assert!(matches!(
+                profile.validate(),
+                Err(PlanError::InvalidConfig(_))
+            ));
+            // Generating from it anyway does not panic.
+            let peers = mesh(&mut StdRng::seed_from_u64(1), 20, &profile);
+            assert_eq!(peers.len(), 21);
+        }
+        let huge = MeshProfile {
+            tracker_gib: u64::MAX,
+            ..MeshProfile::default()
+        };
+        assert!(huge.validate().is_err());
+        assert_eq!(tracker(&huge).memory_bytes, u64::MAX);
     }
 }

@@ -293,12 +293,15 @@ pub enum Directive {
         /// The format to load them in.
         quantization: Quantization,
     },
-    /// Unload `layers` from the peer's span.
+    /// Unload `layers`, held in `quantization`, from the peer.
     DropShard {
         /// The peer that unloads.
         peer: PeerId,
         /// The layers to unload.
         layers: LayerSpan,
+        /// The format the peer holds those layers in (a peer may hold the same
+        /// layer in two formats in a stale map; only this copy is dropped).
+        quantization: Quantization,
     },
 }
 
@@ -386,8 +389,14 @@ mod tests {
         let directive = Directive::DropShard {
             peer: PeerId::from("p"),
             layers: LayerSpan::new(1, 2),
+            quantization: Quantization::Int8,
         };
         let json = serde_json::to_string(&directive).unwrap();
-        assert!(json.starts_with("{\"DROP_SHARD\":"), "{json}");
+        assert_eq!(
+            json,
+            "{\"DROP_SHARD\":{\"peer\":\"p\",\"layers\":{\"start\":1,\"end\":2},\"quantization\":\"int8\"}}"
+        );
+        let back: Directive = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, directive);
     }
 }

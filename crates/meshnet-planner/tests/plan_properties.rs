@@ -15,6 +15,8 @@ const FORMATS: [Quantization; 3] = [Quantization::Nf4, Quantization::Int8, Quant
 #[derive(Debug, Clone)]
 struct Mesh {
     model: ModelShape,
+    /// Planner hysteresis drawn for this mesh.
+    hysteresis: f64,
     peers: Vec<PeerCapacity>,
     map: CoverageMap,
     rotation: usize,
@@ -41,7 +43,8 @@ fn peer_strategy() -> impl Strategy<Value = (u64, Vec<bool>, f64, u64)> {
     (
         0u64..1500,
         prop::collection::vec(any::<bool>(), 3),
-        (0u32..100).prop_map(f64::from),
+        // Whole numbers (ties) and arbitrary fractions alike.
+        prop_oneof![(0u32..100).prop_map(f64::from), 0.0f64..100.0],
         0u64..40,
     )
 }
@@ -62,66 +65,70 @@ fn holding_strategy(max_layers: u32) -> impl Strategy<Value = HoldingSeed> {
 fn mesh_strategy(max_layers: u32, max_volunteers: usize) -> impl Strategy<Value = Mesh> {
     (
         model_strategy(max_layers),
+        0.05f64..1.0,
         peer_strategy(),
         prop::collection::vec(peer_strategy(), 0..=max_volunteers),
         prop::collection::vec(holding_strategy(max_layers), 0..=2 * (max_volunteers + 3)),
         any::<usize>(),
     )
-        .prop_map(move |(model, tracker, volunteers, holdings, rotation)| {
-            let build = |id: String,
-                         (memory, formats, throughput, kv): (u64, Vec<bool>, f64, u64),
-                         is_tracker| {
-                let mut quantizations: Vec<Quantization> = FORMATS
-                    .iter()
-                    .zip(&formats)
-                    .filter(|(_, on)| **on)
-                    .map(|(q, _)| *q)
-                    .collect();
-                if is_tracker && quantizations.is_empty() {
-                    quantizations.push(Quantization::Nf4);
+        .prop_map(
+            move |(model, hysteresis, tracker, volunteers, holdings, rotation)| {
+                let build = |id: String,
+                             (memory, formats, throughput, kv): (u64, Vec<bool>, f64, u64),
+                             is_tracker| {
+                    let mut quantizations: Vec<Quantization> = FORMATS
+                        .iter()
+                        .zip(&formats)
+                        .filter(|(_, on)| **on)
+                        .map(|(q, _)| *q)
+                        .collect();
+                    if is_tracker && quantizations.is_empty() {
+                        quantizations.push(Quantization::Nf4);
+                    }
+                    PeerCapacity {
+                        peer: PeerId::new(id),
+                        memory_bytes: memory
+                            + if is_tracker {
+                                model.tracker_extra_bytes()
+                            } else {
+                                0
+                            },
+                        quantizations,
+                        throughput,
+                        kv_tokens: kv,
+                        is_tracker,
+                    }
+                };
+                let mut peers = vec![build("tracker".into(), tracker, true)];
+                for (i, v) in volunteers.into_iter().enumerate() {
+                    peers.push(build(format!("v{i}"), v, false));
                 }
-                PeerCapacity {
-                    peer: PeerId::new(id),
-                    memory_bytes: memory
-                        + if is_tracker {
-                            model.tracker_extra_bytes()
+                // Holdings for live peers and for two departed ones.
+                let mut names: Vec<String> = peers.iter().map(|p| p.peer.0.clone()).collect();
+                names.push("departed-1".into());
+                names.push("departed-2".into());
+                let mut map = CoverageMap::empty(5);
+                for (whose, start, len, format, ready) in holdings {
+                    map.holdings.push(ShardHolding {
+                        peer: PeerId::new(whose.get(&names).clone()),
+                        layers: LayerSpan::new(start, start + len),
+                        quantization: FORMATS[format],
+                        state: if ready {
+                            PeerState::Ready
                         } else {
-                            0
+                            PeerState::Loading
                         },
-                    quantizations,
-                    throughput,
-                    kv_tokens: kv,
-                    is_tracker,
+                    });
                 }
-            };
-            let mut peers = vec![build("tracker".into(), tracker, true)];
-            for (i, v) in volunteers.into_iter().enumerate() {
-                peers.push(build(format!("v{i}"), v, false));
-            }
-            // Holdings for live peers and for two departed ones.
-            let mut names: Vec<String> = peers.iter().map(|p| p.peer.0.clone()).collect();
-            names.push("departed-1".into());
-            names.push("departed-2".into());
-            let mut map = CoverageMap::empty(5);
-            for (whose, start, len, format, ready) in holdings {
-                map.holdings.push(ShardHolding {
-                    peer: PeerId::new(whose.get(&names).clone()),
-                    layers: LayerSpan::new(start, start + len),
-                    quantization: FORMATS[format],
-                    state: if ready {
-                        PeerState::Ready
-                    } else {
-                        PeerState::Loading
-                    },
-                });
-            }
-            Mesh {
-                model,
-                peers,
-                map,
-                rotation,
-            }
-        })
+                Mesh {
+                    model,
+                    hysteresis,
+                    peers,
+                    map,
+                    rotation,
+                }
+            },
+        )
 }
 
 /// Memory a peer needs for `layers` layers in `q`, computed from first principles.
@@ -176,18 +183,19 @@ fn cover_exists(model: &ModelShape, peers: &[PeerCapacity], fixed_tracker: Optio
     reachable.contains(&full)
 }
 
-/// Layers each live peer holds (layers past the model's end do not exist).
+/// Every (layer, format) each live peer holds according to the map, layers
+/// past the model's end included: a plan must drop those too.
 fn layer_sets(
     map: &CoverageMap,
     live: &BTreeSet<PeerId>,
-    num_layers: u32,
-) -> BTreeMap<PeerId, BTreeSet<u32>> {
-    let mut sets: BTreeMap<PeerId, BTreeSet<u32>> = BTreeMap::new();
+) -> BTreeMap<PeerId, BTreeSet<(u32, Quantization)>> {
+    let mut sets: BTreeMap<PeerId, BTreeSet<(u32, Quantization)>> = BTreeMap::new();
     for holding in &map.holdings {
         if live.contains(&holding.peer) {
-            sets.entry(holding.peer.clone())
-                .or_default()
-                .extend(holding.layers.start..holding.layers.end.min(num_layers));
+            sets.entry(holding.peer.clone()).or_default().extend(
+                (holding.layers.start..holding.layers.end)
+                    .map(|layer| (layer, holding.quantization)),
+            );
         }
     }
     sets.retain(|_, set| !set.is_empty());
@@ -257,15 +265,43 @@ fn check_plan_invariants(mesh: &Mesh, planner: &Planner, plan: &Plan) -> Result<
         plan.report.missing_memory_bytes == 0,
         plan.report.is_complete()
     );
+    // Missing memory is the volunteers' reach shortfall at the cheapest cost.
+    if !plan.report.is_complete() {
+        let volunteers: Vec<&PeerCapacity> = mesh.peers.iter().filter(|p| !p.is_tracker).collect();
+        let range = model.num_layers - plan.tracker_layers;
+        let reach = |peer: &PeerCapacity| {
+            (0..=range)
+                .rev()
+                .find(|&l| l == 0 || fits(model, peer, l))
+                .unwrap_or(0)
+        };
+        let shortfall =
+            u64::from(range).saturating_sub(volunteers.iter().map(|p| u64::from(reach(p))).sum());
+        let smallest_kv = volunteers.iter().map(|p| p.kv_tokens).min().unwrap_or(0);
+        let cheapest = model
+            .layer_bytes
+            .values()
+            .map(|bytes| bytes + smallest_kv * model.kv_bytes_per_token_per_layer)
+            .min()
+            .unwrap_or(0);
+        prop_assert_eq!(plan.report.missing_memory_bytes, shortfall * cheapest);
+    }
 
     // Applying the directives to what live peers held gives the planned map.
-    let mut held = layer_sets(&mesh.map, &live, model.num_layers);
+    let mut held = layer_sets(&mesh.map, &live);
     for directive in &plan.directives {
         match directive {
-            Directive::DropShard { peer, layers } => {
+            Directive::DropShard {
+                peer,
+                layers,
+                quantization,
+            } => {
                 let set = held.entry(peer.clone()).or_default();
                 for layer in layers.start..layers.end {
-                    prop_assert!(set.remove(&layer), "{peer} drops {layer} it does not hold");
+                    prop_assert!(
+                        set.remove(&(layer, *quantization)),
+                        "{peer} drops {layer} ({quantization}) it does not hold"
+                    );
                 }
             }
             Directive::LoadShard {
@@ -276,13 +312,16 @@ fn check_plan_invariants(mesh: &Mesh, planner: &Planner, plan: &Plan) -> Result<
                 prop_assert_eq!(Some(quantization), spans.get(peer).map(|(_, q)| q));
                 let set = held.entry(peer.clone()).or_default();
                 for layer in layers.start..layers.end {
-                    prop_assert!(set.insert(layer), "{peer} loads {layer} twice");
+                    prop_assert!(
+                        set.insert((layer, *quantization)),
+                        "{peer} loads {layer} twice"
+                    );
                 }
             }
         }
     }
     held.retain(|_, set| !set.is_empty());
-    prop_assert_eq!(held, layer_sets(&plan.map, &live, model.num_layers));
+    prop_assert_eq!(held, layer_sets(&plan.map, &live));
 
     // Replanning the planned mesh, loading or ready, changes nothing.
     let again = planner
@@ -318,6 +357,13 @@ fn check_plan_invariants(mesh: &Mesh, planner: &Planner, plan: &Plan) -> Result<
     Ok(())
 }
 
+fn config(mesh: &Mesh, tracker_layers: Option<u32>) -> PlannerConfig {
+    PlannerConfig {
+        tracker_layers,
+        hysteresis: mesh.hysteresis,
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(4000))]
 
@@ -325,7 +371,7 @@ proptest! {
     /// exhaustive search finds a contiguous cover.
     #[test]
     fn covers_whenever_a_cover_exists(mesh in mesh_strategy(8, 5)) {
-        let planner = Planner::new(mesh.model.clone(), PlannerConfig::default());
+        let planner = Planner::new(mesh.model.clone(), config(&mesh, None));
         let plan = planner.plan(&mesh.map, &mesh.peers).expect("valid mesh");
         let exists = cover_exists(&mesh.model, &mesh.peers, None);
         prop_assert_eq!(plan.report.is_complete(), exists, "report {:?}", plan.report);
@@ -340,8 +386,7 @@ proptest! {
     /// tracker cannot hold is rejected.
     #[test]
     fn fixed_tracker_span_is_exact(mesh in mesh_strategy(8, 5), requested in 0u32..9) {
-        let config = PlannerConfig { tracker_layers: Some(requested), ..PlannerConfig::default() };
-        let planner = Planner::new(mesh.model.clone(), config);
+        let planner = Planner::new(mesh.model.clone(), config(&mesh, Some(requested)));
         let tracker = &mesh.peers[0];
         let tracker_fits = requested <= mesh.model.num_layers
             && (requested == 0 || fits(&mesh.model, tracker, requested));
@@ -368,7 +413,7 @@ proptest! {
     /// coverage whenever the peers' reaches laid end to end span the model.
     #[test]
     fn larger_meshes_keep_every_invariant(mesh in mesh_strategy(40, 60)) {
-        let planner = Planner::new(mesh.model.clone(), PlannerConfig::default());
+        let planner = Planner::new(mesh.model.clone(), config(&mesh, None));
         let plan = planner.plan(&mesh.map, &mesh.peers).expect("valid mesh");
         let reach = |peer: &PeerCapacity| {
             (0..=mesh.model.num_layers).rev().find(|&l| l == 0 || fits(&mesh.model, peer, l)).unwrap_or(0)

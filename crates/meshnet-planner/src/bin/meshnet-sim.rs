@@ -8,7 +8,8 @@ use clap::{Parser, ValueEnum};
 use meshnet_planner::baseline::GreedyBaseline;
 use meshnet_planner::scenario::{self, MeshProfile};
 use meshnet_planner::{
-    CoverageMap, Directive, LayerSpan, ModelShape, PeerCapacity, PeerId, Planner, PlannerConfig,
+    CoverageMap, Directive, LayerSpan, MAX_LAYERS, ModelShape, PeerCapacity, PeerId, Planner,
+    PlannerConfig,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -60,7 +61,7 @@ struct Args {
     /// Fix the tracker's span to `[0..k)` instead of sizing it by its memory.
     #[arg(long)]
     tracker_layers: Option<u32>,
-    /// Planner hysteresis (fraction of the weakest layer's throughput).
+    /// Planner hysteresis (fraction of the weakest layer's throughput, at least 0.001).
     #[arg(long, default_value_t = 0.2)]
     hysteresis: f64,
     /// Print one JSON object instead of a table.
@@ -193,13 +194,10 @@ fn elapsed_ms(start: Instant) -> f64 {
 }
 
 fn pick_event(rng: &mut StdRng, args: &Args) -> Event {
-    let weights = [
-        args.join_rate.max(0.0),
-        args.leave_rate.max(0.0),
-        args.crash_rate.max(0.0),
-    ];
+    // `validate` made the weights finite and non-negative with a positive sum.
+    let weights = [args.join_rate, args.leave_rate, args.crash_rate];
     let total: f64 = weights.iter().sum();
-    if total <= 0.0 {
+    if !(total > 0.0 && total.is_finite()) {
         return Event::Join;
     }
     let draw = rng.random_range(0.0..total);
@@ -219,15 +217,66 @@ fn min_over(counts: &[u32], range: LayerSpan) -> u32 {
         .unwrap_or(0)
 }
 
+/// Largest accepted `--peers`: keeps the simulated mesh within memory.
+const MAX_PEERS: usize = 1_000_000;
+
+/// Rejects arguments the simulation cannot run with, with a readable reason.
+fn validate(args: &Args) -> Result<(), String> {
+    for (name, rate) in [
+        ("--join-rate", args.join_rate),
+        ("--leave-rate", args.leave_rate),
+        ("--crash-rate", args.crash_rate),
+    ] {
+        if !rate.is_finite() || rate < 0.0 {
+            return Err(format!(
+                "{name} must be a finite, non-negative weight, got {rate}"
+            ));
+        }
+    }
+    if args.join_rate + args.leave_rate + args.crash_rate <= 0.0 {
+        return Err(
+            "at least one of --join-rate, --leave-rate and --crash-rate must be positive".into(),
+        );
+    }
+    if !(0.0..=1.0).contains(&args.cpu_fraction) {
+        return Err(format!(
+            "--cpu-fraction must lie in [0, 1], got {}",
+            args.cpu_fraction
+        ));
+    }
+    if args.peers > MAX_PEERS {
+        return Err(format!(
+            "--peers must be at most {MAX_PEERS}, got {}",
+            args.peers
+        ));
+    }
+    if let Some(layers) = args.layers
+        && !(1..=MAX_LAYERS).contains(&layers)
+    {
+        return Err(format!(
+            "--layers must lie in [1, {MAX_LAYERS}], got {layers}"
+        ));
+    }
+    let profile = MeshProfile {
+        cpu_fraction: args.cpu_fraction,
+        tracker_gib: args.tracker_gib,
+    };
+    profile.validate().map_err(|e| e.to_string())?;
+    PlannerConfig {
+        hysteresis: args.hysteresis,
+        tracker_layers: args.tracker_layers,
+    }
+    .validate()
+    .map_err(|e| e.to_string())
+}
+
 fn run(args: &Args) -> Result<Report, String> {
+    validate(args)?;
     let mut model = match args.model {
         ModelChoice::Llama70b => ModelShape::llama_70b(),
         ModelChoice::Smollm2_135m => ModelShape::smollm2_135m(),
     };
     if let Some(layers) = args.layers {
-        if layers == 0 {
-            return Err("--layers must be at least 1".into());
-        }
         model.num_layers = layers;
     }
     let profile = MeshProfile {
@@ -242,7 +291,6 @@ fn run(args: &Args) -> Result<Report, String> {
         PlannerConfig {
             hysteresis: args.hysteresis,
             tracker_layers: args.tracker_layers,
-            ..PlannerConfig::default()
         },
     );
 
@@ -320,8 +368,10 @@ fn run(args: &Args) -> Result<Report, String> {
                 let index = rng.random_range(1..peers.len());
                 let gone: PeerId = peers.swap_remove(index).peer;
 
-                // A crashed peer stops serving at once; a leaving one keeps
-                // serving until the tracker's replacement plan has loaded.
+                // Both strategies are measured the same way: a crashed peer
+                // stops serving at once, so "served before the repair" is
+                // judged without it; a leaving one keeps serving until the
+                // repair has loaded, so it is judged with it still in place.
                 if crashed {
                     map.remove_peer(&gone);
                 }
@@ -335,10 +385,15 @@ fn run(args: &Args) -> Result<Report, String> {
                 map = plan.map;
                 map.mark_all_ready();
 
-                // Petals-like servers announce nothing useful: the layers are
-                // gone until some server decides to move there.
+                // Petals-like servers have no coordinator: the layers are gone
+                // until some server decides to move there.
+                let complete_with_leaver = baseline.is_complete();
                 baseline.remove(&gone);
-                let served_before = baseline.is_complete();
+                let served_before = if crashed {
+                    baseline.is_complete()
+                } else {
+                    complete_with_leaver
+                };
                 let start = Instant::now();
                 let directives = baseline.rebalance();
                 let ms = elapsed_ms(start);
@@ -417,6 +472,49 @@ fn main() {
         Err(error) => {
             eprintln!("meshnet-sim: {error}");
             std::process::exit(1);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(extra: &[&str]) -> Args {
+        let mut argv = vec!["meshnet-sim", "--peers", "6", "--steps", "20"];
+        argv.extend_from_slice(extra);
+        Args::try_parse_from(argv).unwrap()
+    }
+
+    #[test]
+    fn bad_arguments_are_reported_not_panicked_on() {
+        for extra in [
+            &["--join-rate", "NaN"][..],
+            &["--leave-rate", "inf"],
+            &["--crash-rate=-1"],
+            &["--join-rate", "0", "--leave-rate", "0", "--crash-rate", "0"],
+            &["--cpu-fraction", "1.5"],
+            &["--cpu-fraction", "NaN"],
+            &["--hysteresis", "0"],
+            &["--hysteresis", "NaN"],
+            &["--layers", "0"],
+            &["--layers", "70000"],
+            &["--tracker-gib", "18446744073709551615"],
+        ] {
+            let args = parse(extra);
+            assert!(run(&args).is_err(), "{extra:?} was accepted");
+        }
+    }
+
+    #[test]
+    fn a_small_trace_runs_and_counts_every_event() {
+        let report = run(&parse(&["--layers", "20"])).unwrap();
+        assert_eq!(
+            report.events.joins + report.events.leaves + report.events.crashes,
+            20
+        );
+        for strategy in [&report.planner, &report.baseline] {
+            assert!((0.0..=1.0).contains(&strategy.availability));
         }
     }
 }
