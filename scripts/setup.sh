@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing meshnet needs on a fresh Debian machine with a Rust
-# toolchain: rustfmt and clippy, and cargo-fuzz for the fuzz targets. Idempotent.
+# toolchain: rustfmt and clippy, cargo-fuzz for the fuzz targets, and the default model file
+# (scripts/fetch-model.sh) for the model tests. Idempotent.
 set -euo pipefail
 
 if ! command -v cargo >/dev/null 2>&1; then
@@ -14,4 +15,5 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "installing cargo-fuzz"
   cargo install --locked cargo-fuzz
 fi
+bash "$(dirname "$0")/fetch-model.sh" >/dev/null
 echo "setup done"
