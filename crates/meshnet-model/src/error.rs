@@ -1,0 +1,144 @@
+//! The one error type of the model crate.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong loading or running a model.
+///
+/// Messages name the file, the metadata key or the tensor at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The model file could not be opened or read.
+    #[error("cannot read model file {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// The file is not a readable GGUF file (bad magic, truncated header, bad metadata).
+    #[error("{path} is not a valid GGUF file: {reason}")]
+    CorruptFile {
+        /// The file.
+        path: PathBuf,
+        /// What the GGUF reader reported.
+        reason: String,
+    },
+    /// The model's architecture is not one this crate runs.
+    #[error("{path}: unsupported architecture {architecture:?} (supported: llama)")]
+    UnsupportedArchitecture {
+        /// The file.
+        path: PathBuf,
+        /// The architecture the file declares.
+        architecture: String,
+    },
+    /// A required metadata key is absent or has the wrong type.
+    #[error("{path}: metadata key {key}: {reason}")]
+    Metadata {
+        /// The file.
+        path: PathBuf,
+        /// The metadata key.
+        key: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A tensor the span needs is not in the file.
+    #[error("{path}: missing tensor {tensor}")]
+    MissingTensor {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+    },
+    /// A tensor has a shape other than the one the metadata implies.
+    #[error("{path}: tensor {tensor} has shape {actual:?}, expected {expected:?}")]
+    TensorShape {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// The shape the metadata implies.
+        expected: Vec<usize>,
+        /// The shape in the file.
+        actual: Vec<usize>,
+    },
+    /// A tensor is present but its data cannot be read or converted.
+    #[error("{path}: cannot load tensor {tensor}: {reason}")]
+    TensorData {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A quantization name that is not known.
+    #[error(
+        "unknown quantization {0:?} (known: q8_0, as-shipped; K-quants need rows that are a \
+         multiple of 256)"
+    )]
+    UnknownQuantization(String),
+    /// A requested span or configuration does not fit the model.
+    #[error("invalid span: {0}")]
+    InvalidSpan(String),
+    /// The span was asked for a part it did not load (embedding or head).
+    #[error("this span has no {0}: load it with that part")]
+    PartNotLoaded(&'static str),
+    /// A chunk's position does not continue the session's KV cache.
+    #[error(
+        "session {session}: chunk at position {position} does not continue the KV cache, \
+         which holds positions 0..{cached} ({kind})"
+    )]
+    PositionMismatch {
+        /// The session.
+        session: String,
+        /// The position the chunk declared.
+        position: usize,
+        /// How many positions the cache holds.
+        cached: usize,
+        /// "gap" or "overlap".
+        kind: &'static str,
+    },
+    /// Appending a chunk would exceed the KV cache's byte budget.
+    #[error(
+        "KV cache budget exceeded: {needed} bytes needed on top of {used} in use, budget {budget}"
+    )]
+    CacheBudget {
+        /// Bytes the chunk adds.
+        needed: usize,
+        /// Bytes already held.
+        used: usize,
+        /// The budget.
+        budget: usize,
+    },
+    /// The hidden-state tensor handed to a span has the wrong shape.
+    #[error("hidden states have shape {actual:?}, expected [1, tokens, {hidden}]")]
+    HiddenShape {
+        /// The shape received.
+        actual: Vec<usize>,
+        /// The model's hidden size.
+        hidden: usize,
+    },
+    /// Building or running the tokenizer failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// A sampling parameter is out of range.
+    #[error("invalid sampling setting: {0}")]
+    Sampling(String),
+    /// Converting hidden states to or from the wire format failed.
+    #[error("activation conversion: {0}")]
+    Wire(#[from] meshnet_wire::WireError),
+    /// A remote or custom stage failed.
+    #[error("stage {stage}: {reason}")]
+    Stage {
+        /// Which stage.
+        stage: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A tensor operation failed while computing.
+    #[error("tensor computation failed: {0}")]
+    Compute(#[from] candle_core::Error),
+}
+
+/// The crate's result type.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;

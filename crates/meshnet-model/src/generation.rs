@@ -1,0 +1,253 @@
+//! The one generation loop: chunked prefill, decode, sampling and stopping, over a route of
+//! stages that may run in this process or on other peers.
+//!
+//! A [`Route`] is an embedder (the entry), a list of [`Stage`]s that each run a contiguous
+//! span of layers, and a head that turns the last hidden state into logits. Between two
+//! stages the hidden states cross a boundary; the [`BoundaryPolicy`] says whether they cross
+//! in f32 (bit-identical to one process) or cast to bfloat16 as on the wire.
+
+use candle_core::{DType, Device, Tensor};
+use meshnet_wire::chunk::chunk_ranges;
+use meshnet_wire::{Activations, PREFILL_CHUNK_TOKENS};
+
+use crate::error::{ModelError, Result};
+use crate::kv_cache::SessionId;
+use crate::sampling::{Sampler, SamplingConfig, StopConditions};
+use crate::tokenizer::ModelTokenizer;
+
+/// A contiguous span of layers, in this process or behind a network hop.
+///
+/// Synchronous by design: a remote stage blocks on its HTTP client from a blocking thread.
+pub trait Stage {
+    /// Runs the span on `hidden` (`[1, tokens, hidden]`) for the chunk starting at absolute
+    /// `position` of `session`, appending to that session's KV cache.
+    fn forward(&self, session: SessionId, position: usize, hidden: Tensor) -> Result<Tensor>;
+
+    /// Frees whatever the stage holds for `session`.
+    fn end_session(&self, session: SessionId);
+
+    /// A short description for error messages ("layers 10..20", a peer's address).
+    fn name(&self) -> String;
+}
+
+/// Turns token ids into the first hidden states.
+pub trait TokenEmbedder {
+    /// Embeds `tokens` as `[1, tokens, hidden]`.
+    fn embed(&self, tokens: &[u32]) -> Result<Tensor>;
+}
+
+/// Turns the last hidden states into logits.
+pub trait LogitsHead {
+    /// Applies the final norm and LM head to the last position of `hidden` (`[1, tokens,
+    /// hidden]`), returning one logit per vocabulary entry.
+    fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>>;
+}
+
+/// How hidden states cross from one stage to the next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BoundaryPolicy {
+    /// Hand over f32 as computed: a split route equals one process bit for bit. Tests only;
+    /// the wire does not carry f32.
+    F32,
+    /// Cast to bfloat16 with the wire's own conversion, as a real hop does.
+    Bf16,
+}
+
+impl BoundaryPolicy {
+    /// Applies the boundary to hidden states leaving one stage for the next.
+    pub fn cross(self, hidden: Tensor) -> Result<Tensor> {
+        match self {
+            Self::F32 => Ok(hidden),
+            Self::Bf16 => {
+                let activations = Activations::from_tensor(&hidden)?;
+                Ok(activations
+                    .into_tensor(&Device::Cpu)?
+                    .to_dtype(DType::F32)?)
+            }
+        }
+    }
+}
+
+/// An embedder, the stages in order, and a head.
+pub struct Route<'a> {
+    /// The entry: token embedding.
+    pub embedder: &'a dyn TokenEmbedder,
+    /// The spans of layers, in order; together they cover every layer once.
+    pub stages: Vec<&'a dyn Stage>,
+    /// The exit: final norm and LM head.
+    pub head: &'a dyn LogitsHead,
+    /// How hidden states cross between consecutive stages.
+    pub boundary: BoundaryPolicy,
+}
+
+impl Route<'_> {
+    /// Runs one chunk of `tokens` at absolute `position` through every stage and returns the
+    /// last hidden states.
+    pub fn forward_hidden(
+        &self,
+        session: SessionId,
+        position: usize,
+        tokens: &[u32],
+    ) -> Result<Tensor> {
+        let mut hidden = self.embedder.embed(tokens)?;
+        for (index, stage) in self.stages.iter().enumerate() {
+            if index > 0 {
+                hidden = self.boundary.cross(hidden)?;
+            }
+            hidden = stage.forward(session, position, hidden)?;
+        }
+        Ok(hidden)
+    }
+
+    /// Runs one chunk and returns the logits of its last position.
+    pub fn forward(&self, session: SessionId, position: usize, tokens: &[u32]) -> Result<Vec<f32>> {
+        let hidden = self.forward_hidden(session, position, tokens)?;
+        self.head.logits(&hidden)
+    }
+
+    /// Frees the session on every stage.
+    pub fn end_session(&self, session: SessionId) {
+        for stage in &self.stages {
+            stage.end_session(session);
+        }
+    }
+}
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenerationRequest {
+    /// The prompt's token ids (at least one).
+    pub prompt: Vec<u32>,
+    /// The most tokens to generate.
+    pub max_tokens: usize,
+    /// How to choose tokens.
+    pub sampling: SamplingConfig,
+    /// When to stop early.
+    pub stop: StopConditions,
+    /// Tokens per prefill chunk (the wire's 128 by default).
+    pub chunk_tokens: usize,
+    /// Keep the logits of every step in the result (for tests and diagnostics).
+    pub record_logits: bool,
+}
+
+impl GenerationRequest {
+    /// Greedy generation of up to `max_tokens` after `prompt`, with 128-token prefill chunks.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_tokens,
+            sampling: SamplingConfig::greedy(),
+            stop: StopConditions::default(),
+            chunk_tokens: PREFILL_CHUNK_TOKENS,
+            record_logits: false,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// The token limit was reached.
+    Length,
+    /// A stop token was sampled.
+    StopToken,
+    /// The text reached a stop string.
+    StopString,
+}
+
+/// The result of a generation.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// The generated token ids, without the stop token.
+    pub tokens: Vec<u32>,
+    /// The decoded continuation (cut before any stop string), when a tokenizer was given.
+    pub text: Option<String>,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// The logits of each step (after the prompt, then after each generated token that was fed
+    /// back), when `record_logits` was set.
+    pub logits: Vec<Vec<f32>>,
+}
+
+/// Generates a continuation of `request.prompt` over `route`: prefill in chunks, then one
+/// token at a time, sampling and checking stop conditions after each step. The session is
+/// ended on every stage afterwards, also after an error.
+pub fn generate(
+    route: &Route<'_>,
+    request: &GenerationRequest,
+    tokenizer: Option<&ModelTokenizer>,
+) -> Result<Generation> {
+    let session = SessionId::new_v4();
+    let outcome = run(route, session, request, tokenizer);
+    route.end_session(session);
+    outcome
+}
+
+fn run(
+    route: &Route<'_>,
+    session: SessionId,
+    request: &GenerationRequest,
+    tokenizer: Option<&ModelTokenizer>,
+) -> Result<Generation> {
+    if request.prompt.is_empty() {
+        return Err(ModelError::InvalidSpan("the prompt has no tokens".into()));
+    }
+    if request.chunk_tokens == 0 {
+        return Err(ModelError::InvalidSpan(
+            "prefill chunks need at least one token".into(),
+        ));
+    }
+    let mut sampler = Sampler::new(request.sampling.clone())?;
+    let mut recorded = Vec::new();
+
+    let mut last_hidden = None;
+    for range in chunk_ranges(request.prompt.len(), request.chunk_tokens) {
+        last_hidden = Some(route.forward_hidden(session, range.start, &request.prompt[range])?);
+    }
+    let Some(last_hidden) = last_hidden else {
+        return Err(ModelError::InvalidSpan("the prompt has no tokens".into()));
+    };
+    let mut logits = route.head.logits(&last_hidden)?;
+
+    let mut generated = Vec::with_capacity(request.max_tokens);
+    let mut finish = FinishReason::Length;
+    let mut text = None;
+    let mut position = request.prompt.len();
+    while generated.len() < request.max_tokens {
+        let token = sampler.sample(&logits)?;
+        if request.record_logits {
+            recorded.push(std::mem::take(&mut logits));
+        }
+        if request.stop.tokens.contains(&token) {
+            finish = FinishReason::StopToken;
+            break;
+        }
+        generated.push(token);
+        if let Some(tokenizer) = tokenizer
+            && !request.stop.strings.is_empty()
+        {
+            let decoded = tokenizer.decode(&generated)?;
+            if let Some(cut) = request.stop.find_stop_string(&decoded) {
+                text = Some(decoded[..cut].to_owned());
+                finish = FinishReason::StopString;
+                break;
+            }
+        }
+        if generated.len() == request.max_tokens {
+            break;
+        }
+        logits = route.forward(session, position, &[token])?;
+        position += 1;
+    }
+    if text.is_none()
+        && let Some(tokenizer) = tokenizer
+    {
+        text = Some(tokenizer.decode(&generated)?);
+    }
+    Ok(Generation {
+        tokens: generated,
+        text,
+        finish,
+        logits: recorded,
+    })
+}

@@ -1,0 +1,52 @@
+//! Real layer execution for meshnet.
+//!
+//! A peer runs a contiguous span of a model's transformer layers. This crate loads such spans
+//! of Llama-family models from GGUF files with candle ([`LlamaSpan`]), reading only the
+//! tensors a span needs; keeps each session's keys and values in a [`KvStore`] beside the
+//! weights; rebuilds the model's tokenizer and chat format from the file's metadata
+//! ([`ModelTokenizer`], [`ChatTemplate`]); samples tokens apart from the model ([`Sampler`]);
+//! and runs the one generation loop ([`generate`]) over a [`Route`] of [`Stage`]s, with the
+//! hand-off between stages either f32 (bit-identical to one process) or bfloat16 as on the
+//! wire ([`BoundaryPolicy`]).
+//!
+//! It is synchronous and does no I/O besides reading model files.
+
+mod chat;
+mod error;
+mod generation;
+mod gguf;
+mod gpt2;
+mod kv_cache;
+mod llama;
+mod sampling;
+mod tokenizer;
+
+pub use chat::{ChatMessage, ChatTemplate, IM_END, IM_START};
+pub use error::{ModelError, Result};
+pub use generation::{
+    BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,
+    TokenEmbedder, generate,
+};
+pub use gguf::{GgufModel, ModelDescription, Quantization, WeightBytes};
+pub use gpt2::{GPT2_CONFIG_FILE, GPT2_WEIGHTS_FILE, Gpt2Config, Gpt2Model, Gpt2Span};
+pub use kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
+pub use llama::{LlamaSpan, SpanSpec, SplitModel};
+pub use sampling::{Sampler, SamplingConfig, StopConditions, argmax};
+pub use tokenizer::ModelTokenizer;
+
+/// File name of the default model, SmolLM2-135M-Instruct quantised to Q4_1.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The directory models are fetched into: `$MESHNET_MODELS`, or `~/.cache/meshnet`.
+pub fn models_dir() -> std::path::PathBuf {
+    if let Some(dir) = std::env::var_os("MESHNET_MODELS").filter(|d| !d.is_empty()) {
+        return dir.into();
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    std::path::Path::new(&home).join(".cache").join("meshnet")
+}
+
+/// Where `scripts/fetch-model.sh` puts the default model.
+pub fn default_model_path() -> std::path::PathBuf {
+    models_dir().join(DEFAULT_MODEL_FILE)
+}

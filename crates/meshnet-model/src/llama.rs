@@ -1,0 +1,564 @@
+//! Llama-family spans from GGUF: optional token embedding → layers `[a..b)` → optional final
+//! norm and LM head, with quantized matmuls, RMSNorm, interleaved RoPE, grouped-query
+//! attention and SwiGLU, computed in f32 on the CPU.
+//!
+//! A span reads only the tensors of the parts it holds. Its KV caches live in a [`KvStore`]
+//! beside the weights, so one set of weights serves many sessions.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, IndexOp, Module, Tensor};
+
+use crate::error::{ModelError, Result};
+use crate::generation::{LogitsHead, Stage, TokenEmbedder};
+use crate::gguf::{GgufModel, ModelDescription, Quantization, TensorReader};
+use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
+
+/// Which parts of the model a span holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpanSpec {
+    /// The transformer layers, `start..end` (may be empty for an embedding- or head-only span).
+    pub layers: Range<usize>,
+    /// Whether the span holds the token embedding (the route's entry).
+    pub embedding: bool,
+    /// Whether the span holds the final norm and LM head.
+    pub head: bool,
+    /// How linear weights are stored.
+    pub quantization: Quantization,
+    /// The KV cache budget of this span over all sessions, in bytes.
+    pub kv_budget_bytes: usize,
+}
+
+impl SpanSpec {
+    /// The whole model in one span: embedding, every layer, head; weights as shipped.
+    pub fn whole(description: &ModelDescription) -> Self {
+        Self {
+            layers: 0..description.layers,
+            embedding: true,
+            head: true,
+            quantization: Quantization::AsShipped,
+            kv_budget_bytes: DEFAULT_KV_BUDGET_BYTES,
+        }
+    }
+
+    /// Layers only, no embedding or head; weights as shipped.
+    pub fn layers(layers: Range<usize>) -> Self {
+        Self {
+            layers,
+            embedding: false,
+            head: false,
+            quantization: Quantization::AsShipped,
+            kv_budget_bytes: DEFAULT_KV_BUDGET_BYTES,
+        }
+    }
+
+    /// The same span with another quantization.
+    pub fn with_quantization(mut self, quantization: Quantization) -> Self {
+        self.quantization = quantization;
+        self
+    }
+}
+
+/// The hyper-parameters a layer needs at run time.
+#[derive(Clone, Debug)]
+struct Hyper {
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    rms_eps: f32,
+    /// `1 / base^(2i/d)` for each rotated pair.
+    inverse_frequencies: Vec<f32>,
+}
+
+/// One transformer block's weights.
+#[derive(Debug)]
+struct Layer {
+    attention_norm: Tensor,
+    query: QMatMul,
+    key: QMatMul,
+    value: QMatMul,
+    attention_output: QMatMul,
+    ffn_norm: Tensor,
+    gate: QMatMul,
+    up: QMatMul,
+    down: QMatMul,
+}
+
+/// The final norm and the LM head.
+#[derive(Debug)]
+struct Head {
+    norm: Tensor,
+    output: QMatMul,
+}
+
+/// A contiguous span of a Llama-family model, loaded from a GGUF file.
+#[derive(Debug)]
+pub struct LlamaSpan {
+    hyper: Hyper,
+    layer_range: Range<usize>,
+    vocab_size: usize,
+    embedding: Option<Arc<QTensor>>,
+    layers: Vec<Layer>,
+    head: Option<Head>,
+    cache: KvStore,
+    quantization: Quantization,
+}
+
+impl LlamaSpan {
+    /// Loads the parts of `model` that `spec` names, and nothing else.
+    pub fn load(model: &GgufModel, spec: &SpanSpec) -> Result<Self> {
+        let description = model.description();
+        if spec.layers.start > spec.layers.end || spec.layers.end > description.layers {
+            return Err(ModelError::InvalidSpan(format!(
+                "layers {}..{} do not fit a model of {} layers",
+                spec.layers.start, spec.layers.end, description.layers
+            )));
+        }
+        if spec.layers.is_empty() && !spec.embedding && !spec.head {
+            return Err(ModelError::InvalidSpan(
+                "a span must hold at least one layer, the embedding or the head".into(),
+            ));
+        }
+        let hidden = description.hidden;
+        let head_dim = description.head_dim;
+        let kv_width = description.kv_heads * head_dim;
+        let vocab = description.vocab_size;
+        let mut reader = model.tensor_reader()?;
+        let quantization = spec.quantization;
+
+        let embedding = if spec.embedding || (spec.head && description.tied_embeddings) {
+            Some(Arc::new(load_matrix(
+                &mut reader,
+                "token_embd.weight",
+                &[vocab, hidden],
+                quantization,
+            )?))
+        } else {
+            None
+        };
+
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for index in spec.layers.clone() {
+            let name = |suffix: &str| format!("blk.{index}.{suffix}");
+            let matrix = |reader: &mut TensorReader<'_>, suffix: &str, dims: &[usize]| {
+                load_matrix(reader, &name(suffix), dims, quantization)
+                    .and_then(|tensor| qmatmul(tensor, &name(suffix), model))
+            };
+            layers.push(Layer {
+                attention_norm: load_vector(&mut reader, &name("attn_norm.weight"), hidden)?,
+                query: matrix(&mut reader, "attn_q.weight", &[hidden, hidden])?,
+                key: matrix(&mut reader, "attn_k.weight", &[kv_width, hidden])?,
+                value: matrix(&mut reader, "attn_v.weight", &[kv_width, hidden])?,
+                attention_output: matrix(&mut reader, "attn_output.weight", &[hidden, hidden])?,
+                ffn_norm: load_vector(&mut reader, &name("ffn_norm.weight"), hidden)?,
+                gate: matrix(
+                    &mut reader,
+                    "ffn_gate.weight",
+                    &[description.intermediate, hidden],
+                )?,
+                up: matrix(
+                    &mut reader,
+                    "ffn_up.weight",
+                    &[description.intermediate, hidden],
+                )?,
+                down: matrix(
+                    &mut reader,
+                    "ffn_down.weight",
+                    &[hidden, description.intermediate],
+                )?,
+            });
+        }
+
+        let head = if spec.head {
+            let norm = load_vector(&mut reader, "output_norm.weight", hidden)?;
+            let output = match (&embedding, description.tied_embeddings) {
+                (Some(shared), true) => QMatMul::from_arc(Arc::clone(shared)),
+                _ => QMatMul::from_qtensor(load_matrix(
+                    &mut reader,
+                    "output.weight",
+                    &[vocab, hidden],
+                    quantization,
+                )?),
+            }
+            .map_err(|error| tensor_error(model, "output.weight", error))?;
+            Some(Head { norm, output })
+        } else {
+            None
+        };
+        // A head-only span of a tied model borrowed the embedding table for its output.
+        let embedding = if spec.embedding { embedding } else { None };
+
+        let inverse_frequencies = (0..head_dim)
+            .step_by(2)
+            .map(|i| 1.0 / description.rope_base.powf(i as f32 / head_dim as f32))
+            .collect();
+        let bytes_per_position = spec.layers.len() * 2 * kv_width * DType::F32.size_in_bytes();
+        Ok(Self {
+            hyper: Hyper {
+                hidden,
+                heads: description.heads,
+                kv_heads: description.kv_heads,
+                head_dim,
+                rms_eps: description.rms_eps as f32,
+                inverse_frequencies,
+            },
+            layer_range: spec.layers.clone(),
+            vocab_size: vocab,
+            embedding,
+            layers,
+            head,
+            cache: KvStore::new(spec.layers.len(), bytes_per_position, spec.kv_budget_bytes),
+            quantization,
+        })
+    }
+
+    /// The layers this span runs.
+    pub fn layer_range(&self) -> Range<usize> {
+        self.layer_range.clone()
+    }
+
+    /// Whether the span holds the token embedding.
+    pub fn has_embedding(&self) -> bool {
+        self.embedding.is_some()
+    }
+
+    /// Whether the span holds the final norm and LM head.
+    pub fn has_head(&self) -> bool {
+        self.head.is_some()
+    }
+
+    /// How the span's linear weights are stored.
+    pub fn quantization(&self) -> Quantization {
+        self.quantization
+    }
+
+    /// The span's KV caches.
+    pub fn kv_store(&self) -> &KvStore {
+        &self.cache
+    }
+
+    /// Runs the span's layers on `hidden` (`[1, tokens, hidden]`, any float dtype) for the
+    /// chunk starting at absolute `position`, appending to the session's KV cache. Returns f32
+    /// hidden states of the same shape.
+    pub fn forward_layers(
+        &self,
+        session: SessionId,
+        position: usize,
+        hidden: &Tensor,
+    ) -> Result<Tensor> {
+        let dims = hidden.dims();
+        let tokens = match dims {
+            [1, tokens, width] if *tokens > 0 && *width == self.hyper.hidden => *tokens,
+            _ => {
+                return Err(ModelError::HiddenShape {
+                    actual: dims.to_vec(),
+                    hidden: self.hyper.hidden,
+                });
+            }
+        };
+        let mut hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
+        if self.layers.is_empty() {
+            return Ok(hidden);
+        }
+        let (cos, sin) = self.rope_tables(position, tokens)?;
+        let mask = causal_mask(position, tokens)?;
+        self.cache
+            .with_session(session, position, tokens, |cache| {
+                for (index, layer) in self.layers.iter().enumerate() {
+                    hidden = self.layer_forward(
+                        layer,
+                        index,
+                        cache,
+                        &hidden,
+                        &cos,
+                        &sin,
+                        mask.as_ref(),
+                    )?;
+                }
+                Ok(())
+            })?;
+        Ok(hidden)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        layer: &Layer,
+        index: usize,
+        cache: &mut SessionCache,
+        input: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let hyper = &self.hyper;
+        let (_, tokens, _) = input.dims3()?;
+        let normed = candle_nn::ops::rms_norm(input, &layer.attention_norm, hyper.rms_eps)?;
+        let heads_first = |projection: Tensor, heads: usize| -> Result<Tensor> {
+            Ok(projection
+                .reshape((1, tokens, heads, hyper.head_dim))?
+                .transpose(1, 2)?
+                .contiguous()?)
+        };
+        let query = heads_first(layer.query.forward(&normed)?, hyper.heads)?;
+        let key = heads_first(layer.key.forward(&normed)?, hyper.kv_heads)?;
+        let value = heads_first(layer.value.forward(&normed)?, hyper.kv_heads)?;
+        let query = candle_nn::rotary_emb::rope_i(&query, cos, sin)?;
+        let key = candle_nn::rotary_emb::rope_i(&key, cos, sin)?;
+        let (keys, values) = cache.append(index, key, value)?;
+
+        // Grouped-query attention: each KV head serves `group` adjacent query heads, so its
+        // keys and values are repeated that many times, head by head.
+        let group = hyper.heads / hyper.kv_heads;
+        let keys = repeat_heads(&keys, group)?;
+        let values = repeat_heads(&values, group)?;
+        let scale = 1.0 / (hyper.head_dim as f64).sqrt();
+        let scores = (query.matmul(&keys.t()?)? * scale)?;
+        let scores = match mask {
+            Some(mask) => scores.broadcast_add(mask)?,
+            None => scores,
+        };
+        let weights = candle_nn::ops::softmax_last_dim(&scores)?;
+        let attended =
+            weights
+                .matmul(&values)?
+                .transpose(1, 2)?
+                .reshape((1, tokens, hyper.hidden))?;
+        let residual = (input + layer.attention_output.forward(&attended)?)?;
+
+        let normed = candle_nn::ops::rms_norm(&residual, &layer.ffn_norm, hyper.rms_eps)?;
+        let gate = candle_nn::ops::silu(&layer.gate.forward(&normed)?)?;
+        let up = layer.up.forward(&normed)?;
+        let down = layer.down.forward(&(gate * up)?)?;
+        Ok((residual + down)?)
+    }
+
+    /// cos and sin of each rotated pair's angle at positions `position..position + tokens`,
+    /// shaped `[tokens, head_dim / 2]`.
+    fn rope_tables(&self, position: usize, tokens: usize) -> Result<(Tensor, Tensor)> {
+        let pairs = self.hyper.inverse_frequencies.len();
+        let mut cos = Vec::with_capacity(tokens * pairs);
+        let mut sin = Vec::with_capacity(tokens * pairs);
+        for offset in 0..tokens {
+            let at = (position + offset) as f32;
+            for &frequency in &self.hyper.inverse_frequencies {
+                let angle = at * frequency;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Ok((
+            Tensor::from_vec(cos, (tokens, pairs), &Device::Cpu)?,
+            Tensor::from_vec(sin, (tokens, pairs), &Device::Cpu)?,
+        ))
+    }
+}
+
+/// Repeats each head of `[1, kv_heads, positions, head_dim]` `times` times in place:
+/// `[1, kv_heads * times, positions, head_dim]` with copies of a head adjacent.
+fn repeat_heads(tensor: &Tensor, times: usize) -> Result<Tensor> {
+    if times == 1 {
+        return Ok(tensor.clone());
+    }
+    let (batch, heads, positions, head_dim) = tensor.dims4()?;
+    let copies = vec![tensor; times];
+    Ok(Tensor::cat(&copies, 2)?.reshape((batch, heads * times, positions, head_dim))?)
+}
+
+/// An additive mask `[tokens, position + tokens]`: 0 where a query may attend, −∞ for keys
+/// after it. `None` for a single token, which may attend to everything cached.
+fn causal_mask(position: usize, tokens: usize) -> Result<Option<Tensor>> {
+    if tokens == 1 {
+        return Ok(None);
+    }
+    let known = position + tokens;
+    let values: Vec<f32> = (0..tokens)
+        .flat_map(|row| {
+            (0..known).map(move |column| {
+                if column > position + row {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Ok(Some(Tensor::from_vec(
+        values,
+        (tokens, known),
+        &Device::Cpu,
+    )?))
+}
+
+impl TokenEmbedder for LlamaSpan {
+    fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+        let table = self
+            .embedding
+            .as_ref()
+            .ok_or(ModelError::PartNotLoaded("token embedding"))?;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(ModelError::InvalidSpan(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.vocab_size
+            )));
+        }
+        let ids = Tensor::new(tokens, &Device::Cpu)?;
+        let rows = table.embedding(&ids)?.to_dtype(DType::F32)?;
+        Ok(rows.reshape((1, tokens.len(), self.hyper.hidden))?)
+    }
+}
+
+impl LogitsHead for LlamaSpan {
+    fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>> {
+        let head = self
+            .head
+            .as_ref()
+            .ok_or(ModelError::PartNotLoaded("LM head"))?;
+        let (_, tokens, width) = hidden.dims3()?;
+        if width != self.hyper.hidden || tokens == 0 {
+            return Err(ModelError::HiddenShape {
+                actual: hidden.dims().to_vec(),
+                hidden: self.hyper.hidden,
+            });
+        }
+        let last = hidden
+            .to_dtype(DType::F32)?
+            .i((.., tokens - 1..tokens, ..))?
+            .contiguous()?;
+        let normed = candle_nn::ops::rms_norm(&last, &head.norm, self.hyper.rms_eps)?;
+        let logits = head.output.forward(&normed)?;
+        Ok(logits.flatten_all()?.to_vec1::<f32>()?)
+    }
+}
+
+impl Stage for LlamaSpan {
+    fn forward(&self, session: SessionId, position: usize, hidden: Tensor) -> Result<Tensor> {
+        self.forward_layers(session, position, &hidden)
+    }
+
+    fn end_session(&self, session: SessionId) {
+        self.cache.end_session(session);
+    }
+
+    fn name(&self) -> String {
+        format!(
+            "layers {}..{}",
+            self.layer_range.start, self.layer_range.end
+        )
+    }
+}
+
+fn tensor_error(model: &GgufModel, tensor: &str, error: candle_core::Error) -> ModelError {
+    ModelError::TensorData {
+        path: model.path().to_path_buf(),
+        tensor: tensor.to_owned(),
+        reason: error.to_string(),
+    }
+}
+
+fn qmatmul(tensor: QTensor, name: &str, model: &GgufModel) -> Result<QMatMul> {
+    QMatMul::from_qtensor(tensor).map_err(|error| tensor_error(model, name, error))
+}
+
+/// Loads a matrix, requantising it to Q8_0 when asked (and when its rows allow it).
+fn load_matrix(
+    reader: &mut TensorReader<'_>,
+    name: &str,
+    dims: &[usize],
+    quantization: Quantization,
+) -> Result<QTensor> {
+    let tensor = reader.load(name, dims)?;
+    let row = dims.last().copied().unwrap_or(0);
+    let requantise = quantization == Quantization::Q8_0
+        && tensor.dtype() != GgmlDType::Q8_0
+        && row % GgmlDType::Q8_0.block_size() == 0;
+    if !requantise {
+        return Ok(tensor);
+    }
+    let convert = || -> candle_core::Result<QTensor> {
+        let dense = tensor.dequantize(&Device::Cpu)?;
+        QTensor::quantize(&dense, GgmlDType::Q8_0)
+    };
+    convert().map_err(|error| reader.data_error(name, error))
+}
+
+/// Loads a vector (a norm's weight) as f32.
+fn load_vector(reader: &mut TensorReader<'_>, name: &str, len: usize) -> Result<Tensor> {
+    let tensor = reader.load(name, &[len])?;
+    tensor
+        .dequantize(&Device::Cpu)
+        .and_then(|t| t.to_dtype(DType::F32))
+        .map_err(|error| reader.data_error(name, error))
+}
+
+/// A whole model loaded as consecutive spans split at `boundaries`, in one process: the first
+/// span holds the embedding, the last the head. This is the single-process reference for a
+/// distributed route (`generate --boundaries 10,20`).
+#[derive(Debug)]
+pub struct SplitModel {
+    spans: Vec<LlamaSpan>,
+}
+
+impl SplitModel {
+    /// Loads spans `[0..b1)`, `[b1..b2)`, …, `[bn..layers)`. `boundaries` must be strictly
+    /// increasing and inside `1..layers`; empty means one span.
+    pub fn load(
+        model: &GgufModel,
+        boundaries: &[usize],
+        quantization: Quantization,
+        kv_budget_bytes: usize,
+    ) -> Result<Self> {
+        let layers = model.description().layers;
+        let mut edges = Vec::with_capacity(boundaries.len() + 2);
+        edges.push(0);
+        for &boundary in boundaries {
+            let previous = edges.last().copied().unwrap_or(0);
+            if boundary <= previous || boundary >= layers {
+                return Err(ModelError::InvalidSpan(format!(
+                    "boundary {boundary} must be greater than {previous} and less than {layers},                      the number of layers"
+                )));
+            }
+            edges.push(boundary);
+        }
+        edges.push(layers);
+        let count = edges.len() - 1;
+        let spans = edges
+            .windows(2)
+            .enumerate()
+            .map(|(index, pair)| {
+                LlamaSpan::load(
+                    model,
+                    &SpanSpec {
+                        layers: pair[0]..pair[1],
+                        embedding: index == 0,
+                        head: index + 1 == count,
+                        quantization,
+                        kv_budget_bytes,
+                    },
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { spans })
+    }
+
+    /// The spans in order.
+    pub fn spans(&self) -> &[LlamaSpan] {
+        &self.spans
+    }
+
+    /// A route over the spans with the given boundary policy.
+    pub fn route(&self, boundary: crate::generation::BoundaryPolicy) -> Result<crate::Route<'_>> {
+        let (Some(first), Some(last)) = (self.spans.first(), self.spans.last()) else {
+            return Err(ModelError::InvalidSpan("no spans loaded".into()));
+        };
+        Ok(crate::Route {
+            embedder: first,
+            stages: self.spans.iter().map(|span| span as &dyn Stage).collect(),
+            head: last,
+            boundary,
+        })
+    }
+}

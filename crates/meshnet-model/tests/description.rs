@@ -1,0 +1,78 @@
+#![allow(clippy::unwrap_used)]
+//! The model description and the tokenizer read from the default model's GGUF metadata.
+
+mod common;
+
+use meshnet_model::{ChatMessage, ChatTemplate, Quantization};
+
+#[test]
+fn describes_smollm2_from_metadata() {
+    let description = common::model().description();
+    assert_eq!(description.architecture, "llama");
+    assert_eq!(description.layers, 30);
+    assert_eq!(description.hidden, 576);
+    assert_eq!(description.heads, 9);
+    assert_eq!(description.kv_heads, 3);
+    assert_eq!(description.head_dim, 64);
+    assert_eq!(description.vocab_size, 49152);
+    assert_eq!(description.im_start_token, Some(1));
+    assert_eq!(description.im_end_token, Some(2));
+    assert!(description.tied_embeddings);
+    assert!(
+        description
+            .chat_template
+            .as_deref()
+            .unwrap()
+            .contains("<|im_start|>")
+    );
+    let shipped = description.weight_bytes(Quantization::AsShipped);
+    let q8 = description.weight_bytes(Quantization::Q8_0);
+    assert_eq!(shipped.layers.len(), 30);
+    assert!(
+        shipped
+            .layers
+            .iter()
+            .all(|&bytes| bytes > 1_000_000 && bytes == shipped.layers[0])
+    );
+    // Q8_0 takes 34 bytes per 32 values, Q4_1 20.
+    assert!(q8.layers[0] > shipped.layers[0]);
+    println!("{}", serde_json::to_string_pretty(description).unwrap());
+}
+
+#[test]
+fn tokenizer_round_trips_without_a_prefix_space() {
+    let tokenizer = common::tokenizer();
+    let ids = tokenizer.encode("Hello").unwrap();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(tokenizer.decode(&ids).unwrap(), "Hello");
+    let text = "Hello, world! 12345 times.";
+    assert_eq!(
+        tokenizer.decode(&tokenizer.encode(text).unwrap()).unwrap(),
+        text
+    );
+    // Digits are split one by one.
+    assert_eq!(tokenizer.encode("12345").unwrap().len(), 5);
+}
+
+#[test]
+fn chat_markers_are_single_tokens() {
+    let tokenizer = common::tokenizer();
+    let template = ChatTemplate::from_jinja(
+        common::model()
+            .description()
+            .chat_template
+            .as_deref()
+            .unwrap(),
+    )
+    .unwrap();
+    let text = template.render(&[ChatMessage::user("Hi there")]);
+    let ids = tokenizer.encode(&text).unwrap();
+    assert_eq!(ids[0], 1, "{ids:?}");
+    assert!(ids.contains(&2));
+    assert_eq!(
+        ids.iter().filter(|&&id| id == 1).count(),
+        3,
+        "system, user, assistant"
+    );
+    assert_eq!(tokenizer.token_id("<|im_end|>"), Some(2));
+}

@@ -1,0 +1,192 @@
+//! `meshnet-peer`: the peer's command line.
+//!
+//! - `generate` runs the whole model in this process — the reference for everything
+//!   distributed — optionally split into spans at `--boundaries` with hidden states cast to
+//!   bfloat16 between them, exactly as the wire does.
+//! - `fetch-model` puts the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on disk.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use meshnet_model::{
+    BoundaryPolicy, ChatMessage, ChatTemplate, DEFAULT_KV_BUDGET_BYTES, GenerationRequest,
+    GgufModel, ModelTokenizer, Quantization, SamplingConfig, SplitModel, StopConditions, generate,
+};
+
+#[derive(Parser)]
+#[command(
+    name = "meshnet-peer",
+    version,
+    about = "A meshnet peer: run model layers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Commands,
+}
+
+#[derive(Subcommand)]
+enum Commands {
+    /// Generate a continuation of a prompt with the model in this process.
+    Generate(GenerateArgs),
+    /// Download the default model into $MESHNET_MODELS (default ~/.cache/meshnet) and print
+    /// its path.
+    FetchModel,
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// The GGUF model file (default: the fetched SmolLM2-135M-Instruct).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The prompt text.
+    #[arg(long)]
+    prompt: String,
+    /// Wrap the prompt as a user turn in the model's chat format.
+    #[arg(long)]
+    chat: bool,
+    /// With --chat: a system prompt to put first.
+    #[arg(long, conflicts_with = "template_system")]
+    system: Option<String>,
+    /// With --chat: put the chat template's own default system prompt first (SmolLM2's
+    /// Q4_1 file answers worse with it, so it is off by default).
+    #[arg(long)]
+    template_system: bool,
+    /// The most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass.
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep only the k most likely tokens.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Split the model into spans after these layers (e.g. `10,20`) and cast hidden states to
+    /// bfloat16 at each split, as the wire does.
+    #[arg(long, value_delimiter = ',')]
+    boundaries: Vec<usize>,
+    /// Requantise weights on load (`q8_0`), or keep them as shipped (`as-shipped`).
+    #[arg(long, default_value = "as-shipped")]
+    quantization: String,
+    /// Stop when the output contains this text (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let outcome = match cli.command {
+        Commands::Generate(args) => run_generate(&args),
+        Commands::FetchModel => fetch_model(),
+    };
+    match outcome {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
+    let path = args
+        .model
+        .clone()
+        .unwrap_or_else(meshnet_model::default_model_path);
+    if !path.is_file() {
+        if args.model.is_none() {
+            bail!(
+                "the default model is not at {}: run `meshnet-peer fetch-model` or \
+                 `bash scripts/fetch-model.sh` first, or pass --model",
+                path.display()
+            );
+        }
+        bail!("model file {} does not exist", path.display());
+    }
+    let quantization = Quantization::parse(&args.quantization)?;
+    let model = GgufModel::open(&path)?;
+    let description = model.description();
+    let tokenizer = ModelTokenizer::from_gguf(&model)?;
+    let split = SplitModel::load(
+        &model,
+        &args.boundaries,
+        quantization,
+        DEFAULT_KV_BUDGET_BYTES,
+    )
+    .context("loading the model's spans")?;
+    let policy = if args.boundaries.is_empty() {
+        BoundaryPolicy::F32
+    } else {
+        BoundaryPolicy::Bf16
+    };
+    let route = split.route(policy)?;
+
+    let text = if args.chat {
+        let mut template = match &description.chat_template {
+            Some(jinja) => ChatTemplate::from_jinja(jinja)?,
+            None => ChatTemplate::chatml(),
+        };
+        if !args.template_system {
+            template.default_system = None;
+        }
+        let mut messages = Vec::new();
+        if let Some(system) = &args.system {
+            messages.push(ChatMessage::system(system.clone()));
+        }
+        messages.push(ChatMessage::user(args.prompt.clone()));
+        template.render(&messages)
+    } else {
+        args.prompt.clone()
+    };
+    let prompt = tokenizer.encode(&text)?;
+    if prompt.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+    let mut stop_tokens: Vec<u32> = description.eos_token.into_iter().collect();
+    if args.chat {
+        stop_tokens.extend(description.im_end_token);
+    }
+    let request = GenerationRequest {
+        sampling: SamplingConfig {
+            temperature: args.temperature,
+            top_k: args.top_k,
+            top_p: args.top_p,
+            seed: args.seed,
+        },
+        stop: StopConditions {
+            tokens: stop_tokens,
+            strings: args.stop.clone(),
+        },
+        ..GenerationRequest::greedy(prompt, args.max_tokens)
+    };
+    let generation = generate(&route, &request, Some(&tokenizer))?;
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{}", generation.text.unwrap_or_default())?;
+    Ok(())
+}
+
+/// Runs the repository's `scripts/fetch-model.sh` (this binary is built from a checkout).
+fn fetch_model() -> anyhow::Result<()> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/fetch-model.sh");
+    let status = if script.is_file() {
+        Command::new("bash").arg(&script).status()
+    } else {
+        bail!(
+            "scripts/fetch-model.sh is not available next to this build; run it from a \
+             checkout of the repository"
+        );
+    }
+    .context("running scripts/fetch-model.sh")?;
+    if !status.success() {
+        bail!("scripts/fetch-model.sh failed ({status})");
+    }
+    Ok(())
+}
