@@ -1,6 +1,9 @@
 //! Compression ratio and speed of activation payloads: plain zstd-1 against a byte-plane
 //! shuffle (all high bytes, then all low bytes) before zstd-1.
 //!
+//! Besides synthetic data, real hidden states of the default model (SmolLM2-135M-Instruct,
+//! after layer 15 of 30, 128 tokens) when `scripts/fetch-model.sh` has put it on disk.
+//!
 //! Prints a table. Run with `cargo bench -p meshnet-benches --bench wire_compression`.
 
 #![allow(missing_docs, clippy::unwrap_used)]
@@ -38,6 +41,38 @@ fn with_outliers(n: usize, hidden: usize, seed: u64) -> Vec<bf16> {
         }
     }
     values
+}
+
+/// Real residual-stream activations: the default model's hidden states after layer
+/// `LAYERS_RUN` for a 128-token prompt, as the bf16 a peer would send. `None` without the model.
+fn real_activations() -> Option<Vec<bf16>> {
+    use meshnet_model::{GgufModel, LlamaSpan, ModelTokenizer, SessionId, SpanSpec, TokenEmbedder};
+    const LAYERS_RUN: usize = 15;
+    let path = meshnet_model::default_model_path();
+    if !path.is_file() {
+        return None;
+    }
+    let model = GgufModel::open(&path).unwrap();
+    let tokenizer = ModelTokenizer::from_gguf(&model).unwrap();
+    let text = "Peer-to-peer networks share the work of running a language model across many \
+                volunteer machines, each holding a few layers. "
+        .repeat(12);
+    let mut ids = tokenizer.encode(&text).unwrap();
+    ids.truncate(128);
+    let span = LlamaSpan::load(
+        &model,
+        &SpanSpec {
+            embedding: true,
+            ..SpanSpec::layers(0..LAYERS_RUN)
+        },
+    )
+    .unwrap();
+    let hidden = span.embed(&ids).unwrap();
+    let hidden = span
+        .forward_layers(SessionId::new_v4(), 0, &hidden)
+        .unwrap();
+    let activations = meshnet_wire::Activations::from_tensor(&hidden).unwrap();
+    Some(activations.values().to_vec())
 }
 
 /// Little-endian bytes regrouped as every high byte, then every low byte.
@@ -139,6 +174,27 @@ fn main() {
                 planes.encode_gbps,
                 planes.decode_gbps,
             );
+        }
+    }
+    match real_activations() {
+        Some(values) => {
+            let le = bf16_to_le_bytes(&values);
+            let plain = measure(&le, false);
+            let planes = measure(&le, true);
+            println!(
+                "| SmolLM2-135M hidden states after layer 15 | 1x{}x576 | {:.3} | {:.3} | {:+.1}% | {:.2} / {:.2} | {:.2} / {:.2} |",
+                values.len() / 576,
+                plain.ratio,
+                planes.ratio,
+                (planes.ratio / plain.ratio - 1.0) * 100.0,
+                plain.encode_gbps,
+                plain.decode_gbps,
+                planes.encode_gbps,
+                planes.decode_gbps,
+            );
+        }
+        None => {
+            println!("(real activations skipped: run scripts/fetch-model.sh for the default model)")
         }
     }
 }
