@@ -126,6 +126,30 @@ impl ModelTokenizer {
         })
     }
 
+    /// Loads a Hugging Face `tokenizer.json`, as saved beside a safetensors checkpoint.
+    ///
+    /// `<|endoftext|>` (GPT-2's only special token), when the vocabulary has it, serves as both
+    /// the beginning- and end-of-sequence token.
+    pub fn from_tokenizer_json(path: impl AsRef<std::path::Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let inner = Tokenizer::from_bytes(&bytes).map_err(|e| {
+            ModelError::Tokenizer(format!(
+                "{} is not a valid tokenizer.json: {e}",
+                path.display()
+            ))
+        })?;
+        let end_of_text = inner.token_to_id("<|endoftext|>");
+        Ok(Self {
+            inner,
+            bos_token: end_of_text,
+            eos_token: end_of_text,
+        })
+    }
+
     /// Encodes text; special tokens written in the text (`<|im_start|>`) become their ids.
     /// No beginning-of-sequence token is added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {

