@@ -30,7 +30,7 @@ pub use generation::{
 pub use gguf::{GgufModel, ModelDescription, Quantization, WeightBytes};
 pub use gpt2::{GPT2_CONFIG_FILE, GPT2_WEIGHTS_FILE, Gpt2Config, Gpt2Model, Gpt2Span};
 pub use kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
-pub use llama::{LlamaSpan, SpanSpec, SplitModel};
+pub use llama::{LlamaSpan, SpanSpec, SplitModel, split_specs};
 pub use sampling::{Sampler, SamplingConfig, StopConditions, argmax};
 pub use tokenizer::ModelTokenizer;
 

@@ -494,58 +494,79 @@ fn load_vector(reader: &mut TensorReader<'_>, name: &str, len: usize) -> Result<
         .map_err(|error| reader.data_error(name, error))
 }
 
-/// A whole model loaded as consecutive spans split at `boundaries`, in one process: the first
-/// span holds the embedding, the last the head. This is the single-process reference for a
-/// distributed route (`generate --boundaries 10,20`).
+/// A model loaded as consecutive spans, ready to be joined into a [`crate::Route`]: the
+/// single-process reference for a split mesh.
 #[derive(Debug)]
-pub struct SplitModel {
-    spans: Vec<LlamaSpan>,
+pub struct SplitModel<S = LlamaSpan> {
+    spans: Vec<S>,
 }
 
-impl SplitModel {
-    /// Loads spans `[0..b1)`, `[b1..b2)`, …, `[bn..layers)`. `boundaries` must be strictly
-    /// increasing and inside `1..layers`; empty means one span.
+/// The specs of spans `[0..b1)`, `[b1..b2)`, …, `[bn..layers)`, the first with the embedding and
+/// the last with the head. `boundaries` must be strictly increasing and inside `1..layers`;
+/// empty means one span.
+pub fn split_specs(
+    layers: usize,
+    boundaries: &[usize],
+    quantization: Quantization,
+    kv_budget_bytes: usize,
+) -> Result<Vec<SpanSpec>> {
+    let mut edges = Vec::with_capacity(boundaries.len() + 2);
+    edges.push(0);
+    for &boundary in boundaries {
+        let previous = edges.last().copied().unwrap_or(0);
+        if boundary <= previous || boundary >= layers {
+            return Err(ModelError::InvalidSpan(format!(
+                "boundary {boundary} must be greater than {previous} and less than {layers}, \
+                 the number of layers"
+            )));
+        }
+        edges.push(boundary);
+    }
+    edges.push(layers);
+    let count = edges.len() - 1;
+    Ok(edges
+        .windows(2)
+        .enumerate()
+        .map(|(index, pair)| SpanSpec {
+            layers: pair[0]..pair[1],
+            embedding: index == 0,
+            head: index + 1 == count,
+            quantization,
+            kv_budget_bytes,
+        })
+        .collect())
+}
+
+impl SplitModel<LlamaSpan> {
+    /// Loads a Llama GGUF model as spans split at `boundaries` (see [`split_specs`]).
     pub fn load(
         model: &GgufModel,
         boundaries: &[usize],
         quantization: Quantization,
         kv_budget_bytes: usize,
     ) -> Result<Self> {
-        let layers = model.description().layers;
-        let mut edges = Vec::with_capacity(boundaries.len() + 2);
-        edges.push(0);
-        for &boundary in boundaries {
-            let previous = edges.last().copied().unwrap_or(0);
-            if boundary <= previous || boundary >= layers {
-                return Err(ModelError::InvalidSpan(format!(
-                    "boundary {boundary} must be greater than {previous} and less than {layers},                      the number of layers"
-                )));
-            }
-            edges.push(boundary);
-        }
-        edges.push(layers);
-        let count = edges.len() - 1;
-        let spans = edges
-            .windows(2)
-            .enumerate()
-            .map(|(index, pair)| {
-                LlamaSpan::load(
-                    model,
-                    &SpanSpec {
-                        layers: pair[0]..pair[1],
-                        embedding: index == 0,
-                        head: index + 1 == count,
-                        quantization,
-                        kv_budget_bytes,
-                    },
-                )
-            })
+        let specs = split_specs(
+            model.description().layers,
+            boundaries,
+            quantization,
+            kv_budget_bytes,
+        )?;
+        let spans = specs
+            .iter()
+            .map(|spec| LlamaSpan::load(model, spec))
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { spans })
     }
+}
+
+impl<S: Stage + TokenEmbedder + LogitsHead> SplitModel<S> {
+    /// Wraps spans that are already loaded, in order.
+    pub fn from_spans(spans: Vec<S>) -> Self {
+        Self { spans }
+    }
 
     /// The spans in order.
-    pub fn spans(&self) -> &[LlamaSpan] {
+    pub fn spans(&self) -> &[S] {
         &self.spans
     }
 

@@ -13,7 +13,8 @@ use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
 use meshnet_model::{
     BoundaryPolicy, ChatMessage, ChatTemplate, DEFAULT_KV_BUDGET_BYTES, GenerationRequest,
-    GgufModel, ModelTokenizer, Quantization, SamplingConfig, SplitModel, StopConditions, generate,
+    GgufModel, Gpt2Model, Gpt2Span, LlamaSpan, ModelTokenizer, Quantization, SamplingConfig,
+    SplitModel, StopConditions, generate, split_specs,
 };
 
 #[derive(Parser)]
@@ -38,7 +39,8 @@ enum Commands {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// The GGUF model file (default: the fetched SmolLM2-135M-Instruct).
+    /// A Llama GGUF file, or a Hugging Face GPT-2 directory with config.json,
+    /// model.safetensors and tokenizer.json (default: the fetched SmolLM2-135M-Instruct).
     #[arg(long)]
     model: Option<PathBuf>,
     /// The prompt text.
@@ -96,12 +98,83 @@ fn main() -> ExitCode {
     }
 }
 
+/// A model loaded for `generate`, with what its family brings along.
+struct LoadedModel {
+    spans: LoadedSpans,
+    tokenizer: ModelTokenizer,
+    /// The chat format, when the model has one.
+    chat_template: Option<ChatTemplate>,
+    /// Tokens that always end a generation.
+    stop_tokens: Vec<u32>,
+    /// The end-of-turn token that ends a chat answer.
+    end_of_turn: Option<u32>,
+}
+
+enum LoadedSpans {
+    Llama(SplitModel<LlamaSpan>),
+    Gpt2(SplitModel<Gpt2Span>),
+}
+
+/// Loads a Llama GGUF file, or a Hugging Face GPT-2 directory (`config.json`,
+/// `model.safetensors`, `tokenizer.json`), split at `boundaries`.
+fn load_model(
+    path: &Path,
+    boundaries: &[usize],
+    quantization: Quantization,
+) -> anyhow::Result<LoadedModel> {
+    if path.is_dir() {
+        let model = Gpt2Model::open(path)?;
+        let tokenizer_path = path.join("tokenizer.json");
+        if !tokenizer_path.is_file() {
+            bail!(
+                "{} has no tokenizer.json: generate needs the tokenizer saved beside the weights",
+                path.display()
+            );
+        }
+        let tokenizer = ModelTokenizer::from_tokenizer_json(&tokenizer_path)?;
+        let specs = split_specs(
+            model.config().layers,
+            boundaries,
+            quantization,
+            DEFAULT_KV_BUDGET_BYTES,
+        )?;
+        let spans = specs
+            .iter()
+            .map(|spec| Gpt2Span::load(&model, spec))
+            .collect::<Result<Vec<_>, _>>()
+            .context("loading the model's spans")?;
+        return Ok(LoadedModel {
+            spans: LoadedSpans::Gpt2(SplitModel::from_spans(spans)),
+            stop_tokens: tokenizer.eos_token().into_iter().collect(),
+            tokenizer,
+            chat_template: None,
+            end_of_turn: None,
+        });
+    }
+    let model = GgufModel::open(path)?;
+    let description = model.description();
+    let chat_template = match &description.chat_template {
+        Some(jinja) => ChatTemplate::from_jinja(jinja)?,
+        None => ChatTemplate::chatml(),
+    };
+    Ok(LoadedModel {
+        tokenizer: ModelTokenizer::from_gguf(&model)?,
+        chat_template: Some(chat_template),
+        stop_tokens: description.eos_token.into_iter().collect(),
+        end_of_turn: description.im_end_token,
+        spans: LoadedSpans::Llama(
+            SplitModel::load(&model, boundaries, quantization, DEFAULT_KV_BUDGET_BYTES)
+                .context("loading the model's spans")?,
+        ),
+    })
+}
+
 fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let path = args
         .model
         .clone()
         .unwrap_or_else(meshnet_model::default_model_path);
-    if !path.is_file() {
+    if !path.exists() {
         if args.model.is_none() {
             bail!(
                 "the default model is not at {}: run `meshnet-peer fetch-model` or \
@@ -112,27 +185,21 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         bail!("model file {} does not exist", path.display());
     }
     let quantization = Quantization::parse(&args.quantization)?;
-    let model = GgufModel::open(&path)?;
-    let description = model.description();
-    let tokenizer = ModelTokenizer::from_gguf(&model)?;
-    let split = SplitModel::load(
-        &model,
-        &args.boundaries,
-        quantization,
-        DEFAULT_KV_BUDGET_BYTES,
-    )
-    .context("loading the model's spans")?;
+    let loaded = load_model(&path, &args.boundaries, quantization)?;
+    let tokenizer = &loaded.tokenizer;
     let policy = if args.boundaries.is_empty() {
         BoundaryPolicy::F32
     } else {
         BoundaryPolicy::Bf16
     };
-    let route = split.route(policy)?;
+    let route = match &loaded.spans {
+        LoadedSpans::Llama(split) => split.route(policy)?,
+        LoadedSpans::Gpt2(split) => split.route(policy)?,
+    };
 
     let text = if args.chat {
-        let mut template = match &description.chat_template {
-            Some(jinja) => ChatTemplate::from_jinja(jinja)?,
-            None => ChatTemplate::chatml(),
+        let Some(mut template) = loaded.chat_template.clone() else {
+            bail!("{} has no chat template: leave out --chat", path.display());
         };
         if !args.template_system {
             template.default_system = None;
@@ -150,9 +217,9 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let mut stop_tokens: Vec<u32> = description.eos_token.into_iter().collect();
+    let mut stop_tokens = loaded.stop_tokens.clone();
     if args.chat {
-        stop_tokens.extend(description.im_end_token);
+        stop_tokens.extend(loaded.end_of_turn);
     }
     let request = GenerationRequest {
         sampling: SamplingConfig {
@@ -167,7 +234,7 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
         },
         ..GenerationRequest::greedy(prompt, args.max_tokens)
     };
-    let generation = generate(&route, &request, Some(&tokenizer))?;
+    let generation = generate(&route, &request, Some(tokenizer))?;
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "{}", generation.text.unwrap_or_default())?;
     Ok(())

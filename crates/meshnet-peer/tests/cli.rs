@@ -1,5 +1,7 @@
 //! The `meshnet-peer` binary as a user runs it.
 
+#![allow(clippy::unwrap_used)]
+
 use std::process::Command;
 
 fn peer() -> Command {
@@ -69,4 +71,103 @@ fn bad_input_gives_a_clear_message_and_no_panic() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
+}
+
+/// Copies the tiny GPT-2 fixture to a temporary directory, with a byte-level tokenizer of its
+/// 256-entry vocabulary (one token per byte, no merges) saved as `tokenizer.json`.
+fn gpt2_dir_with_tokenizer(name: &str) -> std::path::PathBuf {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../meshnet-model/tests/fixtures/gpt2-tiny");
+    let dir = std::env::temp_dir().join(format!("meshnet-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
+    }
+    let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+    alphabet.sort_unstable();
+    let vocab: tokenizers::models::bpe::Vocab = alphabet
+        .iter()
+        .enumerate()
+        .map(|(id, c)| (c.to_string(), id as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, Vec::new())
+        .build()
+        .unwrap();
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    tokenizer.save(dir.join("tokenizer.json"), false).unwrap();
+    dir
+}
+
+#[test]
+fn generates_from_a_gpt2_directory_whole_and_split() {
+    let dir = gpt2_dir_with_tokenizer("gpt2");
+    let run = |extra: &[&str]| {
+        let output = peer()
+            .args(["generate", "--model"])
+            .arg(&dir)
+            .args([
+                "--prompt",
+                "hello mesh",
+                "--max-tokens",
+                "12",
+                "--temperature",
+                "0",
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let whole = run(&[]);
+    assert!(!whole.trim().is_empty(), "no continuation");
+    // A random model's continuation is noise; split with bf16 boundaries it still runs
+    // through both spans and produces text.
+    let split = run(&["--boundaries", "2"]);
+    assert!(
+        !split.trim().is_empty(),
+        "no continuation from the split model"
+    );
+    let bad = peer()
+        .args(["generate", "--prompt", "hi", "--boundaries", "4", "--model"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("boundary 4"));
+
+    let chat = peer()
+        .args(["generate", "--chat", "--prompt", "hi", "--model"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!chat.status.success());
+    assert!(String::from_utf8_lossy(&chat.stderr).contains("no chat template"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_gpt2_directory_without_a_tokenizer_is_named() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../meshnet-model/tests/fixtures/gpt2-tiny");
+    let output = peer()
+        .args(["generate", "--prompt", "hi", "--model"])
+        .arg(&fixture)
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("has no tokenizer.json"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
