@@ -24,6 +24,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use serde_json::Value;
 
+use crate::attention::{causal_mask, check_token_ids};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use crate::gguf::{ModelDescription, Quantization, WeightBytes};
@@ -1031,31 +1032,6 @@ impl Gpt2Span {
     }
 }
 
-/// An additive mask `[tokens, position + tokens]`: 0 where a query may attend, −∞ for keys
-/// after it. `None` for a single token, which may attend to everything cached.
-fn causal_mask(position: usize, tokens: usize) -> Result<Option<Tensor>> {
-    if tokens == 1 {
-        return Ok(None);
-    }
-    let known = position + tokens;
-    let values: Vec<f32> = (0..tokens)
-        .flat_map(|row| {
-            (0..known).map(move |column| {
-                if column > position + row {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
-    Ok(Some(Tensor::from_vec(
-        values,
-        (tokens, known),
-        &Device::Cpu,
-    )?))
-}
-
 impl TokenEmbedder for Gpt2Span {
     /// The token embeddings `wte[tokens]` only; the span holding block 0 adds the position
     /// embeddings, since the chunk's position is not known here.
@@ -1064,12 +1040,7 @@ impl TokenEmbedder for Gpt2Span {
             .token_embedding
             .as_ref()
             .ok_or(ModelError::PartNotLoaded("token embedding"))?;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
-            return Err(ModelError::InvalidSpan(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.vocab_size
-            )));
-        }
+        check_token_ids(tokens, self.vocab_size)?;
         let ids = Tensor::new(tokens, &Device::Cpu)?;
         Ok(table
             .index_select(&ids, 0)?

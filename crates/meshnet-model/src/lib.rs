@@ -11,6 +11,7 @@
 //!
 //! It is synchronous and does no I/O besides reading model files.
 
+mod attention;
 mod chat;
 mod error;
 mod generation;

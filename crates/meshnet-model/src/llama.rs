@@ -11,6 +11,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 
+use crate::attention::{causal_mask, check_token_ids};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use crate::gguf::{GgufModel, ModelDescription, Quantization, TensorReader};
@@ -368,43 +369,13 @@ fn repeat_heads(tensor: &Tensor, times: usize) -> Result<Tensor> {
     Ok(Tensor::cat(&copies, 2)?.reshape((batch, heads * times, positions, head_dim))?)
 }
 
-/// An additive mask `[tokens, position + tokens]`: 0 where a query may attend, −∞ for keys
-/// after it. `None` for a single token, which may attend to everything cached.
-fn causal_mask(position: usize, tokens: usize) -> Result<Option<Tensor>> {
-    if tokens == 1 {
-        return Ok(None);
-    }
-    let known = position + tokens;
-    let values: Vec<f32> = (0..tokens)
-        .flat_map(|row| {
-            (0..known).map(move |column| {
-                if column > position + row {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-        })
-        .collect();
-    Ok(Some(Tensor::from_vec(
-        values,
-        (tokens, known),
-        &Device::Cpu,
-    )?))
-}
-
 impl TokenEmbedder for LlamaSpan {
     fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
         let table = self
             .embedding
             .as_ref()
             .ok_or(ModelError::PartNotLoaded("token embedding"))?;
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.vocab_size) {
-            return Err(ModelError::InvalidSpan(format!(
-                "token id {bad} is outside the vocabulary of {}",
-                self.vocab_size
-            )));
-        }
+        check_token_ids(tokens, self.vocab_size)?;
         let ids = Tensor::new(tokens, &Device::Cpu)?;
         let rows = table.embedding(&ids)?.to_dtype(DType::F32)?;
         Ok(rows.reshape((1, tokens.len(), self.hyper.hidden))?)
