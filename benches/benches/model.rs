@@ -173,6 +173,19 @@ fn resident_bytes() -> u64 {
 /// Resident memory after loading a span, and the growth over the process before loading.
 fn measure_memory(which: &str, quantization: Quantization) -> (u64, u64) {
     let model = GgufModel::open(model_path()).unwrap();
+    if which == "reference-memory" {
+        let path = match quantization {
+            Quantization::Q8_0 => requantised_path(),
+            Quantization::AsShipped => model_path(),
+        };
+        let before = resident_bytes();
+        let mut file = std::fs::File::open(path).unwrap();
+        let content = gguf_file::Content::read(&mut file).unwrap();
+        let weights = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+        let after = resident_bytes();
+        drop(weights);
+        return (after, after.saturating_sub(before));
+    }
     let before = resident_bytes();
     let spec = match which {
         "whole" => SpanSpec::whole(model.description()),
@@ -274,10 +287,14 @@ fn main() {
     println!("|---|---|---|---|");
     let mib = |bytes: f64| bytes / (1024.0 * 1024.0);
     for quantization in ["as-shipped", "q8_0"] {
-        for which in ["whole", "layers-10-20"] {
+        for which in ["whole", "layers-10-20", "reference-memory"] {
             let (resident, growth) = run_worker(1, which, quantization);
+            let label = match which {
+                "reference-memory" => "whole, candle-transformers",
+                other => other,
+            };
             println!(
-                "| {quantization} | {which} | {:.1} | {:.1} |",
+                "| {quantization} | {label} | {:.1} | {:.1} |",
                 mib(resident),
                 mib(growth)
             );
