@@ -326,7 +326,10 @@ fn parse_entry(value: &Value) -> std::result::Result<TensorEntry, String> {
             _ => None,
         })
         .ok_or("data_offsets is not a pair of offsets")?;
-    let expected_bytes = shape.iter().product::<usize>() * dtype.size_in_bytes();
+    let expected_bytes = shape
+        .iter()
+        .try_fold(dtype.size_in_bytes(), |bytes, &dim| bytes.checked_mul(dim))
+        .ok_or_else(|| format!("shape {shape:?} is too large"))?;
     if offsets.1 < offsets.0 || (offsets.1 - offsets.0) != expected_bytes as u64 {
         return Err(format!(
             "data_offsets {offsets:?} do not hold {expected_bytes} bytes for shape {shape:?}"
@@ -590,10 +593,14 @@ impl TensorReader<'_> {
         let length = usize::try_from(entry.bytes.end - entry.bytes.start)
             .map_err(|_| data_error("too large for this machine".to_owned()))?;
         let mut bytes = vec![0_u8; length];
+        let start = self
+            .weights
+            .index
+            .data_start
+            .checked_add(entry.bytes.start)
+            .ok_or_else(|| data_error("its data offset is past any file".to_owned()))?;
         self.file
-            .seek(SeekFrom::Start(
-                self.weights.index.data_start + entry.bytes.start,
-            ))
+            .seek(SeekFrom::Start(start))
             .and_then(|_| self.file.read_exact(&mut bytes))
             .map_err(|error| data_error(format!("reading its bytes: {error}")))?;
         Tensor::from_raw_buffer(&bytes, entry.dtype, &entry.shape, &Device::Cpu)
@@ -1070,5 +1077,42 @@ impl Stage for Gpt2Span {
             "GPT-2 layers {}..{}",
             self.layer_range.start, self.layer_range.end
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostile_header_entries_are_errors_not_overflows() {
+        let entry = |json: &str| parse_entry(&serde_json::from_str(json).unwrap());
+        let huge =
+            r#"{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}"#;
+        assert!(entry(huge).unwrap_err().contains("too large"));
+        let short = r#"{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}"#;
+        assert!(entry(short).unwrap_err().contains("do not hold 24 bytes"));
+        let reversed = r#"{"dtype":"F32","shape":[1],"data_offsets":[8,4]}"#;
+        assert!(entry(reversed).is_err());
+        let fine = r#"{"dtype":"BF16","shape":[2,3],"data_offsets":[10,22]}"#;
+        assert_eq!(entry(fine).unwrap().bytes, 10..22);
+    }
+
+    #[test]
+    fn garbage_files_are_named_errors() {
+        let dir = std::env::temp_dir().join(format!("meshnet-st-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("model.safetensors");
+        let cases: [(&[u8], &str); 3] = [
+            (&u64::MAX.to_le_bytes(), "implausible"),
+            (b"\x05\0\0\0\0\0\0\0[1,2]", "not a JSON object"),
+            (b"\x02\0", "model.safetensors"),
+        ];
+        for (bytes, needle) in cases {
+            std::fs::write(&path, bytes).unwrap();
+            let err = SafetensorsIndex::read(&path).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
