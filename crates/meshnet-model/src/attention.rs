@@ -29,6 +29,18 @@ pub(crate) fn causal_mask(position: usize, tokens: usize) -> Result<Option<Tenso
     )?))
 }
 
+/// The token count of hidden states shaped `[1, tokens, width]` (tokens ≥ 1), or an error
+/// naming the shape that arrived.
+pub(crate) fn hidden_tokens(hidden: &Tensor, width: usize) -> Result<usize> {
+    match hidden.dims() {
+        [1, tokens, actual] if *tokens > 0 && *actual == width => Ok(*tokens),
+        dims => Err(ModelError::HiddenShape {
+            actual: dims.to_vec(),
+            hidden: width,
+        }),
+    }
+}
+
 /// Refuses token ids outside a vocabulary of `vocab_size` entries.
 pub(crate) fn check_token_ids(tokens: &[u32], vocab_size: usize) -> Result<()> {
     match tokens.iter().find(|&&t| t as usize >= vocab_size) {

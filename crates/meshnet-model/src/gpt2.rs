@@ -24,7 +24,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use serde_json::Value;
 
-use crate::attention::{causal_mask, check_token_ids};
+use crate::attention::{causal_mask, check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use crate::gguf::{ModelDescription, Quantization, WeightBytes};
@@ -927,16 +927,7 @@ impl Gpt2Span {
         position: usize,
         hidden: &Tensor,
     ) -> Result<Tensor> {
-        let dims = hidden.dims();
-        let tokens = match dims {
-            [1, tokens, width] if *tokens > 0 && *width == self.hidden => *tokens,
-            _ => {
-                return Err(ModelError::HiddenShape {
-                    actual: dims.to_vec(),
-                    hidden: self.hidden,
-                });
-            }
-        };
+        let tokens = hidden_tokens(hidden, self.hidden)?;
         if position + tokens > self.positions {
             return Err(ModelError::InvalidSpan(format!(
                 "positions {position}..{} exceed the model's {} learned positions",
@@ -1029,13 +1020,7 @@ impl Gpt2Span {
     }
 
     fn check_hidden(&self, hidden: &Tensor) -> Result<usize> {
-        match hidden.dims() {
-            [1, tokens, width] if *tokens > 0 && *width == self.hidden => Ok(*tokens),
-            dims => Err(ModelError::HiddenShape {
-                actual: dims.to_vec(),
-                hidden: self.hidden,
-            }),
-        }
+        hidden_tokens(hidden, self.hidden)
     }
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 
-use crate::attention::{causal_mask, check_token_ids};
+use crate::attention::{causal_mask, check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use crate::gguf::{GgufModel, ModelDescription, Quantization, TensorReader};
@@ -250,16 +250,7 @@ impl LlamaSpan {
         position: usize,
         hidden: &Tensor,
     ) -> Result<Tensor> {
-        let dims = hidden.dims();
-        let tokens = match dims {
-            [1, tokens, width] if *tokens > 0 && *width == self.hyper.hidden => *tokens,
-            _ => {
-                return Err(ModelError::HiddenShape {
-                    actual: dims.to_vec(),
-                    hidden: self.hyper.hidden,
-                });
-            }
-        };
+        let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
         let mut hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
         if self.layers.is_empty() {
             return Ok(hidden);
@@ -388,13 +379,7 @@ impl LogitsHead for LlamaSpan {
             .head
             .as_ref()
             .ok_or(ModelError::PartNotLoaded("LM head"))?;
-        let (_, tokens, width) = hidden.dims3()?;
-        if width != self.hyper.hidden || tokens == 0 {
-            return Err(ModelError::HiddenShape {
-                actual: hidden.dims().to_vec(),
-                hidden: self.hyper.hidden,
-            });
-        }
+        let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
         let last = hidden
             .to_dtype(DType::F32)?
             .i((.., tokens - 1..tokens, ..))?
