@@ -142,6 +142,23 @@ fn measure(le: &[u8], shuffled: bool) -> Row {
     }
 }
 
+/// Measures plain and shuffled zstd-1 on `values` and prints one table row.
+fn print_row(name: &str, shape: &str, values: &[bf16]) {
+    let le = bf16_to_le_bytes(values);
+    let plain = measure(&le, false);
+    let planes = measure(&le, true);
+    println!(
+        "| {name} | {shape} | {:.3} | {:.3} | {:+.1}% | {:.2} / {:.2} | {:.2} / {:.2} |",
+        plain.ratio,
+        planes.ratio,
+        (planes.ratio / plain.ratio - 1.0) * 100.0,
+        plain.encode_gbps,
+        plain.decode_gbps,
+        planes.encode_gbps,
+        planes.decode_gbps,
+    );
+}
+
 fn main() {
     // `cargo test --benches` runs this with `--bench` absent; keep that quick.
     if !std::env::args().any(|a| a == "--bench") {
@@ -158,39 +175,19 @@ fn main() {
             ("normal + outlier channels", with_outliers(n, dims[2], 2)),
         ];
         for (name, values) in datasets {
-            let le = bf16_to_le_bytes(&values);
-            let plain = measure(&le, false);
-            let planes = measure(&le, true);
-            println!(
-                "| {name} | {}x{}x{} | {:.3} | {:.3} | {:+.1}% | {:.2} / {:.2} | {:.2} / {:.2} |",
-                dims[0],
-                dims[1],
-                dims[2],
-                plain.ratio,
-                planes.ratio,
-                (planes.ratio / plain.ratio - 1.0) * 100.0,
-                plain.encode_gbps,
-                plain.decode_gbps,
-                planes.encode_gbps,
-                planes.decode_gbps,
+            print_row(
+                name,
+                &format!("{}x{}x{}", dims[0], dims[1], dims[2]),
+                &values,
             );
         }
     }
     match real_activations() {
         Some(values) => {
-            let le = bf16_to_le_bytes(&values);
-            let plain = measure(&le, false);
-            let planes = measure(&le, true);
-            println!(
-                "| SmolLM2-135M hidden states after layer 15 | 1x{}x576 | {:.3} | {:.3} | {:+.1}% | {:.2} / {:.2} | {:.2} / {:.2} |",
-                values.len() / 576,
-                plain.ratio,
-                planes.ratio,
-                (planes.ratio / plain.ratio - 1.0) * 100.0,
-                plain.encode_gbps,
-                plain.decode_gbps,
-                planes.encode_gbps,
-                planes.decode_gbps,
+            print_row(
+                "SmolLM2-135M hidden states after layer 15",
+                &format!("1x{}x576", values.len() / 576),
+                &values,
             );
         }
         None => {

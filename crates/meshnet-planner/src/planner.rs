@@ -642,14 +642,16 @@ impl<'a> Round<'a> {
     /// Whether the live peers could cover every layer if placed from scratch:
     /// each volunteer span can be laid end to end after the tracker's.
     fn cover_is_possible(&self) -> bool {
-        let needed = u64::from(self.num_layers - self.tracker_layers);
-        let offered: u64 = self
-            .candidates
+        self.volunteer_reach() >= u64::from(self.num_layers - self.tracker_layers)
+    }
+
+    /// The layers all volunteers could hold together, each at its longest span.
+    fn volunteer_reach(&self) -> u64 {
+        self.candidates
             .iter()
             .filter(|c| !c.is_tracker)
             .map(|c| u64::from(c.reach))
-            .sum();
-        offered >= needed
+            .sum()
     }
 
     /// Fallback when repairs in place cannot close the gaps but a cover exists:
@@ -842,14 +844,8 @@ impl<'a> Round<'a> {
         } else {
             // Coverage is exact, so a gap means the volunteers' reaches add up
             // to less than `[k, L)`; the shortfall is what one more peer needs.
-            let offered: u64 = self
-                .candidates
-                .iter()
-                .filter(|c| !c.is_tracker)
-                .map(|c| u64::from(c.reach))
-                .sum();
-            let shortfall =
-                u64::from(self.num_layers - self.tracker_layers).saturating_sub(offered);
+            let shortfall = u64::from(self.num_layers - self.tracker_layers)
+                .saturating_sub(self.volunteer_reach());
             let missing_layers = if shortfall == 0 {
                 uncovered_layers
             } else {
