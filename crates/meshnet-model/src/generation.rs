@@ -49,7 +49,9 @@ pub enum BoundaryPolicy {
     /// Hand over f32 as computed: a split route equals one process bit for bit. Tests only;
     /// the wire does not carry f32.
     F32,
-    /// Cast to bfloat16 with the wire's own conversion, as a real hop does.
+    /// Cast to bfloat16 with the wire's own conversion, as a real hop does: between
+    /// consecutive stages, and, when there is more than one stage, once more after the last
+    /// (in a mesh the last span's output travels back to the entry over the wire).
     Bf16,
 }
 
@@ -96,6 +98,9 @@ impl Route<'_> {
             }
             hidden = stage.forward(session, position, hidden)?;
         }
+        if self.stages.len() > 1 {
+            hidden = self.boundary.cross(hidden)?;
+        }
         Ok(hidden)
     }
 
@@ -128,6 +133,8 @@ pub struct GenerationRequest {
     pub chunk_tokens: usize,
     /// Keep the logits of every step in the result (for tests and diagnostics).
     pub record_logits: bool,
+    /// The session the generation's KV caches are kept under on every stage.
+    pub session: SessionId,
 }
 
 impl GenerationRequest {
@@ -140,6 +147,7 @@ impl GenerationRequest {
             stop: StopConditions::default(),
             chunk_tokens: PREFILL_CHUNK_TOKENS,
             record_logits: false,
+            session: SessionId::new_v4(),
         }
     }
 }
@@ -153,6 +161,8 @@ pub enum FinishReason {
     StopToken,
     /// The text reached a stop string.
     StopString,
+    /// The observer asked to stop (for example, the client went away).
+    Cancelled,
 }
 
 /// The result of a generation.
@@ -177,18 +187,30 @@ pub fn generate(
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
 ) -> Result<Generation> {
-    let session = SessionId::new_v4();
-    let outcome = run(route, session, request, tokenizer);
-    route.end_session(session);
+    generate_observed(route, request, tokenizer, &mut |_| true)
+}
+
+/// Like [`generate`], calling `observer` with every token generated so far after each new
+/// token; when it returns `false` generation stops with [`FinishReason::Cancelled`]. The
+/// session is ended on every stage afterwards, also after an error or a cancellation.
+pub fn generate_observed(
+    route: &Route<'_>,
+    request: &GenerationRequest,
+    tokenizer: Option<&ModelTokenizer>,
+    observer: &mut dyn FnMut(&[u32]) -> bool,
+) -> Result<Generation> {
+    let outcome = run(route, request, tokenizer, observer);
+    route.end_session(request.session);
     outcome
 }
 
 fn run(
     route: &Route<'_>,
-    session: SessionId,
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
+    observer: &mut dyn FnMut(&[u32]) -> bool,
 ) -> Result<Generation> {
+    let session = request.session;
     if request.prompt.is_empty() {
         return Err(ModelError::InvalidSpan("the prompt has no tokens".into()));
     }
@@ -223,6 +245,10 @@ fn run(
             break;
         }
         generated.push(token);
+        if !observer(&generated) {
+            finish = FinishReason::Cancelled;
+            break;
+        }
         if let Some(tokenizer) = tokenizer
             && !request.stop.strings.is_empty()
         {

@@ -116,6 +116,16 @@ impl KvStore {
         self.budget_bytes
     }
 
+    /// How many sessions hold cached positions.
+    pub fn session_count(&self) -> usize {
+        self.lock().sessions.len()
+    }
+
+    /// Bytes one cached position takes over all the span's layers.
+    pub fn bytes_per_position(&self) -> usize {
+        self.bytes_per_position
+    }
+
     /// How many positions a session has cached (0 for an unknown session).
     pub fn session_len(&self, session: SessionId) -> usize {
         self.lock()

@@ -26,7 +26,7 @@ pub use chat::{ChatMessage, ChatTemplate, IM_END, IM_START};
 pub use error::{ModelError, Result};
 pub use generation::{
     BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,
-    TokenEmbedder, generate,
+    TokenEmbedder, generate, generate_observed,
 };
 pub use gguf::{GgufModel, ModelDescription, Quantization, WeightBytes};
 pub use gpt2::{GPT2_CONFIG_FILE, GPT2_WEIGHTS_FILE, Gpt2Config, Gpt2Model, Gpt2Span};

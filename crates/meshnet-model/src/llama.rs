@@ -111,6 +111,15 @@ pub struct LlamaSpan {
 impl LlamaSpan {
     /// Loads the parts of `model` that `spec` names, and nothing else.
     pub fn load(model: &GgufModel, spec: &SpanSpec) -> Result<Self> {
+        Self::load_with_progress(model, spec, &mut |_, _| {})
+    }
+
+    /// Like [`Self::load`], calling `progress(layers_loaded, layers_total)` after each layer.
+    pub fn load_with_progress(
+        model: &GgufModel,
+        spec: &SpanSpec,
+        progress: &mut dyn FnMut(usize, usize),
+    ) -> Result<Self> {
         let description = model.description();
         if spec.layers.start > spec.layers.end || spec.layers.end > description.layers {
             return Err(ModelError::InvalidSpan(format!(
@@ -142,7 +151,11 @@ impl LlamaSpan {
         };
 
         let mut layers = Vec::with_capacity(spec.layers.len());
+        progress(0, spec.layers.len());
         for index in spec.layers.clone() {
+            if !layers.is_empty() {
+                progress(layers.len(), spec.layers.len());
+            }
             let name = |suffix: &str| format!("blk.{index}.{suffix}");
             let matrix = |reader: &mut TensorReader<'_>, suffix: &str, dims: &[usize]| {
                 load_matrix(reader, &name(suffix), dims, quantization)
@@ -173,6 +186,7 @@ impl LlamaSpan {
             });
         }
 
+        progress(layers.len(), spec.layers.len());
         let head = if spec.head {
             let norm = load_vector(&mut reader, "output_norm.weight", hidden)?;
             let output = match (&embedding, description.tied_embeddings) {
@@ -250,16 +264,41 @@ impl LlamaSpan {
         position: usize,
         hidden: &Tensor,
     ) -> Result<Tensor> {
+        self.forward_range(session, position, hidden, self.layer_range.clone())
+    }
+
+    /// Like [`Self::forward_layers`], but runs only `layers` (absolute indices, within the
+    /// span's own range). A session must use the same range on every chunk: the layers it
+    /// skips keep no cache for it.
+    pub fn forward_range(
+        &self,
+        session: SessionId,
+        position: usize,
+        hidden: &Tensor,
+        layers: Range<usize>,
+    ) -> Result<Tensor> {
+        if layers.start < self.layer_range.start
+            || layers.end > self.layer_range.end
+            || layers.start > layers.end
+        {
+            return Err(ModelError::InvalidSpan(format!(
+                "layers {}..{} are not within this span's {}..{}",
+                layers.start, layers.end, self.layer_range.start, self.layer_range.end
+            )));
+        }
         let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
         let mut hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
-        if self.layers.is_empty() {
+        if layers.is_empty() {
             return Ok(hidden);
         }
+        let first = layers.start - self.layer_range.start;
+        let selected = &self.layers[first..first + layers.len()];
         let (cos, sin) = self.rope_tables(position, tokens)?;
         let mask = causal_mask(position, tokens)?;
         self.cache
             .with_session(session, position, tokens, |cache| {
-                for (index, layer) in self.layers.iter().enumerate() {
+                for (offset, layer) in selected.iter().enumerate() {
+                    let index = first + offset;
                     hidden = self.layer_forward(
                         layer,
                         index,

@@ -43,7 +43,15 @@ impl Stage for OverTheWire<'_> {
         let decoded = ActivationFrame::decode(&encoded.headers, &encoded.body, &Limits::default())?;
         assert_eq!(decoded.meta.position, position as u64);
         let received = decoded.activations.into_tensor(&Device::Cpu)?;
-        self.span.forward(session, position, received)
+        let output = self.span.forward(session, position, received)?;
+        // The answer travels back up the chain as another frame.
+        let answer = ActivationFrame {
+            meta: decoded.meta,
+            activations: Activations::from_tensor(&output)?,
+        }
+        .encode(Encoding::Zstd);
+        let returned = ActivationFrame::decode(&answer.headers, &answer.body, &Limits::default())?;
+        Ok(returned.activations.into_tensor(&Device::Cpu)?)
     }
 
     fn end_session(&self, session: SessionId) {
