@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Body;
+use axum::extract::Path;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::post;
+use axum::routing::{delete, post};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use meshnet_wire::header::{Encoding, check_wire_version};
 use meshnet_wire::{ActivationFrame, LayerRange, Limits};
@@ -42,10 +43,12 @@ impl ActivationPlane {
         }
     }
 
-    /// The routes of the activation plane: `POST /forward`.
+    /// The routes of the activation plane: `POST /forward` and `DELETE /sessions/{id}` (frees
+    /// a session's KV cache on this peer).
     pub fn router(self) -> Router {
         Router::new()
             .route("/forward", post(forward))
+            .route("/sessions/{session}", delete(end_session))
             .with_state(Arc::new(self))
     }
 
@@ -59,13 +62,10 @@ impl ActivationPlane {
         let executor = Arc::clone(&self.executor);
         let my_layers = frame.meta.layers;
         let (meta, output) = blocking(move || {
-            let served = executor.served_layers();
-            let covers =
-                served.is_some_and(|s| s.start <= my_layers.start && my_layers.end <= s.end);
-            if !covers {
+            if !executor.accepts(&frame.meta) {
                 return Err(ExecutorError::LayersNotServed {
                     requested: my_layers,
-                    served,
+                    served: executor.served_layers(),
                 });
             }
             let output = executor.forward(&frame.meta, frame.activations)?;
@@ -139,6 +139,31 @@ async fn forward(
         .await
         .map_err(NodeError::Internal)?;
     Ok((StatusCode::OK, encoded.headers, encoded.body).into_response())
+}
+
+/// `DELETE /sessions/{id}`: frees the session's KV cache here (204; unknown sessions too, so
+/// the call is idempotent). A malformed id is a 400.
+async fn end_session(
+    State(plane): State<Arc<ActivationPlane>>,
+    Path(session): Path<String>,
+) -> Result<Response, NodeError> {
+    let session = uuid::Uuid::parse_str(&session).map_err(|_| {
+        NodeError::Wire(meshnet_wire::WireError::InvalidHeader {
+            name: "the session in /sessions/{id}",
+            expected: "a UUID",
+            got: session.chars().take(64).collect(),
+        })
+    })?;
+    let executor = Arc::clone(&plane.executor);
+    blocking(move || executor.end_session(session))
+        .await
+        .map_err(NodeError::Internal)?;
+    let mut response = StatusCode::NO_CONTENT.into_response();
+    response.headers_mut().insert(
+        meshnet_wire::header::WIRE_VERSION_HEADER,
+        axum::http::HeaderValue::from(meshnet_wire::WIRE_VERSION),
+    );
+    Ok(response)
 }
 
 /// Reads a request body, refusing (413) as soon as it passes `limit` bytes.

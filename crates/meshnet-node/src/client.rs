@@ -183,6 +183,31 @@ impl ForwardClient {
         Ok(answer)
     }
 
+    /// Asks the peer at `endpoint` to free `session` (`DELETE {endpoint}/sessions/{id}`).
+    pub async fn end_session(
+        &self,
+        endpoint: &str,
+        session: uuid::Uuid,
+    ) -> Result<(), ClientError> {
+        let mut url = forward_url(endpoint)?;
+        let path = url.path().trim_end_matches("forward").to_owned();
+        url.set_path(&format!("{path}sessions/{session}"));
+        let response = self
+            .http
+            .delete(url)
+            .header(WIRE_VERSION_HEADER, meshnet_wire::WIRE_VERSION)
+            .send()
+            .await
+            .map_err(|e| self.transport_error(endpoint, e))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(());
+        }
+        let headers = response.headers().clone();
+        let body = response.bytes().await.unwrap_or_default();
+        Err(rejection(endpoint, status.as_u16(), &headers, &body))
+    }
+
     fn transport_error(&self, endpoint: &str, e: reqwest::Error) -> ClientError {
         if e.is_timeout() {
             ClientError::Timeout {

@@ -14,6 +14,20 @@ pub trait SpanExecutor: Send + Sync + 'static {
     /// Runs `meta.layers` over `input` for `meta.session`, whose tokens start at absolute position
     /// `meta.position`, and returns the hidden states after the last of those layers.
     fn forward(&self, meta: &FrameMeta, input: Activations) -> Result<Activations, ExecutorError>;
+
+    /// Whether this executor runs the layers `meta` asks for, for that session. The default:
+    /// the layers lie within [`Self::served_layers`]. An executor that still finishes old
+    /// sessions on layers it no longer serves says so here.
+    fn accepts(&self, meta: &FrameMeta) -> bool {
+        self.served_layers()
+            .is_some_and(|s| s.start <= meta.layers.start && meta.layers.end <= s.end)
+    }
+
+    /// Frees whatever the executor keeps for `session` (its KV cache). Unknown sessions are
+    /// ignored. The default keeps nothing per session, so it does nothing.
+    fn end_session(&self, session: uuid::Uuid) {
+        let _ = session;
+    }
 }
 
 /// Why a span executor refused or failed a frame.
