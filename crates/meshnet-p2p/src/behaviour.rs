@@ -1,0 +1,171 @@
+//! The composed libp2p behaviour and the swarm built around it.
+
+use std::time::Duration;
+
+use libp2p::core::transport::MemoryTransport;
+use libp2p::core::upgrade::Version;
+use libp2p::identity::Keypair;
+use libp2p::kad::store::MemoryStore;
+use libp2p::swarm::NetworkBehaviour;
+use libp2p::swarm::behaviour::toggle::Toggle;
+use libp2p::{
+    StreamProtocol, Swarm, SwarmBuilder, Transport, autonat, connection_limits, dcutr, gossipsub,
+    identify, kad, noise, ping, relay, tcp, upnp, yamux,
+};
+
+use crate::P2pError;
+use crate::config::{P2pConfig, TransportChoice};
+use crate::messages::MAX_MESSAGE_BYTES;
+
+/// Kademlia protocol of the meshnet DHT (kept apart from the public IPFS DHT).
+pub(crate) const KADEMLIA_PROTOCOL: StreamProtocol = StreamProtocol::new("/meshnet/kad/1.0.0");
+
+/// Identify protocol version string.
+const IDENTIFY_PROTOCOL_VERSION: &str = "/meshnet/1.0.0";
+
+/// Connections stay open this long without traffic, so gossip meshes persist.
+const IDLE_CONNECTION_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Gossipsub heartbeat: mesh maintenance and gossip emission.
+const GOSSIP_HEARTBEAT: Duration = Duration::from_millis(700);
+
+/// Every protocol the node speaks.
+#[derive(NetworkBehaviour)]
+pub(crate) struct MeshBehaviour {
+    pub(crate) connection_limits: connection_limits::Behaviour,
+    pub(crate) identify: identify::Behaviour,
+    pub(crate) ping: ping::Behaviour,
+    pub(crate) kademlia: kad::Behaviour<MemoryStore>,
+    pub(crate) gossipsub: gossipsub::Behaviour,
+    pub(crate) autonat: Toggle<autonat::Behaviour>,
+    pub(crate) relay_client: relay::client::Behaviour,
+    pub(crate) dcutr: Toggle<dcutr::Behaviour>,
+    pub(crate) upnp: Toggle<upnp::tokio::Behaviour>,
+}
+
+fn behaviour_error(error: impl std::fmt::Display) -> P2pError {
+    P2pError::Behaviour(error.to_string())
+}
+
+fn transport_error(error: impl std::fmt::Display) -> P2pError {
+    P2pError::Transport(error.to_string())
+}
+
+impl MeshBehaviour {
+    fn new(
+        config: &P2pConfig,
+        keypair: &Keypair,
+        relay_client: relay::client::Behaviour,
+    ) -> Result<Self, P2pError> {
+        let local_peer_id = keypair.public().to_peer_id();
+        let network = config.transport == TransportChoice::Network;
+
+        let gossip_config = gossipsub::ConfigBuilder::default()
+            .heartbeat_interval(GOSSIP_HEARTBEAT)
+            .heartbeat_initial_delay(Duration::from_millis(100))
+            .validation_mode(gossipsub::ValidationMode::Strict)
+            .validate_messages()
+            // Room for a 1 MiB control message plus the signature and framing.
+            .max_transmit_size(MAX_MESSAGE_BYTES + 64 * 1024)
+            .build()
+            .map_err(behaviour_error)?;
+        let gossipsub = gossipsub::Behaviour::new(
+            gossipsub::MessageAuthenticity::Signed(keypair.clone()),
+            gossip_config,
+        )
+        .map_err(behaviour_error)?;
+
+        let mut kad_config = kad::Config::new(KADEMLIA_PROTOCOL);
+        kad_config.set_query_timeout(Duration::from_secs(10));
+        let mut kademlia =
+            kad::Behaviour::with_config(local_peer_id, MemoryStore::new(local_peer_id), kad_config);
+        if config.assume_reachable {
+            kademlia.set_mode(Some(kad::Mode::Server));
+        }
+
+        let identify = identify::Behaviour::new(
+            identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_owned(), keypair.public())
+                .with_agent_version(format!("meshnet-p2p/{}", env!("CARGO_PKG_VERSION"))),
+        );
+
+        // AutoNAT probes need dial-backs over real IP transports; in-memory meshes skip it.
+        // Servers only dial back global IPs unless reachability is assumed (LAN/loopback).
+        let autonat = network.then(|| {
+            autonat::Behaviour::new(
+                local_peer_id,
+                autonat::Config {
+                    only_global_ips: !config.assume_reachable,
+                    ..autonat::Config::default()
+                },
+            )
+        });
+
+        Ok(MeshBehaviour {
+            connection_limits: connection_limits::Behaviour::new(
+                connection_limits::ConnectionLimits::default()
+                    .with_max_established(Some(config.max_connections)),
+            ),
+            identify,
+            ping: ping::Behaviour::default(),
+            kademlia,
+            gossipsub,
+            autonat: Toggle::from(autonat),
+            relay_client,
+            dcutr: Toggle::from(network.then(|| dcutr::Behaviour::new(local_peer_id))),
+            upnp: Toggle::from((network && config.upnp).then(upnp::tokio::Behaviour::default)),
+        })
+    }
+}
+
+/// The error shape `SwarmBuilder::with_behaviour` accepts.
+fn boxed(
+    behaviour: Result<MeshBehaviour, P2pError>,
+) -> Result<MeshBehaviour, Box<dyn std::error::Error + Send + Sync>> {
+    behaviour.map_err(Box::from)
+}
+
+/// Builds the swarm with the transports chosen in `config`.
+pub(crate) fn build_swarm(config: &P2pConfig) -> Result<Swarm<MeshBehaviour>, P2pError> {
+    let builder = SwarmBuilder::with_existing_identity(config.keypair.clone()).with_tokio();
+    let swarm = match config.transport {
+        TransportChoice::Network => builder
+            .with_tcp(
+                tcp::Config::default().nodelay(true),
+                noise::Config::new,
+                yamux::Config::default,
+            )
+            .map_err(transport_error)?
+            .with_quic()
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(transport_error)?
+            .with_behaviour(|keypair, relay_client| {
+                boxed(MeshBehaviour::new(config, keypair, relay_client))
+            })
+            .map_err(behaviour_error)?
+            .with_swarm_config(|swarm_config| {
+                swarm_config.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT)
+            })
+            .build(),
+        TransportChoice::Memory => builder
+            .with_other_transport(|keypair| {
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(
+                    MemoryTransport::default()
+                        .upgrade(Version::V1)
+                        .authenticate(noise::Config::new(keypair)?)
+                        .multiplex(yamux::Config::default()),
+                )
+            })
+            .map_err(transport_error)?
+            .with_relay_client(noise::Config::new, yamux::Config::default)
+            .map_err(transport_error)?
+            .with_behaviour(|keypair, relay_client| {
+                boxed(MeshBehaviour::new(config, keypair, relay_client))
+            })
+            .map_err(behaviour_error)?
+            .with_swarm_config(|swarm_config| {
+                swarm_config.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT)
+            })
+            .build(),
+    };
+    Ok(swarm)
+}

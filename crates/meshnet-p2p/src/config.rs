@@ -1,0 +1,83 @@
+//! Configuration of a control-plane node.
+
+use std::time::Duration;
+
+use libp2p::identity::Keypair;
+use libp2p::{Multiaddr, PeerId};
+
+/// Which libp2p transports the node uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// TCP and QUIC, secured with Noise (TCP) or TLS (QUIC), multiplexed with Yamux,
+    /// plus the relay client transport. No DNS resolution: use `/ip4` or `/ip6` addresses.
+    Network,
+    /// The in-process libp2p memory transport (`/memory/<port>` addresses), for tests.
+    Memory,
+}
+
+/// The part this node plays in the mesh.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// The tracker: publishes the coverage map, directives and the Kademlia tracker record.
+    Tracker,
+    /// An ordinary peer.
+    Peer {
+        /// The only tracker whose coverage maps and directives are accepted. `None`
+        /// trusts whichever tracker the Kademlia record names.
+        pinned_tracker: Option<PeerId>,
+    },
+}
+
+/// Everything [`crate::spawn`] needs to start a node.
+#[derive(Debug, Clone)]
+pub struct P2pConfig {
+    /// The node's identity (see [`crate::load_or_create_identity`]).
+    pub keypair: Keypair,
+    /// The model this mesh runs; part of every topic name.
+    pub model_id: String,
+    /// Addresses to listen on (for example `/ip4/0.0.0.0/tcp/0` or `/memory/0`).
+    pub listen: Vec<Multiaddr>,
+    /// Addresses dialed at start; their peers seed the Kademlia routing table.
+    pub bootstrap: Vec<Multiaddr>,
+    /// Which transports to use.
+    pub transport: TransportChoice,
+    /// Tracker or peer.
+    pub role: Role,
+    /// Whether to ask the gateway for a UPnP port mapping.
+    pub upnp: bool,
+    /// Treat every listen address as externally reachable: it becomes an external
+    /// address and Kademlia serves requests. For public hosts, LANs and loopback testnets.
+    pub assume_reachable: bool,
+    /// Maximum number of established connections.
+    pub max_connections: u32,
+    /// How often a peer looks up the tracker record until it has found one.
+    pub tracker_lookup_interval: Duration,
+    /// How often the tracker re-stores its record in Kademlia.
+    pub record_republish_interval: Duration,
+}
+
+impl P2pConfig {
+    /// A configuration with defaults: no listen or bootstrap address, network
+    /// transports, no UPnP, reachability not assumed, 256 connections, tracker
+    /// lookups every 2 s and record republication every 30 s.
+    pub fn new(keypair: Keypair, model_id: impl Into<String>, role: Role) -> Self {
+        P2pConfig {
+            keypair,
+            model_id: model_id.into(),
+            listen: Vec::new(),
+            bootstrap: Vec::new(),
+            transport: TransportChoice::Network,
+            role,
+            upnp: false,
+            assume_reachable: false,
+            max_connections: 256,
+            tracker_lookup_interval: Duration::from_secs(2),
+            record_republish_interval: Duration::from_secs(30),
+        }
+    }
+
+    /// The node's peer id.
+    pub fn local_peer_id(&self) -> PeerId {
+        self.keypair.public().to_peer_id()
+    }
+}

@@ -1,0 +1,53 @@
+//! Events the control plane reports to the application.
+
+use libp2p::{Multiaddr, PeerId};
+
+use crate::messages::{CoverageMessage, DirectiveMessage, PeerAnnouncement, TrackerRecord};
+
+/// A domain event from the control plane (never a raw libp2p event).
+#[derive(Debug, Clone, PartialEq)]
+pub enum P2pEvent {
+    /// A validated announcement from another peer.
+    Announcement {
+        /// The signed originator (equal to `announcement.peer`).
+        from: PeerId,
+        /// What the peer announced.
+        announcement: PeerAnnouncement,
+    },
+    /// A coverage map published by the authorised tracker.
+    Coverage {
+        /// The tracker that signed it.
+        from: PeerId,
+        /// The map.
+        coverage: CoverageMessage,
+    },
+    /// Directives from the authorised tracker addressed to this node.
+    Directive {
+        /// The tracker that signed them.
+        from: PeerId,
+        /// The directives.
+        directive: DirectiveMessage,
+    },
+    /// The Kademlia tracker record was found or names a new tracker.
+    TrackerDiscovered(TrackerRecord),
+    /// A gossip message failed validation and was not propagated.
+    Rejected {
+        /// The signed originator (or the forwarding peer if unsigned).
+        from: PeerId,
+        /// The gossipsub topic it arrived on.
+        topic: String,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// The first connection to a peer was established.
+    PeerConnected(PeerId),
+    /// The last connection to a peer was closed.
+    PeerDisconnected(PeerId),
+    /// The node listens on a new address.
+    ListeningOn(Multiaddr),
+    /// AutoNAT's verdict on whether this node is reachable from the internet.
+    Reachability {
+        /// `true` when reachable.
+        public: bool,
+    },
+}

@@ -1,0 +1,58 @@
+//! The meshnet control plane over libp2p.
+//!
+//! meshnet runs one language model split across peers: every peer holds a span
+//! of layers, and one peer, the tracker, plans who holds what. This crate is
+//! how they talk:
+//!
+//! - **Messages** ([`messages`], always built, pure): [`PeerAnnouncement`]s
+//!   from every peer, the tracker's [`CoverageMessage`] and
+//!   [`DirectiveMessage`]s, and the [`TrackerRecord`] kept in the DHT. Each is
+//!   encoded with bincode 2 in a `{ schema_version, body }` envelope
+//!   ([`encode`] / [`decode`]).
+//! - **Transport and behaviour** (feature `network`, on by default): a libp2p
+//!   swarm with identify, ping, Kademlia, gossipsub (signed, strictly
+//!   validated), AutoNAT, relay client, DCUtR, optional UPnP and a connection
+//!   limit, over TCP + QUIC or the in-memory transport ([`TransportChoice`]).
+//! - **Event loop** ([`spawn`]): one task owns the swarm; a cloneable
+//!   [`P2pHandle`] sends it commands and a bounded channel delivers
+//!   [`P2pEvent`]s.
+//!
+//! Gossip runs on three topics per model ([`topic_name`]). Every message is
+//! validated before it propagates: it must decode, be for our model, an
+//! announcement must name its signer, and coverage maps and directives must be
+//! signed by the authorised tracker (the node itself for [`Role::Tracker`], the
+//! pinned tracker, or the one named by the Kademlia record under
+//! [`tracker_record_key`]). Invalid messages are dropped and reported as
+//! [`P2pEvent::Rejected`].
+
+mod error;
+pub mod messages;
+
+#[cfg(feature = "network")]
+mod behaviour;
+#[cfg(feature = "network")]
+mod config;
+#[cfg(feature = "network")]
+mod events;
+#[cfg(feature = "network")]
+mod identity;
+#[cfg(feature = "network")]
+mod node;
+#[cfg(feature = "network")]
+mod validation;
+
+pub use error::P2pError;
+pub use messages::{
+    CoverageMessage, DirectiveMessage, MAX_MESSAGE_BYTES, PeerAnnouncement, SCHEMA_VERSION,
+    SpanState, SpanStatus, TopicKind, TrackerRecord, decode, encode, topic_name,
+    tracker_record_key,
+};
+
+#[cfg(feature = "network")]
+pub use config::{P2pConfig, Role, TransportChoice};
+#[cfg(feature = "network")]
+pub use events::P2pEvent;
+#[cfg(feature = "network")]
+pub use identity::{IDENTITY_FILE_NAME, load_or_create_identity};
+#[cfg(feature = "network")]
+pub use node::{P2pHandle, spawn};

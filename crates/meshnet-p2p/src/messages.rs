@@ -1,0 +1,338 @@
+//! Control-plane messages and their wire encoding.
+//!
+//! Pure data: no I/O, no async. Every message travels as an envelope
+//! `{ schema_version: u16, body }` encoded with bincode 2 (standard config:
+//! little endian, variable-length integers). [`decode`] accepts only the
+//! current [`SCHEMA_VERSION`], at most [`MAX_MESSAGE_BYTES`] of input and no
+//! trailing bytes.
+
+use meshnet_planner::{CoverageMap, Directive, LayerSpan, Quantization};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::P2pError;
+
+/// Version of the control message schema; part of every envelope and topic name.
+pub const SCHEMA_VERSION: u16 = 1;
+
+/// Largest encoded control message accepted or produced, in bytes (1 MiB).
+pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
+
+/// Whether a peer's span is loading, serving or being released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpanState {
+    /// The weights are being fetched or loaded.
+    Loading,
+    /// The layers are loaded and serving.
+    Ready,
+    /// The layers still serve running sessions but take no new ones.
+    Draining,
+}
+
+/// The span of layers a peer holds and in which state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpanStatus {
+    /// The layers, half-open `[start, end)`.
+    pub layers: LayerSpan,
+    /// The format the layers are held in.
+    pub quantization: Quantization,
+    /// Loading, serving or draining.
+    pub state: SpanState,
+}
+
+/// What a peer tells the mesh about itself, gossiped periodically.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerAnnouncement {
+    /// Base58 libp2p `PeerId` of the sender; must match the message's signed source.
+    pub peer: String,
+    /// The model the peer serves.
+    pub model_id: String,
+    /// The sender's software version.
+    pub software_version: String,
+    /// Version of the activation wire protocol the peer speaks.
+    pub wire_version: u32,
+    /// HTTP endpoints where the peer serves activations.
+    pub http_endpoints: Vec<String>,
+    /// Memory the peer gives the mesh, in bytes (weights plus KV cache).
+    pub memory_bytes: u64,
+    /// Quantizations the peer can run.
+    pub quantizations: Vec<Quantization>,
+    /// Measured throughput in tokens per second.
+    pub throughput: f64,
+    /// Tokens of KV cache reserved for every held layer.
+    pub kv_tokens: u64,
+    /// The span the peer holds, if any.
+    pub span: Option<SpanStatus>,
+    /// KV tokens currently free for new sessions.
+    pub free_kv_tokens: u64,
+    /// Sessions currently running through the peer.
+    pub active_sessions: u32,
+    /// Whether the sender is the tracker.
+    pub is_tracker: bool,
+    /// Sender's clock when the announcement was made, in milliseconds since the Unix epoch.
+    pub sent_at_unix_ms: u64,
+}
+
+/// The tracker's coverage map, gossiped to every peer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CoverageMessage {
+    /// The model the map describes.
+    pub model_id: String,
+    /// Planning epoch of the map.
+    pub epoch: u64,
+    /// Monotonic publication counter of the tracker, to order messages of one epoch.
+    pub sequence: u64,
+    /// Number of transformer layers of the model.
+    pub num_layers: u32,
+    /// Who holds which layers.
+    pub map: CoverageMap,
+}
+
+/// Directives from the tracker to one peer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DirectiveMessage {
+    /// The model the directives are about.
+    pub model_id: String,
+    /// Base58 libp2p `PeerId` of the peer that must apply the directives.
+    pub target: String,
+    /// Planning epoch the directives belong to.
+    pub epoch: u64,
+    /// Monotonic publication counter of the tracker.
+    pub sequence: u64,
+    /// The directives, all addressed to `target`.
+    pub directives: Vec<Directive>,
+    /// What the target holds once it applied them; `None` means nothing.
+    pub span_after: Option<SpanStatus>,
+}
+
+/// The record the tracker stores in Kademlia so peers can find it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrackerRecord {
+    /// Base58 libp2p `PeerId` of the tracker.
+    pub peer: String,
+    /// Multiaddrs of the tracker, as strings.
+    pub addresses: Vec<String>,
+    /// The tracker's HTTP endpoint.
+    pub http_endpoint: String,
+    /// Planning epoch when the record was written.
+    pub epoch: u64,
+    /// The model the tracker coordinates.
+    pub model_id: String,
+}
+
+/// The gossipsub topics of one model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TopicKind {
+    /// Peer announcements ([`PeerAnnouncement`]).
+    Announce,
+    /// The tracker's coverage map ([`CoverageMessage`]).
+    Coverage,
+    /// The tracker's directives ([`DirectiveMessage`]).
+    Directives,
+}
+
+impl TopicKind {
+    /// Every topic kind.
+    pub const ALL: [TopicKind; 3] = [
+        TopicKind::Announce,
+        TopicKind::Coverage,
+        TopicKind::Directives,
+    ];
+
+    /// The last path segment of the topic name.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            TopicKind::Announce => "announce",
+            TopicKind::Coverage => "coverage",
+            TopicKind::Directives => "directives",
+        }
+    }
+}
+
+/// The gossipsub topic name `meshnet/<schema version>/<model_id>/<kind>`.
+pub fn topic_name(model_id: &str, kind: TopicKind) -> String {
+    format!("meshnet/{SCHEMA_VERSION}/{model_id}/{}", kind.suffix())
+}
+
+/// The Kademlia key of the tracker record: `meshnet/<schema version>/<model_id>/tracker`.
+pub fn tracker_record_key(model_id: &str) -> String {
+    format!("meshnet/{SCHEMA_VERSION}/{model_id}/tracker")
+}
+
+fn wire_config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_MESSAGE_BYTES>()
+}
+
+#[derive(Serialize)]
+struct Envelope<'a, T> {
+    schema_version: u16,
+    body: &'a T,
+}
+
+/// Encodes `message` in a versioned envelope.
+///
+/// Fails if the encoding exceeds [`MAX_MESSAGE_BYTES`].
+pub fn encode<T: Serialize>(message: &T) -> Result<Vec<u8>, P2pError> {
+    let envelope = Envelope {
+        schema_version: SCHEMA_VERSION,
+        body: message,
+    };
+    let bytes = bincode::serde::encode_to_vec(&envelope, wire_config())
+        .map_err(|error| P2pError::Encode(error.to_string()))?;
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(P2pError::MessageTooLarge {
+            size: bytes.len(),
+            limit: MAX_MESSAGE_BYTES,
+        });
+    }
+    Ok(bytes)
+}
+
+/// Decodes a message produced by [`encode`].
+///
+/// Rejects oversize input, another schema version, malformed bodies and trailing bytes.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, P2pError> {
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(P2pError::MessageTooLarge {
+            size: bytes.len(),
+            limit: MAX_MESSAGE_BYTES,
+        });
+    }
+    let (version, header_len): (u16, usize) =
+        bincode::serde::decode_from_slice(bytes, wire_config())
+            .map_err(|error| P2pError::Decode(format!("schema version: {error}")))?;
+    if version != SCHEMA_VERSION {
+        return Err(P2pError::SchemaVersion {
+            expected: SCHEMA_VERSION,
+            found: version,
+        });
+    }
+    let rest = bytes.get(header_len..).unwrap_or_default();
+    let (body, body_len): (T, usize) = bincode::serde::decode_from_slice(rest, wire_config())
+        .map_err(|error| P2pError::Decode(error.to_string()))?;
+    if body_len != rest.len() {
+        return Err(P2pError::TrailingBytes {
+            count: rest.len() - body_len,
+        });
+    }
+    Ok(body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshnet_planner::{PeerId as PlannerPeerId, PeerState, ShardHolding};
+
+    fn record() -> TrackerRecord {
+        TrackerRecord {
+            peer: "12D3KooWtracker".into(),
+            addresses: vec!["/ip4/127.0.0.1/tcp/4001".into()],
+            http_endpoint: "http://127.0.0.1:8080".into(),
+            epoch: 7,
+            model_id: "smollm2-135m".into(),
+        }
+    }
+
+    #[test]
+    fn topic_names_carry_schema_version_and_model() {
+        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/1/m/announce");
+        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/1/m/coverage");
+        assert_eq!(
+            topic_name("m", TopicKind::Directives),
+            "meshnet/1/m/directives"
+        );
+        assert_eq!(tracker_record_key("m"), "meshnet/1/m/tracker");
+    }
+
+    #[test]
+    fn round_trip_keeps_every_field() {
+        let coverage = CoverageMessage {
+            model_id: "m".into(),
+            epoch: 3,
+            sequence: 9,
+            num_layers: 30,
+            map: CoverageMap {
+                epoch: 3,
+                holdings: vec![ShardHolding {
+                    peer: PlannerPeerId::from("a"),
+                    layers: LayerSpan::new(0, 12),
+                    quantization: Quantization::Q4_1,
+                    state: PeerState::Loading,
+                }],
+            },
+        };
+        let bytes = encode(&coverage).unwrap();
+        assert_eq!(decode::<CoverageMessage>(&bytes).unwrap(), coverage);
+        assert_eq!(
+            decode::<TrackerRecord>(&encode(&record()).unwrap()).unwrap(),
+            record()
+        );
+    }
+
+    #[test]
+    fn other_schema_version_is_named() {
+        let mut bytes = encode(&record()).unwrap();
+        // Versions below 251 are a single varint byte.
+        bytes[0] = 2;
+        let error = decode::<TrackerRecord>(&bytes).unwrap_err();
+        assert!(
+            matches!(
+                error,
+                P2pError::SchemaVersion {
+                    expected: 1,
+                    found: 2
+                }
+            ),
+            "{error}"
+        );
+        assert!(error.to_string().contains("version 2") && error.to_string().contains("version 1"));
+    }
+
+    #[test]
+    fn trailing_bytes_are_rejected() {
+        let mut bytes = encode(&record()).unwrap();
+        bytes.extend_from_slice(&[0, 0]);
+        assert!(matches!(
+            decode::<TrackerRecord>(&bytes),
+            Err(P2pError::TrailingBytes { count: 2 })
+        ));
+    }
+
+    #[test]
+    fn truncated_and_oversize_input_is_rejected() {
+        let bytes = encode(&record()).unwrap();
+        for cut in 0..bytes.len() {
+            assert!(
+                decode::<TrackerRecord>(&bytes[..cut]).is_err(),
+                "cut at {cut}"
+            );
+        }
+        let huge = vec![1u8; MAX_MESSAGE_BYTES + 1];
+        assert!(matches!(
+            decode::<TrackerRecord>(&huge),
+            Err(P2pError::MessageTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn oversize_message_is_not_encoded() {
+        let mut big = record();
+        big.http_endpoint = "x".repeat(MAX_MESSAGE_BYTES);
+        assert!(matches!(
+            encode(&big),
+            Err(P2pError::MessageTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn huge_claimed_length_does_not_allocate() {
+        // Version 1, then a string length claiming u64::MAX bytes.
+        let mut bytes = vec![1u8, 0xFF];
+        bytes.extend_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(
+            decode::<TrackerRecord>(&bytes),
+            Err(P2pError::Decode(_))
+        ));
+    }
+}

@@ -1,0 +1,681 @@
+//! The swarm-owning event loop and the handle that drives it.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, PublishError, TopicHash};
+use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, RecordKey};
+use libp2p::multiaddr::Protocol;
+use libp2p::swarm::SwarmEvent;
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
+use libp2p::{Multiaddr, PeerId, Swarm, autonat, identify};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Sleep;
+
+use crate::P2pError;
+use crate::behaviour::{KADEMLIA_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, build_swarm};
+use crate::config::{P2pConfig, Role};
+use crate::events::P2pEvent;
+use crate::messages::{
+    CoverageMessage, DirectiveMessage, PeerAnnouncement, TopicKind, TrackerRecord, decode, encode,
+    topic_name, tracker_record_key,
+};
+use crate::validation::{Admission, Verdict};
+
+/// Capacity of the command channel from handles to the event loop.
+const COMMAND_CAPACITY: usize = 64;
+
+/// Capacity of the event channel to the application.
+const EVENT_CAPACITY: usize = 256;
+
+/// Lifetime of the tracker record in the DHT; the tracker re-stores it well before.
+const TRACKER_RECORD_TTL: Duration = Duration::from_secs(300);
+
+/// Once a tracker is known, how often peers look the record up again to follow a change.
+const TRACKER_REFRESH_INTERVAL: Duration = Duration::from_secs(30);
+
+/// How long [`P2pHandle::listen_addrs`] waits for the first listener.
+const LISTEN_ADDRS_DEADLINE: Duration = Duration::from_secs(5);
+
+type Reply<T> = oneshot::Sender<T>;
+
+enum Command {
+    ListenAddrs {
+        wait: bool,
+        reply: Reply<Vec<Multiaddr>>,
+    },
+    Publish {
+        kind: TopicKind,
+        data: Vec<u8>,
+        reply: Reply<Result<(), P2pError>>,
+    },
+    SetTrackerRecord {
+        record: TrackerRecord,
+        reply: Reply<Result<(), P2pError>>,
+    },
+    Dial {
+        address: Multiaddr,
+        reply: Reply<Result<(), P2pError>>,
+    },
+    ConnectedPeers {
+        reply: Reply<Vec<PeerId>>,
+    },
+    Tracker {
+        reply: Reply<Option<PeerId>>,
+    },
+    Shutdown {
+        reply: Reply<()>,
+    },
+}
+
+/// A cloneable handle to a running control-plane node.
+///
+/// Every method talks to the event loop over a bounded channel; once the loop
+/// has stopped they return [`P2pError::Stopped`].
+#[derive(Debug, Clone)]
+pub struct P2pHandle {
+    local_peer_id: PeerId,
+    commands: mpsc::Sender<Command>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            Command::ListenAddrs { .. } => "ListenAddrs",
+            Command::Publish { .. } => "Publish",
+            Command::SetTrackerRecord { .. } => "SetTrackerRecord",
+            Command::Dial { .. } => "Dial",
+            Command::ConnectedPeers { .. } => "ConnectedPeers",
+            Command::Tracker { .. } => "Tracker",
+            Command::Shutdown { .. } => "Shutdown",
+        };
+        f.write_str(name)
+    }
+}
+
+impl P2pHandle {
+    /// This node's peer id.
+    pub fn local_peer_id(&self) -> PeerId {
+        self.local_peer_id
+    }
+
+    async fn request<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, P2pError> {
+        let (reply, response) = oneshot::channel();
+        self.commands
+            .send(command(reply))
+            .await
+            .map_err(|_| P2pError::Stopped)?;
+        response.await.map_err(|_| P2pError::Stopped)
+    }
+
+    /// The addresses the node listens on (without a `/p2p/<id>` suffix).
+    ///
+    /// Waits until at least one listener is up, or returns what is known (possibly
+    /// nothing) after a short deadline.
+    pub async fn listen_addrs(&self) -> Result<Vec<Multiaddr>, P2pError> {
+        let waiting = self.request(|reply| Command::ListenAddrs { wait: true, reply });
+        match tokio::time::timeout(LISTEN_ADDRS_DEADLINE, waiting).await {
+            Ok(addresses) => addresses,
+            Err(_) => {
+                self.request(|reply| Command::ListenAddrs { wait: false, reply })
+                    .await
+            }
+        }
+    }
+
+    async fn publish(&self, kind: TopicKind, data: Vec<u8>) -> Result<(), P2pError> {
+        self.request(|reply| Command::Publish { kind, data, reply })
+            .await?
+    }
+
+    /// Gossips an announcement on the model's announce topic.
+    ///
+    /// Succeeds (and sends nothing) while no peer subscribes to the topic.
+    pub async fn publish_announcement(
+        &self,
+        announcement: PeerAnnouncement,
+    ) -> Result<(), P2pError> {
+        self.publish(TopicKind::Announce, encode(&announcement)?)
+            .await
+    }
+
+    /// Gossips a coverage map on the model's coverage topic (receivers accept it only from the tracker).
+    pub async fn publish_coverage(&self, coverage: CoverageMessage) -> Result<(), P2pError> {
+        self.publish(TopicKind::Coverage, encode(&coverage)?).await
+    }
+
+    /// Gossips directives on the model's directives topic.
+    ///
+    /// There is no local authorisation check: receivers accept directives only from the tracker.
+    pub async fn publish_directive(&self, directive: DirectiveMessage) -> Result<(), P2pError> {
+        self.publish(TopicKind::Directives, encode(&directive)?)
+            .await
+    }
+
+    /// Stores the tracker record in Kademlia and re-stores it every
+    /// `record_republish_interval`. An empty `addresses` list is filled in with the
+    /// node's external addresses (or its listen addresses if none is known).
+    pub async fn set_tracker_record(&self, record: TrackerRecord) -> Result<(), P2pError> {
+        self.request(|reply| Command::SetTrackerRecord { record, reply })
+            .await?
+    }
+
+    /// Dials `address`; the outcome shows up as [`P2pEvent::PeerConnected`].
+    pub async fn dial(&self, address: Multiaddr) -> Result<(), P2pError> {
+        self.request(|reply| Command::Dial { address, reply })
+            .await?
+    }
+
+    /// Peers with at least one established connection.
+    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, P2pError> {
+        self.request(|reply| Command::ConnectedPeers { reply })
+            .await
+    }
+
+    /// The tracker whose coverage maps and directives are currently accepted.
+    pub async fn tracker(&self) -> Result<Option<PeerId>, P2pError> {
+        self.request(|reply| Command::Tracker { reply }).await
+    }
+
+    /// Stops the event loop and drops the swarm (closing every connection).
+    pub async fn shutdown(&self) {
+        // An error means the loop has already stopped.
+        let _ = self.request(|reply| Command::Shutdown { reply }).await;
+    }
+}
+
+/// Starts a node: builds the swarm, listens, dials the bootstrap addresses,
+/// subscribes to the model's topics and spawns the event loop on the current
+/// tokio runtime.
+///
+/// Fails if the swarm cannot be built or no listen address can be bound.
+pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEvent>), P2pError> {
+    let mut swarm = build_swarm(&config)?;
+    let local_peer_id = *swarm.local_peer_id();
+
+    let mut listen_failures = Vec::new();
+    let mut listening = 0usize;
+    for address in &config.listen {
+        match swarm.listen_on(address.clone()) {
+            Ok(_) => listening += 1,
+            Err(error) => listen_failures.push(format!("{address}: {error}")),
+        }
+    }
+    if listening == 0 {
+        let reason = if listen_failures.is_empty() {
+            "no listen address configured".to_owned()
+        } else {
+            listen_failures.join("; ")
+        };
+        return Err(P2pError::Listen(reason));
+    }
+    for failure in &listen_failures {
+        tracing::warn!(%failure, "listen address not bound");
+    }
+
+    let mut topics = HashMap::new();
+    for kind in TopicKind::ALL {
+        let topic = IdentTopic::new(topic_name(&config.model_id, kind));
+        swarm
+            .behaviour_mut()
+            .gossipsub
+            .subscribe(&topic)
+            .map_err(|error| P2pError::Behaviour(format!("subscribing to {topic}: {error}")))?;
+        topics.insert(kind, topic);
+    }
+
+    for address in &config.bootstrap {
+        if let Some((peer, peer_address)) = split_peer_id(address) {
+            swarm
+                .behaviour_mut()
+                .kademlia
+                .add_address(&peer, peer_address);
+        }
+        if let Err(error) = swarm.dial(address.clone()) {
+            tracing::warn!(%address, %error, "bootstrap dial failed");
+        }
+    }
+
+    let tracker = match config.role {
+        Role::Tracker => Some(local_peer_id),
+        Role::Peer { pinned_tracker } => pinned_tracker,
+    };
+    let (command_sender, commands) = mpsc::channel(COMMAND_CAPACITY);
+    let (event_sender, events) = mpsc::channel(EVENT_CAPACITY);
+    let event_loop = EventLoop {
+        topic_kinds: topics
+            .iter()
+            .map(|(kind, topic)| (topic.hash(), *kind))
+            .collect(),
+        topics,
+        swarm,
+        commands,
+        events: event_sender,
+        local_peer_id,
+        model_id: config.model_id,
+        role: config.role,
+        assume_reachable: config.assume_reachable,
+        tracker,
+        discovered_record: None,
+        tracker_query: None,
+        tracker_lookup_interval: config.tracker_lookup_interval,
+        own_record: None,
+        record_republish_interval: config.record_republish_interval,
+        listen_addrs: Vec::new(),
+        listen_waiters: Vec::new(),
+        bootstrapped: false,
+    };
+    tokio::spawn(event_loop.run());
+    Ok((
+        P2pHandle {
+            local_peer_id,
+            commands: command_sender,
+        },
+        events,
+    ))
+}
+
+/// Splits `/…/p2p/<id>` into the peer id and the address before it.
+fn split_peer_id(address: &Multiaddr) -> Option<(PeerId, Multiaddr)> {
+    let mut rest = address.clone();
+    match rest.pop() {
+        Some(Protocol::P2p(peer)) => Some((peer, rest)),
+        _ => None,
+    }
+}
+
+struct EventLoop {
+    swarm: Swarm<MeshBehaviour>,
+    commands: mpsc::Receiver<Command>,
+    events: mpsc::Sender<P2pEvent>,
+    local_peer_id: PeerId,
+    model_id: String,
+    role: Role,
+    assume_reachable: bool,
+    topics: HashMap<TopicKind, IdentTopic>,
+    topic_kinds: HashMap<TopicHash, TopicKind>,
+    /// The tracker whose coverage and directives are accepted.
+    tracker: Option<PeerId>,
+    /// The last tracker record reported to the application.
+    discovered_record: Option<TrackerRecord>,
+    tracker_query: Option<QueryId>,
+    tracker_lookup_interval: Duration,
+    /// The record this node (as tracker) keeps in the DHT.
+    own_record: Option<TrackerRecord>,
+    record_republish_interval: Duration,
+    listen_addrs: Vec<Multiaddr>,
+    listen_waiters: Vec<Reply<Vec<Multiaddr>>>,
+    bootstrapped: bool,
+}
+
+impl EventLoop {
+    async fn run(mut self) {
+        let looks_up_tracker = matches!(self.role, Role::Peer { .. });
+        let mut lookup_timer: Pin<Box<Sleep>> = Box::pin(tokio::time::sleep(Duration::ZERO));
+        let republish_period = self
+            .record_republish_interval
+            .max(Duration::from_millis(100));
+        let mut republish_timer = tokio::time::interval_at(
+            tokio::time::Instant::now() + republish_period,
+            republish_period,
+        );
+        republish_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+
+        let shutdown_reply = loop {
+            tokio::select! {
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                command = self.commands.recv() => match command {
+                    None => break None,
+                    Some(Command::Shutdown { reply }) => break Some(reply),
+                    Some(command) => self.on_command(command),
+                },
+                () = &mut lookup_timer, if looks_up_tracker => {
+                    self.look_up_tracker();
+                    let next = if self.discovered_record.is_some() {
+                        TRACKER_REFRESH_INTERVAL
+                    } else {
+                        self.tracker_lookup_interval
+                    };
+                    lookup_timer.as_mut().reset(tokio::time::Instant::now() + next);
+                }
+                _ = republish_timer.tick(), if self.own_record.is_some() => {
+                    if let Err(error) = self.store_own_record() {
+                        tracing::warn!(%error, "re-storing the tracker record failed");
+                    }
+                }
+            }
+        };
+        tracing::debug!(peer = %self.local_peer_id, "p2p event loop stopping");
+        drop(self.swarm);
+        if let Some(reply) = shutdown_reply {
+            let _ = reply.send(());
+        }
+    }
+
+    fn emit(&self, event: P2pEvent) {
+        match self.events.try_send(event) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(event)) => {
+                tracing::warn!(?event, "p2p event consumer is too slow, event dropped");
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::ListenAddrs { wait, reply } => {
+                if wait && self.listen_addrs.is_empty() {
+                    self.listen_waiters.push(reply);
+                } else {
+                    let _ = reply.send(self.listen_addrs.clone());
+                }
+            }
+            Command::Publish { kind, data, reply } => {
+                let _ = reply.send(self.publish(kind, data));
+            }
+            Command::SetTrackerRecord { mut record, reply } => {
+                if record.addresses.is_empty() {
+                    record.addresses = self.advertised_addresses();
+                }
+                self.own_record = Some(record);
+                let _ = reply.send(self.store_own_record());
+            }
+            Command::Dial { address, reply } => {
+                let result = self
+                    .swarm
+                    .dial(address.clone())
+                    .map_err(|error| P2pError::Dial {
+                        address: address.to_string(),
+                        reason: error.to_string(),
+                    });
+                let _ = reply.send(result);
+            }
+            Command::ConnectedPeers { reply } => {
+                let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::Tracker { reply } => {
+                let _ = reply.send(self.tracker);
+            }
+            Command::Shutdown { reply } => {
+                // Handled by the loop itself; answered here only for completeness.
+                let _ = reply.send(());
+            }
+        }
+    }
+
+    fn publish(&mut self, kind: TopicKind, data: Vec<u8>) -> Result<(), P2pError> {
+        let Some(topic) = self.topics.get(&kind) else {
+            return Err(P2pError::Publish {
+                topic: kind.suffix().to_owned(),
+                reason: "not subscribed".to_owned(),
+            });
+        };
+        match self
+            .swarm
+            .behaviour_mut()
+            .gossipsub
+            .publish(topic.clone(), data)
+        {
+            Ok(_) => Ok(()),
+            Err(PublishError::NoPeersSubscribedToTopic) => {
+                tracing::debug!(%topic, "no subscriber yet, message not sent");
+                Ok(())
+            }
+            Err(PublishError::Duplicate) => Ok(()),
+            Err(error) => Err(P2pError::Publish {
+                topic: topic.to_string(),
+                reason: error.to_string(),
+            }),
+        }
+    }
+
+    fn advertised_addresses(&self) -> Vec<String> {
+        let external: Vec<String> = self
+            .swarm
+            .external_addresses()
+            .map(ToString::to_string)
+            .collect();
+        if external.is_empty() {
+            self.listen_addrs.iter().map(ToString::to_string).collect()
+        } else {
+            external
+        }
+    }
+
+    fn store_own_record(&mut self) -> Result<(), P2pError> {
+        let Some(record) = &self.own_record else {
+            return Ok(());
+        };
+        let mut dht_record = kad::Record::new(
+            RecordKey::new(&tracker_record_key(&self.model_id)),
+            encode(record)?,
+        );
+        dht_record.expires = Some(Instant::now() + TRACKER_RECORD_TTL);
+        self.swarm
+            .behaviour_mut()
+            .kademlia
+            .put_record(dht_record, Quorum::One)
+            .map(|_| ())
+            .map_err(|error| P2pError::RecordStore(error.to_string()))
+    }
+
+    fn look_up_tracker(&mut self) {
+        if self.tracker_query.is_some() {
+            return;
+        }
+        let key = RecordKey::new(&tracker_record_key(&self.model_id));
+        self.tracker_query = Some(self.swarm.behaviour_mut().kademlia.get_record(key));
+    }
+
+    fn on_swarm_event(&mut self, event: SwarmEvent<MeshBehaviourEvent>) {
+        match event {
+            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
+            SwarmEvent::NewListenAddr { address, .. } => {
+                tracing::info!(%address, "listening");
+                if self.assume_reachable {
+                    self.swarm.add_external_address(address.clone());
+                }
+                self.listen_addrs.push(address.clone());
+                for waiter in self.listen_waiters.drain(..) {
+                    let _ = waiter.send(self.listen_addrs.clone());
+                }
+                self.emit(P2pEvent::ListeningOn(address));
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } => {
+                self.listen_addrs.retain(|known| known != &address);
+                if self.assume_reachable {
+                    self.swarm.remove_external_address(&address);
+                }
+            }
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                num_established,
+                ..
+            } if num_established.get() == 1 => {
+                tracing::debug!(peer = %peer_id, "connected");
+                self.emit(P2pEvent::PeerConnected(peer_id));
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                num_established: 0,
+                ..
+            } => {
+                tracing::debug!(peer = %peer_id, "disconnected");
+                self.emit(P2pEvent::PeerDisconnected(peer_id));
+            }
+            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+                tracing::debug!(peer = ?peer_id, %error, "outgoing connection failed");
+            }
+            _ => {}
+        }
+    }
+
+    fn on_behaviour_event(&mut self, event: MeshBehaviourEvent) {
+        match event {
+            MeshBehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
+                message,
+            }) => self.on_gossip_message(propagation_source, &message_id, message),
+            MeshBehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. }) => {
+                self.on_identified(peer_id, info);
+            }
+            MeshBehaviourEvent::Kademlia(kad::Event::OutboundQueryProgressed {
+                id,
+                result,
+                step,
+                ..
+            }) => {
+                if step.last && self.tracker_query == Some(id) {
+                    self.tracker_query = None;
+                }
+                self.on_query_result(result);
+            }
+            MeshBehaviourEvent::Autonat(autonat::Event::StatusChanged { new, .. }) => {
+                let public = matches!(new, autonat::NatStatus::Public(_));
+                tracing::info!(?new, "reachability changed");
+                self.emit(P2pEvent::Reachability { public });
+            }
+            _ => {}
+        }
+    }
+
+    fn on_identified(&mut self, peer: PeerId, info: identify::Info) {
+        if !info.protocols.contains(&KADEMLIA_PROTOCOL) {
+            return;
+        }
+        let kademlia = &mut self.swarm.behaviour_mut().kademlia;
+        for address in info.listen_addrs {
+            kademlia.add_address(&peer, address);
+        }
+        if !self.bootstrapped {
+            match kademlia.bootstrap() {
+                Ok(_) => self.bootstrapped = true,
+                Err(error) => tracing::debug!(%error, "kademlia bootstrap deferred"),
+            }
+        }
+    }
+
+    fn on_query_result(&mut self, result: QueryResult) {
+        match result {
+            QueryResult::GetRecord(Ok(GetRecordOk::FoundRecord(found))) => {
+                match decode::<TrackerRecord>(&found.record.value) {
+                    Ok(record) => self.on_tracker_record(record),
+                    Err(error) => {
+                        tracing::warn!(from = ?found.peer, %error, "undecodable tracker record");
+                    }
+                }
+            }
+            QueryResult::GetRecord(Ok(GetRecordOk::FinishedWithNoAdditionalRecord { .. })) => {}
+            QueryResult::GetRecord(Err(error)) => {
+                tracing::debug!(%error, "tracker record lookup found nothing");
+            }
+            QueryResult::PutRecord(Ok(_)) => tracing::debug!("tracker record stored"),
+            QueryResult::PutRecord(Err(error)) => {
+                tracing::debug!(%error, "tracker record stored locally only");
+            }
+            QueryResult::Bootstrap(Err(error)) => {
+                tracing::debug!(%error, "kademlia bootstrap failed");
+            }
+            _ => {}
+        }
+    }
+
+    fn on_tracker_record(&mut self, record: TrackerRecord) {
+        if record.model_id != self.model_id {
+            tracing::warn!(model = %record.model_id, "tracker record for another model ignored");
+            return;
+        }
+        let peer: PeerId = match record.peer.parse() {
+            Ok(peer) => peer,
+            Err(error) => {
+                tracing::warn!(peer = %record.peer, %error, "tracker record names no valid peer id");
+                return;
+            }
+        };
+        if let Role::Peer {
+            pinned_tracker: Some(pinned),
+        } = self.role
+            && pinned != peer
+        {
+            tracing::warn!(record = %peer, %pinned, "tracker record disagrees with the pinned tracker; ignored");
+            return;
+        }
+        if let Some(previous) = &self.discovered_record {
+            // Stale copies elsewhere in the DHT must not roll the record back.
+            if previous == &record
+                || (previous.peer == record.peer && record.epoch < previous.epoch)
+            {
+                return;
+            }
+        }
+        let addresses: Vec<Multiaddr> = record
+            .addresses
+            .iter()
+            .filter_map(|address| address.parse().ok())
+            .collect();
+        if !self.swarm.is_connected(&peer) && !addresses.is_empty() {
+            let dial = DialOpts::peer_id(peer)
+                .addresses(addresses)
+                .condition(PeerCondition::DisconnectedAndNotDialing)
+                .build();
+            if let Err(error) = self.swarm.dial(dial) {
+                tracing::debug!(%peer, %error, "dialing the tracker failed");
+            }
+        }
+        if self.tracker != Some(peer) {
+            tracing::info!(tracker = %peer, "tracker discovered");
+        }
+        self.tracker = Some(peer);
+        self.discovered_record = Some(record.clone());
+        self.emit(P2pEvent::TrackerDiscovered(record));
+    }
+
+    fn on_gossip_message(
+        &mut self,
+        propagation_source: PeerId,
+        message_id: &gossipsub::MessageId,
+        message: gossipsub::Message,
+    ) {
+        let topic = message.topic.as_str().to_owned();
+        let verdict = match (self.topic_kinds.get(&message.topic), message.source) {
+            (None, _) => Verdict::Ignore(format!("not subscribed to {topic}")),
+            (Some(_), None) => Verdict::Reject("unsigned message".to_owned()),
+            (Some(kind), Some(source)) => Admission {
+                model_id: &self.model_id,
+                local_peer: self.local_peer_id,
+                tracker: self.tracker,
+            }
+            .judge(*kind, source, &message.data),
+        };
+        let from = message.source.unwrap_or(propagation_source);
+        let acceptance = match verdict {
+            Verdict::Accept(event) => {
+                if let Some(event) = event {
+                    self.emit(*event);
+                }
+                MessageAcceptance::Accept
+            }
+            Verdict::Ignore(reason) => {
+                tracing::debug!(%from, %topic, %reason, "gossip message ignored");
+                MessageAcceptance::Ignore
+            }
+            Verdict::Reject(reason) => {
+                tracing::warn!(%from, via = %propagation_source, %topic, %reason, "gossip message rejected");
+                self.emit(P2pEvent::Rejected {
+                    from,
+                    topic,
+                    reason,
+                });
+                MessageAcceptance::Reject
+            }
+        };
+        self.swarm
+            .behaviour_mut()
+            .gossipsub
+            .report_message_validation_result(message_id, &propagation_source, acceptance);
+    }
+}

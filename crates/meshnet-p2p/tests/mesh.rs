@@ -1,0 +1,475 @@
+#![allow(clippy::unwrap_used)]
+//! End-to-end behaviour of the control plane over the in-memory transport (and
+//! one TCP smoke test). Every wait is bounded by [`DEADLINE`]; messages are
+//! re-published until the expected event arrives, as the real announcers do.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::time::Duration;
+
+use libp2p::identity::Keypair;
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId};
+use meshnet_p2p::{
+    CoverageMessage, DirectiveMessage, P2pConfig, P2pError, P2pEvent, P2pHandle, PeerAnnouncement,
+    Role, SpanState, SpanStatus, TopicKind, TrackerRecord, TransportChoice, spawn, topic_name,
+};
+use meshnet_planner::{
+    CoverageMap, Directive, LayerSpan, PeerId as PlannerPeerId, PeerState, Quantization,
+    ShardHolding,
+};
+use tokio::sync::mpsc::Receiver;
+use tokio::time::timeout;
+
+const MODEL: &str = "test-model";
+
+/// Upper bound for every awaited condition.
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// How long to listen for the expected event before publishing again.
+const REPUBLISH_EVERY: Duration = Duration::from_millis(250);
+
+struct Node {
+    handle: P2pHandle,
+    events: Receiver<P2pEvent>,
+    /// A listen address with `/p2p/<id>` appended.
+    address: Multiaddr,
+    id: PeerId,
+}
+
+fn config(role: Role, transport: TransportChoice, bootstrap: Vec<Multiaddr>) -> P2pConfig {
+    let mut config = P2pConfig::new(Keypair::generate_ed25519(), MODEL, role);
+    config.transport = transport;
+    config.listen = vec![match transport {
+        TransportChoice::Memory => "/memory/0".parse().unwrap(),
+        TransportChoice::Network => "/ip4/127.0.0.1/tcp/0".parse().unwrap(),
+    }];
+    config.bootstrap = bootstrap;
+    config.assume_reachable = true;
+    config.tracker_lookup_interval = Duration::from_millis(200);
+    config
+}
+
+async fn start_with(config: P2pConfig) -> Node {
+    let (handle, events) = spawn(config).await.unwrap();
+    let id = handle.local_peer_id();
+    let listening = handle.listen_addrs().await.unwrap();
+    assert!(!listening.is_empty(), "node reported no listen address");
+    let address = listening[0].clone().with(Protocol::P2p(id));
+    Node {
+        handle,
+        events,
+        address,
+        id,
+    }
+}
+
+async fn start(role: Role, bootstrap: &[&Node]) -> Node {
+    let addresses = bootstrap.iter().map(|node| node.address.clone()).collect();
+    start_with(config(role, TransportChoice::Memory, addresses)).await
+}
+
+fn unpinned() -> Role {
+    Role::Peer {
+        pinned_tracker: None,
+    }
+}
+
+fn pinned(tracker: &Node) -> Role {
+    Role::Peer {
+        pinned_tracker: Some(tracker.id),
+    }
+}
+
+/// Waits for the first event `select` maps to `Some`, discarding the others.
+async fn next_matching<T>(
+    events: &mut Receiver<P2pEvent>,
+    mut select: impl FnMut(P2pEvent) -> Option<T>,
+) -> T {
+    let wait = async {
+        loop {
+            let event = events.recv().await.expect("event channel closed");
+            if let Some(found) = select(event) {
+                return found;
+            }
+        }
+    };
+    timeout(DEADLINE, wait)
+        .await
+        .expect("expected event did not arrive before the deadline")
+}
+
+/// Publishes with `publish` until `events` yields an event `select` maps to `Some`.
+async fn publish_until<T, F, Fut>(
+    mut publish: F,
+    events: &mut Receiver<P2pEvent>,
+    mut select: impl FnMut(P2pEvent) -> Option<T>,
+) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), P2pError>>,
+{
+    let attempts = async {
+        loop {
+            publish().await.unwrap();
+            let listen = async {
+                loop {
+                    let event = events.recv().await.expect("event channel closed");
+                    if let Some(found) = select(event) {
+                        return found;
+                    }
+                }
+            };
+            if let Ok(found) = timeout(REPUBLISH_EVERY, listen).await {
+                return found;
+            }
+        }
+    };
+    timeout(DEADLINE, attempts)
+        .await
+        .expect("published message never produced the expected event")
+}
+
+fn announcement(peer: PeerId) -> PeerAnnouncement {
+    PeerAnnouncement {
+        peer: peer.to_string(),
+        model_id: MODEL.into(),
+        software_version: "0.1.0".into(),
+        wire_version: 1,
+        http_endpoints: vec![format!("http://{peer}.invalid:8080")],
+        memory_bytes: 8 << 30,
+        quantizations: vec![Quantization::Nf4, Quantization::Bf16],
+        throughput: 42.5,
+        kv_tokens: 4096,
+        span: Some(SpanStatus {
+            layers: LayerSpan::new(4, 12),
+            quantization: Quantization::Nf4,
+            state: SpanState::Ready,
+        }),
+        free_kv_tokens: 1024,
+        active_sessions: 2,
+        is_tracker: false,
+        sent_at_unix_ms: 1_700_000_000_000,
+    }
+}
+
+fn coverage(holder: PeerId, epoch: u64) -> CoverageMessage {
+    CoverageMessage {
+        model_id: MODEL.into(),
+        epoch,
+        sequence: epoch * 10,
+        num_layers: 30,
+        map: CoverageMap {
+            epoch,
+            holdings: vec![ShardHolding {
+                peer: PlannerPeerId::new(holder.to_string()),
+                layers: LayerSpan::new(0, 30),
+                quantization: Quantization::Q8_0,
+                state: PeerState::Ready,
+            }],
+        },
+    }
+}
+
+fn directive(target: PeerId, epoch: u64) -> DirectiveMessage {
+    let layers = LayerSpan::new(10, 20);
+    DirectiveMessage {
+        model_id: MODEL.into(),
+        target: target.to_string(),
+        epoch,
+        sequence: epoch,
+        directives: vec![Directive::LoadShard {
+            peer: PlannerPeerId::new(target.to_string()),
+            layers,
+            quantization: Quantization::Int8,
+        }],
+        span_after: Some(SpanStatus {
+            layers,
+            quantization: Quantization::Int8,
+            state: SpanState::Loading,
+        }),
+    }
+}
+
+fn tracker_record(tracker: &Node) -> TrackerRecord {
+    TrackerRecord {
+        peer: tracker.id.to_string(),
+        addresses: Vec::new(),
+        http_endpoint: "http://tracker.invalid:8080".into(),
+        epoch: 1,
+        model_id: MODEL.into(),
+    }
+}
+
+async fn discovered_tracker(node: &mut Node) -> TrackerRecord {
+    next_matching(&mut node.events, |event| match event {
+        P2pEvent::TrackerDiscovered(record) => Some(record),
+        _ => None,
+    })
+    .await
+}
+
+#[tokio::test]
+async fn announcements_from_three_peers_reach_the_tracker() {
+    let mut tracker = start(Role::Tracker, &[]).await;
+    let mut peers = Vec::new();
+    for _ in 0..3 {
+        peers.push(start(pinned(&tracker), &[&tracker]).await);
+    }
+    let expected: HashMap<PeerId, PeerAnnouncement> = peers
+        .iter()
+        .map(|peer| (peer.id, announcement(peer.id)))
+        .collect();
+    let mut received = HashMap::new();
+    let collect = async {
+        while received.len() < peers.len() {
+            for peer in &peers {
+                peer.handle
+                    .publish_announcement(expected[&peer.id].clone())
+                    .await
+                    .unwrap();
+            }
+            let listen = async {
+                while let Some(event) = tracker.events.recv().await {
+                    if let P2pEvent::Announcement { from, announcement } = event {
+                        received.insert(from, announcement);
+                        if received.len() == peers.len() {
+                            break;
+                        }
+                    }
+                }
+            };
+            let _ = timeout(REPUBLISH_EVERY, listen).await;
+        }
+    };
+    timeout(DEADLINE, collect)
+        .await
+        .expect("tracker did not hear every peer");
+    assert_eq!(received, expected);
+    let connected = tracker.handle.connected_peers().await.unwrap();
+    for peer in &peers {
+        assert!(connected.contains(&peer.id));
+    }
+}
+
+#[tokio::test]
+async fn coverage_reaches_peers_that_found_the_tracker_in_kademlia() {
+    let tracker = start(Role::Tracker, &[]).await;
+    tracker
+        .handle
+        .set_tracker_record(tracker_record(&tracker))
+        .await
+        .unwrap();
+    let mut peers = vec![
+        start(unpinned(), &[&tracker]).await,
+        start(unpinned(), &[&tracker]).await,
+    ];
+    for peer in &mut peers {
+        let record = discovered_tracker(peer).await;
+        assert_eq!(record.peer, tracker.id.to_string());
+        assert_eq!(record.http_endpoint, "http://tracker.invalid:8080");
+        assert!(
+            !record.addresses.is_empty(),
+            "empty addresses are filled in by the tracker"
+        );
+        assert_eq!(peer.handle.tracker().await.unwrap(), Some(tracker.id));
+    }
+    let sent = coverage(tracker.id, 3);
+    for peer in &mut peers {
+        let (from, received) = publish_until(
+            || tracker.handle.publish_coverage(sent.clone()),
+            &mut peer.events,
+            |event| match event {
+                P2pEvent::Coverage { from, coverage } => Some((from, coverage)),
+                _ => None,
+            },
+        )
+        .await;
+        assert_eq!(from, tracker.id);
+        assert_eq!(received, sent);
+    }
+}
+
+#[tokio::test]
+async fn forged_directive_is_rejected_and_genuine_one_delivered() {
+    let tracker = start(Role::Tracker, &[]).await;
+    let mut target = start(pinned(&tracker), &[&tracker]).await;
+    let forger = start(pinned(&tracker), &[&tracker, &target]).await;
+    const FORGED_EPOCH: u64 = 666;
+
+    let forged = directive(target.id, FORGED_EPOCH);
+    let forger_id = forger.id;
+    let (from, topic) = publish_until(
+        || forger.handle.publish_directive(forged.clone()),
+        &mut target.events,
+        |event| match event {
+            P2pEvent::Rejected { from, topic, .. } => Some((from, topic)),
+            P2pEvent::Directive { directive, .. } => {
+                panic!("forged directive was delivered: {directive:?}")
+            }
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(from, forger_id);
+    assert_eq!(topic, topic_name(MODEL, TopicKind::Directives));
+
+    let genuine = directive(target.id, 7);
+    let (from, delivered) = publish_until(
+        || tracker.handle.publish_directive(genuine.clone()),
+        &mut target.events,
+        |event| match event {
+            P2pEvent::Directive { from, directive } => {
+                assert_ne!(
+                    directive.epoch, FORGED_EPOCH,
+                    "forged directive was delivered"
+                );
+                Some((from, directive))
+            }
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(from, tracker.id);
+    assert_eq!(delivered, genuine);
+}
+
+#[tokio::test]
+async fn announcement_naming_another_peer_is_rejected() {
+    let mut tracker = start(Role::Tracker, &[]).await;
+    let spoofer = start(pinned(&tracker), &[&tracker]).await;
+    let victim = start(pinned(&tracker), &[&tracker]).await;
+
+    let spoofed = announcement(victim.id);
+    let reason = publish_until(
+        || spoofer.handle.publish_announcement(spoofed.clone()),
+        &mut tracker.events,
+        |event| match event {
+            P2pEvent::Rejected { from, reason, .. } if from == spoofer.id => Some(reason),
+            P2pEvent::Announcement { from, .. } if from == spoofer.id => {
+                panic!("spoofed announcement was accepted")
+            }
+            _ => None,
+        },
+    )
+    .await;
+    assert!(reason.contains(&victim.id.to_string()), "{reason}");
+
+    // The same peer announcing itself is accepted.
+    let honest = announcement(spoofer.id);
+    let received = publish_until(
+        || spoofer.handle.publish_announcement(honest.clone()),
+        &mut tracker.events,
+        |event| match event {
+            P2pEvent::Announcement { from, announcement } if from == spoofer.id => {
+                Some(announcement)
+            }
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(received, honest);
+}
+
+#[tokio::test]
+async fn new_peer_finds_the_tracker_through_an_intermediate_peer() {
+    let tracker = start(Role::Tracker, &[]).await;
+    tracker
+        .handle
+        .set_tracker_record(tracker_record(&tracker))
+        .await
+        .unwrap();
+    let mut intermediate = start(unpinned(), &[&tracker]).await;
+    assert_eq!(
+        discovered_tracker(&mut intermediate).await.peer,
+        tracker.id.to_string()
+    );
+
+    // The newcomer knows only the intermediate peer.
+    let mut newcomer = start(unpinned(), &[&intermediate]).await;
+    let record = discovered_tracker(&mut newcomer).await;
+    assert_eq!(record.peer, tracker.id.to_string());
+    assert_eq!(newcomer.handle.tracker().await.unwrap(), Some(tracker.id));
+
+    let sent = coverage(intermediate.id, 5);
+    let (from, received) = publish_until(
+        || tracker.handle.publish_coverage(sent.clone()),
+        &mut newcomer.events,
+        |event| match event {
+            P2pEvent::Coverage { from, coverage } => Some((from, coverage)),
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(from, tracker.id);
+    assert_eq!(received, sent);
+}
+
+#[tokio::test]
+async fn message_for_another_model_is_rejected() {
+    let mut tracker = start(Role::Tracker, &[]).await;
+    let peer = start(pinned(&tracker), &[&tracker]).await;
+
+    let mut foreign = announcement(peer.id);
+    foreign.model_id = "another-model".into();
+    let reason = publish_until(
+        || peer.handle.publish_announcement(foreign.clone()),
+        &mut tracker.events,
+        |event| match event {
+            P2pEvent::Rejected { from, reason, .. } if from == peer.id => Some(reason),
+            P2pEvent::Announcement { .. } => panic!("foreign-model announcement was accepted"),
+            _ => None,
+        },
+    )
+    .await;
+    assert!(reason.contains("another-model"), "{reason}");
+}
+
+#[tokio::test]
+async fn shutdown_stops_the_node_and_disconnects_it() {
+    let mut tracker = start(Role::Tracker, &[]).await;
+    let peer = start(pinned(&tracker), &[&tracker]).await;
+    next_matching(&mut tracker.events, |event| {
+        matches!(event, P2pEvent::PeerConnected(id) if id == peer.id).then_some(())
+    })
+    .await;
+    peer.handle.shutdown().await;
+    assert!(matches!(
+        peer.handle.connected_peers().await,
+        Err(P2pError::Stopped)
+    ));
+    next_matching(&mut tracker.events, |event| {
+        matches!(event, P2pEvent::PeerDisconnected(id) if id == peer.id).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn spawning_without_a_listen_address_fails() {
+    let mut config = config(Role::Tracker, TransportChoice::Memory, Vec::new());
+    config.listen.clear();
+    assert!(matches!(spawn(config).await, Err(P2pError::Listen(_))));
+}
+
+#[tokio::test]
+async fn announcement_travels_over_tcp() {
+    let mut tracker = start_with(config(Role::Tracker, TransportChoice::Network, Vec::new())).await;
+    let peer = start_with(config(
+        pinned(&tracker),
+        TransportChoice::Network,
+        vec![tracker.address.clone()],
+    ))
+    .await;
+    let sent = announcement(peer.id);
+    let (from, received) = publish_until(
+        || peer.handle.publish_announcement(sent.clone()),
+        &mut tracker.events,
+        |event| match event {
+            P2pEvent::Announcement { from, announcement } => Some((from, announcement)),
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(from, peer.id);
+    assert_eq!(received, sent);
+}

@@ -1,0 +1,264 @@
+#![allow(clippy::unwrap_used)]
+//! Property tests of the control message encoding: every message round-trips,
+//! and arbitrary bytes never make a decoder panic.
+
+use meshnet_p2p::{
+    CoverageMessage, DirectiveMessage, P2pError, PeerAnnouncement, SpanState, SpanStatus,
+    TrackerRecord, decode, encode,
+};
+use meshnet_planner::{
+    CoverageMap, Directive, LayerSpan, PeerId as PlannerPeerId, PeerState, Quantization,
+    ShardHolding,
+};
+use proptest::prelude::*;
+
+fn quantization() -> impl Strategy<Value = Quantization> {
+    prop_oneof![
+        Just(Quantization::Nf4),
+        Just(Quantization::Q4_1),
+        Just(Quantization::Int8),
+        Just(Quantization::Q8_0),
+        Just(Quantization::Bf16),
+    ]
+}
+
+fn span() -> impl Strategy<Value = LayerSpan> {
+    (any::<u32>(), any::<u32>()).prop_map(|(start, end)| LayerSpan { start, end })
+}
+
+fn span_status() -> impl Strategy<Value = SpanStatus> {
+    (
+        span(),
+        quantization(),
+        prop_oneof![
+            Just(SpanState::Loading),
+            Just(SpanState::Ready),
+            Just(SpanState::Draining)
+        ],
+    )
+        .prop_map(|(layers, quantization, state)| SpanStatus {
+            layers,
+            quantization,
+            state,
+        })
+}
+
+fn planner_peer() -> impl Strategy<Value = PlannerPeerId> {
+    "[1-9A-Za-z]{0,52}".prop_map(PlannerPeerId)
+}
+
+fn directive() -> impl Strategy<Value = Directive> {
+    (planner_peer(), span(), quantization(), any::<bool>()).prop_map(
+        |(peer, layers, quantization, load)| {
+            if load {
+                Directive::LoadShard {
+                    peer,
+                    layers,
+                    quantization,
+                }
+            } else {
+                Directive::DropShard {
+                    peer,
+                    layers,
+                    quantization,
+                }
+            }
+        },
+    )
+}
+
+fn coverage_map() -> impl Strategy<Value = CoverageMap> {
+    let holding = (planner_peer(), span(), quantization(), any::<bool>()).prop_map(
+        |(peer, layers, quantization, ready)| ShardHolding {
+            peer,
+            layers,
+            quantization,
+            state: if ready {
+                PeerState::Ready
+            } else {
+                PeerState::Loading
+            },
+        },
+    );
+    (any::<u64>(), prop::collection::vec(holding, 0..8))
+        .prop_map(|(epoch, holdings)| CoverageMap { epoch, holdings })
+}
+
+fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
+    (
+        (
+            ".{0,60}",
+            ".{0,20}",
+            ".{0,12}",
+            any::<u32>(),
+            prop::collection::vec(".{0,40}", 0..4),
+            any::<u64>(),
+            prop::collection::vec(quantization(), 0..5),
+        ),
+        (
+            // Finite throughputs: NaN never equals itself.
+            -1e12f64..1e12,
+            any::<u64>(),
+            prop::option::of(span_status()),
+            any::<u64>(),
+            any::<u32>(),
+            any::<bool>(),
+            any::<u64>(),
+        ),
+    )
+        .prop_map(
+            |(
+                (
+                    peer,
+                    model_id,
+                    software_version,
+                    wire_version,
+                    http_endpoints,
+                    memory_bytes,
+                    quantizations,
+                ),
+                (
+                    throughput,
+                    kv_tokens,
+                    span,
+                    free_kv_tokens,
+                    active_sessions,
+                    is_tracker,
+                    sent_at_unix_ms,
+                ),
+            )| PeerAnnouncement {
+                peer,
+                model_id,
+                software_version,
+                wire_version,
+                http_endpoints,
+                memory_bytes,
+                quantizations,
+                throughput,
+                kv_tokens,
+                span,
+                free_kv_tokens,
+                active_sessions,
+                is_tracker,
+                sent_at_unix_ms,
+            },
+        )
+}
+
+fn coverage() -> impl Strategy<Value = CoverageMessage> {
+    (
+        ".{0,20}",
+        any::<u64>(),
+        any::<u64>(),
+        any::<u32>(),
+        coverage_map(),
+    )
+        .prop_map(
+            |(model_id, epoch, sequence, num_layers, map)| CoverageMessage {
+                model_id,
+                epoch,
+                sequence,
+                num_layers,
+                map,
+            },
+        )
+}
+
+fn directive_message() -> impl Strategy<Value = DirectiveMessage> {
+    (
+        ".{0,20}",
+        ".{0,52}",
+        any::<u64>(),
+        any::<u64>(),
+        prop::collection::vec(directive(), 0..6),
+        prop::option::of(span_status()),
+    )
+        .prop_map(
+            |(model_id, target, epoch, sequence, directives, span_after)| DirectiveMessage {
+                model_id,
+                target,
+                epoch,
+                sequence,
+                directives,
+                span_after,
+            },
+        )
+}
+
+fn tracker_record() -> impl Strategy<Value = TrackerRecord> {
+    (
+        ".{0,52}",
+        prop::collection::vec(".{0,40}", 0..4),
+        ".{0,40}",
+        any::<u64>(),
+        ".{0,20}",
+    )
+        .prop_map(
+            |(peer, addresses, http_endpoint, epoch, model_id)| TrackerRecord {
+                peer,
+                addresses,
+                http_endpoint,
+                epoch,
+                model_id,
+            },
+        )
+}
+
+/// Decodes `bytes` as every message type; only errors, never panics, are allowed.
+fn decode_as_everything(bytes: &[u8]) {
+    let _ = decode::<PeerAnnouncement>(bytes);
+    let _ = decode::<CoverageMessage>(bytes);
+    let _ = decode::<DirectiveMessage>(bytes);
+    let _ = decode::<TrackerRecord>(bytes);
+}
+
+proptest! {
+    #[test]
+    fn announcements_round_trip(message in announcement()) {
+        prop_assert_eq!(decode::<PeerAnnouncement>(&encode(&message).unwrap()).unwrap(), message);
+    }
+
+    #[test]
+    fn coverage_messages_round_trip(message in coverage()) {
+        prop_assert_eq!(decode::<CoverageMessage>(&encode(&message).unwrap()).unwrap(), message);
+    }
+
+    #[test]
+    fn directive_messages_round_trip(message in directive_message()) {
+        prop_assert_eq!(decode::<DirectiveMessage>(&encode(&message).unwrap()).unwrap(), message);
+    }
+
+    #[test]
+    fn tracker_records_round_trip(message in tracker_record()) {
+        prop_assert_eq!(decode::<TrackerRecord>(&encode(&message).unwrap()).unwrap(), message);
+    }
+
+    #[test]
+    fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        decode_as_everything(&bytes);
+    }
+
+    #[test]
+    fn mutated_messages_never_panic(
+        message in directive_message(),
+        flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8),
+    ) {
+        let mut bytes = encode(&message).unwrap();
+        for (index, value) in flips {
+            let at = index.index(bytes.len());
+            bytes[at] = value;
+        }
+        decode_as_everything(&bytes);
+    }
+
+    #[test]
+    fn a_message_never_decodes_with_extra_bytes(message in tracker_record(), extra in prop::collection::vec(any::<u8>(), 1..16)) {
+        let mut bytes = encode(&message).unwrap();
+        bytes.extend_from_slice(&extra);
+        let is_trailing = matches!(
+            decode::<TrackerRecord>(&bytes),
+            Err(P2pError::TrailingBytes { .. })
+        );
+        prop_assert!(is_trailing);
+    }
+}
