@@ -1,0 +1,143 @@
+//! The contract between the HTTP layer and whatever produces the text.
+
+use serde::Serialize;
+use tokio::sync::mpsc;
+
+/// What the engine serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelInfo {
+    /// The model id clients must name in `model` (e.g. `"gpt2"`).
+    pub id: String,
+    /// When the model became available, in unix seconds.
+    pub created: u64,
+    /// Who publishes the model, shown as `owned_by`.
+    pub owned_by: String,
+    /// The context window in tokens (prompt plus completion).
+    pub context_length: usize,
+}
+
+/// One chat turn as received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatTurn {
+    /// `"system"`, `"user"` or `"assistant"` (an OpenAI `"developer"` turn arrives as `"system"`).
+    pub role: String,
+    /// The turn's text; multiple text parts are joined with `\n`.
+    pub content: String,
+}
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptInput {
+    /// A conversation (from `/v1/chat/completions`); the engine applies its chat template.
+    Chat(Vec<ChatTurn>),
+    /// Raw text (from `/v1/completions`), continued as is.
+    Text(String),
+}
+
+/// A validated generation request handed to the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineRequest {
+    /// The response id (`chatcmpl-…` or `cmpl-…`), for the engine's logs.
+    pub request_id: String,
+    /// What to generate from.
+    pub prompt: PromptInput,
+    /// The most tokens to generate; `None` means up to the end of the context window.
+    pub max_tokens: Option<usize>,
+    /// Sampling temperature in `0.0..=2.0`; `0.0` means greedy.
+    pub temperature: f32,
+    /// Nucleus sampling mass in `(0.0, 1.0]`, if requested.
+    pub top_p: Option<f32>,
+    /// Seed for reproducible sampling, if requested.
+    pub seed: Option<u64>,
+    /// Up to four non-empty stop sequences; generation ends before the first one produced (which
+    /// is not part of the output).
+    pub stop: Vec<String>,
+}
+
+/// What the engine streams back.
+#[derive(Debug)]
+pub enum EngineEvent {
+    /// New text, never cut in the middle of a UTF-8 character.
+    Delta(String),
+    /// The generation ended normally; no further events follow.
+    Finished {
+        /// Why it ended.
+        reason: FinishReason,
+        /// How many tokens were generated in total.
+        completion_tokens: usize,
+    },
+    /// The generation failed; no further events follow.
+    Failed(EngineError),
+}
+
+/// Why a generation ended. Serialises as `"stop"` / `"length"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// The model produced an end-of-text token or a stop sequence.
+    Stop,
+    /// `max_tokens` or the context window was reached.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI spelling: `"stop"` or `"length"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+        }
+    }
+}
+
+/// An accepted generation: the prompt's token count and the event stream.
+///
+/// Dropping `events` cancels the generation (the engine notices and frees the session
+/// everywhere).
+#[derive(Debug)]
+pub struct EngineStream {
+    /// How many tokens the prompt took after templating and tokenization.
+    pub prompt_tokens: usize,
+    /// Deltas, then exactly one `Finished` or `Failed`.
+    pub events: mpsc::Receiver<EngineEvent>,
+}
+
+/// Something that turns prompts into text: the tracker peer's view of the mesh.
+pub trait CompletionEngine: Send + Sync + 'static {
+    /// The model this engine serves.
+    fn model_info(&self) -> ModelInfo;
+
+    /// Starts a generation. Must return quickly (tokenize, check limits, reserve a slot); the
+    /// generation runs elsewhere.
+    fn start(&self, request: EngineRequest) -> Result<EngineStream, EngineError>;
+}
+
+/// Why the engine refused or abandoned a generation.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The request cannot be served as asked (e.g. the prompt plus `max_tokens` exceeds the
+    /// context window). Answered with 400.
+    #[error("{message}")]
+    InvalidRequest {
+        /// The request field at fault, if one is.
+        param: Option<String>,
+        /// What is wrong, for the client.
+        message: String,
+    },
+    /// All generation slots are taken. Answered with 429 and `Retry-After`.
+    #[error("the mesh is busy; retry in {retry_after_seconds} s")]
+    Busy {
+        /// Suggested wait before retrying.
+        retry_after_seconds: u64,
+    },
+    /// The peers currently online do not cover every layer of the model. Answered with 503 and
+    /// `Retry-After`.
+    #[error("the mesh does not cover the model: {0}")]
+    NotCovered(String),
+    /// A peer on the route failed. Answered with 502.
+    #[error("a peer on the route failed: {0}")]
+    Upstream(String),
+    /// Anything else. Answered with 500.
+    #[error("internal error: {0}")]
+    Internal(String),
+}

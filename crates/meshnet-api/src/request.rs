@@ -1,0 +1,602 @@
+//! Parsing and validating request bodies by hand, so every failure names its field.
+//!
+//! Fields set to JSON `null` count as absent, and fields this API does not know are ignored.
+
+use serde_json::{Map, Value};
+
+use crate::engine::{ChatTurn, PromptInput};
+use crate::error::ApiError;
+
+/// The most stop sequences a request may carry.
+pub const MAX_STOP_SEQUENCES: usize = 4;
+
+/// Which endpoint a body was sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Endpoint {
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// `POST /v1/completions`.
+    Text,
+}
+
+/// A request that passed validation.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ParsedRequest {
+    pub prompt: PromptInput,
+    pub max_tokens: Option<usize>,
+    pub temperature: f32,
+    pub top_p: Option<f32>,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+/// Parses `body` sent to `endpoint`, checking `model` against `model_id`.
+pub(crate) fn parse(
+    endpoint: Endpoint,
+    body: &[u8],
+    model_id: &str,
+) -> Result<ParsedRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(
+            None,
+            format!("We could not parse the JSON body of your request: {e}"),
+        )
+    })?;
+    let Value::Object(map) = value else {
+        return Err(ApiError::invalid(
+            None,
+            format!(
+                "The request body must be a JSON object, but got {} instead.",
+                type_name(&value)
+            ),
+        ));
+    };
+    let fields = Fields(&map);
+
+    let model = fields
+        .string("model")?
+        .ok_or_else(|| ApiError::invalid(Some("model"), "Missing required parameter: 'model'."))?;
+    if model != model_id {
+        return Err(ApiError::ModelNotFound(model.to_owned()));
+    }
+
+    let prompt = match endpoint {
+        Endpoint::Chat => PromptInput::Chat(parse_messages(&fields)?),
+        Endpoint::Text => PromptInput::Text(parse_prompt(&fields)?),
+    };
+
+    let max_tokens = match endpoint {
+        Endpoint::Chat => {
+            let legacy = fields.positive_int("max_tokens")?;
+            fields.positive_int("max_completion_tokens")?.or(legacy)
+        }
+        Endpoint::Text => fields.positive_int("max_tokens")?,
+    };
+
+    let temperature = match fields.number("temperature")? {
+        None => 1.0,
+        Some(t) if (0.0..=2.0).contains(&t) => t as f32,
+        Some(t) => {
+            return Err(ApiError::invalid(
+                Some("temperature"),
+                format!("Invalid 'temperature': {t} is not between 0 and 2."),
+            ));
+        }
+    };
+
+    let top_p = match fields.number("top_p")? {
+        None => None,
+        Some(p) if p > 0.0 && p <= 1.0 => Some(p as f32),
+        Some(p) => {
+            return Err(ApiError::invalid(
+                Some("top_p"),
+                format!("Invalid 'top_p': {p} is not greater than 0 and at most 1."),
+            ));
+        }
+    };
+
+    let seed = match fields.get("seed") {
+        None => None,
+        Some(v) => Some(
+            v.as_u64()
+                // A negative seed is as good a seed as any; keep its bits.
+                .or_else(|| v.as_i64().map(|s| s as u64))
+                .ok_or_else(|| type_error("seed", "an integer", v))?,
+        ),
+    };
+
+    let stop = parse_stop(&fields)?;
+
+    match fields.get("n") {
+        None => {}
+        Some(v) if v.as_u64() == Some(1) => {}
+        Some(v) if v.is_number() => {
+            return Err(ApiError::invalid(
+                Some("n"),
+                format!("Invalid 'n': only n=1 is supported, got {v}."),
+            ));
+        }
+        Some(v) => return Err(type_error("n", "an integer", v)),
+    }
+
+    if endpoint == Endpoint::Text && fields.bool("echo")? == Some(true) {
+        return Err(ApiError::invalid(
+            Some("echo"),
+            "'echo' is not supported by this server.",
+        ));
+    }
+
+    let stream = fields.bool("stream")?.unwrap_or(false);
+    let include_usage = match fields.get("stream_options") {
+        None => false,
+        Some(Value::Object(options)) => Fields(options)
+            .bool("include_usage")
+            .map_err(|_| {
+                ApiError::invalid(
+                    Some("stream_options.include_usage"),
+                    "Invalid type for 'stream_options.include_usage': expected a boolean.",
+                )
+            })?
+            .unwrap_or(false),
+        Some(v) => return Err(type_error("stream_options", "an object", v)),
+    };
+
+    Ok(ParsedRequest {
+        prompt,
+        max_tokens,
+        temperature,
+        top_p,
+        seed,
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+fn parse_messages(fields: &Fields<'_>) -> Result<Vec<ChatTurn>, ApiError> {
+    let messages = match fields.get("messages") {
+        None => {
+            return Err(ApiError::invalid(
+                Some("messages"),
+                "Missing required parameter: 'messages'.",
+            ));
+        }
+        Some(Value::Array(messages)) => messages,
+        Some(v) => return Err(type_error("messages", "an array", v)),
+    };
+    if messages.is_empty() {
+        return Err(ApiError::invalid(
+            Some("messages"),
+            "Invalid 'messages': empty array. Expected an array with minimum length 1.",
+        ));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, message)| parse_message(i, message))
+        .collect()
+}
+
+fn parse_message(index: usize, message: &Value) -> Result<ChatTurn, ApiError> {
+    let at = format!("messages[{index}]");
+    let Value::Object(map) = message else {
+        return Err(type_error(&at, "an object", message));
+    };
+    let fields = Fields(map);
+
+    let role_param = format!("{at}.role");
+    let role = match fields.get("role") {
+        None => {
+            return Err(ApiError::invalid(
+                Some(&role_param),
+                format!("Missing required parameter: '{role_param}'."),
+            ));
+        }
+        Some(Value::String(role)) => role.as_str(),
+        Some(v) => return Err(type_error(&role_param, "a string", v)),
+    };
+    let role = match role {
+        "system" | "developer" => "system",
+        "user" => "user",
+        "assistant" => "assistant",
+        other => {
+            return Err(ApiError::invalid(
+                Some(&role_param),
+                format!(
+                    "Invalid value: '{other}'. Supported values are: 'system', 'developer', \
+                     'user' and 'assistant'."
+                ),
+            ));
+        }
+    };
+
+    let content_param = format!("{at}.content");
+    let content = match fields.get("content") {
+        None => {
+            return Err(ApiError::invalid(
+                Some(&content_param),
+                format!("Missing required parameter: '{content_param}'."),
+            ));
+        }
+        Some(Value::String(text)) => text.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .enumerate()
+            .map(|(j, part)| text_part(&format!("{content_param}[{j}]"), part))
+            .collect::<Result<Vec<_>, _>>()?
+            .join("\n"),
+        Some(v) => return Err(type_error(&content_param, "a string or an array", v)),
+    };
+
+    Ok(ChatTurn {
+        role: role.to_owned(),
+        content,
+    })
+}
+
+/// The text of one content part, which must be `{"type": "text", "text": "..."}`.
+fn text_part<'a>(at: &str, part: &'a Value) -> Result<&'a str, ApiError> {
+    let Value::Object(map) = part else {
+        return Err(type_error(at, "an object", part));
+    };
+    let fields = Fields(map);
+    let type_param = format!("{at}.type");
+    match fields.get("type") {
+        Some(Value::String(kind)) if kind == "text" => {}
+        Some(Value::String(kind)) => {
+            return Err(ApiError::invalid(
+                Some(&type_param),
+                format!("Invalid value: '{kind}'. Only 'text' content parts are supported."),
+            ));
+        }
+        Some(v) => return Err(type_error(&type_param, "a string", v)),
+        None => {
+            return Err(ApiError::invalid(
+                Some(&type_param),
+                format!("Missing required parameter: '{type_param}'."),
+            ));
+        }
+    }
+    let text_param = format!("{at}.text");
+    match fields.get("text") {
+        Some(Value::String(text)) => Ok(text),
+        Some(v) => Err(type_error(&text_param, "a string", v)),
+        None => Err(ApiError::invalid(
+            Some(&text_param),
+            format!("Missing required parameter: '{text_param}'."),
+        )),
+    }
+}
+
+fn parse_prompt(fields: &Fields<'_>) -> Result<String, ApiError> {
+    match fields.get("prompt") {
+        None => Err(ApiError::invalid(
+            Some("prompt"),
+            "Missing required parameter: 'prompt'.",
+        )),
+        Some(Value::String(prompt)) => Ok(prompt.clone()),
+        Some(Value::Array(items)) => match items.as_slice() {
+            [Value::String(prompt)] => Ok(prompt.clone()),
+            _ => Err(ApiError::invalid(
+                Some("prompt"),
+                "Invalid 'prompt': only a string or an array holding exactly one string is \
+                 supported.",
+            )),
+        },
+        Some(v) => Err(type_error("prompt", "a string", v)),
+    }
+}
+
+fn parse_stop(fields: &Fields<'_>) -> Result<Vec<String>, ApiError> {
+    let stop: Vec<String> = match fields.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            if items.len() > MAX_STOP_SEQUENCES {
+                return Err(ApiError::invalid(
+                    Some("stop"),
+                    format!(
+                        "Invalid 'stop': array too long. Expected at most {MAX_STOP_SEQUENCES} \
+                         sequences, but got {}.",
+                        items.len()
+                    ),
+                ));
+            }
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, item)| match item {
+                    Value::String(s) => Ok(s.clone()),
+                    other => Err(type_error(&format!("stop[{i}]"), "a string", other)),
+                })
+                .collect::<Result<_, _>>()?
+        }
+        Some(v) => return Err(type_error("stop", "a string or an array of strings", v)),
+    };
+    // An empty stop sequence would match everywhere; treat it as not given.
+    Ok(stop.into_iter().filter(|s| !s.is_empty()).collect())
+}
+
+/// Typed access to a JSON object's fields, where `null` means absent.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    fn string(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_str().ok_or_else(|| type_error(name, "a string", v)))
+            .transpose()
+    }
+
+    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_bool().ok_or_else(|| type_error(name, "a boolean", v)))
+            .transpose()
+    }
+
+    fn number(&self, name: &str) -> Result<Option<f64>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_f64().ok_or_else(|| type_error(name, "a number", v)))
+            .transpose()
+    }
+
+    /// An integer of at least 1.
+    fn positive_int(&self, name: &str) -> Result<Option<usize>, ApiError> {
+        let Some(v) = self.get(name) else {
+            return Ok(None);
+        };
+        if !(v.is_u64() || v.is_i64()) {
+            return Err(type_error(name, "an integer", v));
+        }
+        match v.as_u64().and_then(|n| usize::try_from(n).ok()) {
+            Some(n) if n >= 1 => Ok(Some(n)),
+            _ => Err(ApiError::invalid(
+                Some(name),
+                format!("Invalid '{name}': {v} is not a positive integer (minimum 1)."),
+            )),
+        }
+    }
+}
+
+fn type_error(param: &str, expected: &str, got: &Value) -> ApiError {
+    ApiError::invalid(
+        Some(param),
+        format!(
+            "Invalid type for '{param}': expected {expected}, but got {} instead.",
+            type_name(got)
+        ),
+    )
+}
+
+fn type_name(value: &Value) -> &'static str {
+    match value {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(n) if n.is_f64() => "a decimal",
+        Value::Number(_) => "an integer",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn chat(body: Value) -> Result<ParsedRequest, ApiError> {
+        parse(Endpoint::Chat, body.to_string().as_bytes(), "m")
+    }
+
+    fn text(body: Value) -> Result<ParsedRequest, ApiError> {
+        parse(Endpoint::Text, body.to_string().as_bytes(), "m")
+    }
+
+    fn param_of(result: Result<ParsedRequest, ApiError>) -> Option<String> {
+        match result {
+            Err(e) => e.body().error.param,
+            Ok(parsed) => panic!("expected an error, parsed {parsed:?}"),
+        }
+    }
+
+    #[test]
+    fn chat_defaults_and_roles() {
+        let parsed = chat(json!({
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": "ok", "name": "x"}
+            ],
+            "tools": null,
+            "frequency_penalty": 0.5
+        }))
+        .unwrap();
+        assert_eq!(
+            parsed.prompt,
+            PromptInput::Chat(vec![
+                ChatTurn {
+                    role: "system".into(),
+                    content: "be brief".into()
+                },
+                ChatTurn {
+                    role: "user".into(),
+                    content: "a\nb".into()
+                },
+                ChatTurn {
+                    role: "assistant".into(),
+                    content: "ok".into()
+                },
+            ])
+        );
+        assert_eq!(parsed.max_tokens, None);
+        assert_eq!(parsed.temperature, 1.0);
+        assert_eq!(parsed.top_p, None);
+        assert_eq!(parsed.seed, None);
+        assert!(parsed.stop.is_empty());
+        assert!(!parsed.stream);
+        assert!(!parsed.include_usage);
+    }
+
+    #[test]
+    fn chat_sampling_fields() {
+        let parsed = chat(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "max_completion_tokens": 9,
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": -1,
+            "stop": ["x", "", "y"],
+            "n": 1,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "user": "u"
+        }))
+        .unwrap();
+        assert_eq!(parsed.max_tokens, Some(9));
+        assert_eq!(parsed.temperature, 0.0);
+        assert_eq!(parsed.top_p, Some(0.5));
+        assert_eq!(parsed.seed, Some(u64::MAX));
+        assert_eq!(parsed.stop, vec!["x".to_owned(), "y".to_owned()]);
+        assert!(parsed.stream);
+        assert!(parsed.include_usage);
+    }
+
+    #[test]
+    fn null_fields_count_as_absent() {
+        let parsed = chat(json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": null, "temperature": null, "top_p": null, "seed": null,
+            "stop": null, "n": null, "stream": null, "stream_options": null
+        }))
+        .unwrap();
+        assert_eq!(parsed.max_tokens, None);
+        assert_eq!(parsed.temperature, 1.0);
+    }
+
+    #[test]
+    fn completion_prompt_forms() {
+        let one = text(json!({"model": "m", "prompt": "abc", "stop": "\n"})).unwrap();
+        assert_eq!(one.prompt, PromptInput::Text("abc".into()));
+        assert_eq!(one.stop, vec!["\n".to_owned()]);
+        let array = text(json!({"model": "m", "prompt": ["abc"], "echo": false})).unwrap();
+        assert_eq!(array.prompt, PromptInput::Text("abc".into()));
+        for bad in [json!(["a", "b"]), json!([]), json!([1, 2]), json!(3)] {
+            assert_eq!(
+                param_of(text(json!({"model": "m", "prompt": bad}))).as_deref(),
+                Some("prompt")
+            );
+        }
+    }
+
+    #[test]
+    fn failures_name_their_field() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let cases = [
+            (json!({"messages": user}), "model"),
+            (json!({"model": 3, "messages": user}), "model"),
+            (json!({"model": "m"}), "messages"),
+            (json!({"model": "m", "messages": []}), "messages"),
+            (json!({"model": "m", "messages": "hi"}), "messages"),
+            (json!({"model": "m", "messages": [3]}), "messages[0]"),
+            (
+                json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}),
+                "messages[0].role",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user"}]}),
+                "messages[0].content",
+            ),
+            (
+                json!({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}),
+                "messages[0].content[0].type",
+            ),
+            (
+                json!({"model": "m", "messages": user, "max_tokens": 0}),
+                "max_tokens",
+            ),
+            (
+                json!({"model": "m", "messages": user, "max_tokens": 1.5}),
+                "max_tokens",
+            ),
+            (
+                json!({"model": "m", "messages": user, "max_completion_tokens": -2}),
+                "max_completion_tokens",
+            ),
+            (
+                json!({"model": "m", "messages": user, "temperature": 3}),
+                "temperature",
+            ),
+            (
+                json!({"model": "m", "messages": user, "temperature": "hot"}),
+                "temperature",
+            ),
+            (json!({"model": "m", "messages": user, "top_p": 0}), "top_p"),
+            (
+                json!({"model": "m", "messages": user, "top_p": 1.1}),
+                "top_p",
+            ),
+            (json!({"model": "m", "messages": user, "seed": 1.5}), "seed"),
+            (json!({"model": "m", "messages": user, "n": 2}), "n"),
+            (
+                json!({"model": "m", "messages": user, "stop": ["a", "b", "c", "d", "e"]}),
+                "stop",
+            ),
+            (
+                json!({"model": "m", "messages": user, "stop": [1]}),
+                "stop[0]",
+            ),
+            (
+                json!({"model": "m", "messages": user, "stream": "yes"}),
+                "stream",
+            ),
+            (
+                json!({"model": "m", "messages": user, "stream_options": {"include_usage": 1}}),
+                "stream_options.include_usage",
+            ),
+        ];
+        for (body, param) in cases {
+            assert_eq!(
+                param_of(chat(body.clone())).as_deref(),
+                Some(param),
+                "body {body}"
+            );
+        }
+        assert_eq!(
+            param_of(text(json!({"model": "m", "prompt": "x", "echo": true}))).as_deref(),
+            Some("echo")
+        );
+        assert_eq!(
+            param_of(text(json!({"model": "m"}))).as_deref(),
+            Some("prompt")
+        );
+    }
+
+    #[test]
+    fn body_level_failures_have_no_param() {
+        for body in ["{", "[]", "\"x\"", ""] {
+            let result = parse(Endpoint::Chat, body.as_bytes(), "m");
+            assert!(
+                matches!(result, Err(ApiError::InvalidRequest { param: None, .. })),
+                "body {body:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_model_is_not_found() {
+        let result =
+            chat(json!({"model": "other", "messages": [{"role": "user", "content": "hi"}]}));
+        assert!(matches!(result, Err(ApiError::ModelNotFound(ref m)) if m == "other"));
+    }
+}

@@ -1,0 +1,296 @@
+//! The JSON shapes of successful answers: model objects, completions and stream chunks.
+
+use serde::Serialize;
+
+use crate::engine::{FinishReason, ModelInfo};
+use crate::request::Endpoint;
+
+/// One entry of `GET /v1/models`, also the body of `GET /v1/models/{id}`.
+#[derive(Debug, Serialize)]
+pub(crate) struct ModelObject {
+    id: String,
+    object: &'static str,
+    created: u64,
+    owned_by: String,
+    context_length: usize,
+}
+
+impl From<ModelInfo> for ModelObject {
+    fn from(info: ModelInfo) -> Self {
+        Self {
+            id: info.id,
+            object: "model",
+            created: info.created,
+            owned_by: info.owned_by,
+            context_length: info.context_length,
+        }
+    }
+}
+
+/// The body of `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub(crate) struct ModelList {
+    object: &'static str,
+    data: Vec<ModelObject>,
+}
+
+impl ModelList {
+    pub(crate) fn new(data: Vec<ModelObject>) -> Self {
+        Self {
+            object: "list",
+            data,
+        }
+    }
+}
+
+/// Token accounting, as in every OpenAI completion.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub(crate) struct Usage {
+    prompt_tokens: usize,
+    completion_tokens: usize,
+    total_tokens: usize,
+}
+
+impl Usage {
+    pub(crate) fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// A whole (non-streamed) answer of either endpoint.
+#[derive(Debug, Serialize)]
+pub(crate) struct Completion<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [Choice<'a>; 1],
+    usage: Usage,
+}
+
+#[derive(Debug, Serialize)]
+struct Choice<'a> {
+    index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<Message<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    finish_reason: FinishReason,
+    logprobs: Option<()>,
+}
+
+#[derive(Debug, Serialize)]
+struct Message<'a> {
+    role: &'static str,
+    content: &'a str,
+}
+
+/// One `data:` event of a streamed answer.
+#[derive(Debug, Serialize)]
+pub(crate) struct Chunk<'a> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: Vec<ChunkChoice<'a>>,
+    /// Absent unless usage was requested; then `null` on every chunk but the last.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Option<Usage>>,
+}
+
+#[derive(Debug, Serialize)]
+struct ChunkChoice<'a> {
+    index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<Delta<'a>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    logprobs: Option<()>,
+    finish_reason: Option<FinishReason>,
+}
+
+#[derive(Debug, Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
+}
+
+/// What every answer to one request shares: endpoint, id, timestamp and model.
+#[derive(Debug, Clone)]
+pub(crate) struct Envelope {
+    pub endpoint: Endpoint,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub include_usage: bool,
+}
+
+impl Envelope {
+    /// The whole answer.
+    pub(crate) fn completion<'a>(
+        &'a self,
+        text: &'a str,
+        finish_reason: FinishReason,
+        usage: Usage,
+    ) -> Completion<'a> {
+        let (object, message, text) = match self.endpoint {
+            Endpoint::Chat => (
+                "chat.completion",
+                Some(Message {
+                    role: "assistant",
+                    content: text,
+                }),
+                None,
+            ),
+            Endpoint::Text => ("text_completion", None, Some(text)),
+        };
+        Completion {
+            id: &self.id,
+            object,
+            created: self.created,
+            model: &self.model,
+            choices: [Choice {
+                index: 0,
+                message,
+                text,
+                finish_reason,
+                logprobs: None,
+            }],
+            usage,
+        }
+    }
+
+    /// The chat stream's opening chunk, announcing the assistant role.
+    pub(crate) fn role_chunk(&self) -> Chunk<'_> {
+        self.chunk(vec![ChunkChoice {
+            index: 0,
+            delta: Some(Delta {
+                role: Some("assistant"),
+                content: Some(""),
+            }),
+            text: None,
+            logprobs: None,
+            finish_reason: None,
+        }])
+    }
+
+    /// A chunk carrying new text.
+    pub(crate) fn text_chunk<'a>(&'a self, text: &'a str) -> Chunk<'a> {
+        self.choice_chunk(Some(text), None)
+    }
+
+    /// The chunk with the finish reason and no new text.
+    pub(crate) fn finish_chunk(&self, reason: FinishReason) -> Chunk<'_> {
+        self.choice_chunk(None, Some(reason))
+    }
+
+    /// The final chunk with no choices and the token usage.
+    pub(crate) fn usage_chunk(&self, usage: Usage) -> Chunk<'_> {
+        let mut chunk = self.chunk(Vec::new());
+        chunk.usage = Some(Some(usage));
+        chunk
+    }
+
+    fn choice_chunk<'a>(
+        &'a self,
+        text: Option<&'a str>,
+        finish_reason: Option<FinishReason>,
+    ) -> Chunk<'a> {
+        let choice = match self.endpoint {
+            Endpoint::Chat => ChunkChoice {
+                index: 0,
+                delta: Some(Delta {
+                    role: None,
+                    content: text,
+                }),
+                text: None,
+                logprobs: None,
+                finish_reason,
+            },
+            Endpoint::Text => ChunkChoice {
+                index: 0,
+                delta: None,
+                text: Some(text.unwrap_or("")),
+                logprobs: None,
+                finish_reason,
+            },
+        };
+        self.chunk(vec![choice])
+    }
+
+    fn chunk<'a>(&'a self, choices: Vec<ChunkChoice<'a>>) -> Chunk<'a> {
+        Chunk {
+            id: &self.id,
+            object: match self.endpoint {
+                Endpoint::Chat => "chat.completion.chunk",
+                Endpoint::Text => "text_completion",
+            },
+            created: self.created,
+            model: &self.model,
+            choices,
+            usage: self.include_usage.then_some(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    fn envelope(endpoint: Endpoint, include_usage: bool) -> Envelope {
+        Envelope {
+            endpoint,
+            id: "x-1".into(),
+            created: 7,
+            model: "m".into(),
+            include_usage,
+        }
+    }
+
+    fn to_value(value: impl Serialize) -> Value {
+        serde_json::to_value(value).unwrap()
+    }
+
+    #[test]
+    fn chat_chunks() {
+        let env = envelope(Endpoint::Chat, false);
+        assert_eq!(
+            to_value(env.role_chunk()),
+            json!({"id": "x-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
+                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": null, "finish_reason": null}]})
+        );
+        assert_eq!(
+            to_value(env.text_chunk("hé"))["choices"][0]["delta"],
+            json!({"content": "hé"})
+        );
+        let finish = to_value(env.finish_chunk(FinishReason::Length));
+        assert_eq!(finish["choices"][0]["delta"], json!({}));
+        assert_eq!(finish["choices"][0]["finish_reason"], "length");
+        assert!(finish.get("usage").is_none());
+    }
+
+    #[test]
+    fn usage_is_null_until_the_usage_chunk() {
+        let env = envelope(Endpoint::Text, true);
+        let text = to_value(env.text_chunk("a"));
+        assert_eq!(text["usage"], Value::Null);
+        assert!(text.get("usage").is_some());
+        assert_eq!(text["choices"][0]["text"], "a");
+        assert_eq!(text["object"], "text_completion");
+        let usage = to_value(env.usage_chunk(Usage::new(3, 4)));
+        assert_eq!(usage["choices"], json!([]));
+        assert_eq!(
+            usage["usage"],
+            json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7})
+        );
+    }
+}
