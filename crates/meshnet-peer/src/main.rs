@@ -1,31 +1,42 @@
 //! `meshnet-peer`: the peer's command line.
 //!
+//! - Without a subcommand it joins (or, with `--tracker`, starts) a mesh: it serves the span
+//!   of layers the tracker assigns, and the tracker answers an OpenAI-style API.
 //! - `generate` runs the whole model in this process — the reference for everything
 //!   distributed — optionally split into spans at `--boundaries` with hidden states cast to
 //!   bfloat16 between them, exactly as the wire does.
 //! - `fetch-model` puts the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on disk.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
+use libp2p::{Multiaddr, PeerId};
 use meshnet_model::{
     BoundaryPolicy, ChatMessage, ChatTemplate, DEFAULT_KV_BUDGET_BYTES, GenerationRequest,
     GgufModel, Gpt2Model, Gpt2Span, LlamaSpan, ModelTokenizer, Quantization, SamplingConfig,
     SplitModel, StopConditions, generate, split_specs,
 };
+use meshnet_p2p::TransportChoice;
+use meshnet_peer::PeerConfig;
 
 #[derive(Parser)]
 #[command(
     name = "meshnet-peer",
     version,
-    about = "A meshnet peer: run model layers"
+    about = "A meshnet peer: serve a span of a model's layers in a mesh, or take the tracker role \
+             and answer an OpenAI-style API",
+    args_conflicts_with_subcommands = true
 )]
 struct Cli {
     #[command(subcommand)]
-    command: Commands,
+    command: Option<Commands>,
+    #[command(flatten)]
+    run: RunArgs,
 }
 
 #[derive(Subcommand)]
@@ -35,6 +46,62 @@ enum Commands {
     /// Download the default model into $MESHNET_MODELS (default ~/.cache/meshnet) and print
     /// its path.
     FetchModel,
+}
+
+/// Joining or starting a mesh.
+#[derive(clap::Args)]
+struct RunArgs {
+    /// The GGUF model every member of the mesh runs (default: the fetched
+    /// SmolLM2-135M-Instruct).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Take the tracker role: hold the first layers, plan the mesh, answer the OpenAI API.
+    #[arg(long)]
+    tracker: bool,
+    /// HTTP listen address (default: 127.0.0.1:8080 for the tracker, 127.0.0.1 on a free
+    /// port for a peer).
+    #[arg(long, value_name = "ADDR:PORT")]
+    http: Option<SocketAddr>,
+    /// The base URL other peers reach this one at (default: http:// and the bound address).
+    #[arg(long, value_name = "URL")]
+    advertise_http: Option<String>,
+    /// libp2p listen address, repeatable (default: TCP and QUIC on all interfaces, port 4001
+    /// for the tracker, a free port for a peer).
+    #[arg(long = "p2p", value_name = "MULTIADDR")]
+    p2p: Vec<Multiaddr>,
+    /// libp2p address of any member of the mesh, repeatable.
+    #[arg(long, value_name = "MULTIADDR")]
+    bootstrap: Vec<Multiaddr>,
+    /// Memory given to the mesh: weights plus KV cache (e.g. 512MiB, 2GB, or bytes).
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    memory: u64,
+    /// Formats this peer may hold layers in, repeatable: the model's own (e.g. q4_1) or q8_0
+    /// (default: the model's own).
+    #[arg(long, value_parser = parse_format)]
+    quantization: Vec<meshnet_planner::Quantization>,
+    /// Where the peer keeps its identity key (default: $MESHNET_DATA or
+    /// ~/.local/share/meshnet/<tracker|peer>).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Seconds between announcements; a peer silent for three is dropped from the map.
+    #[arg(long, default_value_t = 2.0)]
+    announce_interval: f64,
+    /// KV-cache tokens reserved per held layer.
+    #[arg(long, default_value_t = 2048)]
+    kv_tokens: u64,
+    /// Generations the tracker runs at once before answering 429.
+    #[arg(long, default_value_t = 4)]
+    max_sessions: usize,
+    /// Treat the listen addresses as reachable by other peers (LAN, loopback, public host)
+    /// instead of waiting for AutoNAT to confirm it.
+    #[arg(long)]
+    reachable: bool,
+    /// Ask the router for a port mapping with UPnP.
+    #[arg(long)]
+    upnp: bool,
+    /// Accept coverage maps and directives only from this tracker peer id.
+    #[arg(long, value_name = "PEER_ID")]
+    tracker_id: Option<PeerId>,
 }
 
 #[derive(clap::Args)]
@@ -86,8 +153,9 @@ struct GenerateArgs {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command {
-        Commands::Generate(args) => run_generate(&args),
-        Commands::FetchModel => fetch_model(),
+        Some(Commands::Generate(args)) => run_generate(&args),
+        Some(Commands::FetchModel) => fetch_model(),
+        None => run_peer(cli.run),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -95,6 +163,203 @@ fn main() -> ExitCode {
             eprintln!("error: {error:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Parses a byte count: plain bytes, or a number with KB, MB, GB (powers of 1000) or KiB,
+/// MiB, GiB (powers of 1024).
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    let trimmed = text.trim();
+    let split = trimmed
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(trimmed.len());
+    let (number, unit) = trimmed.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("{text:?} is not a byte count such as 512MiB or 2GB"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "kib" => 1024.0,
+        "mib" => 1024.0 * 1024.0,
+        "gib" => 1024.0 * 1024.0 * 1024.0,
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {text:?} (use KB, MB, GB, KiB, MiB or GiB)"
+            ));
+        }
+    };
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+        return Err(format!("{text:?} is not a usable memory size"));
+    }
+    Ok(bytes as u64)
+}
+
+fn parse_format(text: &str) -> Result<meshnet_planner::Quantization, String> {
+    meshnet_planner::Quantization::ALL
+        .into_iter()
+        .find(|q| q.name().eq_ignore_ascii_case(text))
+        .ok_or_else(|| {
+            format!("unknown quantization {text:?} (a mesh serves the model's own format or q8_0)")
+        })
+}
+
+fn default_data_dir(tracker: bool) -> PathBuf {
+    if let Some(dir) = std::env::var_os("MESHNET_DATA").filter(|d| !d.is_empty()) {
+        return dir.into();
+    }
+    let home = std::env::var_os("HOME").unwrap_or_else(|| ".".into());
+    Path::new(&home)
+        .join(".local/share/meshnet")
+        .join(if tracker { "tracker" } else { "peer" })
+}
+
+/// Takes an exclusive lock on the data directory so two peers never share an identity.
+fn lock_data_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("creating the data directory {}", dir.display()))?;
+    let path = dir.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => bail!(
+            "the data directory {} is in use by another meshnet-peer; give each peer its own \
+             --data-dir",
+            dir.display()
+        ),
+        Err(std::fs::TryLockError::Error(e)) => {
+            Err(e).with_context(|| format!("locking {}", path.display()))
+        }
+    }
+}
+
+fn run_peer(args: RunArgs) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libp2p=warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    let model_path = args
+        .model
+        .clone()
+        .unwrap_or_else(meshnet_model::default_model_path);
+    if !model_path.is_file() {
+        if args.model.is_none() {
+            bail!(
+                "the default model is not at {}: run `meshnet-peer fetch-model` or \
+                 `bash scripts/fetch-model.sh` first, or pass --model",
+                model_path.display()
+            );
+        }
+        bail!("model file {} does not exist", model_path.display());
+    }
+    if !(args.announce_interval.is_finite() && args.announce_interval >= 0.05) {
+        bail!("--announce-interval must be at least 0.05 seconds");
+    }
+    if args.max_sessions == 0 {
+        bail!("--max-sessions must be at least 1");
+    }
+    let data_dir = args
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| default_data_dir(args.tracker));
+    let _lock = lock_data_dir(&data_dir)?;
+    let port = if args.tracker { 4001 } else { 0 };
+    let p2p = if args.p2p.is_empty() {
+        vec![
+            format!("/ip4/0.0.0.0/tcp/{port}").parse()?,
+            format!("/ip4/0.0.0.0/udp/{port}/quic-v1").parse()?,
+        ]
+    } else {
+        args.p2p.clone()
+    };
+    let mut config = PeerConfig::new(model_path, data_dir);
+    config.tracker = args.tracker;
+    config.http_listen = args
+        .http
+        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], if args.tracker { 8080 } else { 0 })));
+    config.advertise_http = args.advertise_http;
+    config.p2p_listen = p2p;
+    config.bootstrap = args.bootstrap;
+    config.memory_bytes = args.memory;
+    config.quantizations = args.quantization;
+    config.transport = TransportChoice::Network;
+    config.announce_interval = Duration::from_secs_f64(args.announce_interval);
+    config.kv_tokens = args.kv_tokens;
+    config.max_sessions = args.max_sessions;
+    config.assume_reachable = args.reachable;
+    config.upnp = args.upnp;
+    config.pinned_tracker = args.tracker_id;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let peer = meshnet_peer::start(config).await?;
+        let progress = tokio::spawn(show_progress(peer.progress_handle()));
+        wait_for_stop_signal().await;
+        progress.abort();
+        tracing::info!("stopping");
+        peer.shutdown().await;
+        Ok(())
+    })
+}
+
+/// Draws a progress bar on a terminal's stderr while a span loads.
+async fn show_progress(progress: meshnet_peer::shard::LoadProgress) {
+    let terminal = std::io::stderr().is_terminal();
+    let mut shown = false;
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        match progress.get() {
+            Some((done, total)) if terminal && total > 0 => {
+                let width = 30;
+                let filled = done * width / total;
+                eprint!(
+                    "\rloading layers [{}{}] {done}/{total}",
+                    "#".repeat(filled),
+                    ".".repeat(width - filled)
+                );
+                shown = true;
+            }
+            _ if shown => {
+                eprintln!();
+                shown = false;
+            }
+            _ => {}
+        }
+    }
+}
+
+async fn wait_for_stop_signal() {
+    #[cfg(unix)]
+    {
+        let mut terminate =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(signal) => signal,
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
     }
 }
 

@@ -1,0 +1,392 @@
+//! The tracker's completion engine: tokenizes, reserves a session slot, chooses a route over
+//! the mesh, and runs the generation loop on a blocking thread — its own layers in process,
+//! the rest through the remote hops — streaming text back as it is produced.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use meshnet_api::{
+    ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
+    FinishReason, ModelInfo, PromptInput,
+};
+use meshnet_model::{
+    BoundaryPolicy, ChatMessage, ChatTemplate, FinishReason as ModelFinish, GenerationRequest,
+    ModelError, ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions,
+    generate_observed,
+};
+use meshnet_node::ForwardClient;
+use meshnet_wire::Encoding;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+
+use crate::remote::RemoteStage;
+use crate::routing::{PlannedHop, Uncovered};
+use crate::shard::{LoadedShard, ShardHost};
+
+/// Tokens generated when a request sets no `max_tokens` (bounded by the context).
+pub const DEFAULT_MAX_TOKENS: usize = 256;
+
+/// Events buffered between the generation thread and the HTTP response.
+const EVENT_BUFFER: usize = 64;
+
+/// Chooses the remote hops for layers `start..end`.
+pub type RouteSource = dyn Fn(u32, u32) -> Result<Vec<PlannedHop>, Uncovered> + Send + Sync;
+
+/// What the engine needs to turn text into tokens and back.
+pub struct TextSide {
+    /// The model's tokenizer.
+    pub tokenizer: ModelTokenizer,
+    /// Its chat format.
+    pub template: ChatTemplate,
+    /// Tokens that end any generation.
+    pub stop_tokens: Vec<u32>,
+    /// The token that ends a chat turn.
+    pub end_of_turn: Option<u32>,
+}
+
+impl TextSide {
+    /// The tokenizer and chat format of a GGUF model. The chat format leaves out the
+    /// template's default system prompt, as `meshnet-peer generate --chat` does.
+    pub fn from_gguf(model: &meshnet_model::GgufModel) -> Result<Self, ModelError> {
+        let description = model.description();
+        let mut template = match &description.chat_template {
+            Some(jinja) => ChatTemplate::from_jinja(jinja)?,
+            None => ChatTemplate::chatml(),
+        };
+        template.default_system = None;
+        Ok(TextSide {
+            tokenizer: ModelTokenizer::from_gguf(model)?,
+            template,
+            stop_tokens: description.eos_token.into_iter().collect(),
+            end_of_turn: description.im_end_token,
+        })
+    }
+}
+
+/// The OpenAI API's view of the mesh.
+pub struct MeshEngine {
+    info: ModelInfo,
+    text: Arc<TextSide>,
+    host: Arc<ShardHost>,
+    routes: Arc<RouteSource>,
+    client: ForwardClient,
+    encoding: Encoding,
+    sessions: Arc<Semaphore>,
+    max_sessions: usize,
+}
+
+impl MeshEngine {
+    /// An engine generating with the entry span in `host` and remote hops from `routes`, at
+    /// most `max_sessions` generations at once.
+    pub fn new(
+        model_id: String,
+        text: TextSide,
+        host: Arc<ShardHost>,
+        routes: Arc<RouteSource>,
+        client: ForwardClient,
+        max_sessions: usize,
+    ) -> Self {
+        let context_length = host.model().description().context_length;
+        MeshEngine {
+            info: ModelInfo {
+                id: model_id,
+                created: SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+                owned_by: "meshnet".to_owned(),
+                context_length,
+            },
+            text: Arc::new(text),
+            host,
+            routes,
+            client,
+            encoding: Encoding::Zstd,
+            sessions: Arc::new(Semaphore::new(max_sessions)),
+            max_sessions,
+        }
+    }
+
+    /// Generations running now.
+    pub fn active_sessions(&self) -> usize {
+        self.max_sessions - self.sessions.available_permits()
+    }
+
+    /// The most generations that may run at once.
+    pub fn max_sessions(&self) -> usize {
+        self.max_sessions
+    }
+
+    fn prompt_text(&self, prompt: PromptInput) -> (String, bool) {
+        match prompt {
+            PromptInput::Chat(turns) => {
+                let messages: Vec<ChatMessage> = turns
+                    .into_iter()
+                    .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
+                    .collect();
+                (self.text.template.render(&messages), true)
+            }
+            PromptInput::Text(text) => (text, false),
+        }
+    }
+}
+
+impl CompletionEngine for MeshEngine {
+    fn model_info(&self) -> ModelInfo {
+        self.info.clone()
+    }
+
+    fn start(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        let (text, chat) = self.prompt_text(request.prompt);
+        let prompt_param = if chat { "messages" } else { "prompt" };
+        let prompt = self
+            .text
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest {
+                param: Some(prompt_param.to_owned()),
+                message: "the prompt encodes to no tokens".to_owned(),
+            });
+        }
+        let context = self.info.context_length;
+        if prompt.len() >= context {
+            return Err(EngineError::InvalidRequest {
+                param: Some(prompt_param.to_owned()),
+                message: format!(
+                    "the prompt has {} tokens; the model's context is {context}",
+                    prompt.len()
+                ),
+            });
+        }
+        let room = context - prompt.len();
+        let max_tokens = request
+            .max_tokens
+            .unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(room));
+        if max_tokens > room {
+            return Err(EngineError::InvalidRequest {
+                param: Some("max_tokens".to_owned()),
+                message: format!(
+                    "max_tokens is {max_tokens}, but the prompt's {} tokens leave room for {room} \
+                     in the model's context of {context}",
+                    prompt.len()
+                ),
+            });
+        }
+        let permit = Arc::clone(&self.sessions)
+            .try_acquire_owned()
+            .map_err(|_| EngineError::Busy {
+                retry_after_seconds: 1,
+            })?;
+        let entry = self
+            .host
+            .current()
+            .filter(|shard| shard.target.entry)
+            .ok_or_else(|| {
+                EngineError::NotCovered("the entry layers are still loading".to_owned())
+            })?;
+        let num_layers = self.host.model().num_layers();
+        let hops = (self.routes)(entry.target.layers.end, num_layers).map_err(|uncovered| {
+            EngineError::NotCovered(format!(
+                "the mesh does not cover the model yet: {uncovered}"
+            ))
+        })?;
+
+        let mut stop_tokens = self.text.stop_tokens.clone();
+        if chat {
+            stop_tokens.extend(self.text.end_of_turn);
+        }
+        let generation = GenerationRequest {
+            sampling: SamplingConfig {
+                temperature: request.temperature,
+                top_k: None,
+                top_p: request.top_p,
+                seed: request.seed.unwrap_or_else(random_seed),
+            },
+            stop: StopConditions {
+                tokens: stop_tokens,
+                strings: request.stop,
+            },
+            ..GenerationRequest::greedy(prompt, max_tokens)
+        };
+        let prompt_tokens = generation.prompt.len();
+        let (events, receiver) = mpsc::channel(EVENT_BUFFER);
+        let job = GenerationJob {
+            request_id: request.request_id,
+            text: Arc::clone(&self.text),
+            entry,
+            remote: (!hops.is_empty()).then(|| {
+                RemoteStage::new(
+                    hops,
+                    self.client.clone(),
+                    tokio::runtime::Handle::current(),
+                    self.encoding,
+                )
+            }),
+            request: generation,
+            events,
+            _permit: permit,
+        };
+        tokio::task::spawn_blocking(move || job.run());
+        Ok(EngineStream {
+            prompt_tokens,
+            events: receiver,
+        })
+    }
+}
+
+fn random_seed() -> u64 {
+    let (high, low) = SessionId::new_v4().as_u64_pair();
+    high ^ low
+}
+
+/// One generation, run on a blocking thread.
+struct GenerationJob {
+    request_id: String,
+    text: Arc<TextSide>,
+    entry: Arc<LoadedShard>,
+    remote: Option<RemoteStage>,
+    request: GenerationRequest,
+    events: mpsc::Sender<EngineEvent>,
+    /// Held until the generation ends, freeing its session slot.
+    _permit: OwnedSemaphorePermit,
+}
+
+impl GenerationJob {
+    fn run(self) {
+        let started = Instant::now();
+        let session = self.request.session;
+        let span = &self.entry.span;
+        let mut stages: Vec<&dyn Stage> = vec![span];
+        if let Some(remote) = &self.remote {
+            stages.push(remote);
+        }
+        let route = Route {
+            embedder: span,
+            stages,
+            head: span,
+            boundary: BoundaryPolicy::Bf16,
+        };
+        tracing::info!(
+            request = %self.request_id,
+            %session,
+            route = %route_description(&self.entry, self.remote.as_ref()),
+            prompt_tokens = self.request.prompt.len(),
+            "generation started"
+        );
+        let mut streamer = TextStreamer::new(&self.text.tokenizer, &self.request.stop.strings);
+        let events = &self.events;
+        let outcome = generate_observed(
+            &route,
+            &self.request,
+            Some(&self.text.tokenizer),
+            &mut |generated| match streamer.delta(generated) {
+                Some(delta) => events.blocking_send(EngineEvent::Delta(delta)).is_ok(),
+                None => !events.is_closed(),
+            },
+        );
+        match outcome {
+            Ok(generation) if generation.finish == ModelFinish::Cancelled => {
+                tracing::info!(request = %self.request_id, %session, "generation cancelled: the client went away");
+            }
+            Ok(generation) => {
+                let final_text = generation.text.unwrap_or_default();
+                if let Some(rest) = streamer.remainder(&final_text) {
+                    let _ = events.blocking_send(EngineEvent::Delta(rest));
+                }
+                let reason = match generation.finish {
+                    ModelFinish::Length => FinishReason::Length,
+                    _ => FinishReason::Stop,
+                };
+                tracing::info!(
+                    request = %self.request_id,
+                    %session,
+                    completion_tokens = generation.tokens.len(),
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "generation finished"
+                );
+                let _ = events.blocking_send(EngineEvent::Finished {
+                    reason,
+                    completion_tokens: generation.tokens.len(),
+                });
+            }
+            Err(error) => {
+                tracing::warn!(request = %self.request_id, %session, %error, "generation failed");
+                let error = match error {
+                    ModelError::Stage { .. } => EngineError::Upstream(error.to_string()),
+                    other => EngineError::Internal(other.to_string()),
+                };
+                let _ = events.blocking_send(EngineEvent::Failed(error));
+            }
+        }
+    }
+}
+
+fn route_description(entry: &LoadedShard, remote: Option<&RemoteStage>) -> String {
+    let local = format!(
+        "local (layers {}..{})",
+        entry.target.layers.start, entry.target.layers.end
+    );
+    match remote {
+        Some(remote) => format!("{local} -> {}", remote.name()),
+        None => local,
+    }
+}
+
+/// Turns the growing list of generated tokens into text deltas that never split a UTF-8
+/// character and never show the start of a stop string that may still complete.
+struct TextStreamer<'a> {
+    tokenizer: &'a ModelTokenizer,
+    stops: &'a [String],
+    emitted: usize,
+    emitted_text: String,
+}
+
+impl<'a> TextStreamer<'a> {
+    fn new(tokenizer: &'a ModelTokenizer, stops: &'a [String]) -> Self {
+        TextStreamer {
+            tokenizer,
+            stops,
+            emitted: 0,
+            emitted_text: String::new(),
+        }
+    }
+
+    /// The new text that is safe to show after `generated`, if any.
+    fn delta(&mut self, generated: &[u32]) -> Option<String> {
+        let text = self.tokenizer.decode(generated).ok()?;
+        let mut safe = text.trim_end_matches('\u{FFFD}').len();
+        // Never show a stop string, nor a tail that could be the beginning of one.
+        for stop in self.stops {
+            if let Some(found) = text.find(stop.as_str()) {
+                safe = safe.min(found);
+            }
+            let held = stop
+                .char_indices()
+                .skip(1)
+                .map(|(cut, _)| cut)
+                .filter(|&cut| text[..safe].ends_with(&stop[..cut]))
+                .max()
+                .unwrap_or(0);
+            safe -= held;
+        }
+        self.take_up_to(&text, safe)
+    }
+
+    /// What the final text adds to what was already shown.
+    fn remainder(&mut self, final_text: &str) -> Option<String> {
+        self.take_up_to(final_text, final_text.len())
+    }
+
+    fn take_up_to(&mut self, text: &str, safe: usize) -> Option<String> {
+        if safe <= self.emitted
+            || !text.is_char_boundary(safe)
+            || !text.starts_with(self.emitted_text.as_str())
+        {
+            return None;
+        }
+        let delta = text[self.emitted..safe].to_owned();
+        self.emitted = safe;
+        self.emitted_text.push_str(&delta);
+        Some(delta)
+    }
+}

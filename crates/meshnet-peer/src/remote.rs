@@ -1,0 +1,122 @@
+//! The part of a route that runs on other peers, seen by the generation loop as one stage.
+//!
+//! The entry posts each chunk to the first hop with the rest of the route in the frame
+//! (source routing); every hop runs its layers and posts to the next; the last hop's output
+//! comes back up the chain. Ending a session asks every hop to free its KV cache.
+
+use candle_core::{DType, Device, Tensor};
+use meshnet_model::{ModelError, SessionId, Stage};
+use meshnet_node::ForwardClient;
+use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, LayerRange, Route};
+use tokio::runtime::Handle;
+
+use crate::routing::PlannedHop;
+
+/// The remote hops of one generation.
+pub struct RemoteStage {
+    hops: Vec<PlannedHop>,
+    client: ForwardClient,
+    runtime: Handle,
+    encoding: Encoding,
+}
+
+impl RemoteStage {
+    /// A stage over `hops` (at least one), sending frames with `client` on `runtime` in
+    /// `encoding`. Its methods block: call them from a blocking thread, never from an async
+    /// worker.
+    pub fn new(
+        hops: Vec<PlannedHop>,
+        client: ForwardClient,
+        runtime: Handle,
+        encoding: Encoding,
+    ) -> Self {
+        RemoteStage {
+            hops,
+            client,
+            runtime,
+            encoding,
+        }
+    }
+
+    /// The hops, in order.
+    pub fn hops(&self) -> &[PlannedHop] {
+        &self.hops
+    }
+
+    fn error(&self, reason: impl std::fmt::Display) -> ModelError {
+        ModelError::Stage {
+            stage: self.name(),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+fn layer_range(hop: &PlannedHop) -> Result<LayerRange, String> {
+    LayerRange::new(hop.layers.start, hop.layers.end)
+        .ok_or_else(|| format!("empty layer range for peer {}", hop.peer))
+}
+
+impl Stage for RemoteStage {
+    fn forward(
+        &self,
+        session: SessionId,
+        position: usize,
+        hidden: Tensor,
+    ) -> meshnet_model::Result<Tensor> {
+        let (first, rest) = self
+            .hops
+            .split_first()
+            .ok_or_else(|| self.error("the route has no hop"))?;
+        let onward = rest
+            .iter()
+            .map(|hop| {
+                let layers = layer_range(hop)?;
+                Hop::new(layers, hop.endpoint.clone()).map_err(|e| e.to_string())
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.error(e))?;
+        let frame = ActivationFrame {
+            meta: FrameMeta {
+                session,
+                chunk_index: 0,
+                chunk_total: 1,
+                position: position as u64,
+                layers: layer_range(first).map_err(|e| self.error(e))?,
+                route: Route::new(onward)?,
+            },
+            activations: Activations::from_tensor(&hidden)?,
+        };
+        let answer = self
+            .runtime
+            .block_on(self.client.forward(&first.endpoint, frame, self.encoding))
+            .map_err(|e| self.error(e))?;
+        Ok(answer
+            .activations
+            .into_tensor(&Device::Cpu)?
+            .to_dtype(DType::F32)?)
+    }
+
+    fn end_session(&self, session: SessionId) {
+        for hop in &self.hops {
+            let freed = self
+                .runtime
+                .block_on(self.client.end_session(&hop.endpoint, session));
+            if let Err(error) = freed {
+                tracing::warn!(%session, peer = %hop.peer, %error, "could not free the session on a hop");
+            }
+        }
+    }
+
+    fn name(&self) -> String {
+        self.hops
+            .iter()
+            .map(|hop| {
+                format!(
+                    "{} (layers {}..{})",
+                    hop.endpoint, hop.layers.start, hop.layers.end
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(" -> ")
+    }
+}

@@ -1,0 +1,322 @@
+//! The layers this peer serves: loading a span when told to, dropping it gracefully, and
+//! running frames on it for the activation plane.
+//!
+//! A peer holds at most one current span. Replacing or dropping it moves the old span to a
+//! draining list: sessions that already have KV cache on it finish there, new sessions go to
+//! the current span only, and a draining span is freed once its last session ends or its drain
+//! time runs out.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use meshnet_model::{LlamaSpan, ModelError, SessionId, SpanSpec};
+use meshnet_node::{ExecutorError, SpanExecutor};
+use meshnet_planner::{LayerSpan, Quantization};
+use meshnet_wire::{Activations, FrameMeta, LayerRange};
+use serde::Serialize;
+
+use crate::error::PeerError;
+use crate::mesh_model::MeshModel;
+
+/// What a peer is asked to hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ShardTarget {
+    /// The transformer layers.
+    pub layers: LayerSpan,
+    /// The format they are held in.
+    pub quantization: Quantization,
+    /// Whether the span also holds the token embedding, final norm and LM head (the tracker's
+    /// span).
+    pub entry: bool,
+}
+
+/// A span in memory.
+#[derive(Debug)]
+pub struct LoadedShard {
+    /// What was loaded.
+    pub target: ShardTarget,
+    /// The weights and the KV caches.
+    pub span: LlamaSpan,
+}
+
+impl LoadedShard {
+    fn covers(&self, layers: LayerRange) -> bool {
+        self.target.layers.start <= layers.start && layers.end <= self.target.layers.end
+    }
+}
+
+/// How far the current load has got, readable from any thread.
+#[derive(Clone, Debug, Default)]
+pub struct LoadProgress {
+    counts: Arc<(AtomicUsize, AtomicUsize)>,
+}
+
+impl LoadProgress {
+    /// `(layers loaded, layers to load)` while a load runs, `None` otherwise.
+    pub fn get(&self) -> Option<(usize, usize)> {
+        let total = self.counts.1.load(Ordering::Relaxed);
+        (total > 0).then(|| (self.counts.0.load(Ordering::Relaxed).min(total), total))
+    }
+
+    fn set(&self, done: usize, total: usize) {
+        self.counts.0.store(done, Ordering::Relaxed);
+        self.counts.1.store(total, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug, Default)]
+struct HostState {
+    current: Option<Arc<LoadedShard>>,
+    loading: Option<ShardTarget>,
+    draining: Vec<(Arc<LoadedShard>, Instant)>,
+}
+
+/// The peer's span slot.
+#[derive(Debug)]
+pub struct ShardHost {
+    model: Arc<MeshModel>,
+    kv_tokens: u64,
+    drain_timeout: Duration,
+    state: Mutex<HostState>,
+    progress: LoadProgress,
+}
+
+impl ShardHost {
+    /// An empty slot for spans of `model`, reserving `kv_tokens` tokens of KV cache per held
+    /// layer; a dropped span keeps serving its running sessions for at most `drain_timeout`.
+    pub fn new(model: Arc<MeshModel>, kv_tokens: u64, drain_timeout: Duration) -> Self {
+        ShardHost {
+            model,
+            kv_tokens,
+            drain_timeout,
+            state: Mutex::new(HostState::default()),
+            progress: LoadProgress::default(),
+        }
+    }
+
+    /// The model this slot serves.
+    pub fn model(&self) -> &Arc<MeshModel> {
+        &self.model
+    }
+
+    /// The progress of the running load.
+    pub fn progress(&self) -> LoadProgress {
+        self.progress.clone()
+    }
+
+    /// The span serving new sessions, if any.
+    pub fn current(&self) -> Option<Arc<LoadedShard>> {
+        self.lock().current.clone()
+    }
+
+    /// The span being loaded right now, if any.
+    pub fn loading(&self) -> Option<ShardTarget> {
+        self.lock().loading
+    }
+
+    /// Loads `target` (blocking; call it off the async workers) and makes it current. Loading
+    /// what is already current does nothing. The previous span drains.
+    pub fn load(&self, target: ShardTarget) -> Result<Arc<LoadedShard>, PeerError> {
+        if let Some(current) = self.current()
+            && current.target == target
+        {
+            return Ok(current);
+        }
+        let layers = target.layers;
+        if layers.end > self.model.num_layers() || layers.start > layers.end {
+            return Err(PeerError::Config(format!(
+                "layers {}..{} do not fit a model of {} layers",
+                layers.start,
+                layers.end,
+                self.model.num_layers()
+            )));
+        }
+        let format = self.model.load_format(target.quantization)?;
+        let kv_budget = self
+            .kv_tokens
+            .saturating_mul(self.model.kv_bytes_per_token_per_layer())
+            .saturating_mul(u64::from(layers.len().max(1)));
+        let spec = SpanSpec {
+            layers: layers.start as usize..layers.end as usize,
+            embedding: target.entry,
+            head: target.entry,
+            quantization: format,
+            kv_budget_bytes: usize::try_from(kv_budget).unwrap_or(usize::MAX),
+        };
+        self.lock().loading = Some(target);
+        let started = Instant::now();
+        let loaded = LlamaSpan::load_with_progress(self.model.gguf(), &spec, &mut |done, total| {
+            self.progress.set(done, total.max(1));
+        });
+        self.progress.set(0, 0);
+        let mut state = self.lock();
+        state.loading = None;
+        let span = loaded?;
+        let shard = Arc::new(LoadedShard { target, span });
+        if let Some(previous) = state.current.replace(Arc::clone(&shard)) {
+            state.draining.push((previous, Instant::now()));
+        }
+        reap(&mut state, self.drain_timeout);
+        tracing::info!(
+            layers = %format_args!("{}..{}", layers.start, layers.end),
+            quantization = %target.quantization,
+            entry = target.entry,
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "span loaded"
+        );
+        Ok(shard)
+    }
+
+    /// Stops serving new sessions; running ones finish on the dropped span until they end or
+    /// the drain time runs out.
+    pub fn unload(&self) {
+        let mut state = self.lock();
+        if let Some(previous) = state.current.take() {
+            tracing::info!(
+                layers = %format_args!("{}..{}", previous.target.layers.start, previous.target.layers.end),
+                "span dropped; running sessions drain"
+            );
+            state.draining.push((previous, Instant::now()));
+        }
+        reap(&mut state, self.drain_timeout);
+    }
+
+    /// Sessions holding KV cache on any span here.
+    pub fn active_sessions(&self) -> usize {
+        let mut state = self.lock();
+        reap(&mut state, self.drain_timeout);
+        all_shards(&state)
+            .map(|shard| shard.span.kv_store().session_count())
+            .sum()
+    }
+
+    /// Spans still finishing sessions after being replaced or dropped.
+    pub fn draining(&self) -> usize {
+        let mut state = self.lock();
+        reap(&mut state, self.drain_timeout);
+        state.draining.len()
+    }
+
+    /// Tokens of KV cache the current span can still take (over all its layers).
+    pub fn free_kv_tokens(&self) -> u64 {
+        self.current().map_or(0, |shard| {
+            let store = shard.span.kv_store();
+            let free = store.budget_bytes().saturating_sub(store.used_bytes());
+            (free / store.bytes_per_position().max(1)) as u64
+        })
+    }
+
+    /// The span that should run `meta`: the one already holding the session's cache, else the
+    /// current span when it covers the layers.
+    fn shard_for(&self, meta: &FrameMeta) -> Option<Arc<LoadedShard>> {
+        let mut state = self.lock();
+        reap(&mut state, self.drain_timeout);
+        let holding = all_shards(&state).find(|shard| {
+            shard.covers(meta.layers) && shard.span.kv_store().session_len(meta.session) > 0
+        });
+        if let Some(shard) = holding {
+            return Some(Arc::clone(shard));
+        }
+        state
+            .current
+            .as_ref()
+            .filter(|shard| shard.covers(meta.layers))
+            .cloned()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HostState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+fn all_shards(state: &HostState) -> impl Iterator<Item = &Arc<LoadedShard>> {
+    state
+        .current
+        .iter()
+        .chain(state.draining.iter().map(|(shard, _)| shard))
+}
+
+/// Frees draining spans that have no session left or whose drain time ran out.
+fn reap(state: &mut HostState, timeout: Duration) {
+    state.draining.retain(|(shard, since)| {
+        let busy = shard.span.kv_store().session_count() > 0;
+        let keep = busy && since.elapsed() < timeout;
+        if !keep && busy {
+            tracing::warn!(
+                sessions = shard.span.kv_store().session_count(),
+                "drain time over: freeing a dropped span with sessions still open"
+            );
+        }
+        keep
+    });
+}
+
+impl SpanExecutor for ShardHost {
+    fn served_layers(&self) -> Option<LayerRange> {
+        let current = self.current()?;
+        LayerRange::new(current.target.layers.start, current.target.layers.end)
+    }
+
+    fn accepts(&self, meta: &FrameMeta) -> bool {
+        self.shard_for(meta).is_some()
+    }
+
+    fn forward(&self, meta: &FrameMeta, input: Activations) -> Result<Activations, ExecutorError> {
+        let shard = self
+            .shard_for(meta)
+            .ok_or_else(|| ExecutorError::LayersNotServed {
+                requested: meta.layers,
+                served: self.served_layers(),
+            })?;
+        let hidden_size = self.model.description().hidden;
+        let dims = input.shape().dims().to_vec();
+        let tokens = match dims.as_slice() {
+            [tokens, hidden] | [1, tokens, hidden] if *hidden == hidden_size => *tokens,
+            _ => {
+                return Err(ExecutorError::BadActivations(format!(
+                    "shape {dims:?} is not [tokens, {hidden_size}] or [1, tokens, {hidden_size}]"
+                )));
+            }
+        };
+        let hidden = input
+            .into_tensor(&Device::Cpu)
+            .and_then(|t| Ok(t.reshape((1, tokens, hidden_size))?))
+            .map_err(|e| ExecutorError::BadActivations(e.to_string()))?;
+        let hidden = hidden
+            .to_dtype(DType::F32)
+            .map_err(|e| ExecutorError::Compute(e.to_string()))?;
+        let position = usize::try_from(meta.position)
+            .map_err(|_| ExecutorError::BadActivations("position too large".into()))?;
+        let output = shard
+            .span
+            .forward_range(meta.session, position, &hidden, meta.layers.as_range())
+            .map_err(executor_error)?;
+        Activations::from_tensor(&output).map_err(|e| ExecutorError::Compute(e.to_string()))
+    }
+
+    fn end_session(&self, session: SessionId) {
+        let state = self.lock();
+        for shard in all_shards(&state) {
+            shard.span.kv_store().end_session(session);
+        }
+    }
+}
+
+/// How a model error looks to the activation plane.
+fn executor_error(error: ModelError) -> ExecutorError {
+    match error {
+        ModelError::PositionMismatch {
+            position, cached, ..
+        } => ExecutorError::PositionConflict {
+            expected: cached as u64,
+            got: position as u64,
+        },
+        ModelError::CacheBudget { .. } => ExecutorError::Overloaded,
+        error @ (ModelError::HiddenShape { .. }
+        | ModelError::Wire(_)
+        | ModelError::InvalidSpan(_)) => ExecutorError::BadActivations(error.to_string()),
+        other => ExecutorError::Compute(other.to_string()),
+    }
+}

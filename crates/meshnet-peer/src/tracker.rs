@@ -1,0 +1,434 @@
+//! The tracker's book: the peers it hears from (each forgotten after three silent
+//! announcement intervals), the planner run over them, and the coverage map and directives
+//! that come out. Pure bookkeeping: the caller passes the time in and does the publishing.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use meshnet_p2p::{CoverageMessage, DirectiveMessage, PeerAnnouncement, SpanState, SpanStatus};
+use meshnet_planner::{
+    CoverageMap, Directive, LayerSpan, ModelShape, PeerCapacity, PeerId, PeerState, Planner,
+    PlannerConfig, ShardHolding,
+};
+
+use crate::error::PeerError;
+use crate::routing::{PlannedHop, RouteCandidate, Uncovered, choose_route};
+
+/// A directive not yet reflected in its target's announcements is sent again after this long.
+pub const DIRECTIVE_RESEND_AFTER: Duration = Duration::from_secs(3);
+
+/// A peer the tracker has heard from.
+#[derive(Clone, Debug)]
+pub struct KnownPeer {
+    /// Its latest announcement.
+    pub announcement: PeerAnnouncement,
+    /// When that announcement arrived.
+    pub last_seen: Instant,
+}
+
+/// What one planning round decided.
+#[derive(Clone, Debug)]
+pub struct PlanOutcome {
+    /// The map to publish.
+    pub coverage: CoverageMessage,
+    /// Directives to publish, one message per target peer.
+    pub directives: Vec<DirectiveMessage>,
+    /// The span the tracker itself must hold, when it differs from what it holds.
+    pub own_target: Option<SpanStatus>,
+}
+
+/// The tracker's state.
+#[derive(Debug)]
+pub struct TrackerBook {
+    model_id: String,
+    planner: Planner,
+    own_id: String,
+    own_capacity: PeerCapacity,
+    own_endpoint: String,
+    own_span: Option<SpanStatus>,
+    expiry: Duration,
+    peers: BTreeMap<String, KnownPeer>,
+    /// What each peer was last told to hold, and when.
+    sent: BTreeMap<String, (Option<SpanStatus>, Instant)>,
+    epoch: u64,
+    sequence: u64,
+    map: CoverageMap,
+}
+
+impl TrackerBook {
+    /// A book for the tracker `own_id` (reachable at `own_endpoint`, offering `own_capacity`)
+    /// of model `model_id` shaped `shape`; peers are forgotten after `expiry` of silence.
+    pub fn new(
+        model_id: String,
+        shape: ModelShape,
+        own_id: String,
+        own_capacity: PeerCapacity,
+        own_endpoint: String,
+        expiry: Duration,
+    ) -> Result<Self, PeerError> {
+        shape.validate()?;
+        Ok(TrackerBook {
+            model_id,
+            planner: Planner::new(shape, PlannerConfig::default()),
+            own_id,
+            own_capacity,
+            own_endpoint,
+            own_span: None,
+            expiry,
+            peers: BTreeMap::new(),
+            sent: BTreeMap::new(),
+            epoch: 0,
+            sequence: 0,
+            map: CoverageMap::empty(0),
+        })
+    }
+
+    /// Records an announcement. Returns whether it changes what the planner sees (a new peer,
+    /// or another span, state or capacity).
+    pub fn observe(&mut self, announcement: PeerAnnouncement, now: Instant) -> bool {
+        if announcement.peer == self.own_id {
+            return false;
+        }
+        let peer = announcement.peer.clone();
+        let changed = match self.peers.get(&peer) {
+            None => {
+                tracing::info!(%peer, http = ?announcement.http_endpoints, "peer joined");
+                true
+            }
+            Some(known) => planning_view(&known.announcement) != planning_view(&announcement),
+        };
+        self.peers.insert(
+            peer,
+            KnownPeer {
+                announcement,
+                last_seen: now,
+            },
+        );
+        changed
+    }
+
+    /// Forgets peers silent for longer than the expiry; returns their ids.
+    pub fn expire(&mut self, now: Instant) -> Vec<String> {
+        let expiry = self.expiry;
+        let gone: Vec<String> = self
+            .peers
+            .iter()
+            .filter(|(_, known)| now.duration_since(known.last_seen) > expiry)
+            .map(|(peer, _)| peer.clone())
+            .collect();
+        for peer in &gone {
+            tracing::warn!(%peer, "peer silent for {expiry:?}: removed from the map");
+            self.peers.remove(peer);
+            self.sent.remove(peer);
+        }
+        gone
+    }
+
+    /// Tells the book what the tracker itself holds now.
+    pub fn set_own_span(&mut self, span: Option<SpanStatus>) {
+        self.own_span = span;
+    }
+
+    /// The peers currently known.
+    pub fn peers(&self) -> &BTreeMap<String, KnownPeer> {
+        &self.peers
+    }
+
+    /// The latest planned map, with each holding `Ready` only once its peer announced it so.
+    pub fn map(&self) -> &CoverageMap {
+        &self.map
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The number of layers of the model.
+    pub fn num_layers(&self) -> u32 {
+        self.planner.model().num_layers
+    }
+
+    /// Runs the planner over what the tracker knows at `now` and returns what to publish.
+    pub fn plan(&mut self, now: Instant) -> Result<PlanOutcome, PeerError> {
+        let current = self.current_map(now);
+        let mut capacities = vec![self.own_capacity.clone()];
+        capacities.extend(
+            self.peers
+                .values()
+                .map(|known| capacity(&known.announcement)),
+        );
+        let plan = self.planner.plan(&current, &capacities)?;
+
+        let mut by_peer: BTreeMap<String, Vec<Directive>> = BTreeMap::new();
+        for directive in &plan.directives {
+            by_peer
+                .entry(directive.peer().as_str().to_owned())
+                .or_default()
+                .push(directive.clone());
+        }
+        if !plan.directives.is_empty() || !same_holdings(&plan.map, &self.map) {
+            self.epoch += 1;
+        }
+
+        let mut directives = Vec::new();
+        let mut own_target = None;
+        for peer in self
+            .peers
+            .keys()
+            .cloned()
+            .chain([self.own_id.clone()])
+            .collect::<Vec<_>>()
+        {
+            let intended = plan
+                .map
+                .holding_of(&PeerId::new(peer.clone()))
+                .map(|h| SpanStatus {
+                    layers: h.layers,
+                    quantization: h.quantization,
+                    state: SpanState::Loading,
+                });
+            if peer == self.own_id {
+                if !same_span(intended.as_ref(), self.own_span.as_ref()) {
+                    own_target = intended;
+                }
+                continue;
+            }
+            let announced = self
+                .peers
+                .get(&peer)
+                .and_then(|known| known.announcement.span.clone())
+                .filter(|span| span.state != SpanState::Draining);
+            if same_span(intended.as_ref(), announced.as_ref()) {
+                self.sent.remove(&peer);
+                continue;
+            }
+            let planned = by_peer.remove(&peer);
+            let recently_sent = self.sent.get(&peer).is_some_and(|(target, at)| {
+                same_span(target.as_ref(), intended.as_ref())
+                    && now.duration_since(*at) < DIRECTIVE_RESEND_AFTER
+            });
+            if planned.is_none() && recently_sent {
+                continue;
+            }
+            let list =
+                planned.unwrap_or_else(|| restate(&peer, announced.as_ref(), intended.as_ref()));
+            self.sequence += 1;
+            self.sent.insert(peer.clone(), (intended.clone(), now));
+            directives.push(DirectiveMessage {
+                model_id: self.model_id.clone(),
+                target: peer,
+                epoch: self.epoch,
+                sequence: self.sequence,
+                directives: list,
+                span_after: intended,
+            });
+        }
+
+        self.map = self.with_live_states(plan.map);
+        self.sequence += 1;
+        Ok(PlanOutcome {
+            coverage: CoverageMessage {
+                model_id: self.model_id.clone(),
+                epoch: self.epoch,
+                sequence: self.sequence,
+                num_layers: self.num_layers(),
+                map: self.map.clone(),
+            },
+            directives,
+            own_target,
+        })
+    }
+
+    /// Ready holders that could serve a route, with their endpoints and load.
+    pub fn route_candidates(&self) -> Vec<RouteCandidate> {
+        self.peers
+            .values()
+            .filter_map(|known| {
+                let a = &known.announcement;
+                let span = a.span.as_ref()?;
+                let endpoint = a.http_endpoints.first()?;
+                (span.state == SpanState::Ready).then(|| RouteCandidate {
+                    peer: a.peer.clone(),
+                    endpoint: endpoint.clone(),
+                    layers: span.layers,
+                    active_sessions: a.active_sessions,
+                    free_kv_tokens: a.free_kv_tokens,
+                })
+            })
+            .collect()
+    }
+
+    /// The hops a generation would take after the tracker's own span, which ends at `start`.
+    pub fn route(&self, start: u32) -> Result<Vec<PlannedHop>, Uncovered> {
+        choose_route(start, self.num_layers(), &self.route_candidates())
+    }
+
+    /// The tracker's own HTTP endpoint.
+    pub fn own_endpoint(&self) -> &str {
+        &self.own_endpoint
+    }
+
+    /// The map the planner starts from: every live peer's announced span (or the span it was
+    /// just told to load), plus the tracker's own.
+    fn current_map(&self, now: Instant) -> CoverageMap {
+        let mut holdings = Vec::new();
+        let mut push = |peer: &str, span: &SpanStatus| {
+            holdings.push(ShardHolding {
+                peer: PeerId::new(peer),
+                layers: span.layers,
+                quantization: span.quantization,
+                state: match span.state {
+                    SpanState::Ready => PeerState::Ready,
+                    _ => PeerState::Loading,
+                },
+            });
+        };
+        if let Some(span) = &self.own_span {
+            push(&self.own_id, span);
+        }
+        for (peer, known) in &self.peers {
+            let pending = self
+                .sent
+                .get(peer)
+                .filter(|(_, at)| now.duration_since(*at) < DIRECTIVE_RESEND_AFTER * 4);
+            match (pending, &known.announcement.span) {
+                (Some((Some(target), _)), _) => push(peer, target),
+                (Some((None, _)), _) => {}
+                (None, Some(span)) if span.state != SpanState::Draining => push(peer, span),
+                (None, _) => {}
+            }
+        }
+        holdings.sort_by(|a, b| a.peer.cmp(&b.peer));
+        CoverageMap {
+            epoch: self.epoch,
+            holdings,
+        }
+    }
+
+    /// The planned map with a holding `Ready` only when its peer holds exactly that, ready.
+    fn with_live_states(&self, mut map: CoverageMap) -> CoverageMap {
+        map.epoch = self.epoch;
+        for holding in &mut map.holdings {
+            let actual = if holding.peer.as_str() == self.own_id {
+                self.own_span.clone()
+            } else {
+                self.peers
+                    .get(holding.peer.as_str())
+                    .and_then(|known| known.announcement.span.clone())
+            };
+            let ready = actual.is_some_and(|span| {
+                span.state == SpanState::Ready
+                    && span.layers == holding.layers
+                    && span.quantization == holding.quantization
+            });
+            holding.state = if ready {
+                PeerState::Ready
+            } else {
+                PeerState::Loading
+            };
+        }
+        map
+    }
+}
+
+/// The parts of an announcement the planner depends on.
+fn planning_view(
+    a: &PeerAnnouncement,
+) -> (
+    u64,
+    Vec<meshnet_planner::Quantization>,
+    u64,
+    Option<SpanStatus>,
+    Vec<String>,
+) {
+    (
+        a.memory_bytes,
+        a.quantizations.clone(),
+        a.kv_tokens,
+        a.span.clone(),
+        a.http_endpoints.clone(),
+    )
+}
+
+fn capacity(a: &PeerAnnouncement) -> PeerCapacity {
+    PeerCapacity {
+        peer: PeerId::new(a.peer.clone()),
+        memory_bytes: a.memory_bytes,
+        quantizations: a.quantizations.clone(),
+        throughput: if a.throughput.is_finite() && a.throughput > 0.0 {
+            a.throughput
+        } else {
+            1.0
+        },
+        kv_tokens: a.kv_tokens,
+        is_tracker: false,
+    }
+}
+
+/// Whether two maps list the same peers on the same layers in the same formats.
+fn same_holdings(a: &CoverageMap, b: &CoverageMap) -> bool {
+    let key = |map: &CoverageMap| {
+        let mut list: Vec<_> = map
+            .holdings
+            .iter()
+            .map(|h| (h.peer.clone(), h.layers, h.quantization))
+            .collect();
+        list.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.start.cmp(&y.1.start)));
+        list
+    };
+    key(a) == key(b)
+}
+
+/// Whether two spans name the same layers in the same format (state aside).
+fn same_span(a: Option<&SpanStatus>, b: Option<&SpanStatus>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => a.layers == b.layers && a.quantization == b.quantization,
+        _ => false,
+    }
+}
+
+/// Directives that take a peer from `announced` to `intended`, for a peer that missed (or
+/// has not yet acted on) the planner's own.
+fn restate(
+    peer: &str,
+    announced: Option<&SpanStatus>,
+    intended: Option<&SpanStatus>,
+) -> Vec<Directive> {
+    let peer_id = PeerId::new(peer);
+    let mut list = Vec::new();
+    if let Some(old) = announced {
+        list.push(Directive::DropShard {
+            peer: peer_id.clone(),
+            layers: old.layers,
+            quantization: old.quantization,
+        });
+    }
+    if let Some(new) = intended {
+        list.push(Directive::LoadShard {
+            peer: peer_id,
+            layers: new.layers,
+            quantization: new.quantization,
+        });
+    }
+    list
+}
+
+/// The layer boundaries between consecutive spans of a route, as `generate --boundaries`
+/// takes them: the end of the entry span and of every hop but the last.
+pub fn route_boundaries(entry_end: u32, hops: &[PlannedHop]) -> Vec<u32> {
+    let mut boundaries = Vec::new();
+    if !hops.is_empty() {
+        boundaries.push(entry_end);
+    }
+    for hop in hops.iter().take(hops.len().saturating_sub(1)) {
+        boundaries.push(hop.layers.end);
+    }
+    boundaries
+}
+
+/// A layer span as `[start, end]`, for JSON.
+pub fn span_pair(span: LayerSpan) -> [u32; 2] {
+    [span.start, span.end]
+}

@@ -1,0 +1,148 @@
+//! Whole meshes in one process: peers on the libp2p memory transport, HTTP on port 0, the real
+//! default model.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use libp2p::Multiaddr;
+use libp2p::identity::Keypair;
+use meshnet_p2p::TransportChoice;
+use meshnet_peer::mesh_model::MeshModel;
+use meshnet_peer::status::StatusReport;
+use meshnet_peer::{PeerConfig, RunningPeer};
+
+/// Announcement interval in these tests; peers expire after three.
+pub const ANNOUNCE: Duration = Duration::from_millis(300);
+
+/// KV tokens reserved per layer in these tests.
+pub const KV_TOKENS: u64 = 1024;
+
+/// How long any condition may take to come true.
+pub const DEADLINE: Duration = Duration::from_secs(90);
+
+/// The default model, which `scripts/fetch-model.sh` puts in place.
+pub fn model_path() -> PathBuf {
+    let path = meshnet_model::default_model_path();
+    assert!(
+        path.is_file(),
+        "the default model is missing at {}: run `bash scripts/fetch-model.sh`",
+        path.display()
+    );
+    path
+}
+
+/// The default model, opened once per test binary.
+pub fn model() -> &'static MeshModel {
+    static MODEL: OnceLock<MeshModel> = OnceLock::new();
+    MODEL.get_or_init(|| MeshModel::open(&model_path()).unwrap())
+}
+
+/// Memory for `layers` layers in the shipped format with the test's KV reservation, plus
+/// half a layer of slack; with `tracker`, also the embedding and head.
+pub fn memory_for(layers: u32, tracker: bool) -> u64 {
+    let shape = model().shape();
+    let cost = shape
+        .layer_cost(model().shipped_format(), KV_TOKENS)
+        .unwrap();
+    let extra = if tracker {
+        shape.tracker_extra_bytes()
+    } else {
+        0
+    };
+    extra + cost * u64::from(layers) + cost / 2
+}
+
+/// A fresh memory-transport address.
+pub fn memory_addr() -> Multiaddr {
+    format!("/memory/{}", rand_port()).parse().unwrap()
+}
+
+fn rand_port() -> u64 {
+    let (a, b) = uuid::Uuid::new_v4().as_u64_pair();
+    (a ^ b) >> 1
+}
+
+/// A config for an in-process peer holding at most `layers` layers.
+pub fn config(tracker: bool, layers: u32, bootstrap: Vec<Multiaddr>) -> PeerConfig {
+    let mut config = PeerConfig::new(model_path(), std::env::temp_dir());
+    config.tracker = tracker;
+    config.keypair = Some(Keypair::generate_ed25519());
+    config.transport = TransportChoice::Memory;
+    config.p2p_listen = vec![memory_addr()];
+    config.bootstrap = bootstrap;
+    config.memory_bytes = memory_for(layers, tracker);
+    config.announce_interval = ANNOUNCE;
+    config.kv_tokens = KV_TOKENS;
+    config.assume_reachable = true;
+    config
+}
+
+/// Starts a tracker able to hold `layers` layers.
+pub async fn tracker(layers: u32) -> RunningPeer {
+    meshnet_peer::start(config(true, layers, vec![]))
+        .await
+        .unwrap()
+}
+
+/// Starts a peer able to hold `layers` layers, bootstrapping from `via`.
+pub async fn peer(layers: u32, via: &RunningPeer) -> RunningPeer {
+    let bootstrap = via.p2p_addrs().await.unwrap();
+    meshnet_peer::start(config(false, layers, bootstrap))
+        .await
+        .unwrap()
+}
+
+/// Waits until `condition` holds for the tracker's status, or fails after the deadline with
+/// the last status.
+pub async fn wait_for(
+    what: &str,
+    tracker: &RunningPeer,
+    mut condition: impl FnMut(&StatusReport) -> bool,
+) -> StatusReport {
+    let started = Instant::now();
+    loop {
+        let status = tracker.status();
+        if condition(&status) {
+            return status;
+        }
+        assert!(
+            started.elapsed() < DEADLINE,
+            "timed out waiting for {what}; last status:\n{}",
+            serde_json::to_string_pretty(&status).unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether the tracker's map covers every layer with ready holders and every listed peer
+/// holds exactly what the map says.
+pub fn converged(status: &StatusReport, peers: &[&RunningPeer]) -> bool {
+    let Some(coverage) = &status.coverage else {
+        return false;
+    };
+    coverage.complete
+        && peers.iter().all(|peer| {
+            let holding: Vec<u32> = coverage
+                .layers
+                .iter()
+                .filter(|layer| {
+                    layer
+                        .holders
+                        .iter()
+                        .any(|holder| holder.peer == peer.peer_id())
+                })
+                .map(|layer| layer.layer)
+                .collect();
+            match peer.current_span() {
+                Some(span) => {
+                    let loaded: Vec<u32> =
+                        (span.target.layers.start..span.target.layers.end).collect();
+                    loaded == holding
+                }
+                None => holding.is_empty(),
+            }
+        })
+}

@@ -1,0 +1,176 @@
+#![allow(clippy::unwrap_used)]
+//! Whole meshes in one process: coverage, authorisation, failure and discovery.
+
+mod common;
+
+use std::time::Instant;
+
+use common::{ANNOUNCE, converged, peer, tracker, wait_for};
+use meshnet_p2p::{DirectiveMessage, P2pConfig, Role, SpanState, SpanStatus, TransportChoice};
+use meshnet_planner::{Directive, LayerSpan, PeerId as PlannerPeerId};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tracker_and_five_peers_whose_memory_forces_all_of_them_reach_full_coverage() {
+    // 5 layers on the tracker and 5 on each peer: exactly the model's 30.
+    let tracker = tracker(5).await;
+    let mut peers = Vec::new();
+    for _ in 0..5 {
+        peers.push(peer(5, &tracker).await);
+    }
+    let refs: Vec<_> = peers.iter().collect();
+    let status = wait_for("full coverage", &tracker, |s| {
+        s.peers.as_ref().is_some_and(|p| p.len() == 5) && converged(s, &refs)
+    })
+    .await;
+    let coverage = status.coverage.unwrap();
+    for layer in &coverage.layers {
+        assert_eq!(
+            layer.holders.len(),
+            1,
+            "layer {} has one holder",
+            layer.layer
+        );
+    }
+    for peer in &peers {
+        let span = peer.current_span().expect("every peer takes part");
+        assert_eq!(span.target.layers.len(), 5);
+    }
+    for peer in peers {
+        peer.shutdown().await;
+    }
+    tracker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_directive_forged_by_a_non_tracker_is_rejected_and_not_acted_on() {
+    let tracker = tracker(10).await;
+    let victim = peer(20, &tracker).await;
+    wait_for("coverage", &tracker, |s| converged(s, &[&victim])).await;
+    let before = victim.current_span().unwrap().target;
+
+    // A member of the mesh that is not the tracker forges a directive to the victim.
+    let mut forger_config = P2pConfig::new(
+        libp2p::identity::Keypair::generate_ed25519(),
+        tracker.model_id(),
+        Role::Peer {
+            pinned_tracker: None,
+        },
+    );
+    forger_config.transport = TransportChoice::Memory;
+    forger_config.listen = vec![common::memory_addr()];
+    forger_config.bootstrap = tracker.p2p_addrs().await.unwrap();
+    forger_config.assume_reachable = true;
+    let (forger, _events) = meshnet_p2p::spawn(forger_config).await.unwrap();
+    let forged_span = LayerSpan::new(0, 3);
+    let started = Instant::now();
+    let mut sequence = u64::MAX / 2;
+    while victim.status().rejected_messages == 0 {
+        assert!(
+            started.elapsed() < common::DEADLINE,
+            "the forged directive never arrived"
+        );
+        sequence += 1;
+        forger
+            .publish_directive(DirectiveMessage {
+                model_id: tracker.model_id().to_owned(),
+                target: victim.peer_id().to_owned(),
+                epoch: u64::MAX / 2,
+                sequence,
+                directives: vec![Directive::LoadShard {
+                    peer: PlannerPeerId::new(victim.peer_id()),
+                    layers: forged_span,
+                    quantization: before.quantization,
+                }],
+                span_after: Some(SpanStatus {
+                    layers: forged_span,
+                    quantization: before.quantization,
+                    state: SpanState::Loading,
+                }),
+            })
+            .await
+            .unwrap();
+        tokio::time::sleep(ANNOUNCE).await;
+    }
+    // The victim rejected it and still holds what the tracker assigned.
+    assert!(victim.status().loading.is_none());
+    assert_eq!(victim.current_span().unwrap().target, before);
+    let status = tracker.status();
+    assert!(converged(&status, &[&victim]));
+    forger.shutdown().await;
+    victim.shutdown().await;
+    tracker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_dies_leaves_the_map_and_the_others_restore_coverage() {
+    // Tracker 5 layers, four peers of 9: any three of them still cover the 25 others.
+    let tracker = tracker(5).await;
+    let mut peers = Vec::new();
+    for _ in 0..4 {
+        peers.push(peer(9, &tracker).await);
+    }
+    let refs: Vec<_> = peers.iter().collect();
+    wait_for("full coverage", &tracker, |s| {
+        s.peers.as_ref().is_some_and(|p| p.len() == 4) && converged(s, &refs)
+    })
+    .await;
+
+    // Kill a peer that holds layers.
+    let index = peers
+        .iter()
+        .position(|p| p.current_span().is_some())
+        .unwrap();
+    let dead = peers.remove(index);
+    let dead_id = dead.peer_id().to_owned();
+    dead.shutdown().await;
+    let died = Instant::now();
+    wait_for("the dead peer to leave the map", &tracker, |s| {
+        let listed = s
+            .peers
+            .as_ref()
+            .is_some_and(|p| p.iter().any(|peer| peer.peer == dead_id));
+        let holding = s.coverage.as_ref().is_some_and(|c| {
+            c.layers
+                .iter()
+                .any(|l| l.holders.iter().any(|h| h.peer == dead_id))
+        });
+        !listed && !holding
+    })
+    .await;
+    println!(
+        "dead peer left the map after {:?} (expiry {:?})",
+        died.elapsed(),
+        ANNOUNCE * 3
+    );
+    let refs: Vec<_> = peers.iter().collect();
+    wait_for("coverage restored", &tracker, |s| converged(s, &refs)).await;
+    println!("coverage restored {:?} after the death", died.elapsed());
+    for peer in peers {
+        peer.shutdown().await;
+    }
+    tracker.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_knowing_only_a_non_tracker_member_finds_the_tracker_and_gets_a_span() {
+    // Tracker 5 layers, A 13: the newcomer's 12 are needed to cover the model.
+    let tracker = tracker(5).await;
+    let member = peer(13, &tracker).await;
+    wait_for("the member's span", &tracker, |s| {
+        s.peers.as_ref().is_some_and(|p| p.len() == 1) && member.current_span().is_some()
+    })
+    .await;
+    let newcomer = peer(12, &member).await;
+    wait_for("full coverage with the newcomer", &tracker, |s| {
+        converged(s, &[&member, &newcomer]) && newcomer.current_span().is_some()
+    })
+    .await;
+    assert_eq!(
+        newcomer.status().tracker.as_deref(),
+        Some(tracker.peer_id()),
+        "the newcomer found the tracker"
+    );
+    newcomer.shutdown().await;
+    member.shutdown().await;
+    tracker.shutdown().await;
+}
