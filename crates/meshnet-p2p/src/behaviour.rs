@@ -85,7 +85,7 @@ impl MeshBehaviour {
 
         let identify = identify::Behaviour::new(
             identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_owned(), keypair.public())
-                .with_agent_version(format!("meshnet-p2p/{}", env!("CARGO_PKG_VERSION"))),
+                .with_agent_version(agent_version(&config.model_id, config.role)),
         );
 
         // AutoNAT probes need dial-backs over real IP transports; in-memory meshes skip it.
@@ -168,4 +168,51 @@ pub(crate) fn build_swarm(config: &P2pConfig) -> Result<Swarm<MeshBehaviour>, P2
             .build(),
     };
     Ok(swarm)
+}
+
+/// The identify agent string: software version, the model this node runs and its role, so
+/// that peers of another model are recognised and refused at the first exchange.
+pub(crate) fn agent_version(model_id: &str, role: crate::config::Role) -> String {
+    let role = match role {
+        crate::config::Role::Tracker => "tracker",
+        crate::config::Role::Peer { .. } => "peer",
+    };
+    format!(
+        "meshnet-p2p/{} model={model_id} role={role}",
+        env!("CARGO_PKG_VERSION")
+    )
+}
+
+/// The model id and whether the sender is a tracker, from a remote agent string; `None` for
+/// agents that do not say (not a meshnet node, or an older one).
+pub(crate) fn parse_agent_version(agent: &str) -> Option<(&str, bool)> {
+    let mut model = None;
+    let mut tracker = false;
+    for part in agent.split_whitespace() {
+        if let Some(id) = part.strip_prefix("model=") {
+            model = Some(id);
+        } else if part == "role=tracker" {
+            tracker = true;
+        }
+    }
+    model.map(|model| (model, tracker))
+}
+
+#[cfg(test)]
+mod agent_tests {
+    use super::*;
+
+    #[test]
+    fn the_agent_string_carries_model_and_role() {
+        let agent = agent_version("smol-abc", crate::config::Role::Tracker);
+        assert_eq!(parse_agent_version(&agent), Some(("smol-abc", true)));
+        let agent = agent_version(
+            "m",
+            crate::config::Role::Peer {
+                pinned_tracker: None,
+            },
+        );
+        assert_eq!(parse_agent_version(&agent), Some(("m", false)));
+        assert_eq!(parse_agent_version("rust-libp2p/0.57"), None);
+    }
 }

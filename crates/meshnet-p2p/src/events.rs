@@ -45,6 +45,15 @@ pub enum P2pEvent {
     PeerDisconnected(PeerId),
     /// The node listens on a new address.
     ListeningOn(Multiaddr),
+    /// A peer runs another model (its model id differs); it was disconnected.
+    ModelMismatch {
+        /// The peer.
+        peer: PeerId,
+        /// The model id it runs.
+        model: String,
+        /// Whether it is a tracker.
+        tracker: bool,
+    },
     /// AutoNAT's verdict on whether this node is reachable from the internet.
     Reachability {
         /// `true` when reachable.

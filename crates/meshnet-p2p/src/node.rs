@@ -266,6 +266,7 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
         listen_addrs: Vec::new(),
         listen_waiters: Vec::new(),
         bootstrapped: false,
+        bootstrap: config.bootstrap.clone(),
     };
     tokio::spawn(event_loop.run());
     Ok((
@@ -285,6 +286,9 @@ fn split_peer_id(address: &Multiaddr) -> Option<(PeerId, Multiaddr)> {
         _ => None,
     }
 }
+
+/// How often a node with no connection dials its bootstrap addresses again.
+const BOOTSTRAP_REDIAL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 struct EventLoop {
     swarm: Swarm<MeshBehaviour>,
@@ -308,6 +312,8 @@ struct EventLoop {
     listen_addrs: Vec<Multiaddr>,
     listen_waiters: Vec<Reply<Vec<Multiaddr>>>,
     bootstrapped: bool,
+    /// The configured bootstrap addresses, dialed again while no connection is up.
+    bootstrap: Vec<Multiaddr>,
 }
 
 impl EventLoop {
@@ -322,6 +328,9 @@ impl EventLoop {
             republish_period,
         );
         republish_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut redial_timer = tokio::time::interval(BOOTSTRAP_REDIAL_INTERVAL);
+        redial_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let redials = !self.bootstrap.is_empty();
 
         let shutdown_reply = loop {
             tokio::select! {
@@ -340,6 +349,7 @@ impl EventLoop {
                     };
                     lookup_timer.as_mut().reset(tokio::time::Instant::now() + next);
                 }
+                _ = redial_timer.tick(), if redials => self.redial_bootstrap(),
                 _ = republish_timer.tick(), if self.own_record.is_some() => {
                     if let Err(error) = self.store_own_record() {
                         tracing::warn!(%error, "re-storing the tracker record failed");
@@ -462,6 +472,19 @@ impl EventLoop {
             .map_err(|error| P2pError::RecordStore(error.to_string()))
     }
 
+    /// Dials the bootstrap addresses again while this node has no connection at all (for
+    /// example, it started before the node it bootstraps from was listening).
+    fn redial_bootstrap(&mut self) {
+        if self.swarm.connected_peers().next().is_some() {
+            return;
+        }
+        for address in self.bootstrap.clone() {
+            if let Err(error) = self.swarm.dial(address.clone()) {
+                tracing::debug!(%address, %error, "bootstrap redial failed");
+            }
+        }
+    }
+
     fn look_up_tracker(&mut self) {
         if self.tracker_query.is_some() {
             return;
@@ -544,6 +567,23 @@ impl EventLoop {
     }
 
     fn on_identified(&mut self, peer: PeerId, info: identify::Info) {
+        if let Some((model, tracker)) = crate::behaviour::parse_agent_version(&info.agent_version)
+            && model != self.model_id
+        {
+            tracing::error!(
+                %peer,
+                their_model = model,
+                our_model = %self.model_id,
+                "refusing a peer that runs another model: every member of a mesh must run the same model file"
+            );
+            let _ = self.swarm.disconnect_peer_id(peer);
+            self.emit(P2pEvent::ModelMismatch {
+                peer,
+                model: model.to_owned(),
+                tracker,
+            });
+            return;
+        }
         if !info.protocols.contains(&KADEMLIA_PROTOCOL) {
             return;
         }
@@ -556,6 +596,10 @@ impl EventLoop {
                 Ok(_) => self.bootstrapped = true,
                 Err(error) => tracing::debug!(%error, "kademlia bootstrap deferred"),
             }
+        }
+        // A new DHT neighbour may know the tracker: ask at once rather than at the next tick.
+        if matches!(self.role, Role::Peer { .. }) && self.discovered_record.is_none() {
+            self.look_up_tracker();
         }
     }
 
