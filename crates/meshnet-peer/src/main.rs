@@ -46,6 +46,16 @@ enum Commands {
     /// Download the default model into $MESHNET_MODELS (default ~/.cache/meshnet) and print
     /// its path.
     FetchModel,
+    /// Print what a mesh needs to know about a model as JSON: its id, layers, and the memory
+    /// a layer, the tracker's extra parts and the KV cache take (for sizing --memory).
+    ModelInfo {
+        /// The GGUF model (default: the fetched SmolLM2-135M-Instruct).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// KV-cache tokens reserved per held layer, as for --kv-tokens.
+        #[arg(long, default_value_t = 2048)]
+        kv_tokens: u64,
+    },
 }
 
 /// Joining or starting a mesh.
@@ -155,6 +165,7 @@ fn main() -> ExitCode {
     let outcome = match cli.command {
         Some(Commands::Generate(args)) => run_generate(&args),
         Some(Commands::FetchModel) => fetch_model(),
+        Some(Commands::ModelInfo { model, kv_tokens }) => model_info(model, kv_tokens),
         None => run_peer(cli.run),
     };
     match outcome {
@@ -241,27 +252,65 @@ fn lock_data_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
     }
 }
 
+/// The model path given, or the default model, which must exist.
+fn model_path_or_default(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    let path = model
+        .clone()
+        .unwrap_or_else(meshnet_model::default_model_path);
+    if !path.is_file() {
+        if model.is_none() {
+            bail!(
+                "the default model is not at {}: run `meshnet-peer fetch-model` or \
+                 `bash scripts/fetch-model.sh` first, or pass --model",
+                path.display()
+            );
+        }
+        bail!("model file {} does not exist", path.display());
+    }
+    Ok(path)
+}
+
+fn model_info(model: Option<PathBuf>, kv_tokens: u64) -> anyhow::Result<()> {
+    let path = model_path_or_default(model)?;
+    let model = meshnet_peer::mesh_model::MeshModel::open(&path)?;
+    let shape = model.shape();
+    let layer_bytes: serde_json::Map<String, serde_json::Value> = shape
+        .layer_bytes
+        .iter()
+        .map(|(format, bytes)| (format.name().to_owned(), (*bytes).into()))
+        .collect();
+    let layer_cost: serde_json::Map<String, serde_json::Value> = shape
+        .layer_bytes
+        .keys()
+        .filter_map(|format| {
+            let cost = shape.layer_cost(*format, kv_tokens)?;
+            Some((format.name().to_owned(), cost.into()))
+        })
+        .collect();
+    let info = serde_json::json!({
+        "id": model.id(),
+        "path": path,
+        "layers": model.num_layers(),
+        "shipped_format": model.shipped_format().name(),
+        "layer_bytes": layer_bytes,
+        "kv_bytes_per_token_per_layer": shape.kv_bytes_per_token_per_layer,
+        "kv_tokens": kv_tokens,
+        "layer_cost_with_kv": layer_cost,
+        "tracker_extra_bytes": shape.tracker_extra_bytes(),
+    });
+    println!("{}", serde_json::to_string_pretty(&info)?);
+    Ok(())
+}
+
 fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libp2p=warn"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let model_path = args
-        .model
-        .clone()
-        .unwrap_or_else(meshnet_model::default_model_path);
-    if !model_path.is_file() {
-        if args.model.is_none() {
-            bail!(
-                "the default model is not at {}: run `meshnet-peer fetch-model` or \
-                 `bash scripts/fetch-model.sh` first, or pass --model",
-                model_path.display()
-            );
-        }
-        bail!("model file {} does not exist", model_path.display());
-    }
+    let model_path = model_path_or_default(args.model.clone())?;
     if !(args.announce_interval.is_finite() && args.announce_interval >= 0.05) {
         bail!("--announce-interval must be at least 0.05 seconds");
     }
@@ -305,13 +354,19 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
-        let peer = meshnet_peer::start(config).await?;
+        let mut peer = meshnet_peer::start(config).await?;
         let progress = tokio::spawn(show_progress(peer.progress_handle()));
-        wait_for_stop_signal().await;
+        let failure = tokio::select! {
+            _ = wait_for_stop_signal() => None,
+            reason = peer.failure() => Some(reason),
+        };
         progress.abort();
         tracing::info!("stopping");
         peer.shutdown().await;
-        Ok(())
+        match failure {
+            Some(reason) => bail!("{reason}"),
+            None => Ok(()),
+        }
     })
 }
 

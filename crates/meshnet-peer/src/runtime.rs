@@ -264,6 +264,7 @@ pub struct RunningPeer {
     p2p: P2pHandle,
     http_addr: SocketAddr,
     stop: watch::Sender<bool>,
+    failure: watch::Receiver<Option<String>>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -293,6 +294,15 @@ impl RunningPeer {
         self.shared
             .tracker_role
             .then(|| format!("{}/v1", self.shared.http_url))
+    }
+
+    /// Waits until the peer cannot go on (for example, the mesh it joined runs another
+    /// model) and returns why.
+    pub async fn failure(&mut self) -> String {
+        match self.failure.wait_for(Option::is_some).await {
+            Ok(reason) => reason.clone().unwrap_or_default(),
+            Err(_) => "the control loop stopped".to_owned(),
+        }
     }
 
     /// What `GET /status` would answer now.
@@ -477,7 +487,9 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         p2p = ?lock(&shared.p2p_addrs),
         "peer started"
     );
+    let (failed, failure) = watch::channel(None);
     let control = ControlLoop {
+        failed,
         shared: Arc::clone(&shared),
         p2p: p2p.clone(),
         announce_interval: config.announce_interval,
@@ -492,6 +504,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         p2p,
         http_addr,
         stop,
+        failure,
         tasks: vec![control, server],
     })
 }
@@ -525,6 +538,8 @@ struct LoadDone {
 }
 
 struct ControlLoop {
+    /// Set when the peer cannot go on.
+    failed: watch::Sender<Option<String>>,
     shared: Arc<Shared>,
     p2p: P2pHandle,
     announce_interval: Duration,
@@ -613,11 +628,33 @@ impl ControlLoop {
                 tracing::warn!(%from, %topic, %reason, "gossip message rejected");
             }
             P2pEvent::ListeningOn(address) => {
-                lock(&self.shared.p2p_addrs).push(address.to_string());
+                let address = address.to_string();
+                let mut addrs = lock(&self.shared.p2p_addrs);
+                if !addrs.contains(&address) {
+                    addrs.push(address);
+                }
             }
             P2pEvent::PeerConnected(peer) => tracing::debug!(%peer, "connected"),
             P2pEvent::PeerDisconnected(peer) => tracing::debug!(%peer, "disconnected"),
             P2pEvent::Reachability { public } => tracing::info!(public, "reachability"),
+            P2pEvent::ModelMismatch {
+                peer,
+                model,
+                tracker,
+            } => {
+                self.shared.rejected.fetch_add(1, Ordering::Relaxed);
+                let ours = self.shared.model.id();
+                if !self.shared.tracker_role && (tracker || lock(&self.shared.tracker).is_none()) {
+                    let reason = format!(
+                        "the mesh this peer joined runs model {model} (peer {peer}), but this \
+                         peer runs {ours}: start it with the same model file as the tracker"
+                    );
+                    tracing::error!("{reason}");
+                    let _ = self.failed.send(Some(reason));
+                } else {
+                    tracing::warn!(%peer, their_model = %model, our_model = %ours, "refused a peer that runs another model");
+                }
+            }
         }
         false
     }

@@ -1,0 +1,426 @@
+#![allow(clippy::unwrap_used)]
+//! The binary as users run it: a tracker and two peers as separate processes on loopback
+//! converge, answer chats exactly as `meshnet-peer generate --chat --boundaries` does, free
+//! sessions on every hop when a client goes away, and refuse a peer with another model.
+
+mod common;
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_meshnet-peer");
+
+/// A child process killed when dropped, with its log kept for failure messages.
+struct Process {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Process {
+    fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn(name: &str, dir: &Path, args: &[String]) -> Process {
+    let log = dir.join(format!("{name}.log"));
+    let child = Command::new(BIN)
+        .args(args)
+        .env("RUST_LOG", "info,libp2p=warn")
+        .stdout(Stdio::null())
+        .stderr(File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    Process { child, log }
+}
+
+/// Memory for `layers` layers with the default 2048 KV tokens, plus half a layer.
+fn memory(layers: u64, tracker: bool) -> String {
+    let model = common::model();
+    let shape = model.shape();
+    let cost = shape.layer_cost(model.shipped_format(), 2048).unwrap();
+    let extra = if tracker {
+        shape.tracker_extra_bytes()
+    } else {
+        0
+    };
+    (extra + cost * layers + cost / 2).to_string()
+}
+
+fn peer_args(model: &Path, http: u16, p2p: u16, data: PathBuf, memory: String) -> Vec<String> {
+    vec![
+        "--model".into(),
+        model.display().to_string(),
+        "--http".into(),
+        format!("127.0.0.1:{http}"),
+        "--p2p".into(),
+        format!("/ip4/127.0.0.1/tcp/{p2p}"),
+        "--memory".into(),
+        memory,
+        "--data-dir".into(),
+        data.display().to_string(),
+        "--reachable".into(),
+        "--announce-interval".into(),
+        "0.3".into(),
+    ]
+}
+
+/// A tracker and two peers, each able to hold 10 of the 30 layers.
+struct Mesh {
+    dir: PathBuf,
+    tracker_http: u16,
+    tracker_p2p: u16,
+    processes: Vec<Process>,
+    http: reqwest::Client,
+}
+
+impl Mesh {
+    async fn start() -> Mesh {
+        let dir = std::env::temp_dir().join(format!("meshnet-processes-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let model = common::model_path();
+        let (tracker_http, tracker_p2p) = (free_port(), free_port());
+        let mut args = peer_args(
+            &model,
+            tracker_http,
+            tracker_p2p,
+            dir.join("tracker"),
+            memory(10, true),
+        );
+        args.push("--tracker".into());
+        let mut processes = vec![spawn("tracker", &dir, &args)];
+        for index in 0..2 {
+            let mut args = peer_args(
+                &model,
+                free_port(),
+                free_port(),
+                dir.join(format!("peer{index}")),
+                memory(10, false),
+            );
+            args.push("--bootstrap".into());
+            args.push(format!("/ip4/127.0.0.1/tcp/{tracker_p2p}"));
+            processes.push(spawn(&format!("peer{index}"), &dir, &args));
+        }
+        let mesh = Mesh {
+            dir,
+            tracker_http,
+            tracker_p2p,
+            processes,
+            http: reqwest::Client::new(),
+        };
+        mesh.wait("the mesh to cover the model", |status| {
+            status["coverage"]["complete"] == json!(true) && status["route_boundaries"].is_array()
+        })
+        .await;
+        mesh
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.tracker_http)
+    }
+
+    async fn status(&self) -> Value {
+        match self.http.get(self.url("/status")).send().await {
+            Ok(response) => response.json().await.unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        }
+    }
+
+    fn logs(&self) -> String {
+        self.processes
+            .iter()
+            .map(|p| format!("--- {}\n{}", p.log.display(), p.log_tail()))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    async fn wait(&self, what: &str, mut condition: impl FnMut(&Value) -> bool) -> Value {
+        let started = Instant::now();
+        loop {
+            let status = self.status().await;
+            if condition(&status) {
+                return status;
+            }
+            assert!(
+                started.elapsed() < common::DEADLINE,
+                "timed out waiting for {what}; status: {status:#}\n{}",
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn chat(&self, body: Value) -> (u16, Value) {
+        let response = self
+            .http
+            .post(self.url("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap())
+    }
+
+    async fn model_id(&self) -> String {
+        let models: Value = self
+            .http
+            .get(self.url("/v1/models"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        models["data"][0]["id"].as_str().unwrap().to_owned()
+    }
+
+    /// Every process's `/status`, tracker first.
+    async fn all_statuses(&self, peers: &[String]) -> Vec<Value> {
+        let mut statuses = vec![self.status().await];
+        for http in peers {
+            let status = match self.http.get(format!("{http}/status")).send().await {
+                Ok(response) => response.json().await.unwrap_or(Value::Null),
+                Err(_) => Value::Null,
+            };
+            statuses.push(status);
+        }
+        statuses
+    }
+}
+
+impl Drop for Mesh {
+    fn drop(&mut self) {
+        self.processes.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// What `meshnet-peer generate --chat` prints for `prompt`, split at `boundaries`.
+fn reference_answer(prompt: &str, boundaries: &[u64], max_tokens: usize) -> String {
+    let boundaries: Vec<String> = boundaries.iter().map(ToString::to_string).collect();
+    let output = Command::new(BIN)
+        .args(["generate", "--chat", "--prompt", prompt])
+        .args(["--max-tokens", &max_tokens.to_string()])
+        .args(["--boundaries", &boundaries.join(",")])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout).unwrap();
+    text.strip_suffix('\n').unwrap_or(&text).to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_process_mesh_answers_exactly_like_one_process_with_the_same_boundaries() {
+    let mesh = Mesh::start().await;
+    let status = mesh.status().await;
+    assert_eq!(status["peers"].as_array().unwrap().len(), 2, "{status:#}");
+    let boundaries: Vec<u64> = status["route_boundaries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .collect();
+    assert_eq!(boundaries.len(), 2, "a 3-way split: {boundaries:?}");
+    let model = mesh.model_id().await;
+
+    let long_prompt = format!(
+        "Summarise the following notes in one sentence. {}",
+        "The mesh splits one model across many machines; each peer holds a contiguous span of \
+         layers, and activations travel from peer to peer as bfloat16 frames. "
+            .repeat(12)
+    );
+    let prompts = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three uses of a paperclip.",
+        long_prompt.as_str(),
+    ];
+    for prompt in prompts {
+        let max_tokens = 48;
+        let (code, answer) = mesh
+            .chat(json!({
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": 0,
+                "max_tokens": max_tokens,
+            }))
+            .await;
+        assert_eq!(code, 200, "{answer:#}");
+        let text = answer["choices"][0]["message"]["content"].as_str().unwrap();
+        let expected = reference_answer(prompt, &boundaries, max_tokens);
+        assert_eq!(text, expected, "prompt {prompt:?}");
+        assert!(!text.is_empty());
+        if prompt == long_prompt {
+            let prompt_tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
+            assert!(
+                prompt_tokens > 300,
+                "the long prompt spans 3+ prefill chunks ({prompt_tokens} tokens)"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_mid_stream_frees_the_session_on_every_hop_and_bad_requests_get_4xx() {
+    let mesh = Mesh::start().await;
+    let status = mesh.status().await;
+    let peers: Vec<String> = status["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["http"].as_str().unwrap().to_owned())
+        .collect();
+    let model = mesh.model_id().await;
+
+    let mut stream = mesh
+        .http
+        .post(mesh.url("/v1/chat/completions"))
+        .json(&json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me a very long story about a lighthouse."}],
+            "temperature": 0.7,
+            "seed": 7,
+            "max_tokens": 2000,
+            "stream": true,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status().as_u16(), 200);
+    let mut received = String::new();
+    while !received.contains("\"content\":\"") || received.matches("data:").count() < 3 {
+        let chunk = stream.chunk().await.unwrap().expect("the stream goes on");
+        received.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    // While the stream runs, every hop holds the session.
+    let started = Instant::now();
+    loop {
+        let statuses = mesh.all_statuses(&peers).await;
+        if statuses[1..]
+            .iter()
+            .all(|s| s["active_sessions"].as_u64() == Some(1))
+        {
+            break;
+        }
+        assert!(started.elapsed() < common::DEADLINE, "{statuses:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(stream);
+    let left = Instant::now();
+    loop {
+        let statuses = mesh.all_statuses(&peers).await;
+        if statuses
+            .iter()
+            .all(|s| s["active_sessions"].as_u64() == Some(0))
+        {
+            break;
+        }
+        assert!(
+            left.elapsed() < common::DEADLINE,
+            "sessions not freed: {statuses:#?}\n{}",
+            mesh.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "sessions freed on every hop {:?} after the client left",
+        left.elapsed()
+    );
+
+    let context = 8192;
+    let (code, body) = mesh
+        .chat(json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": context,
+        }))
+        .await;
+    assert_eq!(code, 400, "{body:#}");
+    assert_eq!(body["error"]["param"], "max_tokens");
+    let (code, body) = mesh
+        .chat(json!({"model": "another-model", "messages": [{"role": "user", "content": "Hi"}]}))
+        .await;
+    assert_eq!(code, 404, "{body:#}");
+    let (code, body) = mesh.chat(json!({"model": model, "messages": []})).await;
+    assert_eq!(code, 400, "{body:#}");
+    let response = mesh
+        .http
+        .post(mesh.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_with_another_model_is_refused_with_a_message_naming_both() {
+    let mesh = Mesh::start().await;
+    // The same weights with one byte appended: another file, so another model id.
+    let other = mesh.dir.join("other-model.gguf");
+    let mut bytes = std::fs::read(common::model_path()).unwrap();
+    bytes.push(0);
+    std::fs::write(&other, bytes).unwrap();
+    let mut args = peer_args(
+        &other,
+        free_port(),
+        free_port(),
+        mesh.dir.join("stranger"),
+        memory(10, false),
+    );
+    args.push("--bootstrap".into());
+    args.push(format!("/ip4/127.0.0.1/tcp/{}", mesh.tracker_p2p));
+    let mut stranger = spawn("stranger", &mesh.dir, &args);
+    let started = Instant::now();
+    let exit = loop {
+        if let Some(exit) = stranger.child.try_wait().unwrap() {
+            break exit;
+        }
+        assert!(
+            started.elapsed() < common::DEADLINE,
+            "the stranger was not refused:\n{}",
+            stranger.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(!exit.success());
+    let log = std::fs::read_to_string(&stranger.log).unwrap();
+    let tracker_model = mesh.model_id().await;
+    assert!(
+        log.contains("runs model") && log.contains(&tracker_model),
+        "the refusal names the mesh's model:\n{log}"
+    );
+    assert!(log.contains("other-model-"), "and its own:\n{log}");
+    // The mesh is unaffected.
+    let status = mesh.status().await;
+    assert_eq!(status["peers"].as_array().unwrap().len(), 2);
+}
