@@ -3,6 +3,8 @@
 # process-level tests, and a short run of each fuzz target when cargo-fuzz is installed.
 #
 #   MESHNET_FUZZ_SECONDS=N   seconds per fuzz target (default 20; 0 skips fuzzing)
+#   MESHNET_SKIP_MESH=1      skip the OpenAI client check against a local 3-process mesh
+#   MESHNET_VENV=DIR         virtualenv with the `openai` package (default .venv, made by setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -16,6 +18,29 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "cargo test --workspace"
 cargo test --workspace --locked
+
+step "OpenAI client against a 3-process mesh"
+if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
+  echo "skipped: MESHNET_SKIP_MESH=1"
+else
+  venv=${MESHNET_VENV:-.venv}
+  if ! "$venv/bin/python" -c 'import openai' >/dev/null 2>&1; then
+    echo "no virtualenv with the openai package at $venv: run scripts/setup.sh first" >&2
+    exit 1
+  fi
+  # A run directory of its own, so a testnet the user has up is left alone.
+  MESHNET_TESTNET_DIR=$(mktemp -d)
+  export MESHNET_TESTNET_DIR
+  trap 'testnet/local.sh down || true; rm -rf "$MESHNET_TESTNET_DIR"' EXIT
+  # The debug profile reuses the build cargo test just made.
+  MESHNET_PROFILE=debug testnet/local.sh up 3 | tee "$MESHNET_TESTNET_DIR/up.out"
+  base_url=$(tail -n 1 "$MESHNET_TESTNET_DIR/up.out")
+  "$venv/bin/python" scripts/openai_client_check.py "$base_url"
+  testnet/local.sh down
+  trap - EXIT
+  rm -rf "$MESHNET_TESTNET_DIR"
+  unset MESHNET_TESTNET_DIR
+fi
 
 fuzz_seconds=${MESHNET_FUZZ_SECONDS:-20}
 if [ "$fuzz_seconds" -gt 0 ]; then
