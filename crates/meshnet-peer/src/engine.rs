@@ -332,6 +332,26 @@ fn route_description(entry: &LoadedShard, remote: Option<&RemoteStage>) -> Strin
     }
 }
 
+/// How much of `text` may be shown: not a trailing incomplete character (decoded as U+FFFD),
+/// not a stop string, and not a tail that could still become one.
+fn shown_len(text: &str, stops: &[String]) -> usize {
+    let mut safe = text.trim_end_matches('\u{FFFD}').len();
+    for stop in stops {
+        if let Some(found) = text.find(stop.as_str()) {
+            safe = safe.min(found);
+        }
+        let held = stop
+            .char_indices()
+            .skip(1)
+            .map(|(cut, _)| cut)
+            .filter(|&cut| text[..safe].ends_with(&stop[..cut]))
+            .max()
+            .unwrap_or(0);
+        safe -= held;
+    }
+    safe
+}
+
 /// Turns the growing list of generated tokens into text deltas that never split a UTF-8
 /// character and never show the start of a stop string that may still complete.
 struct TextStreamer<'a> {
@@ -354,21 +374,7 @@ impl<'a> TextStreamer<'a> {
     /// The new text that is safe to show after `generated`, if any.
     fn delta(&mut self, generated: &[u32]) -> Option<String> {
         let text = self.tokenizer.decode(generated).ok()?;
-        let mut safe = text.trim_end_matches('\u{FFFD}').len();
-        // Never show a stop string, nor a tail that could be the beginning of one.
-        for stop in self.stops {
-            if let Some(found) = text.find(stop.as_str()) {
-                safe = safe.min(found);
-            }
-            let held = stop
-                .char_indices()
-                .skip(1)
-                .map(|(cut, _)| cut)
-                .filter(|&cut| text[..safe].ends_with(&stop[..cut]))
-                .max()
-                .unwrap_or(0);
-            safe -= held;
-        }
+        let safe = shown_len(&text, self.stops);
         self.take_up_to(&text, safe)
     }
 
@@ -388,5 +394,28 @@ impl<'a> TextStreamer<'a> {
         self.emitted = safe;
         self.emitted_text.push_str(&delta);
         Some(delta)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shown_len;
+
+    fn stops(list: &[&str]) -> Vec<String> {
+        list.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn incomplete_characters_and_stop_strings_are_held_back() {
+        assert_eq!(shown_len("Hello", &[]), 5);
+        assert_eq!(shown_len("caf\u{FFFD}", &[]), 3);
+        // The stop string itself and what follows it are never shown.
+        assert_eq!(shown_len("Hello\nWorld", &stops(&["\n"])), 5);
+        // A tail that may still become "END" waits.
+        assert_eq!(shown_len("Done. EN", &stops(&["END"])), 6);
+        assert_eq!(shown_len("Done. E", &stops(&["END"])), 6);
+        assert_eq!(shown_len("Done. X", &stops(&["END"])), 7);
+        // Several stops: the earliest cut wins.
+        assert_eq!(shown_len("a<b|c", &stops(&["|", "<b"])), 1);
     }
 }

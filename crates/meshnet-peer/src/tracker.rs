@@ -432,3 +432,163 @@ pub fn route_boundaries(entry_end: u32, hops: &[PlannedHop]) -> Vec<u32> {
 pub fn span_pair(span: LayerSpan) -> [u32; 2] {
     [span.start, span.end]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshnet_planner::Quantization;
+
+    const FORMAT: Quantization = Quantization::Q4_1;
+    const KV_TOKENS: u64 = 256;
+
+    fn shape() -> ModelShape {
+        ModelShape::smollm2_135m()
+    }
+
+    fn memory(layers: u64, tracker: bool) -> u64 {
+        let shape = shape();
+        let cost = shape.layer_cost(FORMAT, KV_TOKENS).unwrap();
+        let extra = if tracker {
+            shape.tracker_extra_bytes()
+        } else {
+            0
+        };
+        extra + cost * layers + cost / 2
+    }
+
+    fn book() -> TrackerBook {
+        let capacity = PeerCapacity {
+            peer: PeerId::new("tracker"),
+            memory_bytes: memory(10, true),
+            quantizations: vec![FORMAT],
+            throughput: 1.0,
+            kv_tokens: KV_TOKENS,
+            is_tracker: true,
+        };
+        TrackerBook::new(
+            "model".into(),
+            shape(),
+            "tracker".into(),
+            capacity,
+            "http://t".into(),
+            Duration::from_secs(3),
+        )
+        .unwrap()
+    }
+
+    fn announcement(peer: &str, span: Option<SpanStatus>) -> PeerAnnouncement {
+        PeerAnnouncement {
+            peer: peer.into(),
+            model_id: "model".into(),
+            software_version: "0".into(),
+            wire_version: 1,
+            http_endpoints: vec![format!("http://{peer}")],
+            memory_bytes: memory(10, false),
+            quantizations: vec![FORMAT],
+            throughput: 100.0,
+            kv_tokens: KV_TOKENS,
+            span,
+            free_kv_tokens: 1000,
+            active_sessions: 0,
+            is_tracker: false,
+            sent_at_unix_ms: 0,
+        }
+    }
+
+    fn ready(span: &SpanStatus) -> SpanStatus {
+        SpanStatus {
+            state: SpanState::Ready,
+            ..span.clone()
+        }
+    }
+
+    #[test]
+    fn a_split_is_planned_then_confirmed_and_then_quiet() {
+        let mut book = book();
+        let now = Instant::now();
+        assert!(book.observe(announcement("a", None), now));
+        assert!(book.observe(announcement("b", None), now));
+        let first = book.plan(now).unwrap();
+        let own = first
+            .own_target
+            .clone()
+            .expect("the tracker takes the first layers");
+        assert_eq!(own.layers, LayerSpan::new(0, 10));
+        assert_eq!(first.directives.len(), 2);
+        let mut spans: Vec<LayerSpan> = first
+            .directives
+            .iter()
+            .map(|d| d.span_after.as_ref().unwrap().layers)
+            .collect();
+        spans.sort_by_key(|s| s.start);
+        assert_eq!(spans, vec![LayerSpan::new(10, 20), LayerSpan::new(20, 30)]);
+        assert!(book.route(10).is_err(), "nothing is ready yet");
+
+        // Everyone loads what they were told and says so.
+        book.set_own_span(Some(ready(&own)));
+        for directive in &first.directives {
+            let span = ready(directive.span_after.as_ref().unwrap());
+            book.observe(announcement(&directive.target, Some(span)), now);
+        }
+        let settled = book.plan(now).unwrap();
+        assert!(settled.directives.is_empty());
+        assert!(settled.own_target.is_none());
+        assert!(
+            settled
+                .coverage
+                .map
+                .holdings
+                .iter()
+                .all(|h| h.state == PeerState::Ready)
+        );
+        let hops = book.route(10).unwrap();
+        assert_eq!(route_boundaries(10, &hops), vec![10, 20]);
+    }
+
+    #[test]
+    fn an_unacknowledged_directive_is_sent_again_after_a_while() {
+        let mut book = book();
+        let start = Instant::now();
+        book.observe(announcement("a", None), start);
+        book.observe(announcement("b", None), start);
+        let first = book.plan(start).unwrap();
+        book.set_own_span(first.own_target.as_ref().map(ready));
+        let soon = book.plan(start + Duration::from_millis(500)).unwrap();
+        assert!(soon.directives.is_empty(), "not re-sent at once");
+        let later = book
+            .plan(start + DIRECTIVE_RESEND_AFTER + Duration::from_millis(1))
+            .unwrap();
+        assert_eq!(later.directives.len(), 2, "re-sent to both silent targets");
+        assert!(later.directives[0].sequence > first.directives[1].sequence);
+    }
+
+    #[test]
+    fn silent_peers_expire_and_only_they() {
+        let mut book = book();
+        let start = Instant::now();
+        book.observe(announcement("old", None), start);
+        book.observe(announcement("fresh", None), start + Duration::from_secs(2));
+        assert!(book.expire(start + Duration::from_secs(3)).is_empty());
+        let gone = book.expire(start + Duration::from_millis(3001));
+        assert_eq!(gone, vec!["old".to_owned()]);
+        assert_eq!(book.peers().len(), 1);
+    }
+
+    #[test]
+    fn repeated_announcements_do_not_trigger_replanning() {
+        let mut book = book();
+        let now = Instant::now();
+        assert!(book.observe(announcement("a", None), now));
+        assert!(!book.observe(announcement("a", None), now));
+        let span = SpanStatus {
+            layers: LayerSpan::new(10, 20),
+            quantization: FORMAT,
+            state: SpanState::Ready,
+        };
+        assert!(book.observe(announcement("a", Some(span)), now));
+        assert!(
+            !book.observe(announcement("tracker", None), now),
+            "its own voice"
+        );
+    }
+}
