@@ -174,3 +174,70 @@ async fn a_peer_knowing_only_a_non_tracker_member_finds_the_tracker_and_gets_a_s
     member.shutdown().await;
     tracker.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generations_run_side_by_side_up_to_the_bound_and_one_more_gets_429() {
+    // A tracker holding the whole model: a mesh of one, covered at once.
+    let mut config = common::config(true, 30, vec![]);
+    config.max_sessions = 2;
+    let tracker = meshnet_peer::start(config).await.unwrap();
+    wait_for("the tracker's span", &tracker, |s| {
+        s.route_boundaries.is_some()
+    })
+    .await;
+    let base = tracker.openai_base_url().unwrap();
+    let http = reqwest::Client::new();
+    let model = tracker.model_id().to_owned();
+    let request = |seed: u64| {
+        serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+            "temperature": 0.8,
+            "seed": seed,
+            "max_tokens": 1000,
+            "stream": true,
+        })
+    };
+    let mut streams = Vec::new();
+    for seed in [1, 2] {
+        let mut response = http
+            .post(format!("{base}/chat/completions"))
+            .json(&request(seed))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status().as_u16(), 200);
+        // Both produce text at the same time.
+        let mut seen = String::new();
+        while !seen.contains("\"content\":\"") || seen.matches("data:").count() < 3 {
+            let chunk = response.chunk().await.unwrap().expect("streaming");
+            seen.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        streams.push(response);
+    }
+    let third = http
+        .post(format!("{base}/chat/completions"))
+        .json(&request(3))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(third.status().as_u16(), 429);
+    assert!(third.headers().contains_key("retry-after"));
+    let body: serde_json::Value = third.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    // Once the clients leave, their slots are free again.
+    drop(streams);
+    wait_for("the slots to free", &tracker, |s| s.active_sessions == 0).await;
+    let fourth = http
+        .post(format!("{base}/chat/completions"))
+        .json(&serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(fourth.status().as_u16(), 200);
+    tracker.shutdown().await;
+}
