@@ -350,6 +350,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         }
         config.quantizations.clone()
     };
+    check_memory(&model, &config, &quantizations)?;
     let keypair = match &config.keypair {
         Some(keypair) => keypair.clone(),
         None => meshnet_p2p::load_or_create_identity(&config.data_dir)?,
@@ -507,6 +508,50 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         failure,
         tasks: vec![control, server],
     })
+}
+
+/// Refuses a memory budget that cannot hold a single layer (plus, on the tracker, the
+/// embedding and head), naming the sizes involved.
+fn check_memory(
+    model: &MeshModel,
+    config: &PeerConfig,
+    quantizations: &[Quantization],
+) -> Result<(), PeerError> {
+    let capacity = PeerCapacity {
+        peer: PlannerPeerId::new("self"),
+        memory_bytes: config.memory_bytes,
+        quantizations: quantizations.to_vec(),
+        throughput: 1.0,
+        kv_tokens: config.kv_tokens,
+        is_tracker: config.tracker,
+    };
+    let shape = model.shape();
+    let fits = quantizations
+        .iter()
+        .any(|q| capacity.max_layers(shape, *q).unwrap_or(0) > 0);
+    if fits {
+        return Ok(());
+    }
+    let cheapest = quantizations
+        .iter()
+        .filter_map(|q| shape.layer_cost(*q, config.kv_tokens))
+        .min()
+        .unwrap_or(0);
+    let extra = if config.tracker {
+        format!(
+            " plus {} bytes for the embedding and head the tracker holds",
+            shape.tracker_extra_bytes()
+        )
+    } else {
+        String::new()
+    };
+    Err(PeerError::Config(format!(
+        "--memory {} bytes holds no layer of {}: one layer with its KV reserve ({} tokens) takes \
+         {cheapest} bytes{extra}",
+        config.memory_bytes,
+        model.id(),
+        config.kv_tokens
+    )))
 }
 
 async fn status_handler(State(shared): State<Arc<Shared>>) -> Json<StatusReport> {

@@ -171,3 +171,33 @@ fn a_gpt2_directory_without_a_tokenizer_is_named() {
     assert!(stderr.contains("has no tokenizer.json"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+#[test]
+fn bad_run_settings_give_a_clear_message_and_no_panic() {
+    let data = std::env::temp_dir().join(format!("meshnet-cli-run-{}", std::process::id()));
+    let data = data.to_str().unwrap();
+    let common = [
+        "--http",
+        "127.0.0.1:0",
+        "--p2p",
+        "/ip4/127.0.0.1/tcp/0",
+        "--data-dir",
+        data,
+    ];
+    let cases: [(&[&str], &str); 6] = [
+        (&["--tracker", "--memory", "1KiB"], "holds no layer"),
+        (&["--memory", "1MiB"], "holds no layer"),
+        (&["--memory", "lots"], "not a byte count"),
+        (&["--quantization", "q9"], "unknown quantization"),
+        (&["--model", "/nonexistent/model.gguf"], "does not exist"),
+        (&["--announce-interval", "0"], "at least 0.05"),
+    ];
+    for (args, expected) in cases {
+        let output = peer().args(common).args(args).output().expect("runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} succeeded");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    let _ = std::fs::remove_dir_all(data);
+}
