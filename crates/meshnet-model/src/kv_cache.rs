@@ -1,8 +1,9 @@
 //! Key/value caches kept apart from the weights: one per session, one pair of tensors per
 //! layer, indexed by absolute position and bounded by a byte budget shared by all sessions.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
+use std::time::Instant;
 
 use candle_core::Tensor;
 
@@ -23,6 +24,8 @@ pub struct SessionCache {
     len: usize,
     /// Bytes held by the tensors.
     bytes: usize,
+    /// When a chunk last finished on this session.
+    last_used: Instant,
 }
 
 impl SessionCache {
@@ -31,6 +34,7 @@ impl SessionCache {
             layers: vec![None; layer_count],
             len: 0,
             bytes: 0,
+            last_used: Instant::now(),
         }
     }
 
@@ -90,6 +94,10 @@ pub struct KvStore {
 #[derive(Debug, Default)]
 struct StoreState {
     sessions: HashMap<SessionId, SessionCache>,
+    /// Sessions taken out of `sessions` while a chunk computes on them.
+    computing: HashSet<SessionId>,
+    /// Sessions ended while computing: dropped instead of put back when the chunk finishes.
+    ended_while_computing: HashSet<SessionId>,
     /// Bytes held or reserved by all sessions, including those checked out.
     used_bytes: usize,
 }
@@ -116,9 +124,34 @@ impl KvStore {
         self.budget_bytes
     }
 
-    /// How many sessions hold cached positions.
+    /// How many sessions hold cached positions or are computing a chunk.
     pub fn session_count(&self) -> usize {
-        self.lock().sessions.len()
+        let state = self.lock();
+        state.sessions.len() + state.computing.len()
+    }
+
+    /// Whether the session holds cached positions or is computing a chunk here.
+    pub fn has_session(&self, session: SessionId) -> bool {
+        let state = self.lock();
+        state.sessions.contains_key(&session) || state.computing.contains(&session)
+    }
+
+    /// Drops sessions no chunk has touched since `cutoff` (their entry went away without
+    /// ending them); returns how many.
+    pub fn end_sessions_idle_since(&self, cutoff: Instant) -> usize {
+        let mut state = self.lock();
+        let idle: Vec<SessionId> = state
+            .sessions
+            .iter()
+            .filter(|(_, cache)| cache.last_used < cutoff)
+            .map(|(session, _)| *session)
+            .collect();
+        for session in &idle {
+            if let Some(cache) = state.sessions.remove(session) {
+                state.used_bytes = state.used_bytes.saturating_sub(cache.bytes);
+            }
+        }
+        idle.len()
     }
 
     /// Bytes one cached position takes over all the span's layers.
@@ -134,11 +167,15 @@ impl KvStore {
             .map_or(0, SessionCache::len)
     }
 
-    /// Drops a session's cache, freeing its bytes. Unknown sessions are ignored.
+    /// Drops a session's cache, freeing its bytes; a session computing a chunk right now is
+    /// dropped when the chunk finishes. Unknown sessions are ignored.
     pub fn end_session(&self, session: SessionId) {
         let mut state = self.lock();
         if let Some(cache) = state.sessions.remove(&session) {
             state.used_bytes = state.used_bytes.saturating_sub(cache.bytes);
+        }
+        if state.computing.contains(&session) {
+            state.ended_while_computing.insert(session);
         }
     }
 
@@ -156,6 +193,14 @@ impl KvStore {
         let mut cache = {
             let mut state = self.lock();
             let cached = state.sessions.get(&session).map_or(0, SessionCache::len);
+            if state.computing.contains(&session) {
+                return Err(ModelError::PositionMismatch {
+                    session: session.to_string(),
+                    position,
+                    cached,
+                    kind: "another chunk of the session is still computing",
+                });
+            }
             if position != cached {
                 return Err(ModelError::PositionMismatch {
                     session: session.to_string(),
@@ -172,27 +217,38 @@ impl KvStore {
                 });
             }
             state.used_bytes += needed;
+            state.computing.insert(session);
             state
                 .sessions
                 .remove(&session)
                 .unwrap_or_else(|| SessionCache::new(self.layer_count))
         };
+        // Puts the session's bookkeeping right even if `compute` panics.
         let before_bytes = cache.bytes;
+        let checked_out = CheckedOut {
+            store: self,
+            session,
+            released: needed + before_bytes,
+        };
         let snapshot: Vec<Option<(Tensor, Tensor)>> = cache.layers.clone();
         let outcome = compute(&mut cache);
-        let mut state = self.lock();
-        state.used_bytes = state.used_bytes.saturating_sub(needed);
+        let mut state = checked_out.finish();
+        let ended = state.ended_while_computing.remove(&session);
         match outcome {
             Ok(value) => {
-                state.used_bytes += cache.bytes - before_bytes;
                 cache.len = position + tokens;
-                state.sessions.insert(session, cache);
+                cache.last_used = Instant::now();
+                if !ended {
+                    state.used_bytes += cache.bytes;
+                    state.sessions.insert(session, cache);
+                }
                 Ok(value)
             }
             Err(error) => {
                 cache.layers = snapshot;
                 cache.bytes = before_bytes;
-                if cache.len > 0 {
+                if cache.len > 0 && !ended {
+                    state.used_bytes += cache.bytes;
                     state.sessions.insert(session, cache);
                 }
                 Err(error)
@@ -207,6 +263,45 @@ impl KvStore {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// A session taken out of the store while a chunk computes on it.
+struct CheckedOut<'a> {
+    store: &'a KvStore,
+    session: SessionId,
+    /// The chunk's reservation plus the bytes the session held when it was taken out (still
+    /// counted in `used_bytes` while it computes).
+    released: usize,
+}
+
+impl<'a> CheckedOut<'a> {
+    /// Returns the reservation and the session's old bytes to the budget and marks the session
+    /// no longer computing; the caller puts the cache back (counting its bytes) if it keeps it.
+    fn finish(self) -> std::sync::MutexGuard<'a, StoreState> {
+        let store = self.store;
+        let session = self.session;
+        let released = self.released;
+        std::mem::forget(self);
+        release(store, session, released)
+    }
+}
+
+impl Drop for CheckedOut<'_> {
+    fn drop(&mut self) {
+        let mut state = release(self.store, self.session, self.released);
+        state.ended_while_computing.remove(&self.session);
+    }
+}
+
+fn release(
+    store: &KvStore,
+    session: SessionId,
+    released: usize,
+) -> std::sync::MutexGuard<'_, StoreState> {
+    let mut state = store.lock();
+    state.used_bytes = state.used_bytes.saturating_sub(released);
+    state.computing.remove(&session);
+    state
 }
 
 #[cfg(test)]
@@ -285,5 +380,43 @@ mod tests {
         assert_eq!(store.session_len(session), 2);
         assert_eq!(store.used_bytes(), 2 * 64);
         append(&store, session, 2, 1).unwrap();
+    }
+
+    #[test]
+    fn a_session_ended_while_computing_is_dropped_when_the_chunk_finishes() {
+        let store = KvStore::new(1, 2 * 2 * 4 * 4, 1 << 20);
+        let session = SessionId::new_v4();
+        append(&store, session, 0, 2).unwrap();
+        store
+            .with_session(session, 2, 1, |cache| {
+                assert!(store.has_session(session));
+                assert_eq!(store.session_count(), 1, "a computing session counts");
+                // A second chunk of the same session is refused while this one runs.
+                assert!(append(&store, session, 2, 1).is_err());
+                store.end_session(session);
+                let (keys, values) = chunk(1);
+                cache.append(0, keys, values)?;
+                Ok(())
+            })
+            .unwrap();
+        assert!(!store.has_session(session));
+        assert_eq!(store.session_count(), 0);
+        assert_eq!(store.used_bytes(), 0);
+    }
+
+    #[test]
+    fn idle_sessions_are_reaped_and_busy_ones_kept() {
+        let store = KvStore::new(1, 2 * 2 * 4 * 4, 1 << 20);
+        let before = Instant::now();
+        let idle = SessionId::new_v4();
+        append(&store, idle, 0, 2).unwrap();
+        assert_eq!(store.end_sessions_idle_since(before), 0);
+        let cutoff = Instant::now();
+        let fresh = SessionId::new_v4();
+        append(&store, fresh, 0, 1).unwrap();
+        assert_eq!(store.end_sessions_idle_since(cutoff), 1);
+        assert!(!store.has_session(idle));
+        assert!(store.has_session(fresh));
+        assert_eq!(store.used_bytes(), 64);
     }
 }

@@ -287,6 +287,17 @@ impl LlamaSpan {
             )));
         }
         let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
+        // Checked before the rotary tables and the mask are built: their size grows with the
+        // position, which a frame from the network declares.
+        let cached = self.cache.session_len(session);
+        if position != cached && !layers.is_empty() {
+            return Err(ModelError::PositionMismatch {
+                session: session.to_string(),
+                position,
+                cached,
+                kind: if position > cached { "gap" } else { "overlap" },
+            });
+        }
         let mut hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
         if layers.is_empty() {
             return Ok(hidden);

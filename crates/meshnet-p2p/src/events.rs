@@ -51,8 +51,9 @@ pub enum P2pEvent {
         peer: PeerId,
         /// The model id it runs.
         model: String,
-        /// Whether it is a tracker.
-        tracker: bool,
+        /// Whether this node cannot join its mesh because of it: the peer is this node's
+        /// tracker, or this node has no contact running its own model yet.
+        decisive: bool,
     },
     /// AutoNAT's verdict on whether this node is reachable from the internet.
     Reachability {

@@ -267,6 +267,7 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
         listen_waiters: Vec::new(),
         bootstrapped: false,
         bootstrap: config.bootstrap.clone(),
+        same_model_peers: std::collections::HashSet::new(),
     };
     tokio::spawn(event_loop.run());
     Ok((
@@ -314,6 +315,8 @@ struct EventLoop {
     bootstrapped: bool,
     /// The configured bootstrap addresses, dialed again while no connection is up.
     bootstrap: Vec<Multiaddr>,
+    /// Connected peers that identified themselves as running this node's model.
+    same_model_peers: std::collections::HashSet<PeerId>,
 }
 
 impl EventLoop {
@@ -527,6 +530,7 @@ impl EventLoop {
                 ..
             } => {
                 tracing::debug!(peer = %peer_id, "disconnected");
+                self.same_model_peers.remove(&peer_id);
                 self.emit(P2pEvent::PeerDisconnected(peer_id));
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
@@ -567,9 +571,16 @@ impl EventLoop {
     }
 
     fn on_identified(&mut self, peer: PeerId, info: identify::Info) {
-        if let Some((model, tracker)) = crate::behaviour::parse_agent_version(&info.agent_version)
+        let agent = crate::behaviour::parse_agent_version(&info.agent_version);
+        if agent.is_some_and(|(model, _)| model == self.model_id) {
+            self.same_model_peers.insert(peer);
+        }
+        if let Some((model, _)) = agent
             && model != self.model_id
         {
+            // Decided from what this node knows, not from what the stranger claims to be.
+            let decisive = self.tracker == Some(peer)
+                || (self.tracker.is_none() && self.same_model_peers.is_empty());
             tracing::error!(
                 %peer,
                 their_model = model,
@@ -580,7 +591,7 @@ impl EventLoop {
             self.emit(P2pEvent::ModelMismatch {
                 peer,
                 model: model.to_owned(),
-                tracker,
+                decisive,
             });
             return;
         }

@@ -135,6 +135,12 @@ impl CompletionEngine for MeshEngine {
     }
 
     fn start(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        // The slot first: tokenizing is work, and only admitted requests get to do it.
+        let permit = Arc::clone(&self.sessions)
+            .try_acquire_owned()
+            .map_err(|_| EngineError::Busy {
+                retry_after_seconds: 1,
+            })?;
         let (text, chat) = self.prompt_text(request.prompt);
         let prompt_param = if chat { "messages" } else { "prompt" };
         let prompt = self
@@ -172,11 +178,6 @@ impl CompletionEngine for MeshEngine {
                 ),
             });
         }
-        let permit = Arc::clone(&self.sessions)
-            .try_acquire_owned()
-            .map_err(|_| EngineError::Busy {
-                retry_after_seconds: 1,
-            })?;
         let entry = self
             .host
             .current()

@@ -12,6 +12,9 @@ use tokio::runtime::Handle;
 
 use crate::routing::PlannedHop;
 
+/// How long the entry waits for a hop to confirm it freed a session.
+pub const END_SESSION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The remote hops of one generation.
 pub struct RemoteStage {
     hops: Vec<PlannedHop>,
@@ -97,12 +100,25 @@ impl Stage for RemoteStage {
     }
 
     fn end_session(&self, session: SessionId) {
-        for hop in &self.hops {
-            let freed = self
-                .runtime
-                .block_on(self.client.end_session(&hop.endpoint, session));
-            if let Err(error) = freed {
-                tracing::warn!(%session, peer = %hop.peer, %error, "could not free the session on a hop");
+        // All hops at once, each given a few seconds: a dead hop must not hold up the others
+        // (peers also drop sessions left idle).
+        let ends = self.hops.iter().map(|hop| async move {
+            let freed = tokio::time::timeout(
+                END_SESSION_TIMEOUT,
+                self.client.end_session(&hop.endpoint, session),
+            )
+            .await;
+            (hop, freed)
+        });
+        for (hop, freed) in self.runtime.block_on(futures::future::join_all(ends)) {
+            match freed {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%session, peer = %hop.peer, %error, "could not free the session on a hop");
+                }
+                Err(_) => {
+                    tracing::warn!(%session, peer = %hop.peer, "freeing the session on a hop timed out");
+                }
             }
         }
     }

@@ -629,10 +629,13 @@ impl ControlLoop {
                     }
                 }
                 Some(done) = load_rx.recv() => {
-                    self.finish_load(done, &load_tx);
+                    let loaded = self.finish_load(done, &load_tx);
                     self.announce().await;
                     if self.shared.tracker_role {
-                        replan_at = Some(tokio::time::Instant::now());
+                        // After a failed load of its own span, the tracker waits an interval
+                        // before trying again.
+                        let delay = if loaded { Duration::ZERO } else { self.announce_interval };
+                        replan_at = Some(tokio::time::Instant::now() + delay);
                     }
                 }
                 _ = replan => {
@@ -685,11 +688,11 @@ impl ControlLoop {
             P2pEvent::ModelMismatch {
                 peer,
                 model,
-                tracker,
+                decisive,
             } => {
                 self.shared.rejected.fetch_add(1, Ordering::Relaxed);
                 let ours = self.shared.model.id();
-                if !self.shared.tracker_role && (tracker || lock(&self.shared.tracker).is_none()) {
+                if !self.shared.tracker_role && decisive {
                     let reason = format!(
                         "the mesh this peer joined runs model {model} (peer {peer}), but this \
                          peer runs {ours}: start it with the same model file as the tracker"
@@ -765,8 +768,10 @@ impl ControlLoop {
         });
     }
 
-    fn finish_load(&mut self, done: LoadDone, load_tx: &mpsc::Sender<LoadDone>) {
+    /// Records a finished load and starts the queued one; returns whether the load worked.
+    fn finish_load(&mut self, done: LoadDone, load_tx: &mpsc::Sender<LoadDone>) -> bool {
         self.loader.busy = false;
+        let loaded = done.outcome.is_ok();
         match done.outcome {
             Ok(throughput) => {
                 *lock(&self.shared.throughput) = throughput;
@@ -785,6 +790,7 @@ impl ControlLoop {
         if let Some(next) = self.loader.queued.take() {
             self.request_span(next, load_tx);
         }
+        loaded
     }
 
     async fn announce(&self) {

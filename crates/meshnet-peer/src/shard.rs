@@ -14,7 +14,7 @@ use candle_core::{DType, Device};
 use meshnet_model::{LlamaSpan, ModelError, SessionId, SpanSpec};
 use meshnet_node::{ExecutorError, SpanExecutor};
 use meshnet_planner::{LayerSpan, Quantization};
-use meshnet_wire::{Activations, FrameMeta, LayerRange};
+use meshnet_wire::{Activations, FrameMeta, LayerRange, PREFILL_CHUNK_TOKENS};
 use serde::Serialize;
 
 use crate::error::PeerError;
@@ -214,7 +214,7 @@ impl ShardHost {
         let mut state = self.lock();
         reap(&mut state, self.drain_timeout);
         let holding = all_shards(&state).find(|shard| {
-            shard.covers(meta.layers) && shard.span.kv_store().session_len(meta.session) > 0
+            shard.covers(meta.layers) && shard.span.kv_store().has_session(meta.session)
         });
         if let Some(shard) = holding {
             return Some(Arc::clone(shard));
@@ -238,8 +238,20 @@ fn all_shards(state: &HostState) -> impl Iterator<Item = &Arc<LoadedShard>> {
         .chain(state.draining.iter().map(|(shard, _)| shard))
 }
 
-/// Frees draining spans that have no session left or whose drain time ran out.
+/// Sessions untouched this long are dropped: their entry went away without ending them.
+pub const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Frees draining spans that have no session left or whose drain time ran out, and sessions
+/// idle for longer than [`SESSION_IDLE_TIMEOUT`].
 fn reap(state: &mut HostState, timeout: Duration) {
+    if let Some(cutoff) = Instant::now().checked_sub(SESSION_IDLE_TIMEOUT) {
+        for shard in all_shards(state) {
+            let dropped = shard.span.kv_store().end_sessions_idle_since(cutoff);
+            if dropped > 0 {
+                tracing::info!(sessions = dropped, "idle sessions dropped");
+            }
+        }
+    }
     state.draining.retain(|(shard, since)| {
         let busy = shard.span.kv_store().session_count() > 0;
         let keep = busy && since.elapsed() < timeout;
@@ -280,6 +292,12 @@ impl SpanExecutor for ShardHost {
                 )));
             }
         };
+        if tokens > PREFILL_CHUNK_TOKENS {
+            return Err(ExecutorError::BadActivations(format!(
+                "{tokens} tokens in one frame; prefill travels in chunks of at most \
+                 {PREFILL_CHUNK_TOKENS}"
+            )));
+        }
         let hidden = input
             .into_tensor(&Device::Cpu)
             .and_then(|t| Ok(t.reshape((1, tokens, hidden_size))?))

@@ -67,6 +67,13 @@ impl TrackerBook {
         expiry: Duration,
     ) -> Result<Self, PeerError> {
         shape.validate()?;
+        // Epochs and sequence numbers start from the clock, so a restarted tracker (same peer
+        // id, kept in its data directory) continues above what peers saw before: epochs change
+        // at most once per planning round and sequence numbers by far less than once per
+        // microsecond.
+        let boot = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
         Ok(TrackerBook {
             model_id,
             planner: Planner::new(shape, PlannerConfig::default()),
@@ -77,8 +84,8 @@ impl TrackerBook {
             expiry,
             peers: BTreeMap::new(),
             sent: BTreeMap::new(),
-            epoch: 0,
-            sequence: 0,
+            epoch: boot.as_millis() as u64,
+            sequence: boot.as_micros() as u64,
             map: CoverageMap::empty(0),
         })
     }
@@ -240,7 +247,9 @@ impl TrackerBook {
         })
     }
 
-    /// Ready holders that could serve a route, with their endpoints and load.
+    /// Ready holders that could serve a route, with their endpoints and load: peers that
+    /// announce, ready, exactly the span the plan gave them (a peer claiming other layers is
+    /// not trusted with traffic).
     pub fn route_candidates(&self) -> Vec<RouteCandidate> {
         self.peers
             .values()
@@ -248,7 +257,10 @@ impl TrackerBook {
                 let a = &known.announcement;
                 let span = a.span.as_ref()?;
                 let endpoint = a.http_endpoints.first()?;
-                (span.state == SpanState::Ready).then(|| RouteCandidate {
+                let planned = self.map.holding_of(&PeerId::new(a.peer.clone()))?;
+                let as_planned =
+                    planned.layers == span.layers && planned.quantization == span.quantization;
+                (span.state == SpanState::Ready && as_planned).then(|| RouteCandidate {
                     peer: a.peer.clone(),
                     endpoint: endpoint.clone(),
                     layers: span.layers,
