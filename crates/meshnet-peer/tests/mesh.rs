@@ -241,3 +241,61 @@ async fn generations_run_side_by_side_up_to_the_bound_and_one_more_gets_429() {
     assert_eq!(fourth.status().as_u16(), 200);
     tracker.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_frames_are_refused_before_any_work() {
+    let tracker = tracker(10).await;
+    let peer = peer(20, &tracker).await;
+    wait_for("coverage", &tracker, |s| converged(s, &[&peer])).await;
+    let span = peer.current_span().unwrap().target.layers;
+    let hidden = common::model().description().hidden;
+    let client = meshnet_node::ForwardClient::new(
+        meshnet_wire::Limits::default(),
+        std::time::Duration::from_secs(30),
+    );
+    let frame = |position: u64, tokens: usize| meshnet_wire::ActivationFrame {
+        meta: meshnet_wire::FrameMeta {
+            session: uuid::Uuid::new_v4(),
+            chunk_index: 0,
+            chunk_total: 1,
+            position,
+            layers: meshnet_wire::LayerRange::new(span.start, span.end).unwrap(),
+            route: meshnet_wire::Route::default(),
+        },
+        activations: meshnet_wire::Activations::new(
+            meshnet_wire::Shape::new(&[tokens, hidden]).unwrap(),
+            vec![half::bf16::ZERO; tokens * hidden],
+        )
+        .unwrap(),
+    };
+    let refused = |frame, code: &str| {
+        let client = client.clone();
+        let endpoint = peer.http_url().to_owned();
+        let code = code.to_owned();
+        async move {
+            match client
+                .forward(&endpoint, frame, meshnet_wire::Encoding::Raw)
+                .await
+            {
+                Err(meshnet_node::ClientError::Rejected {
+                    code: got, status, ..
+                }) => {
+                    assert_eq!(got, code, "status {status}");
+                }
+                other => panic!("expected a {code} rejection, got {other:?}"),
+            }
+        }
+    };
+    // A position far past the session's cache (a 128 GB attention mask if it were built).
+    refused(frame(1 << 34, 2), "position_conflict").await;
+    // More tokens in one frame than a prefill chunk.
+    refused(frame(0, 129), "bad_activations").await;
+    // The peer still serves a proper frame.
+    let answer = client
+        .forward(peer.http_url(), frame(0, 3), meshnet_wire::Encoding::Raw)
+        .await
+        .unwrap();
+    assert_eq!(answer.activations.shape().dims(), &[1, 3, hidden]);
+    peer.shutdown().await;
+    tracker.shutdown().await;
+}
