@@ -32,8 +32,9 @@ else
   MESHNET_TESTNET_DIR=$(mktemp -d)
   export MESHNET_TESTNET_DIR
   trap 'testnet/local.sh down || true; rm -rf "$MESHNET_TESTNET_DIR"' EXIT
-  # The debug profile reuses the build cargo test just made.
-  MESHNET_PROFILE=debug testnet/local.sh up 3 | tee "$MESHNET_TESTNET_DIR/up.out"
+  # The binary cargo test just built (a `cargo build -p meshnet-peer` would resolve features
+  # apart from the workspace and rebuild much of the dependency tree).
+  MESHNET_BIN=$PWD/target/debug/meshnet-peer testnet/local.sh up 3 | tee "$MESHNET_TESTNET_DIR/up.out"
   base_url=$(tail -n 1 "$MESHNET_TESTNET_DIR/up.out")
   "$venv/bin/python" scripts/openai_client_check.py "$base_url"
   testnet/local.sh down
