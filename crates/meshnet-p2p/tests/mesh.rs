@@ -99,6 +99,22 @@ async fn next_matching<T>(
         .expect("expected event did not arrive before the deadline")
 }
 
+/// Publishes `sent` from the tracker until `events` delivers it, and checks it came from the
+/// tracker unchanged.
+async fn coverage_arrives(tracker: &Node, events: &mut Receiver<P2pEvent>, sent: &CoverageMessage) {
+    let (from, received) = publish_until(
+        || tracker.handle.publish_coverage(sent.clone()),
+        events,
+        |event| match event {
+            P2pEvent::Coverage { from, coverage } => Some((from, coverage)),
+            _ => None,
+        },
+    )
+    .await;
+    assert_eq!(from, tracker.id);
+    assert_eq!(&received, sent);
+}
+
 /// Publishes with `publish` until `events` yields an event `select` maps to `Some`.
 async fn publish_until<T, F, Fut>(
     mut publish: F,
@@ -276,17 +292,7 @@ async fn coverage_reaches_peers_that_found_the_tracker_in_kademlia() {
     }
     let sent = coverage(tracker.id, 3);
     for peer in &mut peers {
-        let (from, received) = publish_until(
-            || tracker.handle.publish_coverage(sent.clone()),
-            &mut peer.events,
-            |event| match event {
-                P2pEvent::Coverage { from, coverage } => Some((from, coverage)),
-                _ => None,
-            },
-        )
-        .await;
-        assert_eq!(from, tracker.id);
-        assert_eq!(received, sent);
+        coverage_arrives(&tracker, &mut peer.events, &sent).await;
     }
 }
 
@@ -392,17 +398,7 @@ async fn new_peer_finds_the_tracker_through_an_intermediate_peer() {
     assert_eq!(newcomer.handle.tracker().await.unwrap(), Some(tracker.id));
 
     let sent = coverage(intermediate.id, 5);
-    let (from, received) = publish_until(
-        || tracker.handle.publish_coverage(sent.clone()),
-        &mut newcomer.events,
-        |event| match event {
-            P2pEvent::Coverage { from, coverage } => Some((from, coverage)),
-            _ => None,
-        },
-    )
-    .await;
-    assert_eq!(from, tracker.id);
-    assert_eq!(received, sent);
+    coverage_arrives(&tracker, &mut newcomer.events, &sent).await;
 }
 
 #[tokio::test]
