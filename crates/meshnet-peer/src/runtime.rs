@@ -18,6 +18,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use libp2p::identity::Keypair;
 use libp2p::{Multiaddr, PeerId};
@@ -473,6 +474,12 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         let shutdown = async move {
             let _ = server_stop.wait_for(|stopped| *stopped).await;
         };
+        // Activation frames are small and latency-bound: send each write at once.
+        let listener = listener.tap_io(|tcp| {
+            if let Err(error) = tcp.set_nodelay(true) {
+                tracing::debug!(%error, "could not set TCP_NODELAY");
+            }
+        });
         if let Err(error) = axum::serve(listener, router)
             .with_graceful_shutdown(shutdown)
             .await
