@@ -71,6 +71,8 @@ struct HostState {
     current: Option<Arc<LoadedShard>>,
     loading: Option<ShardTarget>,
     draining: Vec<(Arc<LoadedShard>, Instant)>,
+    /// When idle sessions were last looked for.
+    idle_checked: Option<Instant>,
 }
 
 /// The peer's span slot.
@@ -241,10 +243,23 @@ fn all_shards(state: &HostState) -> impl Iterator<Item = &Arc<LoadedShard>> {
 /// Sessions untouched this long are dropped: their entry went away without ending them.
 pub const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// How often the span slot looks for idle sessions.
+const IDLE_CHECK_INTERVAL: Duration = Duration::from_secs(30);
+
 /// Frees draining spans that have no session left or whose drain time ran out, and sessions
 /// idle for longer than [`SESSION_IDLE_TIMEOUT`].
 fn reap(state: &mut HostState, timeout: Duration) {
-    if let Some(cutoff) = Instant::now().checked_sub(SESSION_IDLE_TIMEOUT) {
+    // Idle sessions are looked for at most every IDLE_CHECK_INTERVAL, not on every frame.
+    let due = state
+        .idle_checked
+        .is_none_or(|at| at.elapsed() >= IDLE_CHECK_INTERVAL);
+    if due {
+        state.idle_checked = Some(Instant::now());
+    }
+    if let Some(cutoff) = Instant::now()
+        .checked_sub(SESSION_IDLE_TIMEOUT)
+        .filter(|_| due)
+    {
         for shard in all_shards(state) {
             let dropped = shard.span.kv_store().end_sessions_idle_since(cutoff);
             if dropped > 0 {
