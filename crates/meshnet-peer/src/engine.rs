@@ -215,14 +215,19 @@ impl CompletionEngine for MeshEngine {
             request_id: request.request_id,
             text: Arc::clone(&self.text),
             entry,
-            remote: (!hops.is_empty()).then(|| {
-                RemoteStage::new(
-                    hops,
-                    self.client.clone(),
-                    tokio::runtime::Handle::current(),
-                    self.encoding,
+            remote: if hops.is_empty() {
+                None
+            } else {
+                Some(
+                    RemoteStage::new(
+                        hops,
+                        self.client.clone(),
+                        tokio::runtime::Handle::current(),
+                        self.encoding,
+                    )
+                    .map_err(|e| EngineError::Internal(e.to_string()))?,
                 )
-            }),
+            },
             request: generation,
             events,
             _permit: permit,

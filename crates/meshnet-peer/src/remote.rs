@@ -18,27 +18,49 @@ pub const END_SESSION_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 /// The remote hops of one generation.
 pub struct RemoteStage {
     hops: Vec<PlannedHop>,
+    /// The first hop's layers and the route after it, built once for every frame.
+    first_layers: LayerRange,
+    onward: Route,
     client: ForwardClient,
     runtime: Handle,
     encoding: Encoding,
 }
 
 impl RemoteStage {
-    /// A stage over `hops` (at least one), sending frames with `client` on `runtime` in
-    /// `encoding`. Its methods block: call them from a blocking thread, never from an async
-    /// worker.
+    /// A stage over `hops` (at least one, none empty), sending frames with `client` on
+    /// `runtime` in `encoding`. Its methods block: call them from a blocking thread, never from
+    /// an async worker.
     pub fn new(
         hops: Vec<PlannedHop>,
         client: ForwardClient,
         runtime: Handle,
         encoding: Encoding,
-    ) -> Self {
-        RemoteStage {
+    ) -> Result<Self, ModelError> {
+        let invalid = |reason: String| ModelError::Stage {
+            stage: "remote hops".to_owned(),
+            reason,
+        };
+        let (first, rest) = hops
+            .split_first()
+            .ok_or_else(|| invalid("the route has no hop".to_owned()))?;
+        let first_layers = layer_range(first).map_err(invalid)?;
+        let onward = rest
+            .iter()
+            .map(|hop| {
+                let layers = layer_range(hop)?;
+                Hop::new(layers, hop.endpoint.clone()).map_err(|e| e.to_string())
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(invalid)?;
+        let onward = Route::new(onward)?;
+        Ok(RemoteStage {
             hops,
+            first_layers,
+            onward,
             client,
             runtime,
             encoding,
-        }
+        })
     }
 
     /// The hops, in order.
@@ -66,26 +88,18 @@ impl Stage for RemoteStage {
         position: usize,
         hidden: Tensor,
     ) -> meshnet_model::Result<Tensor> {
-        let (first, rest) = self
+        let first = self
             .hops
-            .split_first()
+            .first()
             .ok_or_else(|| self.error("the route has no hop"))?;
-        let onward = rest
-            .iter()
-            .map(|hop| {
-                let layers = layer_range(hop)?;
-                Hop::new(layers, hop.endpoint.clone()).map_err(|e| e.to_string())
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| self.error(e))?;
         let frame = ActivationFrame {
             meta: FrameMeta {
                 session,
                 chunk_index: 0,
                 chunk_total: 1,
                 position: position as u64,
-                layers: layer_range(first).map_err(|e| self.error(e))?,
-                route: Route::new(onward)?,
+                layers: self.first_layers,
+                route: self.onward.clone(),
             },
             activations: Activations::from_tensor(&hidden)?,
         };
