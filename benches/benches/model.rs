@@ -17,8 +17,9 @@ use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use meshnet_model::{
-    BoundaryPolicy, GgufModel, LlamaSpan, ModelTokenizer, Quantization, Route, SessionId, SpanSpec,
+    BoundaryPolicy, GgufModel, LlamaSpan, ModelTokenizer, Route, SessionId, SpanSpec,
 };
+use meshnet_types::{LayerSpan, Quantization};
 
 const PREFILL_TOKENS: usize = 128;
 const DECODE_TOKENS: usize = 32;
@@ -88,10 +89,13 @@ fn prompt_tokens(model: &GgufModel) -> Vec<u32> {
 }
 
 /// Prefill and decode tokens per second of our whole-model span.
-fn measure_ours(quantization: Quantization) -> (f64, f64) {
+fn measure_ours(quantization: Option<Quantization>) -> (f64, f64) {
     let model = GgufModel::open(model_path()).unwrap();
     let prompt = prompt_tokens(&model);
-    let spec = SpanSpec::whole(model.description()).with_quantization(quantization);
+    let spec = SpanSpec {
+        quantization,
+        ..SpanSpec::whole(model.description())
+    };
     let span = LlamaSpan::load(&model, &spec).unwrap();
     let route = Route {
         embedder: &span,
@@ -171,12 +175,12 @@ fn resident_bytes() -> u64 {
 }
 
 /// Resident memory after loading a span, and the growth over the process before loading.
-fn measure_memory(which: &str, quantization: Quantization) -> (u64, u64) {
+fn measure_memory(which: &str, quantization: Option<Quantization>) -> (u64, u64) {
     let model = GgufModel::open(model_path()).unwrap();
     if which == "reference-memory" {
         let path = match quantization {
-            Quantization::Q8_0 => requantised_path(),
-            Quantization::AsShipped => model_path(),
+            Some(Quantization::Q8_0) => requantised_path(),
+            _ => model_path(),
         };
         let before = resident_bytes();
         let mut file = std::fs::File::open(path).unwrap();
@@ -187,11 +191,13 @@ fn measure_memory(which: &str, quantization: Quantization) -> (u64, u64) {
         return (after, after.saturating_sub(before));
     }
     let before = resident_bytes();
-    let spec = match which {
-        "whole" => SpanSpec::whole(model.description()),
-        _ => SpanSpec::layers(10..20),
-    }
-    .with_quantization(quantization);
+    let spec = SpanSpec {
+        quantization,
+        ..match which {
+            "whole" => SpanSpec::whole(model.description()),
+            _ => SpanSpec::layers(LayerSpan::new(10, 20)),
+        }
+    };
     let span = LlamaSpan::load(&model, &spec).unwrap();
     let after = resident_bytes();
     drop(span);
@@ -200,8 +206,8 @@ fn measure_memory(which: &str, quantization: Quantization) -> (u64, u64) {
 
 fn worker(args: &[String]) {
     let quantization = match args[2].as_str() {
-        "q8_0" => Quantization::Q8_0,
-        _ => Quantization::AsShipped,
+        "q8_0" => Some(Quantization::Q8_0),
+        _ => None,
     };
     match args[1].as_str() {
         "ours" => {
@@ -210,8 +216,8 @@ fn worker(args: &[String]) {
         }
         "reference" => {
             let path = match quantization {
-                Quantization::Q8_0 => requantised_path(),
-                Quantization::AsShipped => model_path(),
+                Some(Quantization::Q8_0) => requantised_path(),
+                _ => model_path(),
             };
             let (prefill, decode) = measure_reference(&path);
             println!("{prefill} {decode}");

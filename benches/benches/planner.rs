@@ -7,9 +7,9 @@ use std::hint::black_box;
 use criterion::{Criterion, criterion_group, criterion_main};
 use meshnet_planner::scenario::{self, MeshProfile};
 use meshnet_planner::{
-    CoverageMap, LayerSpan, ModelShape, PeerCapacity, PeerState, Planner, PlannerConfig,
-    Quantization, ShardHolding,
+    CoverageMap, ModelShape, PeerCapacity, Planner, PlannerConfig, ShardHolding,
 };
+use meshnet_types::{LayerSpan, Quantization, SpanState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -72,7 +72,7 @@ fn bench_planner(c: &mut Criterion) {
                     peer: p.peer.clone(),
                     layers: LayerSpan::new(start, end),
                     quantization: Quantization::Nf4,
-                    state: PeerState::Ready,
+                    state: SpanState::Ready,
                 }
             })
             .collect(),

@@ -8,9 +8,8 @@
 
 use criterion::{BatchSize, Criterion, Throughput, criterion_group, criterion_main};
 use half::bf16;
-use meshnet_wire::{
-    ActivationFrame, Activations, Encoding, FrameMeta, LayerRange, Limits, Route, Shape,
-};
+use meshnet_types::LayerSpan;
+use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Limits, Route, Shape};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
@@ -30,7 +29,7 @@ fn normal_frame(dims: &[usize]) -> ActivationFrame {
             chunk_index: 0,
             chunk_total: 1,
             position: 0,
-            layers: LayerRange::new(0, 10).unwrap(),
+            layers: LayerSpan::new(0, 10),
             route: Route::default(),
         },
         activations: Activations::new(shape, values).unwrap(),

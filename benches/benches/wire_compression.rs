@@ -63,7 +63,7 @@ fn real_activations() -> Option<Vec<bf16>> {
         &model,
         &SpanSpec {
             embedding: true,
-            ..SpanSpec::layers(0..LAYERS_RUN)
+            ..SpanSpec::layers(meshnet_types::LayerSpan::new(0, LAYERS_RUN as u32))
         },
     )
     .unwrap();

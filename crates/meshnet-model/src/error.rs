@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use meshnet_types::Quantization;
+
 /// Everything that can go wrong loading or running a model.
 ///
 /// Messages name the file, the metadata key or the tensor at fault.
@@ -71,12 +73,18 @@ pub enum ModelError {
         /// What went wrong.
         reason: String,
     },
-    /// A quantization name that is not known.
+    /// A weight format this model cannot be held in.
     #[error(
-        "unknown quantization {0:?} (known: q8_0, as-shipped; K-quants need rows that are a \
-         multiple of 256)"
+        "this model cannot be held as {asked}: its layers are stored as {} and can be \
+         requantised to q8_0",
+        shipped.map_or_else(|| "a format without a name here".to_owned(), |q| q.to_string())
     )]
-    UnknownQuantization(String),
+    UnsupportedQuantization {
+        /// The format asked for.
+        asked: Quantization,
+        /// The format the file stores its layers in.
+        shipped: Option<Quantization>,
+    },
     /// A requested span or configuration does not fit the model.
     #[error("invalid span: {0}")]
     InvalidSpan(String),

@@ -8,33 +8,13 @@ use std::path::{Path, PathBuf};
 use candle_core::Device;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
+use meshnet_types::Quantization;
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
 
 /// Architectures this crate runs.
 const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
-
-/// How a span stores its linear weights.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Quantization {
-    /// The tensor types as stored in the file.
-    AsShipped,
-    /// Every quantized or float matrix requantised to Q8_0 on load (candle has SIMD kernels for
-    /// it). Norm weights stay f32.
-    Q8_0,
-}
-
-impl Quantization {
-    /// Parses a command-line name: `q8_0`, or `none`/`as-shipped` for the file's own types.
-    pub fn parse(name: &str) -> Result<Self> {
-        match name.to_ascii_lowercase().as_str() {
-            "q8_0" | "q8-0" => Ok(Self::Q8_0),
-            "none" | "as-shipped" | "asshipped" => Ok(Self::AsShipped),
-            other => Err(ModelError::UnknownQuantization(other.to_owned())),
-        }
-    }
-}
 
 /// Bytes the weights of each part of the model take in memory, per quantization.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -89,6 +69,9 @@ pub struct ModelDescription {
     pub chat_template: Option<String>,
     /// Whether the LM head reuses the token embedding (no `output.weight`).
     pub tied_embeddings: bool,
+    /// The format the file stores its layers' matrices in, when the project has a name for it
+    /// (`q4_1`, `q8_0`, or `bf16` for 16- and 32-bit floats).
+    pub shipped_quantization: Option<Quantization>,
     /// Bytes of the weights as stored in the file.
     pub bytes_as_shipped: WeightBytes,
     /// Bytes of the weights after requantisation to Q8_0.
@@ -96,12 +79,37 @@ pub struct ModelDescription {
 }
 
 impl ModelDescription {
-    /// The weight sizes for a quantization.
-    pub fn weight_bytes(&self, quantization: Quantization) -> &WeightBytes {
-        match quantization {
-            Quantization::AsShipped => &self.bytes_as_shipped,
-            Quantization::Q8_0 => &self.bytes_q8_0,
+    /// The formats spans of this model can be held in: the file's own (when it has a name)
+    /// and Q8_0, to which every matrix can be requantised on load.
+    pub fn quantizations(&self) -> Vec<Quantization> {
+        let mut formats: Vec<Quantization> = self.shipped_quantization.into_iter().collect();
+        if !formats.contains(&Quantization::Q8_0) {
+            formats.push(Quantization::Q8_0);
         }
+        formats
+    }
+
+    /// Whether holding the weights in `quantization` (`None`: as stored in the file) means
+    /// requantising them to Q8_0 on load; a format neither shipped nor Q8_0 is an error.
+    pub fn requantises(&self, quantization: Option<Quantization>) -> Result<bool> {
+        match quantization {
+            None => Ok(false),
+            Some(asked) if Some(asked) == self.shipped_quantization => Ok(false),
+            Some(Quantization::Q8_0) => Ok(true),
+            Some(asked) => Err(ModelError::UnsupportedQuantization {
+                asked,
+                shipped: self.shipped_quantization,
+            }),
+        }
+    }
+
+    /// The weight sizes when held in `quantization` (`None`: as stored in the file).
+    pub fn weight_bytes(&self, quantization: Option<Quantization>) -> Result<&WeightBytes> {
+        Ok(if self.requantises(quantization)? {
+            &self.bytes_q8_0
+        } else {
+            &self.bytes_as_shipped
+        })
     }
 }
 
@@ -428,7 +436,21 @@ fn describe(path: &Path, content: &Content) -> Result<ModelDescription> {
         im_end_token: find_token("<|im_end|>"),
         chat_template,
         tied_embeddings,
+        shipped_quantization: content
+            .tensor_infos
+            .get("blk.0.attn_q.weight")
+            .and_then(|info| quantization_of(info.ggml_dtype)),
         bytes_as_shipped: weight_bytes(&shipped),
         bytes_q8_0: weight_bytes(&requantised),
     })
+}
+
+/// The project's name for a GGUF tensor type, when it has one.
+fn quantization_of(dtype: GgmlDType) -> Option<Quantization> {
+    match dtype {
+        GgmlDType::Q4_1 => Some(Quantization::Q4_1),
+        GgmlDType::Q8_0 => Some(Quantization::Q8_0),
+        GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 => Some(Quantization::Bf16),
+        _ => None,
+    }
 }

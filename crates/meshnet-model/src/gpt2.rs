@@ -27,7 +27,9 @@ use serde_json::Value;
 use crate::attention::{causal_mask, check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
-use crate::gguf::{ModelDescription, Quantization, WeightBytes};
+use meshnet_types::{LayerSpan, Quantization};
+
+use crate::gguf::{ModelDescription, WeightBytes};
 use crate::kv_cache::{KvStore, SessionCache, SessionId};
 use crate::llama::SpanSpec;
 
@@ -517,6 +519,8 @@ impl WeightsLayout {
             im_end_token: None,
             chat_template: None,
             tied_embeddings: self.tied_embeddings,
+            // Safetensors checkpoints hold float weights.
+            shipped_quantization: Some(Quantization::Bf16),
             bytes_as_shipped,
             bytes_q8_0,
         })
@@ -755,23 +759,23 @@ pub struct Gpt2Span {
     vocab_size: usize,
     layer_norm_epsilon: f32,
     attention_scale: f64,
-    layer_range: Range<usize>,
+    layer_range: LayerSpan,
     token_embedding: Option<Tensor>,
     position_embedding: Option<Tensor>,
     blocks: Vec<Block>,
     head: Option<Head>,
     cache: KvStore,
-    quantization: Quantization,
+    quantization: Option<Quantization>,
 }
 
 impl Gpt2Span {
     /// Loads the parts of `model` that `spec` names, and nothing else. With
-    /// [`Quantization::Q8_0`] the linear weights of the blocks and the LM head are quantized to
+    /// `Some(Quantization::Q8_0)` the linear weights of the blocks and the LM head are quantized to
     /// Q8_0 on load (their input dimensions must be multiples of 32); biases, norms and
     /// embeddings stay f32.
     pub fn load(model: &Gpt2Model, spec: &SpanSpec) -> Result<Self> {
         let config = model.config();
-        if spec.layers.start > spec.layers.end || spec.layers.end > config.layers {
+        if spec.layers.end as usize > config.layers {
             return Err(ModelError::InvalidSpan(format!(
                 "layers {}..{} do not fit a model of {} layers",
                 spec.layers.start, spec.layers.end, config.layers
@@ -782,10 +786,10 @@ impl Gpt2Span {
                 "a span must hold at least one layer, the embedding or the head".into(),
             ));
         }
-        let quantize_to = match spec.quantization {
-            Quantization::AsShipped => None,
-            Quantization::Q8_0 => Some(GgmlDType::Q8_0),
-        };
+        let quantize_to = model
+            .description()
+            .requantises(spec.quantization)?
+            .then_some(GgmlDType::Q8_0);
         let (hidden, inner, vocab) = (config.hidden, config.inner, config.vocab_size);
         let weights = &model.weights;
         let mut reader = model.tensor_reader()?;
@@ -807,8 +811,8 @@ impl Gpt2Span {
             None
         };
 
-        let mut blocks = Vec::with_capacity(spec.layers.len());
-        for layer in spec.layers.clone() {
+        let mut blocks = Vec::with_capacity(spec.layers.len() as usize);
+        for layer in spec.layers.as_range() {
             let name = |suffix: &str| weights.block_tensor_name(layer, suffix);
             blocks.push(Block {
                 attention_norm: reader.load_layer_norm(
@@ -868,7 +872,8 @@ impl Gpt2Span {
         // A head-only span of a tied model borrowed the table for its output.
         let token_embedding = if spec.embedding { token_table } else { None };
 
-        let bytes_per_position = spec.layers.len() * 2 * hidden * DType::F32.size_in_bytes();
+        let span_layers = spec.layers.len() as usize;
+        let bytes_per_position = span_layers * 2 * hidden * DType::F32.size_in_bytes();
         let attention_scale = if config.scale_attention {
             1.0 / (config.head_dim() as f64).sqrt()
         } else {
@@ -882,19 +887,19 @@ impl Gpt2Span {
             vocab_size: vocab,
             layer_norm_epsilon: config.layer_norm_epsilon as f32,
             attention_scale,
-            layer_range: spec.layers.clone(),
+            layer_range: spec.layers,
             token_embedding,
             position_embedding,
             blocks,
             head,
-            cache: KvStore::new(spec.layers.len(), bytes_per_position, spec.kv_budget_bytes),
+            cache: KvStore::new(span_layers, bytes_per_position, spec.kv_budget_bytes),
             quantization: spec.quantization,
         })
     }
 
     /// The blocks this span runs.
-    pub fn layer_range(&self) -> Range<usize> {
-        self.layer_range.clone()
+    pub fn layers(&self) -> LayerSpan {
+        self.layer_range
     }
 
     /// Whether the span holds the token embedding.
@@ -908,7 +913,7 @@ impl Gpt2Span {
     }
 
     /// How the span's linear weights are stored.
-    pub fn quantization(&self) -> Quantization {
+    pub fn quantization(&self) -> Option<Quantization> {
         self.quantization
     }
 
@@ -927,6 +932,25 @@ impl Gpt2Span {
         position: usize,
         hidden: &Tensor,
     ) -> Result<Tensor> {
+        self.forward_range(session, position, hidden, self.layer_range)
+    }
+
+    /// Like [`Self::forward_layers`], but runs only `layers` (absolute indices, within the
+    /// span's own range). A session must use the same range on every chunk: the blocks it
+    /// skips keep no cache for it.
+    pub fn forward_range(
+        &self,
+        session: SessionId,
+        position: usize,
+        hidden: &Tensor,
+        layers: LayerSpan,
+    ) -> Result<Tensor> {
+        if !self.layer_range.covers(layers) {
+            return Err(ModelError::InvalidSpan(format!(
+                "layers {layers} are not within this span's {}",
+                self.layer_range
+            )));
+        }
         let tokens = hidden_tokens(hidden, self.hidden)?;
         if position + tokens > self.positions {
             return Err(ModelError::InvalidSpan(format!(
@@ -936,17 +960,22 @@ impl Gpt2Span {
             )));
         }
         let mut hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
-        if self.blocks.is_empty() {
+        if layers.is_empty() {
             return Ok(hidden);
         }
-        if let Some(table) = &self.position_embedding {
+        if let Some(table) = &self.position_embedding
+            && layers.start == 0
+        {
             let rows = table.narrow(0, position, tokens)?.unsqueeze(0)?;
             hidden = (hidden + rows)?;
         }
+        let first = (layers.start - self.layer_range.start) as usize;
+        let selected = &self.blocks[first..first + layers.len() as usize];
         let mask = causal_mask(position, tokens)?;
         self.cache
             .with_session(session, position, tokens, |cache| {
-                for (index, block) in self.blocks.iter().enumerate() {
+                for (offset, block) in selected.iter().enumerate() {
+                    let index = first + offset;
                     hidden = self.block_forward(block, index, cache, &hidden, mask.as_ref())?;
                 }
                 Ok(())
@@ -1058,10 +1087,7 @@ impl Stage for Gpt2Span {
     }
 
     fn name(&self) -> String {
-        format!(
-            "GPT-2 layers {}..{}",
-            self.layer_range.start, self.layer_range.end
-        )
+        format!("GPT-2 layers {}", self.layer_range)
     }
 }
 

@@ -9,6 +9,9 @@
 //! hand-off between stages either f32 (bit-identical to one process) or bfloat16 as on the
 //! wire ([`BoundaryPolicy`]).
 //!
+//! [`Model`] opens either family behind one type, loads [`ModelSpan`]s of it and builds its
+//! [`TextSide`] (tokenizer, chat format, stop tokens).
+//!
 //! It is synchronous and does no I/O besides reading model files.
 
 mod attention;
@@ -19,6 +22,7 @@ mod gguf;
 mod gpt2;
 mod kv_cache;
 mod llama;
+mod model;
 mod sampling;
 mod tokenizer;
 
@@ -28,10 +32,11 @@ pub use generation::{
     BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,
     TokenEmbedder, generate, generate_observed,
 };
-pub use gguf::{GgufModel, ModelDescription, Quantization, WeightBytes};
+pub use gguf::{GgufModel, ModelDescription, WeightBytes};
 pub use gpt2::{GPT2_CONFIG_FILE, GPT2_WEIGHTS_FILE, Gpt2Config, Gpt2Model, Gpt2Span};
 pub use kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
 pub use llama::{LlamaSpan, SpanSpec, SplitModel, split_specs};
+pub use model::{GPT2_TOKENIZER_FILE, Model, ModelSpan, TextSide};
 pub use sampling::{Sampler, SamplingConfig, StopConditions, argmax};
 pub use tokenizer::ModelTokenizer;
 

@@ -5,7 +5,6 @@
 //! A span reads only the tensors of the parts it holds. Its KV caches live in a [`KvStore`]
 //! beside the weights, so one set of weights serves many sessions.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
@@ -14,20 +13,22 @@ use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use crate::attention::{causal_mask, check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
-use crate::gguf::{GgufModel, ModelDescription, Quantization, TensorReader};
+use meshnet_types::{LayerSpan, Quantization};
+
+use crate::gguf::{GgufModel, ModelDescription, TensorReader};
 use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
 
 /// Which parts of the model a span holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SpanSpec {
-    /// The transformer layers, `start..end` (may be empty for an embedding- or head-only span).
-    pub layers: Range<usize>,
+    /// The transformer layers (may be empty for an embedding- or head-only span).
+    pub layers: LayerSpan,
     /// Whether the span holds the token embedding (the route's entry).
     pub embedding: bool,
     /// Whether the span holds the final norm and LM head.
     pub head: bool,
-    /// How linear weights are stored.
-    pub quantization: Quantization,
+    /// The format linear weights are held in; `None` keeps the file's own.
+    pub quantization: Option<Quantization>,
     /// The KV cache budget of this span over all sessions, in bytes.
     pub kv_budget_bytes: usize,
 }
@@ -36,28 +37,28 @@ impl SpanSpec {
     /// The whole model in one span: embedding, every layer, head; weights as shipped.
     pub fn whole(description: &ModelDescription) -> Self {
         Self {
-            layers: 0..description.layers,
+            layers: LayerSpan::new(0, description.layers as u32),
             embedding: true,
             head: true,
-            quantization: Quantization::AsShipped,
+            quantization: None,
             kv_budget_bytes: DEFAULT_KV_BUDGET_BYTES,
         }
     }
 
     /// Layers only, no embedding or head; weights as shipped.
-    pub fn layers(layers: Range<usize>) -> Self {
+    pub fn layers(layers: LayerSpan) -> Self {
         Self {
             layers,
             embedding: false,
             head: false,
-            quantization: Quantization::AsShipped,
+            quantization: None,
             kv_budget_bytes: DEFAULT_KV_BUDGET_BYTES,
         }
     }
 
-    /// The same span with another quantization.
+    /// The same span held in `quantization`.
     pub fn with_quantization(mut self, quantization: Quantization) -> Self {
-        self.quantization = quantization;
+        self.quantization = Some(quantization);
         self
     }
 }
@@ -99,13 +100,13 @@ struct Head {
 #[derive(Debug)]
 pub struct LlamaSpan {
     hyper: Hyper,
-    layer_range: Range<usize>,
+    layer_range: LayerSpan,
     vocab_size: usize,
     embedding: Option<Arc<QTensor>>,
     layers: Vec<Layer>,
     head: Option<Head>,
     cache: KvStore,
-    quantization: Quantization,
+    quantization: Option<Quantization>,
 }
 
 impl LlamaSpan {
@@ -121,7 +122,7 @@ impl LlamaSpan {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let description = model.description();
-        if spec.layers.start > spec.layers.end || spec.layers.end > description.layers {
+        if spec.layers.end as usize > description.layers {
             return Err(ModelError::InvalidSpan(format!(
                 "layers {}..{} do not fit a model of {} layers",
                 spec.layers.start, spec.layers.end, description.layers
@@ -137,28 +138,29 @@ impl LlamaSpan {
         let kv_width = description.kv_heads * head_dim;
         let vocab = description.vocab_size;
         let mut reader = model.tensor_reader()?;
-        let quantization = spec.quantization;
+        let requantise = description.requantises(spec.quantization)?;
+        let span_layers = spec.layers.len() as usize;
 
         let embedding = if spec.embedding || (spec.head && description.tied_embeddings) {
             Some(Arc::new(load_matrix(
                 &mut reader,
                 "token_embd.weight",
                 &[vocab, hidden],
-                quantization,
+                requantise,
             )?))
         } else {
             None
         };
 
-        let mut layers = Vec::with_capacity(spec.layers.len());
-        progress(0, spec.layers.len());
-        for index in spec.layers.clone() {
+        let mut layers = Vec::with_capacity(span_layers);
+        progress(0, span_layers);
+        for index in spec.layers.as_range() {
             if !layers.is_empty() {
-                progress(layers.len(), spec.layers.len());
+                progress(layers.len(), span_layers);
             }
             let name = |suffix: &str| format!("blk.{index}.{suffix}");
             let matrix = |reader: &mut TensorReader<'_>, suffix: &str, dims: &[usize]| {
-                load_matrix(reader, &name(suffix), dims, quantization)
+                load_matrix(reader, &name(suffix), dims, requantise)
                     .and_then(|tensor| qmatmul(tensor, &name(suffix), model))
             };
             layers.push(Layer {
@@ -186,7 +188,7 @@ impl LlamaSpan {
             });
         }
 
-        progress(layers.len(), spec.layers.len());
+        progress(layers.len(), span_layers);
         let head = if spec.head {
             let norm = load_vector(&mut reader, "output_norm.weight", hidden)?;
             let output = match (&embedding, description.tied_embeddings) {
@@ -195,7 +197,7 @@ impl LlamaSpan {
                     &mut reader,
                     "output.weight",
                     &[vocab, hidden],
-                    quantization,
+                    requantise,
                 )?),
             }
             .map_err(|error| tensor_error(model, "output.weight", error))?;
@@ -210,7 +212,7 @@ impl LlamaSpan {
             .step_by(2)
             .map(|i| 1.0 / description.rope_base.powf(i as f32 / head_dim as f32))
             .collect();
-        let bytes_per_position = spec.layers.len() * 2 * kv_width * DType::F32.size_in_bytes();
+        let bytes_per_position = span_layers * 2 * kv_width * DType::F32.size_in_bytes();
         Ok(Self {
             hyper: Hyper {
                 hidden,
@@ -220,19 +222,19 @@ impl LlamaSpan {
                 rms_eps: description.rms_eps as f32,
                 inverse_frequencies,
             },
-            layer_range: spec.layers.clone(),
+            layer_range: spec.layers,
             vocab_size: vocab,
             embedding,
             layers,
             head,
-            cache: KvStore::new(spec.layers.len(), bytes_per_position, spec.kv_budget_bytes),
-            quantization,
+            cache: KvStore::new(span_layers, bytes_per_position, spec.kv_budget_bytes),
+            quantization: spec.quantization,
         })
     }
 
     /// The layers this span runs.
-    pub fn layer_range(&self) -> Range<usize> {
-        self.layer_range.clone()
+    pub fn layers(&self) -> LayerSpan {
+        self.layer_range
     }
 
     /// Whether the span holds the token embedding.
@@ -245,8 +247,8 @@ impl LlamaSpan {
         self.head.is_some()
     }
 
-    /// How the span's linear weights are stored.
-    pub fn quantization(&self) -> Quantization {
+    /// The format the span's linear weights are held in (`None`: the file's own).
+    pub fn quantization(&self) -> Option<Quantization> {
         self.quantization
     }
 
@@ -264,7 +266,7 @@ impl LlamaSpan {
         position: usize,
         hidden: &Tensor,
     ) -> Result<Tensor> {
-        self.forward_range(session, position, hidden, self.layer_range.clone())
+        self.forward_range(session, position, hidden, self.layer_range)
     }
 
     /// Like [`Self::forward_layers`], but runs only `layers` (absolute indices, within the
@@ -275,15 +277,12 @@ impl LlamaSpan {
         session: SessionId,
         position: usize,
         hidden: &Tensor,
-        layers: Range<usize>,
+        layers: LayerSpan,
     ) -> Result<Tensor> {
-        if layers.start < self.layer_range.start
-            || layers.end > self.layer_range.end
-            || layers.start > layers.end
-        {
+        if !self.layer_range.covers(layers) {
             return Err(ModelError::InvalidSpan(format!(
-                "layers {}..{} are not within this span's {}..{}",
-                layers.start, layers.end, self.layer_range.start, self.layer_range.end
+                "layers {layers} are not within this span's {}",
+                self.layer_range
             )));
         }
         let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
@@ -302,8 +301,8 @@ impl LlamaSpan {
         if layers.is_empty() {
             return Ok(hidden);
         }
-        let first = layers.start - self.layer_range.start;
-        let selected = &self.layers[first..first + layers.len()];
+        let first = (layers.start - self.layer_range.start) as usize;
+        let selected = &self.layers[first..first + layers.len() as usize];
         let (cos, sin) = self.rope_tables(position, tokens)?;
         let mask = causal_mask(position, tokens)?;
         self.cache
@@ -450,10 +449,7 @@ impl Stage for LlamaSpan {
     }
 
     fn name(&self) -> String {
-        format!(
-            "layers {}..{}",
-            self.layer_range.start, self.layer_range.end
-        )
+        format!("layers {}", self.layer_range)
     }
 }
 
@@ -474,13 +470,12 @@ fn load_matrix(
     reader: &mut TensorReader<'_>,
     name: &str,
     dims: &[usize],
-    quantization: Quantization,
+    requantise: bool,
 ) -> Result<QTensor> {
     let tensor = reader.load(name, dims)?;
     let row = dims.last().copied().unwrap_or(0);
-    let requantise = quantization == Quantization::Q8_0
-        && tensor.dtype() != GgmlDType::Q8_0
-        && row % GgmlDType::Q8_0.block_size() == 0;
+    let requantise =
+        requantise && tensor.dtype() != GgmlDType::Q8_0 && row % GgmlDType::Q8_0.block_size() == 0;
     if !requantise {
         return Ok(tensor);
     }
@@ -513,7 +508,7 @@ pub struct SplitModel<S = LlamaSpan> {
 pub fn split_specs(
     layers: usize,
     boundaries: &[usize],
-    quantization: Quantization,
+    quantization: Option<Quantization>,
     kv_budget_bytes: usize,
 ) -> Result<Vec<SpanSpec>> {
     let mut edges = Vec::with_capacity(boundaries.len() + 2);
@@ -534,7 +529,7 @@ pub fn split_specs(
         .windows(2)
         .enumerate()
         .map(|(index, pair)| SpanSpec {
-            layers: pair[0]..pair[1],
+            layers: LayerSpan::new(pair[0] as u32, pair[1] as u32),
             embedding: index == 0,
             head: index + 1 == count,
             quantization,
@@ -548,7 +543,7 @@ impl SplitModel<LlamaSpan> {
     pub fn load(
         model: &GgufModel,
         boundaries: &[usize],
-        quantization: Quantization,
+        quantization: Option<Quantization>,
         kv_budget_bytes: usize,
     ) -> Result<Self> {
         let specs = split_specs(

@@ -7,12 +7,11 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use meshnet_model::{
-    BoundaryPolicy, DEFAULT_KV_BUDGET_BYTES, GenerationRequest, LlamaSpan, Quantization, Route,
-    SessionId, SpanSpec, SplitModel, Stage, generate,
+    BoundaryPolicy, DEFAULT_KV_BUDGET_BYTES, GenerationRequest, LlamaSpan, Route, SessionId,
+    SpanSpec, SplitModel, Stage, generate,
 };
-use meshnet_wire::{
-    ActivationFrame, Activations, Encoding, FrameMeta, LayerRange, Limits, Route as WireRoute,
-};
+use meshnet_types::{LayerSpan, Quantization};
+use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Limits, Route as WireRoute};
 
 /// A span reached over the wire: hidden states are encoded into a real activation frame
 /// (bf16, zstd), decoded, and handed to the span, as the receiving peer would.
@@ -27,14 +26,14 @@ impl Stage for OverTheWire<'_> {
         position: usize,
         hidden: Tensor,
     ) -> meshnet_model::Result<Tensor> {
-        let layers = self.span.layer_range();
+        let layers = self.span.layers();
         let frame = ActivationFrame {
             meta: FrameMeta {
                 session,
                 chunk_index: 0,
                 chunk_total: 1,
                 position: position as u64,
-                layers: LayerRange::new(layers.start as u32, layers.end as u32).unwrap(),
+                layers,
                 route: WireRoute::default(),
             },
             activations: Activations::from_tensor(&hidden)?,
@@ -66,15 +65,16 @@ impl Stage for OverTheWire<'_> {
 #[test]
 fn codec_joined_spans_equal_the_bf16_reference_and_the_drift_is_reported() {
     let model = common::model();
-    let quantization = Quantization::Q8_0;
+    let quantization = Some(Quantization::Q8_0);
     let reference =
         SplitModel::load(model, &[10, 20], quantization, DEFAULT_KV_BUDGET_BYTES).unwrap();
     let reference_route = reference.route(BoundaryPolicy::Bf16).unwrap();
 
-    let spec = |layers, embedding, head| SpanSpec {
+    let spec = |layers: std::ops::Range<u32>, embedding, head| SpanSpec {
         embedding,
         head,
-        ..SpanSpec::layers(layers).with_quantization(quantization)
+        quantization,
+        ..SpanSpec::layers(LayerSpan::new(layers.start, layers.end))
     };
     let entry = LlamaSpan::load(model, &spec(0..10, true, false)).unwrap();
     let middle = LlamaSpan::load(model, &spec(10..20, false, false)).unwrap();

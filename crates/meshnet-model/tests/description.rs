@@ -3,7 +3,8 @@
 
 mod common;
 
-use meshnet_model::{ChatMessage, ChatTemplate, Quantization};
+use meshnet_model::{ChatMessage, ChatTemplate};
+use meshnet_types::Quantization;
 
 #[test]
 fn describes_smollm2_from_metadata() {
@@ -25,8 +26,8 @@ fn describes_smollm2_from_metadata() {
             .unwrap()
             .contains("<|im_start|>")
     );
-    let shipped = description.weight_bytes(Quantization::AsShipped);
-    let q8 = description.weight_bytes(Quantization::Q8_0);
+    let shipped = description.weight_bytes(None).unwrap();
+    let q8 = description.weight_bytes(Some(Quantization::Q8_0)).unwrap();
     assert_eq!(shipped.layers.len(), 30);
     assert!(
         shipped

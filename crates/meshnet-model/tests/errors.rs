@@ -68,7 +68,7 @@ fn first_layer_tensors() -> Vec<(String, QTensor)> {
 }
 
 fn first_layer_spec() -> SpanSpec {
-    SpanSpec::layers(0..1)
+    SpanSpec::layers(meshnet_types::LayerSpan::new(0, 1))
 }
 
 #[test]

@@ -11,8 +11,9 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use meshnet_model::{
     BoundaryPolicy, DEFAULT_KV_BUDGET_BYTES, GenerationRequest, Gpt2Config, Gpt2Model, Gpt2Span,
-    ModelError, Quantization, Route, SessionId, SpanSpec, Stage, TokenEmbedder, argmax, generate,
+    ModelError, Route, SessionId, SpanSpec, Stage, TokenEmbedder, argmax, generate,
 };
+use meshnet_types::{LayerSpan, Quantization};
 use serde_json::Value;
 
 /// The tolerance of every f32 comparison with the reference.
@@ -81,12 +82,12 @@ fn assert_close(what: &str, actual: &[f32], expected: &[f32], tolerance: f32) ->
     diff
 }
 
-fn spec(layers: std::ops::Range<usize>, embedding: bool, head: bool) -> SpanSpec {
+fn spec(layers: std::ops::Range<u32>, embedding: bool, head: bool) -> SpanSpec {
     SpanSpec {
-        layers,
+        layers: LayerSpan::new(layers.start, layers.end),
         embedding,
         head,
-        quantization: Quantization::AsShipped,
+        quantization: None,
         kv_budget_bytes: DEFAULT_KV_BUDGET_BYTES,
     }
 }
@@ -154,7 +155,8 @@ fn every_block_output_matches_the_reference() {
     let embedder = Gpt2Span::load(&model, &spec(0..0, true, false)).unwrap();
     let mut hidden = embedder.embed(&tokens).unwrap();
     for layer in 0..layers {
-        let span = Gpt2Span::load(&model, &spec(layer..layer + 1, false, false)).unwrap();
+        let span =
+            Gpt2Span::load(&model, &spec(layer as u32..layer as u32 + 1, false, false)).unwrap();
         hidden = span.forward_layers(session, 0, &hidden).unwrap();
         let reference_block = &expected[layer * per_block..(layer + 1) * per_block];
         assert_close(
@@ -168,7 +170,8 @@ fn every_block_output_matches_the_reference() {
     // Each span from the reference's own input: block i maps block_outputs[i - 1] to
     // block_outputs[i].
     for layer in 1..layers {
-        let span = Gpt2Span::load(&model, &spec(layer..layer + 1, false, false)).unwrap();
+        let span =
+            Gpt2Span::load(&model, &spec(layer as u32..layer as u32 + 1, false, false)).unwrap();
         let input = Tensor::from_slice(
             &expected[(layer - 1) * per_block..layer * per_block],
             (1, tokens.len(), model.config().hidden),
@@ -450,7 +453,7 @@ fn a_missing_tensor_is_named_and_only_spans_that_need_it_fail() {
     assert!(error.to_string().contains(missing), "{error}");
     // A span that does not hold block 1 never reads it.
     let later = Gpt2Span::load(&model, &spec(2..4, false, true)).unwrap();
-    assert_eq!(later.layer_range(), 2..4);
+    assert_eq!(later.layers(), LayerSpan::new(2, 4));
 
     let unprefixed = "wpe.weight";
     let directory_without_positions = broken_copy(&no_prefix_dir(), "missing-wpe", |tensors| {
@@ -713,7 +716,7 @@ fn q8_0_on_load_stays_close_to_f32() {
     let exact = whole(&model);
     let quantized_spec = SpanSpec::whole(model.description()).with_quantization(Quantization::Q8_0);
     let quantized = Gpt2Span::load(&model, &quantized_spec).unwrap();
-    assert_eq!(quantized.quantization(), Quantization::Q8_0);
+    assert_eq!(quantized.quantization(), Some(Quantization::Q8_0));
     let reference = all_logits(&[&exact], &tokens);
     let approximate = all_logits(&[&quantized], &tokens);
     let spread = reference.iter().fold(0.0_f32, |m, v| m.max(v.abs()));

@@ -8,9 +8,10 @@ use std::sync::OnceLock;
 
 use candle_core::{Device, Tensor};
 use meshnet_model::{
-    BoundaryPolicy, GenerationRequest, LlamaSpan, Quantization, Route, SessionId, SpanSpec, Stage,
-    argmax, generate,
+    BoundaryPolicy, GenerationRequest, LlamaSpan, Route, SessionId, SpanSpec, Stage, argmax,
+    generate,
 };
+use meshnet_types::{LayerSpan, Quantization};
 
 /// The whole model in one span, loaded once per test binary.
 fn whole() -> &'static LlamaSpan {
@@ -61,10 +62,11 @@ fn long_prompt() -> Vec<u32> {
 #[test]
 fn split_equals_whole_exactly_with_f32_hand_off() {
     let model = common::model();
-    let spec = |layers, embedding, head| SpanSpec {
+    let spec = |layers: std::ops::Range<u32>, embedding, head| SpanSpec {
         embedding,
         head,
-        ..SpanSpec::layers(layers).with_quantization(Quantization::Q8_0)
+        ..SpanSpec::layers(LayerSpan::new(layers.start, layers.end))
+            .with_quantization(Quantization::Q8_0)
     };
     let first = LlamaSpan::load(model, &spec(0..10, true, false)).unwrap();
     let middle = LlamaSpan::load(model, &spec(10..20, false, false)).unwrap();

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 use half::bf16;
 use meshnet_node::{ActivationPlane, ExecutorError, ForwardClient, SpanExecutor};
+use meshnet_types::LayerSpan;
 use meshnet_wire::{
-    ActivationFrame, Activations, Encoding, FrameMeta, Hop, LayerRange, Limits,
-    PREFILL_CHUNK_TOKENS, Route, Shape, split_prefill,
+    ActivationFrame, Activations, Encoding, FrameMeta, Hop, Limits, PREFILL_CHUNK_TOKENS, Route,
+    Shape, split_prefill,
 };
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
@@ -54,11 +55,11 @@ enum Command {
 
 /// Stand-in layers: each adds 1 to every value (rounded to bfloat16 once per hop).
 struct StandInLayers {
-    serves: LayerRange,
+    serves: LayerSpan,
 }
 
 impl SpanExecutor for StandInLayers {
-    fn served_layers(&self) -> Option<LayerRange> {
+    fn served_layers(&self) -> Option<LayerSpan> {
         Some(self.serves)
     }
 
@@ -73,15 +74,15 @@ impl SpanExecutor for StandInLayers {
     }
 }
 
-fn parse_layers(text: &str) -> anyhow::Result<LayerRange> {
+fn parse_layers(text: &str) -> anyhow::Result<LayerSpan> {
     let (a, b) = text
         .split_once('-')
         .ok_or_else(|| anyhow::anyhow!("--layers must look like 0-30, got {text:?}"))?;
-    LayerRange::new(a.parse()?, b.parse()?)
+    LayerSpan::non_empty(a.parse()?, b.parse()?)
         .ok_or_else(|| anyhow::anyhow!("--layers must have start < end, got {text:?}"))
 }
 
-async fn start_peer(listen: SocketAddr, serves: LayerRange) -> anyhow::Result<String> {
+async fn start_peer(listen: SocketAddr, serves: LayerSpan) -> anyhow::Result<String> {
     let listener = tokio::net::TcpListener::bind(listen).await?;
     let addr = listener.local_addr()?;
     let plane = ActivationPlane::new(
@@ -114,7 +115,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
     let spans = [(0, 10), (10, 20), (20, 30)];
     let mut urls = Vec::new();
     for (a, b) in spans {
-        let url = start_peer(any_port, LayerRange::new(a, b).unwrap()).await?;
+        let url = start_peer(any_port, LayerSpan::new(a, b)).await?;
         println!("peer serving layers {a:>2}-{b:<2} at {url}");
         urls.push(url);
     }
@@ -122,7 +123,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
         spans[1..]
             .iter()
             .zip(&urls[1..])
-            .map(|(&(a, b), url)| Hop::new(LayerRange::new(a, b).unwrap(), url.clone()))
+            .map(|(&(a, b), url)| Hop::new(LayerSpan::new(a, b), url.clone()))
             .collect::<Result<_, _>>()?,
     )?;
 
@@ -151,7 +152,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 chunk_index: chunk.index,
                 chunk_total: chunk.total,
                 position: chunk.token_offset as u64,
-                layers: LayerRange::new(0, 10).unwrap(),
+                layers: LayerSpan::new(0, 10),
                 route: route.clone(),
             },
             activations: chunk.activations,
@@ -168,7 +169,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
             chunk.index
         );
         anyhow::ensure!(
-            answer.meta.layers == LayerRange::new(0, 30).unwrap(),
+            answer.meta.layers == LayerSpan::new(0, 30),
             "answer ran {}",
             answer.meta.layers
         );
@@ -197,7 +198,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 chunk_index: 0,
                 chunk_total: 1,
                 position: next_position + step,
-                layers: LayerRange::new(0, 10).unwrap(),
+                layers: LayerSpan::new(0, 10),
                 route: route.clone(),
             },
             activations: one,

@@ -15,8 +15,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use meshnet_types::LayerSpan;
 use meshnet_wire::header::{Encoding, check_wire_version};
-use meshnet_wire::{ActivationFrame, LayerRange, Limits};
+use meshnet_wire::{ActivationFrame, Limits};
 
 use crate::blocking;
 use crate::client::ForwardClient;
@@ -97,8 +98,7 @@ impl ActivationPlane {
             )
             .await?;
         let mut meta = answer.meta;
-        meta.layers = LayerRange::new(my_layers.start, meta.layers.end.max(my_layers.end))
-            .unwrap_or(my_layers);
+        meta.layers = LayerSpan::new(my_layers.start, meta.layers.end.max(my_layers.end));
         Ok(ActivationFrame {
             meta,
             activations: answer.activations,

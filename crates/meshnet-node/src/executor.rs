@@ -1,6 +1,7 @@
 //! The seam between the activation plane and whatever runs the layers.
 
-use meshnet_wire::{Activations, FrameMeta, LayerRange};
+use meshnet_types::LayerSpan;
+use meshnet_wire::{Activations, FrameMeta};
 
 /// Runs a contiguous span of transformer layers on one frame's activations.
 ///
@@ -9,7 +10,7 @@ use meshnet_wire::{Activations, FrameMeta, LayerRange};
 /// threads at once (one call per in-flight request).
 pub trait SpanExecutor: Send + Sync + 'static {
     /// The layers this peer can run right now, if any.
-    fn served_layers(&self) -> Option<LayerRange>;
+    fn served_layers(&self) -> Option<LayerSpan>;
 
     /// Runs `meta.layers` over `input` for `meta.session`, whose tokens start at absolute position
     /// `meta.position`, and returns the hidden states after the last of those layers.
@@ -37,9 +38,9 @@ pub enum ExecutorError {
     #[error("layers {requested} are not served here (serving {})", served.map_or_else(|| "nothing".to_owned(), |s| s.to_string()))]
     LayersNotServed {
         /// The layers the frame asked for.
-        requested: LayerRange,
+        requested: LayerSpan,
         /// The layers this peer holds, if any.
-        served: Option<LayerRange>,
+        served: Option<LayerSpan>,
     },
     /// The frame's position does not continue the session's KV cache.
     #[error(

@@ -11,24 +11,23 @@ use half::bf16;
 use meshnet_node::{
     ActivationPlane, ClientError, ErrorBody, ExecutorError, ForwardClient, SpanExecutor,
 };
+use meshnet_types::LayerSpan;
 use meshnet_wire::header::{DTYPE, ENCODING, SHAPE, WIRE_VERSION_HEADER};
-use meshnet_wire::{
-    ActivationFrame, Activations, Encoding, FrameMeta, Hop, LayerRange, Limits, Route, Shape,
-};
+use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Limits, Route, Shape};
 use tower::ServiceExt;
 use uuid::Uuid;
 
 /// A stand-in for real layers: every layer adds 1 to every value, and every call is recorded.
 struct AddOnePerLayer {
-    serves: LayerRange,
+    serves: LayerSpan,
     overloaded: bool,
-    calls: Mutex<Vec<(Uuid, u64, LayerRange)>>,
+    calls: Mutex<Vec<(Uuid, u64, LayerSpan)>>,
 }
 
 impl AddOnePerLayer {
     fn new(start: u32, end: u32) -> Arc<Self> {
         Arc::new(AddOnePerLayer {
-            serves: LayerRange::new(start, end).unwrap(),
+            serves: LayerSpan::new(start, end),
             overloaded: false,
             calls: Mutex::new(Vec::new()),
         })
@@ -36,7 +35,7 @@ impl AddOnePerLayer {
 }
 
 impl SpanExecutor for AddOnePerLayer {
-    fn served_layers(&self) -> Option<LayerRange> {
+    fn served_layers(&self) -> Option<LayerSpan> {
         Some(self.serves)
     }
 
@@ -83,7 +82,7 @@ fn frame(layers: (u32, u32), route: Vec<Hop>, tokens: usize) -> ActivationFrame 
             chunk_index: 1,
             chunk_total: 3,
             position: 128,
-            layers: LayerRange::new(layers.0, layers.1).unwrap(),
+            layers: LayerSpan::new(layers.0, layers.1),
             route: Route::new(route).unwrap(),
         },
         activations: Activations::new(shape, values).unwrap(),
@@ -133,11 +132,11 @@ async fn a_valid_frame_runs_the_span_and_answers_in_kind() {
         let answer = ActivationFrame::decode(&headers, &body, &limits()).unwrap();
         assert_eq!(answer.meta.session, sent.meta.session);
         assert_eq!(answer.meta.position, 128);
-        assert_eq!(answer.meta.layers, LayerRange::new(2, 7).unwrap());
+        assert_eq!(answer.meta.layers, LayerSpan::new(2, 7));
         assert_eq!(answer.activations.values(), shifted(&sent, 5.0).as_slice());
         assert_eq!(
             *executor.calls.lock().unwrap(),
-            vec![(sent.meta.session, 128, LayerRange::new(2, 7).unwrap())]
+            vec![(sent.meta.session, 128, LayerSpan::new(2, 7))]
         );
     }
 }
@@ -266,7 +265,7 @@ async fn malformed_requests_get_their_status_and_a_json_reason() {
 #[tokio::test]
 async fn an_overloaded_peer_answers_503_with_retry_after() {
     let executor = Arc::new(AddOnePerLayer {
-        serves: LayerRange::new(0, 10).unwrap(),
+        serves: LayerSpan::new(0, 10),
         overloaded: true,
         calls: Mutex::new(Vec::new()),
     });
@@ -301,23 +300,20 @@ async fn a_frame_travels_the_whole_route_and_back() {
     );
     for encoding in [Encoding::Raw, Encoding::Zstd] {
         let route = vec![
-            Hop::new(LayerRange::new(10, 20).unwrap(), url_b.clone()).unwrap(),
-            Hop::new(LayerRange::new(20, 30).unwrap(), url_c.clone()).unwrap(),
+            Hop::new(LayerSpan::new(10, 20), url_b.clone()).unwrap(),
+            Hop::new(LayerSpan::new(20, 30), url_c.clone()).unwrap(),
         ];
         let sent = frame((0, 10), route, 130);
         let answer = client()
             .forward(&url_a, sent.clone(), encoding)
             .await
             .unwrap();
-        assert_eq!(answer.meta.layers, LayerRange::new(0, 30).unwrap());
+        assert_eq!(answer.meta.layers, LayerSpan::new(0, 30));
         assert!(answer.meta.route.is_empty());
         assert_eq!(answer.activations.values(), shifted(&sent, 30.0).as_slice());
         // Peer c holds 18..30 but the route asked it for 20..30 only.
         let last = c.calls.lock().unwrap().last().copied().unwrap();
-        assert_eq!(
-            last,
-            (sent.meta.session, 128, LayerRange::new(20, 30).unwrap())
-        );
+        assert_eq!(last, (sent.meta.session, 128, LayerSpan::new(20, 30)));
     }
     assert_eq!(a.calls.lock().unwrap().len(), 2);
     assert_eq!(b.calls.lock().unwrap().len(), 2);
@@ -337,7 +333,7 @@ async fn failures_down_the_route_come_back_as_502_with_the_reason() {
         (wrong_span, "next_hop_rejected", "layers_not_served"),
     ];
     for (next, code, needle) in cases {
-        let route = vec![Hop::new(LayerRange::new(10, 20).unwrap(), next).unwrap()];
+        let route = vec![Hop::new(LayerSpan::new(10, 20), next).unwrap()];
         let err = client()
             .forward(&entry, frame((0, 10), route, 2), Encoding::Zstd)
             .await

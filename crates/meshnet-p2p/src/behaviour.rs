@@ -85,7 +85,7 @@ impl MeshBehaviour {
 
         let identify = identify::Behaviour::new(
             identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_owned(), keypair.public())
-                .with_agent_version(agent_version(&config.model_id, config.role)),
+                .with_agent_version(agent_version(&config.model_id, &config.role)),
         );
 
         // AutoNAT probes need dial-backs over real IP transports; in-memory meshes skip it.
@@ -172,7 +172,7 @@ pub(crate) fn build_swarm(config: &P2pConfig) -> Result<Swarm<MeshBehaviour>, P2
 
 /// The identify agent string: software version, the model this node runs and its role, so
 /// that peers of another model are recognised and refused at the first exchange.
-pub(crate) fn agent_version(model_id: &str, role: crate::config::Role) -> String {
+pub(crate) fn agent_version(model_id: &str, role: &crate::config::Role) -> String {
     let role = match role {
         crate::config::Role::Tracker => "tracker",
         crate::config::Role::Peer { .. } => "peer",
@@ -204,11 +204,11 @@ mod agent_tests {
 
     #[test]
     fn the_agent_string_carries_model_and_role() {
-        let agent = agent_version("smol-abc", crate::config::Role::Tracker);
+        let agent = agent_version("smol-abc", &crate::config::Role::Tracker);
         assert_eq!(parse_agent_version(&agent), Some(("smol-abc", true)));
         let agent = agent_version(
             "m",
-            crate::config::Role::Peer {
+            &crate::config::Role::Peer {
                 pinned_tracker: None,
             },
         );

@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
+use libp2p::Multiaddr;
 use libp2p::identity::Keypair;
-use libp2p::{Multiaddr, PeerId};
+use meshnet_types::PeerId;
 
 /// Which libp2p transports the node uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -16,7 +17,7 @@ pub enum TransportChoice {
 }
 
 /// The part this node plays in the mesh.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Role {
     /// The tracker: publishes the coverage map, directives and the Kademlia tracker record.
     Tracker,
@@ -78,6 +79,6 @@ impl P2pConfig {
 
     /// The node's peer id.
     pub fn local_peer_id(&self) -> PeerId {
-        self.keypair.public().to_peer_id()
+        crate::ids::mesh_peer_id(&self.keypair.public().to_peer_id())
     }
 }

@@ -92,6 +92,10 @@ pub enum P2pError {
     #[error("failed to store the tracker record: {0}")]
     RecordStore(String),
 
+    /// A text that should be a libp2p peer id is not one.
+    #[error("{0:?} is not a libp2p peer id")]
+    InvalidPeerId(String),
+
     /// The event loop has exited (after `P2pHandle::shutdown` or a fatal error).
     #[error("the p2p event loop has stopped")]
     Stopped,

@@ -1,6 +1,7 @@
 //! Events the control plane reports to the application.
 
-use libp2p::{Multiaddr, PeerId};
+use libp2p::Multiaddr;
+use meshnet_types::PeerId;
 
 use crate::messages::{CoverageMessage, DirectiveMessage, PeerAnnouncement, TrackerRecord};
 

@@ -37,6 +37,8 @@ mod events;
 #[cfg(feature = "network")]
 mod identity;
 #[cfg(feature = "network")]
+mod ids;
+#[cfg(feature = "network")]
 mod node;
 #[cfg(feature = "network")]
 mod validation;
@@ -44,8 +46,7 @@ mod validation;
 pub use error::P2pError;
 pub use messages::{
     CoverageMessage, DirectiveMessage, MAX_MESSAGE_BYTES, PeerAnnouncement, SCHEMA_VERSION,
-    SpanState, SpanStatus, TopicKind, TrackerRecord, decode, encode, topic_name,
-    tracker_record_key,
+    SpanStatus, TopicKind, TrackerRecord, decode, encode, topic_name, tracker_record_key,
 };
 
 #[cfg(feature = "network")]
@@ -54,5 +55,7 @@ pub use config::{P2pConfig, Role, TransportChoice};
 pub use events::P2pEvent;
 #[cfg(feature = "network")]
 pub use identity::{IDENTITY_FILE_NAME, load_or_create_identity};
+#[cfg(feature = "network")]
+pub use ids::{libp2p_peer_id, mesh_peer_id, parse_peer_id};
 #[cfg(feature = "network")]
 pub use node::{P2pHandle, spawn};

@@ -6,7 +6,8 @@
 //! current [`SCHEMA_VERSION`], at most [`MAX_MESSAGE_BYTES`] of input and no
 //! trailing bytes.
 
-use meshnet_planner::{CoverageMap, Directive, LayerSpan, Quantization};
+use meshnet_planner::{CoverageMap, Directive};
+use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -17,18 +18,6 @@ pub const SCHEMA_VERSION: u16 = 1;
 
 /// Largest encoded control message accepted or produced, in bytes (1 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
-
-/// Whether a peer's span is loading, serving or being released.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SpanState {
-    /// The weights are being fetched or loaded.
-    Loading,
-    /// The layers are loaded and serving.
-    Ready,
-    /// The layers still serve running sessions but take no new ones.
-    Draining,
-}
 
 /// The span of layers a peer holds and in which state.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -44,8 +33,8 @@ pub struct SpanStatus {
 /// What a peer tells the mesh about itself, gossiped periodically.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PeerAnnouncement {
-    /// Base58 libp2p `PeerId` of the sender; must match the message's signed source.
-    pub peer: String,
+    /// The sender; must match the message's signed source.
+    pub peer: PeerId,
     /// The model the peer serves.
     pub model_id: String,
     /// The sender's software version.
@@ -94,8 +83,8 @@ pub struct CoverageMessage {
 pub struct DirectiveMessage {
     /// The model the directives are about.
     pub model_id: String,
-    /// Base58 libp2p `PeerId` of the peer that must apply the directives.
-    pub target: String,
+    /// The peer that must apply the directives.
+    pub target: PeerId,
     /// Planning epoch the directives belong to.
     pub epoch: u64,
     /// Monotonic publication counter of the tracker.
@@ -109,8 +98,8 @@ pub struct DirectiveMessage {
 /// The record the tracker stores in Kademlia so peers can find it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TrackerRecord {
-    /// Base58 libp2p `PeerId` of the tracker.
-    pub peer: String,
+    /// The tracker.
+    pub peer: PeerId,
     /// Multiaddrs of the tracker, as strings.
     pub addresses: Vec<String>,
     /// The tracker's HTTP endpoint.
@@ -222,7 +211,8 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, P2pError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshnet_planner::{PeerId as PlannerPeerId, PeerState, ShardHolding};
+    use meshnet_planner::ShardHolding;
+    use meshnet_types::{PeerId as PlannerPeerId, SpanState};
 
     fn record() -> TrackerRecord {
         TrackerRecord {
@@ -258,7 +248,7 @@ mod tests {
                     peer: PlannerPeerId::from("a"),
                     layers: LayerSpan::new(0, 12),
                     quantization: Quantization::Q4_1,
-                    state: PeerState::Loading,
+                    state: SpanState::Loading,
                 }],
             },
         };

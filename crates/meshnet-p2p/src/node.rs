@@ -18,6 +18,7 @@ use crate::P2pError;
 use crate::behaviour::{KADEMLIA_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, build_swarm};
 use crate::config::{P2pConfig, Role};
 use crate::events::P2pEvent;
+use crate::ids::{MeshPeerId, libp2p_peer_id, mesh_peer_id};
 use crate::messages::{
     CoverageMessage, DirectiveMessage, PeerAnnouncement, TopicKind, TrackerRecord, decode, encode,
     topic_name, tracker_record_key,
@@ -97,8 +98,8 @@ impl std::fmt::Debug for Command {
 
 impl P2pHandle {
     /// This node's peer id.
-    pub fn local_peer_id(&self) -> PeerId {
-        self.local_peer_id
+    pub fn local_peer_id(&self) -> MeshPeerId {
+        mesh_peer_id(&self.local_peer_id)
     }
 
     async fn request<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, P2pError> {
@@ -169,14 +170,17 @@ impl P2pHandle {
     }
 
     /// Peers with at least one established connection.
-    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, P2pError> {
-        self.request(|reply| Command::ConnectedPeers { reply })
-            .await
+    pub async fn connected_peers(&self) -> Result<Vec<MeshPeerId>, P2pError> {
+        let peers = self
+            .request(|reply| Command::ConnectedPeers { reply })
+            .await?;
+        Ok(peers.iter().map(mesh_peer_id).collect())
     }
 
     /// The tracker whose coverage maps and directives are currently accepted.
-    pub async fn tracker(&self) -> Result<Option<PeerId>, P2pError> {
-        self.request(|reply| Command::Tracker { reply }).await
+    pub async fn tracker(&self) -> Result<Option<MeshPeerId>, P2pError> {
+        let tracker = self.request(|reply| Command::Tracker { reply }).await?;
+        Ok(tracker.as_ref().map(mesh_peer_id))
     }
 
     /// Stops the event loop and drops the swarm (closing every connection).
@@ -238,9 +242,15 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
         }
     }
 
+    let pinned_tracker = match &config.role {
+        Role::Peer {
+            pinned_tracker: Some(pinned),
+        } => Some(libp2p_peer_id(pinned)?),
+        _ => None,
+    };
     let tracker = match config.role {
         Role::Tracker => Some(local_peer_id),
-        Role::Peer { pinned_tracker } => pinned_tracker,
+        Role::Peer { .. } => pinned_tracker,
     };
     let (command_sender, commands) = mpsc::channel(COMMAND_CAPACITY);
     let (event_sender, events) = mpsc::channel(EVENT_CAPACITY);
@@ -256,6 +266,7 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
         local_peer_id,
         model_id: config.model_id,
         role: config.role,
+        pinned_tracker,
         assume_reachable: config.assume_reachable,
         tracker,
         discovered_record: None,
@@ -298,6 +309,8 @@ struct EventLoop {
     local_peer_id: PeerId,
     model_id: String,
     role: Role,
+    /// The only tracker a peer accepts, when pinned.
+    pinned_tracker: Option<PeerId>,
     assume_reachable: bool,
     topics: HashMap<TopicKind, IdentTopic>,
     topic_kinds: HashMap<TopicHash, TopicKind>,
@@ -522,7 +535,7 @@ impl EventLoop {
                 ..
             } if num_established.get() == 1 => {
                 tracing::debug!(peer = %peer_id, "connected");
-                self.emit(P2pEvent::PeerConnected(peer_id));
+                self.emit(P2pEvent::PeerConnected(mesh_peer_id(&peer_id)));
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
@@ -531,7 +544,7 @@ impl EventLoop {
             } => {
                 tracing::debug!(peer = %peer_id, "disconnected");
                 self.same_model_peers.remove(&peer_id);
-                self.emit(P2pEvent::PeerDisconnected(peer_id));
+                self.emit(P2pEvent::PeerDisconnected(mesh_peer_id(&peer_id)));
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 tracing::debug!(peer = ?peer_id, %error, "outgoing connection failed");
@@ -589,7 +602,7 @@ impl EventLoop {
             );
             let _ = self.swarm.disconnect_peer_id(peer);
             self.emit(P2pEvent::ModelMismatch {
-                peer,
+                peer: mesh_peer_id(&peer),
                 model: model.to_owned(),
                 decisive,
             });
@@ -644,16 +657,14 @@ impl EventLoop {
             tracing::warn!(model = %record.model_id, "tracker record for another model ignored");
             return;
         }
-        let peer: PeerId = match record.peer.parse() {
+        let peer: PeerId = match record.peer.as_str().parse() {
             Ok(peer) => peer,
             Err(error) => {
                 tracing::warn!(peer = %record.peer, %error, "tracker record names no valid peer id");
                 return;
             }
         };
-        if let Role::Peer {
-            pinned_tracker: Some(pinned),
-        } = self.role
+        if let Some(pinned) = self.pinned_tracker
             && pinned != peer
         {
             tracing::warn!(record = %peer, %pinned, "tracker record disagrees with the pinned tracker; ignored");
@@ -721,7 +732,7 @@ impl EventLoop {
             Verdict::Reject(reason) => {
                 tracing::warn!(%from, via = %propagation_source, %topic, %reason, "gossip message rejected");
                 self.emit(P2pEvent::Rejected {
-                    from,
+                    from: mesh_peer_id(&from),
                     topic,
                     reason,
                 });

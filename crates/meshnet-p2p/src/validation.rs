@@ -3,6 +3,7 @@
 use libp2p::PeerId;
 
 use crate::events::P2pEvent;
+use crate::ids::mesh_peer_id;
 use crate::messages::{CoverageMessage, DirectiveMessage, PeerAnnouncement, TopicKind, decode};
 
 /// What to do with a received gossip message.
@@ -68,14 +69,14 @@ impl Admission<'_> {
         if let Err(verdict) = self.check_model(&announcement.model_id) {
             return verdict;
         }
-        if announcement.peer != source.to_string() {
+        if announcement.peer != mesh_peer_id(&source) {
             return Verdict::Reject(format!(
                 "announcement names peer {} but is signed by {source}",
                 announcement.peer
             ));
         }
         Verdict::Accept(Some(Box::new(P2pEvent::Announcement {
-            from: source,
+            from: mesh_peer_id(&source),
             announcement,
         })))
     }
@@ -92,7 +93,7 @@ impl Admission<'_> {
             return verdict;
         }
         Verdict::Accept(Some(Box::new(P2pEvent::Coverage {
-            from: source,
+            from: mesh_peer_id(&source),
             coverage,
         })))
     }
@@ -111,7 +112,7 @@ impl Admission<'_> {
         if let Some(stray) = directive
             .directives
             .iter()
-            .find(|inner| inner.peer().as_str() != directive.target)
+            .find(|inner| *inner.peer() != directive.target)
         {
             return Verdict::Reject(format!(
                 "directive message for {} carries a directive for {}",
@@ -119,10 +120,10 @@ impl Admission<'_> {
                 stray.peer()
             ));
         }
-        let for_us = directive.target == self.local_peer.to_string();
+        let for_us = directive.target == mesh_peer_id(&self.local_peer);
         Verdict::Accept(for_us.then(|| {
             Box::new(P2pEvent::Directive {
-                from: source,
+                from: mesh_peer_id(&source),
                 directive,
             })
         }))
@@ -132,9 +133,8 @@ impl Admission<'_> {
 #[cfg(test)]
 mod tests {
     use libp2p::identity::Keypair;
-    use meshnet_planner::{
-        CoverageMap, Directive, LayerSpan, PeerId as PlannerPeerId, Quantization,
-    };
+    use meshnet_planner::{CoverageMap, Directive};
+    use meshnet_types::{LayerSpan, PeerId as PlannerPeerId, Quantization};
 
     use super::*;
     use crate::messages::encode;
@@ -145,7 +145,7 @@ mod tests {
 
     fn announcement(from: PeerId, model: &str) -> PeerAnnouncement {
         PeerAnnouncement {
-            peer: from.to_string(),
+            peer: mesh_peer_id(&from),
             model_id: model.into(),
             software_version: "0.1.0".into(),
             wire_version: 1,
@@ -165,7 +165,7 @@ mod tests {
     fn directive(target: PeerId, inner_peer: PeerId) -> DirectiveMessage {
         DirectiveMessage {
             model_id: "m".into(),
-            target: target.to_string(),
+            target: mesh_peer_id(&target),
             epoch: 1,
             sequence: 1,
             directives: vec![Directive::LoadShard {
@@ -192,7 +192,7 @@ mod tests {
         let good = encode(&announcement(alice, "m")).unwrap();
         assert!(matches!(
             admission.judge(TopicKind::Announce, alice, &good),
-            Verdict::Accept(Some(event)) if matches!(*event, P2pEvent::Announcement { from, .. } if from == alice)
+            Verdict::Accept(Some(event)) if matches!(*event, P2pEvent::Announcement { ref from, .. } if *from == mesh_peer_id(&alice))
         ));
         assert!(is_reject(&admission.judge(TopicKind::Announce, bob, &good)));
         let other_model = encode(&announcement(alice, "other")).unwrap();

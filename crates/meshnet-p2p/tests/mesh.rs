@@ -7,17 +7,15 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::time::Duration;
 
+use libp2p::Multiaddr;
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
-use libp2p::{Multiaddr, PeerId};
 use meshnet_p2p::{
     CoverageMessage, DirectiveMessage, P2pConfig, P2pError, P2pEvent, P2pHandle, PeerAnnouncement,
-    Role, SpanState, SpanStatus, TopicKind, TrackerRecord, TransportChoice, spawn, topic_name,
+    Role, SpanStatus, TopicKind, TrackerRecord, TransportChoice, spawn, topic_name,
 };
-use meshnet_planner::{
-    CoverageMap, Directive, LayerSpan, PeerId as PlannerPeerId, PeerState, Quantization,
-    ShardHolding,
-};
+use meshnet_planner::{CoverageMap, Directive, ShardHolding};
+use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 use tokio::sync::mpsc::Receiver;
 use tokio::time::timeout;
 
@@ -55,7 +53,9 @@ async fn start_with(config: P2pConfig) -> Node {
     let id = handle.local_peer_id();
     let listening = handle.listen_addrs().await.unwrap();
     assert!(!listening.is_empty(), "node reported no listen address");
-    let address = listening[0].clone().with(Protocol::P2p(id));
+    let address = listening[0]
+        .clone()
+        .with(Protocol::P2p(meshnet_p2p::libp2p_peer_id(&id).unwrap()));
     Node {
         handle,
         events,
@@ -77,7 +77,7 @@ fn unpinned() -> Role {
 
 fn pinned(tracker: &Node) -> Role {
     Role::Peer {
-        pinned_tracker: Some(tracker.id),
+        pinned_tracker: Some(tracker.id.clone()),
     }
 }
 
@@ -111,7 +111,7 @@ async fn coverage_arrives(tracker: &Node, events: &mut Receiver<P2pEvent>, sent:
         },
     )
     .await;
-    assert_eq!(from, tracker.id);
+    assert_eq!(from, tracker.id.clone());
     assert_eq!(&received, sent);
 }
 
@@ -148,7 +148,7 @@ where
 
 fn announcement(peer: PeerId) -> PeerAnnouncement {
     PeerAnnouncement {
-        peer: peer.to_string(),
+        peer: peer.clone(),
         model_id: MODEL.into(),
         software_version: "0.1.0".into(),
         wire_version: 1,
@@ -178,10 +178,10 @@ fn coverage(holder: PeerId, epoch: u64) -> CoverageMessage {
         map: CoverageMap {
             epoch,
             holdings: vec![ShardHolding {
-                peer: PlannerPeerId::new(holder.to_string()),
+                peer: holder.clone(),
                 layers: LayerSpan::new(0, 30),
                 quantization: Quantization::Q8_0,
-                state: PeerState::Ready,
+                state: SpanState::Ready,
             }],
         },
     }
@@ -191,11 +191,11 @@ fn directive(target: PeerId, epoch: u64) -> DirectiveMessage {
     let layers = LayerSpan::new(10, 20);
     DirectiveMessage {
         model_id: MODEL.into(),
-        target: target.to_string(),
+        target: target.clone(),
         epoch,
         sequence: epoch,
         directives: vec![Directive::LoadShard {
-            peer: PlannerPeerId::new(target.to_string()),
+            peer: target.clone(),
             layers,
             quantization: Quantization::Int8,
         }],
@@ -209,7 +209,7 @@ fn directive(target: PeerId, epoch: u64) -> DirectiveMessage {
 
 fn tracker_record(tracker: &Node) -> TrackerRecord {
     TrackerRecord {
-        peer: tracker.id.to_string(),
+        peer: tracker.id.clone(),
         addresses: Vec::new(),
         http_endpoint: "http://tracker.invalid:8080".into(),
         epoch: 1,
@@ -234,7 +234,7 @@ async fn announcements_from_three_peers_reach_the_tracker() {
     }
     let expected: HashMap<PeerId, PeerAnnouncement> = peers
         .iter()
-        .map(|peer| (peer.id, announcement(peer.id)))
+        .map(|peer| (peer.id.clone(), announcement(peer.id.clone())))
         .collect();
     let mut received = HashMap::new();
     let collect = async {
@@ -282,15 +282,18 @@ async fn coverage_reaches_peers_that_found_the_tracker_in_kademlia() {
     ];
     for peer in &mut peers {
         let record = discovered_tracker(peer).await;
-        assert_eq!(record.peer, tracker.id.to_string());
+        assert_eq!(record.peer, tracker.id.clone());
         assert_eq!(record.http_endpoint, "http://tracker.invalid:8080");
         assert!(
             !record.addresses.is_empty(),
             "empty addresses are filled in by the tracker"
         );
-        assert_eq!(peer.handle.tracker().await.unwrap(), Some(tracker.id));
+        assert_eq!(
+            peer.handle.tracker().await.unwrap(),
+            Some(tracker.id.clone())
+        );
     }
-    let sent = coverage(tracker.id, 3);
+    let sent = coverage(tracker.id.clone(), 3);
     for peer in &mut peers {
         coverage_arrives(&tracker, &mut peer.events, &sent).await;
     }
@@ -303,8 +306,8 @@ async fn forged_directive_is_rejected_and_genuine_one_delivered() {
     let forger = start(pinned(&tracker), &[&tracker, &target]).await;
     const FORGED_EPOCH: u64 = 666;
 
-    let forged = directive(target.id, FORGED_EPOCH);
-    let forger_id = forger.id;
+    let forged = directive(target.id.clone(), FORGED_EPOCH);
+    let forger_id = forger.id.clone();
     let (from, topic) = publish_until(
         || forger.handle.publish_directive(forged.clone()),
         &mut target.events,
@@ -320,7 +323,7 @@ async fn forged_directive_is_rejected_and_genuine_one_delivered() {
     assert_eq!(from, forger_id);
     assert_eq!(topic, topic_name(MODEL, TopicKind::Directives));
 
-    let genuine = directive(target.id, 7);
+    let genuine = directive(target.id.clone(), 7);
     let (from, delivered) = publish_until(
         || tracker.handle.publish_directive(genuine.clone()),
         &mut target.events,
@@ -336,7 +339,7 @@ async fn forged_directive_is_rejected_and_genuine_one_delivered() {
         },
     )
     .await;
-    assert_eq!(from, tracker.id);
+    assert_eq!(from, tracker.id.clone());
     assert_eq!(delivered, genuine);
 }
 
@@ -346,28 +349,28 @@ async fn announcement_naming_another_peer_is_rejected() {
     let spoofer = start(pinned(&tracker), &[&tracker]).await;
     let victim = start(pinned(&tracker), &[&tracker]).await;
 
-    let spoofed = announcement(victim.id);
+    let spoofed = announcement(victim.id.clone());
     let reason = publish_until(
         || spoofer.handle.publish_announcement(spoofed.clone()),
         &mut tracker.events,
         |event| match event {
-            P2pEvent::Rejected { from, reason, .. } if from == spoofer.id => Some(reason),
-            P2pEvent::Announcement { from, .. } if from == spoofer.id => {
+            P2pEvent::Rejected { from, reason, .. } if from == spoofer.id.clone() => Some(reason),
+            P2pEvent::Announcement { from, .. } if from == spoofer.id.clone() => {
                 panic!("spoofed announcement was accepted")
             }
             _ => None,
         },
     )
     .await;
-    assert!(reason.contains(&victim.id.to_string()), "{reason}");
+    assert!(reason.contains(victim.id.as_str()), "{reason}");
 
     // The same peer announcing itself is accepted.
-    let honest = announcement(spoofer.id);
+    let honest = announcement(spoofer.id.clone());
     let received = publish_until(
         || spoofer.handle.publish_announcement(honest.clone()),
         &mut tracker.events,
         |event| match event {
-            P2pEvent::Announcement { from, announcement } if from == spoofer.id => {
+            P2pEvent::Announcement { from, announcement } if from == spoofer.id.clone() => {
                 Some(announcement)
             }
             _ => None,
@@ -388,16 +391,19 @@ async fn new_peer_finds_the_tracker_through_an_intermediate_peer() {
     let mut intermediate = start(unpinned(), &[&tracker]).await;
     assert_eq!(
         discovered_tracker(&mut intermediate).await.peer,
-        tracker.id.to_string()
+        tracker.id.clone()
     );
 
     // The newcomer knows only the intermediate peer.
     let mut newcomer = start(unpinned(), &[&intermediate]).await;
     let record = discovered_tracker(&mut newcomer).await;
-    assert_eq!(record.peer, tracker.id.to_string());
-    assert_eq!(newcomer.handle.tracker().await.unwrap(), Some(tracker.id));
+    assert_eq!(record.peer, tracker.id.clone());
+    assert_eq!(
+        newcomer.handle.tracker().await.unwrap(),
+        Some(tracker.id.clone())
+    );
 
-    let sent = coverage(intermediate.id, 5);
+    let sent = coverage(intermediate.id.clone(), 5);
     coverage_arrives(&tracker, &mut newcomer.events, &sent).await;
 }
 
@@ -406,13 +412,13 @@ async fn message_for_another_model_is_rejected() {
     let mut tracker = start(Role::Tracker, &[]).await;
     let peer = start(pinned(&tracker), &[&tracker]).await;
 
-    let mut foreign = announcement(peer.id);
+    let mut foreign = announcement(peer.id.clone());
     foreign.model_id = "another-model".into();
     let reason = publish_until(
         || peer.handle.publish_announcement(foreign.clone()),
         &mut tracker.events,
         |event| match event {
-            P2pEvent::Rejected { from, reason, .. } if from == peer.id => Some(reason),
+            P2pEvent::Rejected { from, reason, .. } if from == peer.id.clone() => Some(reason),
             P2pEvent::Announcement { .. } => panic!("foreign-model announcement was accepted"),
             _ => None,
         },
@@ -426,7 +432,7 @@ async fn shutdown_stops_the_node_and_disconnects_it() {
     let mut tracker = start(Role::Tracker, &[]).await;
     let peer = start(pinned(&tracker), &[&tracker]).await;
     next_matching(&mut tracker.events, |event| {
-        matches!(event, P2pEvent::PeerConnected(id) if id == peer.id).then_some(())
+        matches!(event, P2pEvent::PeerConnected(id) if id == peer.id.clone()).then_some(())
     })
     .await;
     peer.handle.shutdown().await;
@@ -435,7 +441,7 @@ async fn shutdown_stops_the_node_and_disconnects_it() {
         Err(P2pError::Stopped)
     ));
     next_matching(&mut tracker.events, |event| {
-        matches!(event, P2pEvent::PeerDisconnected(id) if id == peer.id).then_some(())
+        matches!(event, P2pEvent::PeerDisconnected(id) if id == peer.id.clone()).then_some(())
     })
     .await;
 }
@@ -456,7 +462,7 @@ async fn announcement_travels_over_tcp() {
         vec![tracker.address.clone()],
     ))
     .await;
-    let sent = announcement(peer.id);
+    let sent = announcement(peer.id.clone());
     let (from, received) = publish_until(
         || peer.handle.publish_announcement(sent.clone()),
         &mut tracker.events,
@@ -466,6 +472,6 @@ async fn announcement_travels_over_tcp() {
         },
     )
     .await;
-    assert_eq!(from, peer.id);
+    assert_eq!(from, peer.id.clone());
     assert_eq!(received, sent);
 }

@@ -3,13 +3,11 @@
 //! and arbitrary bytes never make a decoder panic.
 
 use meshnet_p2p::{
-    CoverageMessage, DirectiveMessage, P2pError, PeerAnnouncement, SpanState, SpanStatus,
-    TrackerRecord, decode, encode,
+    CoverageMessage, DirectiveMessage, P2pError, PeerAnnouncement, SpanStatus, TrackerRecord,
+    decode, encode,
 };
-use meshnet_planner::{
-    CoverageMap, Directive, LayerSpan, PeerId as PlannerPeerId, PeerState, Quantization,
-    ShardHolding,
-};
+use meshnet_planner::{CoverageMap, Directive, ShardHolding};
+use meshnet_types::{LayerSpan, PeerId as PlannerPeerId, Quantization, SpanState};
 use proptest::prelude::*;
 
 fn quantization() -> impl Strategy<Value = Quantization> {
@@ -23,7 +21,7 @@ fn quantization() -> impl Strategy<Value = Quantization> {
 }
 
 fn span() -> impl Strategy<Value = LayerSpan> {
-    (any::<u32>(), any::<u32>()).prop_map(|(start, end)| LayerSpan { start, end })
+    (any::<u32>(), any::<u32>()).prop_map(|(a, b)| LayerSpan::new(a.min(b), a.max(b)))
 }
 
 fn span_status() -> impl Strategy<Value = SpanStatus> {
@@ -44,7 +42,7 @@ fn span_status() -> impl Strategy<Value = SpanStatus> {
 }
 
 fn planner_peer() -> impl Strategy<Value = PlannerPeerId> {
-    "[1-9A-Za-z]{0,52}".prop_map(PlannerPeerId)
+    "[1-9A-Za-z]{0,52}".prop_map(PlannerPeerId::new)
 }
 
 fn directive() -> impl Strategy<Value = Directive> {
@@ -74,9 +72,9 @@ fn coverage_map() -> impl Strategy<Value = CoverageMap> {
             layers,
             quantization,
             state: if ready {
-                PeerState::Ready
+                SpanState::Ready
             } else {
-                PeerState::Loading
+                SpanState::Loading
             },
         },
     );
@@ -127,7 +125,7 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
                     sent_at_unix_ms,
                 ),
             )| PeerAnnouncement {
-                peer,
+                peer: PlannerPeerId::new(peer),
                 model_id,
                 software_version,
                 wire_version,
@@ -176,7 +174,7 @@ fn directive_message() -> impl Strategy<Value = DirectiveMessage> {
         .prop_map(
             |(model_id, target, epoch, sequence, directives, span_after)| DirectiveMessage {
                 model_id,
-                target,
+                target: PlannerPeerId::new(target),
                 epoch,
                 sequence,
                 directives,
@@ -195,7 +193,7 @@ fn tracker_record() -> impl Strategy<Value = TrackerRecord> {
     )
         .prop_map(
             |(peer, addresses, http_endpoint, epoch, model_id)| TrackerRecord {
-                peer,
+                peer: PlannerPeerId::new(peer),
                 addresses,
                 http_endpoint,
                 epoch,

@@ -10,8 +10,8 @@ use meshnet_api::{
     FinishReason, ModelInfo, PromptInput,
 };
 use meshnet_model::{
-    BoundaryPolicy, ChatMessage, ChatTemplate, FinishReason as ModelFinish, GenerationRequest,
-    ModelError, ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions,
+    BoundaryPolicy, ChatMessage, FinishReason as ModelFinish, GenerationRequest, ModelError,
+    ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
     generate_observed,
 };
 use meshnet_node::ForwardClient;
@@ -31,37 +31,6 @@ const EVENT_BUFFER: usize = 64;
 /// Chooses the remote hops for layers `start..end`.
 pub type RouteSource = dyn Fn(u32, u32) -> Result<Vec<PlannedHop>, Uncovered> + Send + Sync;
 
-/// What the engine needs to turn text into tokens and back.
-pub struct TextSide {
-    /// The model's tokenizer.
-    pub tokenizer: ModelTokenizer,
-    /// Its chat format.
-    pub template: ChatTemplate,
-    /// Tokens that end any generation.
-    pub stop_tokens: Vec<u32>,
-    /// The token that ends a chat turn.
-    pub end_of_turn: Option<u32>,
-}
-
-impl TextSide {
-    /// The tokenizer and chat format of a GGUF model. The chat format leaves out the
-    /// template's default system prompt, as `meshnet-peer generate --chat` does.
-    pub fn from_gguf(model: &meshnet_model::GgufModel) -> Result<Self, ModelError> {
-        let description = model.description();
-        let mut template = match &description.chat_template {
-            Some(jinja) => ChatTemplate::from_jinja(jinja)?,
-            None => ChatTemplate::chatml(),
-        };
-        template.default_system = None;
-        Ok(TextSide {
-            tokenizer: ModelTokenizer::from_gguf(model)?,
-            template,
-            stop_tokens: description.eos_token.into_iter().collect(),
-            end_of_turn: description.im_end_token,
-        })
-    }
-}
-
 /// The OpenAI API's view of the mesh.
 pub struct MeshEngine {
     info: ModelInfo,
@@ -76,16 +45,20 @@ pub struct MeshEngine {
 
 impl MeshEngine {
     /// An engine generating with the entry span in `host` and remote hops from `routes`, at
-    /// most `max_sessions` generations at once.
+    /// most `max_sessions` generations at once. Chats leave out the chat template's default
+    /// system prompt, as `meshnet-peer generate --chat` does.
     pub fn new(
         model_id: String,
-        text: TextSide,
+        mut text: TextSide,
         host: Arc<ShardHost>,
         routes: Arc<RouteSource>,
         client: ForwardClient,
         max_sessions: usize,
     ) -> Self {
         let context_length = host.model().description().context_length;
+        if let Some(template) = &mut text.template {
+            template.default_system = None;
+        }
         MeshEngine {
             info: ModelInfo {
                 id: model_id,
@@ -115,39 +88,15 @@ impl MeshEngine {
         self.max_sessions
     }
 
-    fn prompt_text(&self, prompt: PromptInput) -> (String, bool) {
-        match prompt {
-            PromptInput::Chat(turns) => {
-                let messages: Vec<ChatMessage> = turns
-                    .into_iter()
-                    .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
-                    .collect();
-                (self.text.template.render(&messages), true)
-            }
-            PromptInput::Text(text) => (text, false),
-        }
-    }
-}
-
-impl CompletionEngine for MeshEngine {
-    fn model_info(&self) -> ModelInfo {
-        self.info.clone()
-    }
-
-    fn start(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
-        // The slot first: tokenizing is work, and only admitted requests get to do it.
-        let permit = Arc::clone(&self.sessions)
-            .try_acquire_owned()
-            .map_err(|_| EngineError::Busy {
-                retry_after_seconds: 1,
-            })?;
-        let (text, chat) = self.prompt_text(request.prompt);
-        let prompt_param = if chat { "messages" } else { "prompt" };
-        let prompt = self
-            .text
-            .tokenizer
-            .encode(&text)
-            .map_err(|e| EngineError::Internal(e.to_string()))?;
+    /// How many tokens `prompt` may be continued by: `max_tokens`, or the default, within
+    /// the model's context; a prompt that is empty or fills the context is refused, naming
+    /// the request's `prompt_param`.
+    fn completion_budget(
+        &self,
+        prompt: &[u32],
+        prompt_param: &str,
+        max_tokens: Option<usize>,
+    ) -> Result<usize, EngineError> {
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest {
                 param: Some(prompt_param.to_owned()),
@@ -165,9 +114,7 @@ impl CompletionEngine for MeshEngine {
             });
         }
         let room = context - prompt.len();
-        let max_tokens = request
-            .max_tokens
-            .unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(room));
+        let max_tokens = max_tokens.unwrap_or_else(|| DEFAULT_MAX_TOKENS.min(room));
         if max_tokens > room {
             return Err(EngineError::InvalidRequest {
                 param: Some("max_tokens".to_owned()),
@@ -178,6 +125,55 @@ impl CompletionEngine for MeshEngine {
                 ),
             });
         }
+        Ok(max_tokens)
+    }
+
+    /// The prompt as text, and whether it is a chat; a chat needs the model's chat format.
+    fn prompt_text(&self, prompt: PromptInput) -> Result<(String, bool), EngineError> {
+        match prompt {
+            PromptInput::Chat(turns) => {
+                let template =
+                    self.text
+                        .template
+                        .as_ref()
+                        .ok_or_else(|| EngineError::InvalidRequest {
+                            param: Some("messages".to_owned()),
+                            message: format!(
+                                "model {} has no chat format: use /v1/completions with a prompt",
+                                self.info.id
+                            ),
+                        })?;
+                let messages: Vec<ChatMessage> = turns
+                    .into_iter()
+                    .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
+                    .collect();
+                Ok((template.render(&messages), true))
+            }
+            PromptInput::Text(text) => Ok((text, false)),
+        }
+    }
+}
+
+impl CompletionEngine for MeshEngine {
+    fn model_info(&self) -> ModelInfo {
+        self.info.clone()
+    }
+
+    fn start(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        // The slot first: tokenizing is work, and only admitted requests get to do it.
+        let permit = Arc::clone(&self.sessions)
+            .try_acquire_owned()
+            .map_err(|_| EngineError::Busy {
+                retry_after_seconds: 1,
+            })?;
+        let (text, chat) = self.prompt_text(request.prompt)?;
+        let prompt_param = if chat { "messages" } else { "prompt" };
+        let prompt = self
+            .text
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
         let entry = self
             .host
             .current()
@@ -328,10 +324,7 @@ impl GenerationJob {
 }
 
 fn route_description(entry: &LoadedShard, remote: Option<&RemoteStage>) -> String {
-    let local = format!(
-        "local (layers {}..{})",
-        entry.target.layers.start, entry.target.layers.end
-    );
+    let local = format!("local (layers {})", entry.target.layers);
     match remote {
         Some(remote) => format!("{local} -> {}", remote.name()),
         None => local,

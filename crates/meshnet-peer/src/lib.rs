@@ -1,6 +1,11 @@
 //! The meshnet peer: everything a member of the mesh runs, as a library the `meshnet-peer`
-//! binary and the whole-mesh tests share.
+//! binary and the whole-mesh tests share (ADR-0017 has the module map).
 //!
+//! - [`config`]: how a member is started.
+//! - [`runtime`]: starting a member (either role) and the handle to a running one.
+//! - `member`: the state the HTTP handlers and the control loop share, with the role as a type.
+//! - `control`: the control loop (announcing, directives, reaping, and the tracker's planning).
+//! - `http`: the HTTP server (activation plane, `/status`, `/health`, the OpenAI-style API).
 //! - [`mesh_model`]: the model a mesh runs, its id (name plus content hash) and its memory
 //!   shape for the planner.
 //! - [`shard`]: the span slot — load, drop with draining, and the activation plane's
@@ -10,10 +15,13 @@
 //! - [`remote`]: the remote part of a route as one stage of the generation loop.
 //! - [`engine`]: the completion engine behind the OpenAI-style API.
 //! - [`status`]: the JSON of `GET /status`.
-//! - [`runtime`]: starting a peer (either role) and its control loop.
 
+pub mod config;
+mod control;
 pub mod engine;
 mod error;
+mod http;
+mod member;
 pub mod mesh_model;
 pub mod remote;
 pub mod routing;
@@ -22,5 +30,6 @@ pub mod shard;
 pub mod status;
 pub mod tracker;
 
+pub use config::PeerConfig;
 pub use error::PeerError;
-pub use runtime::{PeerConfig, RunningPeer, start};
+pub use runtime::{RunningPeer, start};

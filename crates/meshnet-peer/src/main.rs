@@ -15,14 +15,15 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use libp2p::{Multiaddr, PeerId};
+use libp2p::Multiaddr;
 use meshnet_model::{
-    BoundaryPolicy, ChatMessage, ChatTemplate, DEFAULT_KV_BUDGET_BYTES, GenerationRequest,
-    GgufModel, Gpt2Model, Gpt2Span, LlamaSpan, ModelTokenizer, Quantization, SamplingConfig,
-    SplitModel, StopConditions, generate, split_specs,
+    BoundaryPolicy, ChatMessage, DEFAULT_KV_BUDGET_BYTES, GenerationRequest, Model, SamplingConfig,
+    SplitModel, StopConditions, TextSide, generate, split_specs,
 };
 use meshnet_p2p::TransportChoice;
 use meshnet_peer::PeerConfig;
+use meshnet_peer::mesh_model::MeshModel;
+use meshnet_types::{PeerId, Quantization};
 
 #[derive(Parser)]
 #[command(
@@ -48,14 +49,28 @@ enum Commands {
     FetchModel,
     /// Print what a mesh needs to know about a model as JSON: its id, layers, and the memory
     /// a layer, the tracker's extra parts and the KV cache take (for sizing --memory).
-    ModelInfo {
-        /// The GGUF model (default: the fetched SmolLM2-135M-Instruct).
-        #[arg(long)]
-        model: Option<PathBuf>,
-        /// KV-cache tokens reserved per held layer, as for --kv-tokens.
-        #[arg(long, default_value_t = 2048)]
-        kv_tokens: u64,
-    },
+    ModelInfo(ModelInfoArgs),
+}
+
+/// What `model-info` is asked.
+#[derive(clap::Args)]
+struct ModelInfoArgs {
+    /// The GGUF file or GPT-2 directory (default: the fetched SmolLM2-135M-Instruct).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// KV-cache tokens reserved per held layer, as for --kv-tokens.
+    #[arg(long, default_value_t = 2048)]
+    kv_tokens: u64,
+    /// Also print `memory_for_layers`: the --memory that holds exactly this many layers
+    /// (with --tracker, plus the embedding and head), with half a layer of slack.
+    #[arg(long, value_name = "N")]
+    layers: Option<u32>,
+    /// With --layers: size the tracker's budget.
+    #[arg(long, requires = "layers")]
+    tracker: bool,
+    /// With --layers: the format the layers are held in (default: the model's own).
+    #[arg(long, requires = "layers", value_parser = parse_format)]
+    quantization: Option<Quantization>,
 }
 
 /// Joining or starting a mesh.
@@ -88,7 +103,7 @@ struct RunArgs {
     /// Formats this peer may hold layers in, repeatable: the model's own (e.g. q4_1) or q8_0
     /// (default: the model's own).
     #[arg(long, value_parser = parse_format)]
-    quantization: Vec<meshnet_planner::Quantization>,
+    quantization: Vec<Quantization>,
     /// Where the peer keeps its identity key (default: $MESHNET_DATA or
     /// ~/.local/share/meshnet/<tracker|peer>).
     #[arg(long)]
@@ -110,7 +125,7 @@ struct RunArgs {
     #[arg(long)]
     upnp: bool,
     /// Accept coverage maps and directives only from this tracker peer id.
-    #[arg(long, value_name = "PEER_ID")]
+    #[arg(long, value_name = "PEER_ID", value_parser = parse_peer_id)]
     tracker_id: Option<PeerId>,
 }
 
@@ -165,7 +180,7 @@ fn main() -> ExitCode {
     let outcome = match cli.command {
         Some(Commands::Generate(args)) => run_generate(&args),
         Some(Commands::FetchModel) => fetch_model(),
-        Some(Commands::ModelInfo { model, kv_tokens }) => model_info(model, kv_tokens),
+        Some(Commands::ModelInfo(args)) => model_info(&args),
         None => run_peer(cli.run),
     };
     match outcome {
@@ -209,13 +224,22 @@ fn parse_bytes(text: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
-fn parse_format(text: &str) -> Result<meshnet_planner::Quantization, String> {
-    meshnet_planner::Quantization::ALL
-        .into_iter()
-        .find(|q| q.name().eq_ignore_ascii_case(text))
-        .ok_or_else(|| {
-            format!("unknown quantization {text:?} (a mesh serves the model's own format or q8_0)")
-        })
+fn parse_format(text: &str) -> Result<Quantization, String> {
+    text.parse().map_err(|_| {
+        format!("unknown quantization {text:?} (a mesh serves the model's own format or q8_0)")
+    })
+}
+
+fn parse_peer_id(text: &str) -> Result<PeerId, String> {
+    meshnet_p2p::parse_peer_id(text).map_err(|error| error.to_string())
+}
+
+/// `generate --quantization`: a format, or `as-shipped` (also `none`) for the file's own.
+fn parse_generate_format(text: &str) -> anyhow::Result<Option<Quantization>> {
+    match text.to_ascii_lowercase().as_str() {
+        "as-shipped" | "asshipped" | "none" => Ok(None),
+        _ => Ok(Some(parse_format(text).map_err(anyhow::Error::msg)?)),
+    }
 }
 
 fn default_data_dir(tracker: bool) -> PathBuf {
@@ -257,7 +281,7 @@ fn model_path_or_default(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     let path = model
         .clone()
         .unwrap_or_else(meshnet_model::default_model_path);
-    if !path.is_file() {
+    if !path.exists() {
         if model.is_none() {
             bail!(
                 "the default model is not at {}: run `meshnet-peer fetch-model` or \
@@ -270,10 +294,11 @@ fn model_path_or_default(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-fn model_info(model: Option<PathBuf>, kv_tokens: u64) -> anyhow::Result<()> {
-    let path = model_path_or_default(model)?;
-    let model = meshnet_peer::mesh_model::MeshModel::open(&path)?;
+fn model_info(args: &ModelInfoArgs) -> anyhow::Result<()> {
+    let path = model_path_or_default(args.model.clone())?;
+    let model = MeshModel::open(&path)?;
     let shape = model.shape();
+    let kv_tokens = args.kv_tokens;
     let layer_bytes: serde_json::Map<String, serde_json::Value> = shape
         .layer_bytes
         .iter()
@@ -287,7 +312,7 @@ fn model_info(model: Option<PathBuf>, kv_tokens: u64) -> anyhow::Result<()> {
             Some((format.name().to_owned(), cost.into()))
         })
         .collect();
-    let info = serde_json::json!({
+    let mut info = serde_json::json!({
         "id": model.id(),
         "path": path,
         "layers": model.num_layers(),
@@ -298,6 +323,13 @@ fn model_info(model: Option<PathBuf>, kv_tokens: u64) -> anyhow::Result<()> {
         "layer_cost_with_kv": layer_cost,
         "tracker_extra_bytes": shape.tracker_extra_bytes(),
     });
+    if let Some(layers) = args.layers {
+        let format = args.quantization.unwrap_or(model.shipped_format());
+        let budget = shape
+            .budget_for_layers(format, kv_tokens, layers, args.tracker)
+            .with_context(|| format!("this model cannot be held as {format}"))?;
+        info["memory_for_layers"] = budget.into();
+    }
     println!("{}", serde_json::to_string_pretty(&info)?);
     Ok(())
 }
@@ -418,107 +450,43 @@ async fn wait_for_stop_signal() {
     }
 }
 
-/// A model loaded for `generate`, with what its family brings along.
-struct LoadedModel {
-    spans: LoadedSpans,
-    tokenizer: ModelTokenizer,
-    /// The chat format, when the model has one.
-    chat_template: Option<ChatTemplate>,
-    /// Tokens that always end a generation.
-    stop_tokens: Vec<u32>,
-    /// The end-of-turn token that ends a chat answer.
-    end_of_turn: Option<u32>,
-}
-
-enum LoadedSpans {
-    Llama(SplitModel<LlamaSpan>),
-    Gpt2(SplitModel<Gpt2Span>),
-}
-
-/// Loads a Llama GGUF file, or a Hugging Face GPT-2 directory (`config.json`,
-/// `model.safetensors`, `tokenizer.json`), split at `boundaries`.
+/// Loads the model at `path` (a Llama GGUF file or a Hugging Face GPT-2 directory) split at
+/// `boundaries`, with its text side.
 fn load_model(
     path: &Path,
     boundaries: &[usize],
-    quantization: Quantization,
-) -> anyhow::Result<LoadedModel> {
-    if path.is_dir() {
-        let model = Gpt2Model::open(path)?;
-        let tokenizer_path = path.join("tokenizer.json");
-        if !tokenizer_path.is_file() {
-            bail!(
-                "{} has no tokenizer.json: generate needs the tokenizer saved beside the weights",
-                path.display()
-            );
-        }
-        let tokenizer = ModelTokenizer::from_tokenizer_json(&tokenizer_path)?;
-        let specs = split_specs(
-            model.config().layers,
-            boundaries,
-            quantization,
-            DEFAULT_KV_BUDGET_BYTES,
-        )?;
-        let spans = specs
-            .iter()
-            .map(|spec| Gpt2Span::load(&model, spec))
-            .collect::<Result<Vec<_>, _>>()
-            .context("loading the model's spans")?;
-        return Ok(LoadedModel {
-            spans: LoadedSpans::Gpt2(SplitModel::from_spans(spans)),
-            stop_tokens: tokenizer.eos_token().into_iter().collect(),
-            tokenizer,
-            chat_template: None,
-            end_of_turn: None,
-        });
-    }
-    let model = GgufModel::open(path)?;
-    let description = model.description();
-    let chat_template = match &description.chat_template {
-        Some(jinja) => ChatTemplate::from_jinja(jinja)?,
-        None => ChatTemplate::chatml(),
-    };
-    Ok(LoadedModel {
-        tokenizer: ModelTokenizer::from_gguf(&model)?,
-        chat_template: Some(chat_template),
-        stop_tokens: description.eos_token.into_iter().collect(),
-        end_of_turn: description.im_end_token,
-        spans: LoadedSpans::Llama(
-            SplitModel::load(&model, boundaries, quantization, DEFAULT_KV_BUDGET_BYTES)
-                .context("loading the model's spans")?,
-        ),
-    })
+    quantization: Option<Quantization>,
+) -> anyhow::Result<(SplitModel<meshnet_model::ModelSpan>, TextSide)> {
+    let model = Model::open(path)?;
+    let text = TextSide::of(&model)?;
+    let specs = split_specs(
+        model.description().layers,
+        boundaries,
+        quantization,
+        DEFAULT_KV_BUDGET_BYTES,
+    )?;
+    let spans = specs
+        .iter()
+        .map(|spec| model.load_span(spec, &mut |_, _| {}))
+        .collect::<Result<Vec<_>, _>>()
+        .context("loading the model's spans")?;
+    Ok((SplitModel::from_spans(spans), text))
 }
 
 fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
-    let path = args
-        .model
-        .clone()
-        .unwrap_or_else(meshnet_model::default_model_path);
-    if !path.exists() {
-        if args.model.is_none() {
-            bail!(
-                "the default model is not at {}: run `meshnet-peer fetch-model` or \
-                 `bash scripts/fetch-model.sh` first, or pass --model",
-                path.display()
-            );
-        }
-        bail!("model file {} does not exist", path.display());
-    }
-    let quantization = Quantization::parse(&args.quantization)?;
-    let loaded = load_model(&path, &args.boundaries, quantization)?;
-    let tokenizer = &loaded.tokenizer;
+    let path = model_path_or_default(args.model.clone())?;
+    let quantization = parse_generate_format(&args.quantization)?;
+    let (split, text_side) = load_model(&path, &args.boundaries, quantization)?;
+    let tokenizer = &text_side.tokenizer;
     let policy = if args.boundaries.is_empty() {
         BoundaryPolicy::F32
     } else {
         BoundaryPolicy::Bf16
     };
-    let route = match &loaded.spans {
-        LoadedSpans::Llama(split) => split.route(policy)?,
-        LoadedSpans::Gpt2(split) => split.route(policy)?,
-    };
+    let route = split.route(policy)?;
 
     let text = if args.chat {
-        let Some(mut template) = loaded.chat_template.clone() else {
+        let Some(mut template) = text_side.template.clone() else {
             bail!("{} has no chat template: leave out --chat", path.display());
         };
         if !args.template_system {
@@ -537,9 +505,9 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
-    let mut stop_tokens = loaded.stop_tokens.clone();
+    let mut stop_tokens = text_side.stop_tokens.clone();
     if args.chat {
-        stop_tokens.extend(loaded.end_of_turn);
+        stop_tokens.extend(text_side.end_of_turn);
     }
     let request = GenerationRequest {
         sampling: SamplingConfig {

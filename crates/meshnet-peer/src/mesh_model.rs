@@ -1,13 +1,14 @@
 //! The model a mesh runs: its identity (name plus content hash), its memory shape for the
-//! planner, and the mapping between the planner's weight formats and the loader's.
+//! planner, and the weight formats its spans can be held in. Either family: a Llama GGUF file
+//! or a Hugging Face GPT-2 directory.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::quantized::GgmlDType;
-use meshnet_model::{GgufModel, ModelDescription, Quantization as LoadFormat};
-use meshnet_planner::{ModelShape, Quantization};
+use meshnet_model::{Model, ModelDescription};
+use meshnet_planner::{ModelShape, PeerCapacity};
+use meshnet_types::Quantization;
 use sha2::{Digest, Sha256};
 
 use crate::error::PeerError;
@@ -15,25 +16,31 @@ use crate::error::PeerError;
 /// Hex digits of the content hash kept in the model id.
 const HASH_DIGITS: usize = 16;
 
-/// A GGUF model opened for serving in a mesh.
+/// A model opened for serving in a mesh.
 #[derive(Debug)]
 pub struct MeshModel {
-    gguf: Arc<GgufModel>,
+    model: Arc<Model>,
     id: String,
     shape: ModelShape,
     shipped: Quantization,
 }
 
 impl MeshModel {
-    /// Opens the GGUF file at `path`, hashes its content and sizes it. Blocking: it reads the
-    /// whole file once.
+    /// Opens the GGUF file or GPT-2 directory at `path`, hashes its content and sizes it.
+    /// Blocking: it reads the model's files once.
     pub fn open(path: &Path) -> Result<Self, PeerError> {
-        let gguf = GgufModel::open(path)?;
-        let shipped = shipped_format(&gguf)?;
-        let id = model_id(path)?;
-        let shape = model_shape(&id, gguf.description(), shipped);
+        let model = Model::open(path)?;
+        let shipped = model.description().shipped_quantization.ok_or_else(|| {
+            PeerError::Config(format!(
+                "{}: a mesh serves models whose layers are stored as q4_1, q8_0 or 16/32-bit \
+                 floats",
+                path.display()
+            ))
+        })?;
+        let id = model_id(path, &model.content_files())?;
+        let shape = model_shape(&id, model.description(), shipped);
         Ok(MeshModel {
-            gguf: Arc::new(gguf),
+            model: Arc::new(model),
             id,
             shape,
             shipped,
@@ -46,19 +53,19 @@ impl MeshModel {
         &self.id
     }
 
-    /// The opened file.
-    pub fn gguf(&self) -> &Arc<GgufModel> {
-        &self.gguf
+    /// The opened model.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
     }
 
-    /// What the file says about the model.
+    /// What the model's metadata says about it.
     pub fn description(&self) -> &ModelDescription {
-        self.gguf.description()
+        self.model.description()
     }
 
-    /// The file's path.
+    /// The model's file or directory.
     pub fn path(&self) -> PathBuf {
-        self.gguf.path().to_path_buf()
+        self.model.path().to_path_buf()
     }
 
     /// The memory shape the planner works with.
@@ -66,7 +73,7 @@ impl MeshModel {
         &self.shape
     }
 
-    /// The format the file's layers are stored in.
+    /// The format the model's layers are stored in.
     pub fn shipped_format(&self) -> Quantization {
         self.shipped
     }
@@ -76,12 +83,10 @@ impl MeshModel {
         self.shape.num_layers
     }
 
-    /// How the loader must treat the weights to serve them in `format`.
-    pub fn load_format(&self, format: Quantization) -> Result<LoadFormat, PeerError> {
-        if format == self.shipped {
-            Ok(LoadFormat::AsShipped)
-        } else if format == Quantization::Q8_0 {
-            Ok(LoadFormat::Q8_0)
+    /// Refuses a format this model cannot be served in, naming the ones it can.
+    pub fn check_format(&self, format: Quantization) -> Result<(), PeerError> {
+        if self.formats().contains(&format) {
+            Ok(())
         } else {
             Err(PeerError::Config(format!(
                 "this model can be served as {} (as shipped) or q8_0, not {format}",
@@ -92,11 +97,40 @@ impl MeshModel {
 
     /// Formats this model can be served in.
     pub fn formats(&self) -> Vec<Quantization> {
-        let mut formats = vec![self.shipped];
-        if self.shipped != Quantization::Q8_0 {
-            formats.push(Quantization::Q8_0);
+        self.description().quantizations()
+    }
+
+    /// Refuses a memory budget that cannot hold a single layer (plus, on the tracker, the
+    /// embedding and head), naming the sizes involved.
+    pub fn check_memory(&self, capacity: &PeerCapacity) -> Result<(), PeerError> {
+        let shape = self.shape();
+        let formats: &[Quantization] = &capacity.quantizations;
+        if formats
+            .iter()
+            .any(|q| capacity.max_layers(shape, *q).unwrap_or(0) > 0)
+        {
+            return Ok(());
         }
-        formats
+        let cheapest = formats
+            .iter()
+            .filter_map(|q| shape.layer_cost(*q, capacity.kv_tokens))
+            .min()
+            .unwrap_or(0);
+        let extra = if capacity.is_tracker {
+            format!(
+                " plus {} bytes for the embedding and head the tracker holds",
+                shape.tracker_extra_bytes()
+            )
+        } else {
+            String::new()
+        };
+        Err(PeerError::Config(format!(
+            "--memory {} bytes holds no layer of {}: one layer with its KV reserve ({} tokens) takes \
+             {cheapest} bytes{extra}",
+            capacity.memory_bytes,
+            self.id(),
+            capacity.kv_tokens
+        )))
     }
 
     /// KV-cache bytes one token takes in one layer (keys and values, f32).
@@ -105,45 +139,23 @@ impl MeshModel {
     }
 }
 
-/// The planner's name for the format of the file's layer weights (read from the first
-/// layer's query matrix).
-fn shipped_format(gguf: &GgufModel) -> Result<Quantization, PeerError> {
-    let name = "blk.0.attn_q.weight";
-    let dtype = gguf
-        .content()
-        .tensor_infos
-        .get(name)
-        .map(|info| info.ggml_dtype)
-        .ok_or_else(|| {
-            PeerError::Config(format!("{}: missing tensor {name}", gguf.path().display()))
-        })?;
-    match dtype {
-        GgmlDType::Q4_1 => Ok(Quantization::Q4_1),
-        GgmlDType::Q8_0 => Ok(Quantization::Q8_0),
-        GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 => Ok(Quantization::Bf16),
-        other => Err(PeerError::Config(format!(
-            "{}: layers stored as {other:?}; a mesh serves GGUF files whose layers are q4_1, \
-             q8_0 or 16/32-bit floats",
-            gguf.path().display()
-        ))),
-    }
-}
-
-/// `<lowercase file stem>-<first 16 hex digits of the file's SHA-256>`.
-fn model_id(path: &Path) -> Result<String, PeerError> {
-    let io_error = |source| PeerError::Io {
-        what: format!("reading {}", path.display()),
-        source,
-    };
-    let mut file = std::fs::File::open(path).map_err(io_error)?;
+/// `<lowercase file stem>-<first 16 hex digits of the SHA-256 of the model's files>`.
+fn model_id(path: &Path, files: &[PathBuf]) -> Result<String, PeerError> {
     let mut hasher = Sha256::new();
     let mut buffer = vec![0u8; 1 << 20];
-    loop {
-        let read = file.read(&mut buffer).map_err(io_error)?;
-        if read == 0 {
-            break;
+    for file_path in files {
+        let io_error = |source| PeerError::Io {
+            what: format!("reading {}", file_path.display()),
+            source,
+        };
+        let mut file = std::fs::File::open(file_path).map_err(io_error)?;
+        loop {
+            let read = file.read(&mut buffer).map_err(io_error)?;
+            if read == 0 {
+                break;
+            }
+            hasher.update(&buffer[..read]);
         }
-        hasher.update(&buffer[..read]);
     }
     let digest = hasher.finalize();
     let hex: String = digest
@@ -151,8 +163,12 @@ fn model_id(path: &Path) -> Result<String, PeerError> {
         .take(HASH_DIGITS / 2)
         .map(|byte| format!("{byte:02x}"))
         .collect();
-    let stem = path
-        .file_stem()
+    let stem = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    let stem = stem
         .map(|s| s.to_string_lossy().to_lowercase())
         .unwrap_or_else(|| "model".to_owned());
     let stem: String = stem

@@ -7,7 +7,8 @@
 use candle_core::{DType, Device, Tensor};
 use meshnet_model::{ModelError, SessionId, Stage};
 use meshnet_node::ForwardClient;
-use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, LayerRange, Route};
+use meshnet_types::LayerSpan;
+use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Route};
 use tokio::runtime::Handle;
 
 use crate::routing::PlannedHop;
@@ -19,7 +20,7 @@ pub const END_SESSION_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 pub struct RemoteStage {
     hops: Vec<PlannedHop>,
     /// The first hop's layers and the route after it, built once for every frame.
-    first_layers: LayerRange,
+    first_layers: LayerSpan,
     onward: Route,
     client: ForwardClient,
     runtime: Handle,
@@ -43,13 +44,13 @@ impl RemoteStage {
         let (first, rest) = hops
             .split_first()
             .ok_or_else(|| invalid("the route has no hop".to_owned()))?;
-        let first_layers = layer_range(first).map_err(invalid)?;
+        let first_layers = first.layers;
+        if first_layers.is_empty() {
+            return Err(invalid(format!("empty layer span for peer {}", first.peer)));
+        }
         let onward = rest
             .iter()
-            .map(|hop| {
-                let layers = layer_range(hop)?;
-                Hop::new(layers, hop.endpoint.clone()).map_err(|e| e.to_string())
-            })
+            .map(|hop| Hop::new(hop.layers, hop.endpoint.clone()).map_err(|e| e.to_string()))
             .collect::<Result<Vec<_>, _>>()
             .map_err(invalid)?;
         let onward = Route::new(onward)?;
@@ -74,11 +75,6 @@ impl RemoteStage {
             reason: reason.to_string(),
         }
     }
-}
-
-fn layer_range(hop: &PlannedHop) -> Result<LayerRange, String> {
-    LayerRange::new(hop.layers.start, hop.layers.end)
-        .ok_or_else(|| format!("empty layer range for peer {}", hop.peer))
 }
 
 impl Stage for RemoteStage {
@@ -140,12 +136,7 @@ impl Stage for RemoteStage {
     fn name(&self) -> String {
         self.hops
             .iter()
-            .map(|hop| {
-                format!(
-                    "{} (layers {}..{})",
-                    hop.endpoint, hop.layers.start, hop.layers.end
-                )
-            })
+            .map(|hop| format!("{} (layers {})", hop.endpoint, hop.layers))
             .collect::<Vec<_>>()
             .join(" -> ")
     }

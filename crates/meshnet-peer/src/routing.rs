@@ -1,12 +1,12 @@
 //! Choosing the hops of a generation: which ready peer runs which layers after the entry.
 
-use meshnet_planner::LayerSpan;
+use meshnet_types::{LayerSpan, PeerId};
 
 /// A peer that could run part of a route, as the tracker last heard from it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RouteCandidate {
     /// The peer's id.
-    pub peer: String,
+    pub peer: PeerId,
     /// Its activation-plane base URL.
     pub endpoint: String,
     /// The layers it serves.
@@ -21,7 +21,7 @@ pub struct RouteCandidate {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedHop {
     /// The peer's id.
-    pub peer: String,
+    pub peer: PeerId,
     /// Its activation-plane base URL.
     pub endpoint: String,
     /// The layers it runs for this route (within what it serves).
@@ -49,7 +49,7 @@ pub fn choose_route(
     while layer < end {
         let best = candidates
             .iter()
-            .filter(|c| c.layers.start <= layer && layer < c.layers.end)
+            .filter(|c| c.layers.contains(layer))
             .max_by(|a, b| {
                 a.layers
                     .end
@@ -77,7 +77,7 @@ mod tests {
 
     fn candidate(peer: &str, start: u32, end: u32, sessions: u32) -> RouteCandidate {
         RouteCandidate {
-            peer: peer.to_owned(),
+            peer: PeerId::new(peer),
             endpoint: format!("http://{peer}"),
             layers: LayerSpan::new(start, end),
             active_sessions: sessions,

@@ -4,17 +4,18 @@
 //! A peer holds at most one current span. Replacing or dropping it moves the old span to a
 //! draining list: sessions that already have KV cache on it finish there, new sessions go to
 //! the current span only, and a draining span is freed once its last session ends or its drain
-//! time runs out.
+//! time runs out. Freeing happens only in [`ShardHost::reap`], which the control loop calls on
+//! its timer: every other method only reads, so a `/status` scrape changes nothing.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use meshnet_model::{LlamaSpan, ModelError, SessionId, SpanSpec};
+use meshnet_model::{ModelError, ModelSpan, SessionId, SpanSpec};
 use meshnet_node::{ExecutorError, SpanExecutor};
-use meshnet_planner::{LayerSpan, Quantization};
-use meshnet_wire::{Activations, FrameMeta, LayerRange, PREFILL_CHUNK_TOKENS};
+use meshnet_types::{LayerSpan, Quantization, SpanState};
+use meshnet_wire::{Activations, FrameMeta, PREFILL_CHUNK_TOKENS};
 use serde::Serialize;
 
 use crate::error::PeerError;
@@ -32,18 +33,51 @@ pub struct ShardTarget {
     pub entry: bool,
 }
 
+impl ShardTarget {
+    /// The target as announced, in `state`.
+    pub fn status(&self, state: SpanState) -> meshnet_p2p::SpanStatus {
+        meshnet_p2p::SpanStatus {
+            layers: self.layers,
+            quantization: self.quantization,
+            state,
+        }
+    }
+}
+
 /// A span in memory.
 #[derive(Debug)]
 pub struct LoadedShard {
     /// What was loaded.
     pub target: ShardTarget,
     /// The weights and the KV caches.
-    pub span: LlamaSpan,
+    pub span: ModelSpan,
 }
 
 impl LoadedShard {
-    fn covers(&self, layers: LayerRange) -> bool {
-        self.target.layers.start <= layers.start && layers.end <= self.target.layers.end
+    fn covers(&self, layers: LayerSpan) -> bool {
+        self.target.layers.covers(layers)
+    }
+
+    /// Tokens per second through this span, from one 16-token chunk on a scratch session
+    /// (1.0 when the measurement fails). Blocking: call it off the async workers.
+    pub fn measure_throughput(&self, hidden_size: usize) -> f64 {
+        let tokens = 16;
+        let Ok(input) =
+            candle_core::Tensor::zeros((1, tokens, hidden_size), DType::F32, &Device::Cpu)
+        else {
+            return 1.0;
+        };
+        let session = SessionId::new_v4();
+        let started = Instant::now();
+        let ran = self
+            .span
+            .forward_range(session, 0, &input, self.span.layers());
+        let elapsed = started.elapsed().as_secs_f64();
+        self.span.kv_store().end_session(session);
+        match ran {
+            Ok(_) if elapsed > 0.0 => tokens as f64 / elapsed,
+            _ => 1.0,
+        }
     }
 }
 
@@ -71,8 +105,6 @@ struct HostState {
     current: Option<Arc<LoadedShard>>,
     loading: Option<ShardTarget>,
     draining: Vec<(Arc<LoadedShard>, Instant)>,
-    /// When idle sessions were last looked for.
-    idle_checked: Option<Instant>,
 }
 
 /// The peer's span slot.
@@ -118,6 +150,18 @@ impl ShardHost {
         self.lock().loading
     }
 
+    /// The span to announce: the one loading, else the current one.
+    pub fn span_status(&self) -> Option<meshnet_p2p::SpanStatus> {
+        let state = self.lock();
+        if let Some(target) = state.loading {
+            return Some(target.status(SpanState::Loading));
+        }
+        state
+            .current
+            .as_ref()
+            .map(|shard| shard.target.status(SpanState::Ready))
+    }
+
     /// Loads `target` (blocking; call it off the async workers) and makes it current. Loading
     /// what is already current does nothing. The previous span drains.
     pub fn load(&self, target: ShardTarget) -> Result<Arc<LoadedShard>, PeerError> {
@@ -127,29 +171,27 @@ impl ShardHost {
             return Ok(current);
         }
         let layers = target.layers;
-        if layers.end > self.model.num_layers() || layers.start > layers.end {
+        if layers.end > self.model.num_layers() {
             return Err(PeerError::Config(format!(
-                "layers {}..{} do not fit a model of {} layers",
-                layers.start,
-                layers.end,
+                "layers {layers} do not fit a model of {} layers",
                 self.model.num_layers()
             )));
         }
-        let format = self.model.load_format(target.quantization)?;
+        self.model.check_format(target.quantization)?;
         let kv_budget = self
             .kv_tokens
             .saturating_mul(self.model.kv_bytes_per_token_per_layer())
             .saturating_mul(u64::from(layers.len().max(1)));
         let spec = SpanSpec {
-            layers: layers.start as usize..layers.end as usize,
+            layers,
             embedding: target.entry,
             head: target.entry,
-            quantization: format,
+            quantization: Some(target.quantization),
             kv_budget_bytes: usize::try_from(kv_budget).unwrap_or(usize::MAX),
         };
         self.lock().loading = Some(target);
         let started = Instant::now();
-        let loaded = LlamaSpan::load_with_progress(self.model.gguf(), &spec, &mut |done, total| {
+        let loaded = self.model.model().load_span(&spec, &mut |done, total| {
             self.progress.set(done, total.max(1));
         });
         self.progress.set(0, 0);
@@ -160,9 +202,8 @@ impl ShardHost {
         if let Some(previous) = state.current.replace(Arc::clone(&shard)) {
             state.draining.push((previous, Instant::now()));
         }
-        reap(&mut state, self.drain_timeout);
         tracing::info!(
-            layers = %format_args!("{}..{}", layers.start, layers.end),
+            %layers,
             quantization = %target.quantization,
             entry = target.entry,
             elapsed_ms = started.elapsed().as_millis() as u64,
@@ -177,28 +218,50 @@ impl ShardHost {
         let mut state = self.lock();
         if let Some(previous) = state.current.take() {
             tracing::info!(
-                layers = %format_args!("{}..{}", previous.target.layers.start, previous.target.layers.end),
+                layers = %previous.target.layers,
                 "span dropped; running sessions drain"
             );
             state.draining.push((previous, Instant::now()));
         }
-        reap(&mut state, self.drain_timeout);
     }
 
     /// Sessions holding KV cache on any span here.
     pub fn active_sessions(&self) -> usize {
-        let mut state = self.lock();
-        reap(&mut state, self.drain_timeout);
-        all_shards(&state)
+        all_shards(&self.lock())
             .map(|shard| shard.span.kv_store().session_count())
             .sum()
     }
 
     /// Spans still finishing sessions after being replaced or dropped.
     pub fn draining(&self) -> usize {
+        self.lock().draining.len()
+    }
+
+    /// Frees, as of `now`, sessions idle for longer than [`SESSION_IDLE_TIMEOUT`] and draining
+    /// spans that have no session left or whose drain time ran out. The only method that
+    /// frees anything; the control loop calls it on its timer.
+    pub fn reap(&self, now: Instant) {
         let mut state = self.lock();
-        reap(&mut state, self.drain_timeout);
-        state.draining.len()
+        if let Some(cutoff) = now.checked_sub(SESSION_IDLE_TIMEOUT) {
+            for shard in all_shards(&state) {
+                let dropped = shard.span.kv_store().end_sessions_idle_since(cutoff);
+                if dropped > 0 {
+                    tracing::info!(sessions = dropped, "idle sessions dropped");
+                }
+            }
+        }
+        let timeout = self.drain_timeout;
+        state.draining.retain(|(shard, since)| {
+            let busy = shard.span.kv_store().session_count() > 0;
+            let keep = busy && now.saturating_duration_since(*since) < timeout;
+            if !keep && busy {
+                tracing::warn!(
+                    sessions = shard.span.kv_store().session_count(),
+                    "drain time over: freeing a dropped span with sessions still open"
+                );
+            }
+            keep
+        });
     }
 
     /// Tokens of KV cache the current span can still take (over all its layers).
@@ -213,8 +276,7 @@ impl ShardHost {
     /// The span that should run `meta`: the one already holding the session's cache, else the
     /// current span when it covers the layers.
     fn shard_for(&self, meta: &FrameMeta) -> Option<Arc<LoadedShard>> {
-        let mut state = self.lock();
-        reap(&mut state, self.drain_timeout);
+        let state = self.lock();
         let holding = all_shards(&state).find(|shard| {
             shard.covers(meta.layers) && shard.span.kv_store().has_session(meta.session)
         });
@@ -243,47 +305,9 @@ fn all_shards(state: &HostState) -> impl Iterator<Item = &Arc<LoadedShard>> {
 /// Sessions untouched this long are dropped: their entry went away without ending them.
 pub const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// How often the span slot looks for idle sessions.
-const IDLE_CHECK_INTERVAL: Duration = Duration::from_secs(30);
-
-/// Frees draining spans that have no session left or whose drain time ran out, and sessions
-/// idle for longer than [`SESSION_IDLE_TIMEOUT`].
-fn reap(state: &mut HostState, timeout: Duration) {
-    // Idle sessions are looked for at most every IDLE_CHECK_INTERVAL, not on every frame.
-    let due = state
-        .idle_checked
-        .is_none_or(|at| at.elapsed() >= IDLE_CHECK_INTERVAL);
-    if due {
-        state.idle_checked = Some(Instant::now());
-    }
-    if let Some(cutoff) = Instant::now()
-        .checked_sub(SESSION_IDLE_TIMEOUT)
-        .filter(|_| due)
-    {
-        for shard in all_shards(state) {
-            let dropped = shard.span.kv_store().end_sessions_idle_since(cutoff);
-            if dropped > 0 {
-                tracing::info!(sessions = dropped, "idle sessions dropped");
-            }
-        }
-    }
-    state.draining.retain(|(shard, since)| {
-        let busy = shard.span.kv_store().session_count() > 0;
-        let keep = busy && since.elapsed() < timeout;
-        if !keep && busy {
-            tracing::warn!(
-                sessions = shard.span.kv_store().session_count(),
-                "drain time over: freeing a dropped span with sessions still open"
-            );
-        }
-        keep
-    });
-}
-
 impl SpanExecutor for ShardHost {
-    fn served_layers(&self) -> Option<LayerRange> {
-        let current = self.current()?;
-        LayerRange::new(current.target.layers.start, current.target.layers.end)
+    fn served_layers(&self) -> Option<LayerSpan> {
+        self.current().map(|current| current.target.layers)
     }
 
     fn accepts(&self, meta: &FrameMeta) -> bool {
@@ -324,7 +348,7 @@ impl SpanExecutor for ShardHost {
             .map_err(|_| ExecutorError::BadActivations("position too large".into()))?;
         let output = shard
             .span
-            .forward_range(meta.session, position, &hidden, meta.layers.as_range())
+            .forward_range(meta.session, position, &hidden, meta.layers)
             .map_err(executor_error)?;
         Activations::from_tensor(&output).map_err(|e| ExecutorError::Compute(e.to_string()))
     }

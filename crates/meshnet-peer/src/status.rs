@@ -1,15 +1,22 @@
 //! The JSON of `GET /status`: this peer's own state, and on the tracker the coverage map and
-//! the peers it knows (documented in docs/status.md).
+//! the peers it knows (documented in docs/status.md). [`StatusReport::of`] is the one mapping
+//! from a running member to it; it only reads.
 
-use meshnet_p2p::{CoverageMessage, SpanState, SpanStatus};
-use meshnet_planner::{PeerState, Quantization};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use meshnet_p2p::{CoverageMessage, SpanStatus};
+use meshnet_types::{PeerId, Quantization, SpanState};
 use serde::Serialize;
+
+use crate::member::{Member, lock};
+use crate::tracker::KnownPeer;
 
 /// Everything `GET /status` reports.
 #[derive(Clone, Debug, Serialize)]
 pub struct StatusReport {
     /// This peer's id.
-    pub peer: String,
+    pub peer: PeerId,
     /// `tracker` or `peer`.
     pub role: &'static str,
     /// The software version.
@@ -21,15 +28,15 @@ pub struct StatusReport {
     /// The libp2p addresses it listens on.
     pub p2p: Vec<String>,
     /// The span serving new sessions.
-    pub span: Option<SpanReport>,
+    pub span: Option<SpanStatus>,
     /// The span being loaded, if any.
-    pub loading: Option<SpanReport>,
+    pub loading: Option<SpanStatus>,
     /// Sessions holding KV cache here.
     pub active_sessions: usize,
     /// KV tokens the current span can still take.
     pub free_kv_tokens: u64,
     /// The tracker this peer follows.
-    pub tracker: Option<String>,
+    pub tracker: Option<PeerId>,
     /// Gossip messages rejected by validation (undecodable, another model, not from the
     /// tracker, spoofed sender).
     pub rejected_messages: u64,
@@ -56,27 +63,6 @@ pub struct ModelReport {
     pub layers: u32,
 }
 
-/// A span and its state.
-#[derive(Clone, Debug, Serialize)]
-pub struct SpanReport {
-    /// `[start, end)` as a pair.
-    pub layers: [u32; 2],
-    /// Weight format.
-    pub quantization: Quantization,
-    /// `loading`, `ready` or `draining`.
-    pub state: SpanState,
-}
-
-impl From<&SpanStatus> for SpanReport {
-    fn from(span: &SpanStatus) -> Self {
-        SpanReport {
-            layers: [span.layers.start, span.layers.end],
-            quantization: span.quantization,
-            state: span.state,
-        }
-    }
-}
-
 /// The coverage map, layer by layer.
 #[derive(Clone, Debug, Serialize)]
 pub struct CoverageReport {
@@ -101,9 +87,9 @@ pub struct LayerReport {
 #[derive(Clone, Debug, Serialize)]
 pub struct HolderReport {
     /// The holder's id.
-    pub peer: String,
+    pub peer: PeerId,
     /// `loading` or `ready`.
-    pub state: PeerState,
+    pub state: SpanState,
     /// Its weight format.
     pub quantization: Quantization,
 }
@@ -112,11 +98,11 @@ pub struct HolderReport {
 #[derive(Clone, Debug, Serialize)]
 pub struct PeerReport {
     /// Its id.
-    pub peer: String,
+    pub peer: PeerId,
     /// Its activation-plane base URL.
     pub http: Option<String>,
     /// Its announced span.
-    pub span: Option<SpanReport>,
+    pub span: Option<SpanStatus>,
     /// Declared memory in bytes.
     pub memory_bytes: u64,
     /// Formats it can run.
@@ -141,7 +127,7 @@ impl CoverageReport {
                     .map
                     .holders(layer)
                     .map(|holder| HolderReport {
-                        peer: holder.peer.as_str().to_owned(),
+                        peer: holder.peer.clone(),
                         state: holder.state,
                         quantization: holder.quantization,
                     })
@@ -152,12 +138,73 @@ impl CoverageReport {
             layer
                 .holders
                 .iter()
-                .any(|holder| holder.state == PeerState::Ready)
+                .any(|holder| holder.state == SpanState::Ready)
         });
         CoverageReport {
             epoch: message.epoch,
             complete,
             layers,
+        }
+    }
+}
+
+impl StatusReport {
+    /// What `GET /status` answers for `member` now.
+    pub(crate) fn of(member: &Member) -> Self {
+        let host = &member.host;
+        let tracker = member.tracker_parts();
+        let peers = tracker.map(|parts| {
+            let now = Instant::now();
+            lock(&parts.book)
+                .peers()
+                .values()
+                .map(|known| PeerReport::of(known, now))
+                .collect()
+        });
+        StatusReport {
+            peer: member.peer_id.clone(),
+            role: if tracker.is_some() { "tracker" } else { "peer" },
+            version: env!("CARGO_PKG_VERSION"),
+            model: ModelReport {
+                id: member.model.id().to_owned(),
+                layers: member.model.num_layers(),
+            },
+            http: member.http_url.clone(),
+            p2p: lock(&member.p2p_addrs).clone(),
+            span: host
+                .current()
+                .map(|shard| shard.target.status(SpanState::Ready)),
+            loading: host
+                .loading()
+                .map(|target| target.status(SpanState::Loading)),
+            active_sessions: member.active_sessions(),
+            free_kv_tokens: host.free_kv_tokens(),
+            tracker: lock(&member.tracker).clone(),
+            rejected_messages: member.rejected.load(Ordering::Relaxed),
+            coverage: lock(&member.coverage)
+                .as_ref()
+                .map(CoverageReport::from_message),
+            peers,
+            openai_base_url: tracker.map(|_| format!("{}/v1", member.http_url)),
+            route_boundaries: member.route_boundaries(),
+        }
+    }
+}
+
+impl PeerReport {
+    /// A known peer as of `now`.
+    fn of(known: &KnownPeer, now: Instant) -> Self {
+        let a = &known.announcement;
+        PeerReport {
+            peer: a.peer.clone(),
+            http: a.http_endpoints.first().cloned(),
+            span: a.span.clone(),
+            memory_bytes: a.memory_bytes,
+            quantizations: a.quantizations.clone(),
+            throughput: a.throughput,
+            active_sessions: a.active_sessions,
+            free_kv_tokens: a.free_kv_tokens,
+            last_seen_ms: now.saturating_duration_since(known.last_seen).as_millis() as u64,
         }
     }
 }

@@ -5,11 +5,11 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use meshnet_p2p::{CoverageMessage, DirectiveMessage, PeerAnnouncement, SpanState, SpanStatus};
+use meshnet_p2p::{CoverageMessage, DirectiveMessage, PeerAnnouncement, SpanStatus};
 use meshnet_planner::{
-    CoverageMap, Directive, LayerSpan, ModelShape, PeerCapacity, PeerId, PeerState, Planner,
-    PlannerConfig, ShardHolding,
+    CoverageMap, Directive, ModelShape, PeerCapacity, Planner, PlannerConfig, ShardHolding,
 };
+use meshnet_types::{PeerId, Quantization, SpanState};
 
 use crate::error::PeerError;
 use crate::routing::{PlannedHop, RouteCandidate, Uncovered, choose_route};
@@ -42,14 +42,14 @@ pub struct PlanOutcome {
 pub struct TrackerBook {
     model_id: String,
     planner: Planner,
-    own_id: String,
+    own_id: PeerId,
     own_capacity: PeerCapacity,
     own_endpoint: String,
     own_span: Option<SpanStatus>,
     expiry: Duration,
-    peers: BTreeMap<String, KnownPeer>,
+    peers: BTreeMap<PeerId, KnownPeer>,
     /// What each peer was last told to hold, and when.
-    sent: BTreeMap<String, (Option<SpanStatus>, Instant)>,
+    sent: BTreeMap<PeerId, (Option<SpanStatus>, Instant)>,
     epoch: u64,
     sequence: u64,
     map: CoverageMap,
@@ -61,7 +61,7 @@ impl TrackerBook {
     pub fn new(
         model_id: String,
         shape: ModelShape,
-        own_id: String,
+        own_id: PeerId,
         own_capacity: PeerCapacity,
         own_endpoint: String,
         expiry: Duration,
@@ -115,9 +115,9 @@ impl TrackerBook {
     }
 
     /// Forgets peers silent for longer than the expiry; returns their ids.
-    pub fn expire(&mut self, now: Instant) -> Vec<String> {
+    pub fn expire(&mut self, now: Instant) -> Vec<PeerId> {
         let expiry = self.expiry;
-        let gone: Vec<String> = self
+        let gone: Vec<PeerId> = self
             .peers
             .iter()
             .filter(|(_, known)| now.duration_since(known.last_seen) > expiry)
@@ -137,7 +137,7 @@ impl TrackerBook {
     }
 
     /// The peers currently known.
-    pub fn peers(&self) -> &BTreeMap<String, KnownPeer> {
+    pub fn peers(&self) -> &BTreeMap<PeerId, KnownPeer> {
         &self.peers
     }
 
@@ -167,10 +167,10 @@ impl TrackerBook {
         );
         let plan = self.planner.plan(&current, &capacities)?;
 
-        let mut by_peer: BTreeMap<String, Vec<Directive>> = BTreeMap::new();
+        let mut by_peer: BTreeMap<PeerId, Vec<Directive>> = BTreeMap::new();
         for directive in &plan.directives {
             by_peer
-                .entry(directive.peer().as_str().to_owned())
+                .entry(directive.peer().clone())
                 .or_default()
                 .push(directive.clone());
         }
@@ -178,59 +178,30 @@ impl TrackerBook {
             self.epoch += 1;
         }
 
-        let mut directives = Vec::new();
         let mut own_target = None;
-        for peer in self
+        let intended_of = |peer: &PeerId| {
+            plan.map.holding_of(peer).map(|h| SpanStatus {
+                layers: h.layers,
+                quantization: h.quantization,
+                state: SpanState::Loading,
+            })
+        };
+        let own_intended = intended_of(&self.own_id);
+        if !same_span(own_intended.as_ref(), self.own_span.as_ref()) {
+            own_target = own_intended;
+        }
+        let targets: Vec<(PeerId, Option<SpanStatus>)> = self
             .peers
             .keys()
-            .cloned()
-            .chain([self.own_id.clone()])
-            .collect::<Vec<_>>()
-        {
-            let intended = plan
-                .map
-                .holding_of(&PeerId::new(peer.clone()))
-                .map(|h| SpanStatus {
-                    layers: h.layers,
-                    quantization: h.quantization,
-                    state: SpanState::Loading,
-                });
-            if peer == self.own_id {
-                if !same_span(intended.as_ref(), self.own_span.as_ref()) {
-                    own_target = intended;
-                }
-                continue;
-            }
-            let announced = self
-                .peers
-                .get(&peer)
-                .and_then(|known| known.announcement.span.clone())
-                .filter(|span| span.state != SpanState::Draining);
-            if same_span(intended.as_ref(), announced.as_ref()) {
-                self.sent.remove(&peer);
-                continue;
-            }
-            let planned = by_peer.remove(&peer);
-            let recently_sent = self.sent.get(&peer).is_some_and(|(target, at)| {
-                same_span(target.as_ref(), intended.as_ref())
-                    && now.duration_since(*at) < DIRECTIVE_RESEND_AFTER
-            });
-            if planned.is_none() && recently_sent {
-                continue;
-            }
-            let list =
-                planned.unwrap_or_else(|| restate(&peer, announced.as_ref(), intended.as_ref()));
-            self.sequence += 1;
-            self.sent.insert(peer.clone(), (intended.clone(), now));
-            directives.push(DirectiveMessage {
-                model_id: self.model_id.clone(),
-                target: peer,
-                epoch: self.epoch,
-                sequence: self.sequence,
-                directives: list,
-                span_after: intended,
-            });
-        }
+            .map(|peer| (peer.clone(), intended_of(peer)))
+            .collect();
+        let directives = targets
+            .into_iter()
+            .filter_map(|(peer, intended)| {
+                let planned = by_peer.remove(&peer);
+                self.directive_for(peer, intended, planned, now)
+            })
+            .collect();
 
         self.map = self.with_live_states(plan.map);
         self.sequence += 1;
@@ -247,6 +218,45 @@ impl TrackerBook {
         })
     }
 
+    /// The directive message that moves `peer` to `intended` (the planner's own directives
+    /// when it made some, else a restatement), or `None` when the peer already announces it
+    /// or was told recently.
+    fn directive_for(
+        &mut self,
+        peer: PeerId,
+        intended: Option<SpanStatus>,
+        planned: Option<Vec<Directive>>,
+        now: Instant,
+    ) -> Option<DirectiveMessage> {
+        let announced = self
+            .peers
+            .get(&peer)
+            .and_then(|known| known.announcement.span.clone())
+            .filter(|span| span.state != SpanState::Draining);
+        if same_span(intended.as_ref(), announced.as_ref()) {
+            self.sent.remove(&peer);
+            return None;
+        }
+        let recently_sent = self.sent.get(&peer).is_some_and(|(target, at)| {
+            same_span(target.as_ref(), intended.as_ref())
+                && now.duration_since(*at) < DIRECTIVE_RESEND_AFTER
+        });
+        if planned.is_none() && recently_sent {
+            return None;
+        }
+        let list = planned.unwrap_or_else(|| restate(&peer, announced.as_ref(), intended.as_ref()));
+        self.sequence += 1;
+        self.sent.insert(peer.clone(), (intended.clone(), now));
+        Some(DirectiveMessage {
+            model_id: self.model_id.clone(),
+            target: peer,
+            epoch: self.epoch,
+            sequence: self.sequence,
+            directives: list,
+            span_after: intended,
+        })
+    }
+
     /// Ready holders that could serve a route, with their endpoints and load: peers that
     /// announce, ready, exactly the span the plan gave them (a peer claiming other layers is
     /// not trusted with traffic).
@@ -257,7 +267,7 @@ impl TrackerBook {
                 let a = &known.announcement;
                 let span = a.span.as_ref()?;
                 let endpoint = a.http_endpoints.first()?;
-                let planned = self.map.holding_of(&PeerId::new(a.peer.clone()))?;
+                let planned = self.map.holding_of(&a.peer)?;
                 let as_planned =
                     planned.layers == span.layers && planned.quantization == span.quantization;
                 (span.state == SpanState::Ready && as_planned).then(|| RouteCandidate {
@@ -285,14 +295,14 @@ impl TrackerBook {
     /// just told to load), plus the tracker's own.
     fn current_map(&self, now: Instant) -> CoverageMap {
         let mut holdings = Vec::new();
-        let mut push = |peer: &str, span: &SpanStatus| {
+        let mut push = |peer: &PeerId, span: &SpanStatus| {
             holdings.push(ShardHolding {
-                peer: PeerId::new(peer),
+                peer: peer.clone(),
                 layers: span.layers,
                 quantization: span.quantization,
                 state: match span.state {
-                    SpanState::Ready => PeerState::Ready,
-                    _ => PeerState::Loading,
+                    SpanState::Ready => SpanState::Ready,
+                    _ => SpanState::Loading,
                 },
             });
         };
@@ -322,11 +332,11 @@ impl TrackerBook {
     fn with_live_states(&self, mut map: CoverageMap) -> CoverageMap {
         map.epoch = self.epoch;
         for holding in &mut map.holdings {
-            let actual = if holding.peer.as_str() == self.own_id {
+            let actual = if holding.peer == self.own_id {
                 self.own_span.clone()
             } else {
                 self.peers
-                    .get(holding.peer.as_str())
+                    .get(&holding.peer)
                     .and_then(|known| known.announcement.span.clone())
             };
             let ready = actual.is_some_and(|span| {
@@ -335,9 +345,9 @@ impl TrackerBook {
                     && span.quantization == holding.quantization
             });
             holding.state = if ready {
-                PeerState::Ready
+                SpanState::Ready
             } else {
-                PeerState::Loading
+                SpanState::Loading
             };
         }
         map
@@ -347,13 +357,7 @@ impl TrackerBook {
 /// The parts of an announcement the planner depends on.
 fn planning_view(
     a: &PeerAnnouncement,
-) -> (
-    u64,
-    Vec<meshnet_planner::Quantization>,
-    u64,
-    Option<SpanStatus>,
-    Vec<String>,
-) {
+) -> (u64, Vec<Quantization>, u64, Option<SpanStatus>, Vec<String>) {
     (
         a.memory_bytes,
         a.quantizations.clone(),
@@ -365,7 +369,7 @@ fn planning_view(
 
 fn capacity(a: &PeerAnnouncement) -> PeerCapacity {
     PeerCapacity {
-        peer: PeerId::new(a.peer.clone()),
+        peer: a.peer.clone(),
         memory_bytes: a.memory_bytes,
         quantizations: a.quantizations.clone(),
         throughput: if a.throughput.is_finite() && a.throughput > 0.0 {
@@ -404,11 +408,11 @@ fn same_span(a: Option<&SpanStatus>, b: Option<&SpanStatus>) -> bool {
 /// Directives that take a peer from `announced` to `intended`, for a peer that missed (or
 /// has not yet acted on) the planner's own.
 fn restate(
-    peer: &str,
+    peer: &PeerId,
     announced: Option<&SpanStatus>,
     intended: Option<&SpanStatus>,
 ) -> Vec<Directive> {
-    let peer_id = PeerId::new(peer);
+    let peer_id = peer.clone();
     let mut list = Vec::new();
     if let Some(old) = announced {
         list.push(Directive::DropShard {
@@ -440,15 +444,10 @@ pub fn route_boundaries(entry_end: u32, hops: &[PlannedHop]) -> Vec<u32> {
     boundaries
 }
 
-/// A layer span as `[start, end]`, for JSON.
-pub fn span_pair(span: LayerSpan) -> [u32; 2] {
-    [span.start, span.end]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshnet_planner::Quantization;
+    use meshnet_types::LayerSpan;
 
     const FORMAT: Quantization = Quantization::Q4_1;
     const KV_TOKENS: u64 = 256;
@@ -457,15 +456,10 @@ mod tests {
         ModelShape::smollm2_135m()
     }
 
-    fn memory(layers: u64, tracker: bool) -> u64 {
-        let shape = shape();
-        let cost = shape.layer_cost(FORMAT, KV_TOKENS).unwrap();
-        let extra = if tracker {
-            shape.tracker_extra_bytes()
-        } else {
-            0
-        };
-        extra + cost * layers + cost / 2
+    fn memory(layers: u32, tracker: bool) -> u64 {
+        shape()
+            .budget_for_layers(FORMAT, KV_TOKENS, layers, tracker)
+            .unwrap()
     }
 
     fn book() -> TrackerBook {
@@ -540,7 +534,7 @@ mod tests {
         book.set_own_span(Some(ready(&own)));
         for directive in &first.directives {
             let span = ready(directive.span_after.as_ref().unwrap());
-            book.observe(announcement(&directive.target, Some(span)), now);
+            book.observe(announcement(directive.target.as_str(), Some(span)), now);
         }
         let settled = book.plan(now).unwrap();
         assert!(settled.directives.is_empty());
@@ -551,7 +545,7 @@ mod tests {
                 .map
                 .holdings
                 .iter()
-                .all(|h| h.state == PeerState::Ready)
+                .all(|h| h.state == SpanState::Ready)
         );
         let hops = book.route(10).unwrap();
         assert_eq!(route_boundaries(10, &hops), vec![10, 20]);
@@ -582,7 +576,7 @@ mod tests {
         book.observe(announcement("fresh", None), start + Duration::from_secs(2));
         assert!(book.expire(start + Duration::from_secs(3)).is_empty());
         let gone = book.expire(start + Duration::from_millis(3001));
-        assert_eq!(gone, vec!["old".to_owned()]);
+        assert_eq!(gone, vec![PeerId::new("old")]);
         assert_eq!(book.peers().len(), 1);
     }
 

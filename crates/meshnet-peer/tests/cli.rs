@@ -2,6 +2,10 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
+use common::gpt2_dir_with_tokenizer;
+
 use std::process::Command;
 
 fn peer() -> Command {
@@ -71,38 +75,6 @@ fn bad_input_gives_a_clear_message_and_no_panic() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
-}
-
-/// Copies the tiny GPT-2 fixture to a temporary directory, with a byte-level tokenizer of its
-/// 256-entry vocabulary (one token per byte, no merges) saved as `tokenizer.json`.
-fn gpt2_dir_with_tokenizer(name: &str) -> std::path::PathBuf {
-    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
-    use tokenizers::models::bpe::BPE;
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-
-    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../meshnet-model/tests/fixtures/gpt2-tiny");
-    let dir = std::env::temp_dir().join(format!("meshnet-cli-{name}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    for file in ["config.json", "model.safetensors"] {
-        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
-    }
-    let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
-    alphabet.sort_unstable();
-    let vocab: tokenizers::models::bpe::Vocab = alphabet
-        .iter()
-        .enumerate()
-        .map(|(id, c)| (c.to_string(), id as u32))
-        .collect();
-    let bpe = BPE::builder()
-        .vocab_and_merges(vocab, Vec::new())
-        .build()
-        .unwrap();
-    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
-    tokenizer.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
-    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
-    tokenizer.save(dir.join("tokenizer.json"), false).unwrap();
-    dir
 }
 
 #[test]

@@ -6,8 +6,9 @@ mod common;
 use std::time::Instant;
 
 use common::{ANNOUNCE, converged, peer, tracker, wait_for};
-use meshnet_p2p::{DirectiveMessage, P2pConfig, Role, SpanState, SpanStatus, TransportChoice};
-use meshnet_planner::{Directive, LayerSpan, PeerId as PlannerPeerId};
+use meshnet_p2p::{DirectiveMessage, P2pConfig, Role, SpanStatus, TransportChoice};
+use meshnet_planner::Directive;
+use meshnet_types::{LayerSpan, SpanState};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tracker_and_five_peers_whose_memory_forces_all_of_them_reach_full_coverage() {
@@ -77,7 +78,7 @@ async fn a_directive_forged_by_a_non_tracker_is_rejected_and_not_acted_on() {
                 epoch: u64::MAX / 2,
                 sequence,
                 directives: vec![Directive::LoadShard {
-                    peer: PlannerPeerId::new(victim.peer_id()),
+                    peer: victim.peer_id().clone(),
                     layers: forged_span,
                     quantization: before.quantization,
                 }],
@@ -166,7 +167,7 @@ async fn a_peer_knowing_only_a_non_tracker_member_finds_the_tracker_and_gets_a_s
     })
     .await;
     assert_eq!(
-        newcomer.status().tracker.as_deref(),
+        newcomer.status().tracker.as_ref(),
         Some(tracker.peer_id()),
         "the newcomer found the tracker"
     );
@@ -259,7 +260,7 @@ async fn hostile_frames_are_refused_before_any_work() {
             chunk_index: 0,
             chunk_total: 1,
             position,
-            layers: meshnet_wire::LayerRange::new(span.start, span.end).unwrap(),
+            layers: span,
             route: meshnet_wire::Route::default(),
         },
         activations: meshnet_wire::Activations::new(

@@ -55,17 +55,25 @@ fn spawn(name: &str, dir: &Path, args: &[String]) -> Process {
     Process { child, log }
 }
 
-/// Memory for `layers` layers with the default 2048 KV tokens, plus half a layer.
-fn memory(layers: u64, tracker: bool) -> String {
-    let model = common::model();
-    let shape = model.shape();
-    let cost = shape.layer_cost(model.shipped_format(), 2048).unwrap();
-    let extra = if tracker {
-        shape.tracker_extra_bytes()
-    } else {
-        0
-    };
-    (extra + cost * layers + cost / 2).to_string()
+/// The `--memory` that holds exactly `layers` layers of `model` with the default 2048 KV
+/// tokens, as `meshnet-peer model-info --layers` prints it.
+fn memory(model: &Path, layers: u64, tracker: bool) -> String {
+    let mut command = Command::new(BIN);
+    command
+        .args(["model-info", "--model"])
+        .arg(model)
+        .args(["--layers", &layers.to_string()]);
+    if tracker {
+        command.arg("--tracker");
+    }
+    let output = command.output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let info: Value = serde_json::from_slice(&output.stdout).unwrap();
+    info["memory_for_layers"].as_u64().unwrap().to_string()
 }
 
 fn peer_args(model: &Path, http: u16, p2p: u16, data: PathBuf, memory: String) -> Vec<String> {
@@ -86,7 +94,7 @@ fn peer_args(model: &Path, http: u16, p2p: u16, data: PathBuf, memory: String) -
     ]
 }
 
-/// A tracker and two peers, each able to hold 10 of the 30 layers.
+/// A tracker and its peers as processes on loopback.
 struct Mesh {
     dir: PathBuf,
     tracker_http: u16,
@@ -96,27 +104,32 @@ struct Mesh {
 }
 
 impl Mesh {
+    /// A tracker and two peers of the default model, each able to hold 10 of the 30 layers.
     async fn start() -> Mesh {
+        Mesh::start_with(&common::model_path(), &[10, 10, 10]).await
+    }
+
+    /// A tracker able to hold `layers[0]` layers of `model` and a peer for each further entry.
+    async fn start_with(model: &Path, layers: &[u64]) -> Mesh {
         let dir = std::env::temp_dir().join(format!("meshnet-processes-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
-        let model = common::model_path();
         let (tracker_http, tracker_p2p) = (free_port(), free_port());
         let mut args = peer_args(
-            &model,
+            model,
             tracker_http,
             tracker_p2p,
             dir.join("tracker"),
-            memory(10, true),
+            memory(model, layers[0], true),
         );
         args.push("--tracker".into());
         let mut processes = vec![spawn("tracker", &dir, &args)];
-        for index in 0..2 {
+        for (index, &share) in layers[1..].iter().enumerate() {
             let mut args = peer_args(
-                &model,
+                model,
                 free_port(),
                 free_port(),
                 dir.join(format!("peer{index}")),
-                memory(10, false),
+                memory(model, share, false),
             );
             args.push("--bootstrap".into());
             args.push(format!("/ip4/127.0.0.1/tcp/{tracker_p2p}"));
@@ -172,9 +185,13 @@ impl Mesh {
     }
 
     async fn chat(&self, body: Value) -> (u16, Value) {
+        self.post("/v1/chat/completions", body).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> (u16, Value) {
         let response = self
             .http
-            .post(self.url("/v1/chat/completions"))
+            .post(self.url(path))
             .json(&body)
             .send()
             .await
@@ -219,9 +236,15 @@ impl Drop for Mesh {
 
 /// What `meshnet-peer generate --chat` prints for `prompt`, split at `boundaries`.
 fn reference_answer(prompt: &str, boundaries: &[u64], max_tokens: usize) -> String {
+    reference_generation(&["--chat", "--prompt", prompt], boundaries, max_tokens)
+}
+
+/// What `meshnet-peer generate ARGS` prints (without its final newline), split at `boundaries`.
+fn reference_generation(args: &[&str], boundaries: &[u64], max_tokens: usize) -> String {
     let boundaries: Vec<String> = boundaries.iter().map(ToString::to_string).collect();
     let output = Command::new(BIN)
-        .args(["generate", "--chat", "--prompt", prompt])
+        .arg("generate")
+        .args(args)
         .args(["--max-tokens", &max_tokens.to_string()])
         .args(["--boundaries", &boundaries.join(",")])
         .output()
@@ -395,7 +418,7 @@ async fn a_peer_with_another_model_is_refused_with_a_message_naming_both() {
         free_port(),
         free_port(),
         mesh.dir.join("stranger"),
-        memory(10, false),
+        memory(&other, 10, false),
     );
     args.push("--bootstrap".into());
     args.push(format!("/ip4/127.0.0.1/tcp/{}", mesh.tracker_p2p));
@@ -423,4 +446,48 @@ async fn a_peer_with_another_model_is_refused_with_a_message_naming_both() {
     // The mesh is unaffected.
     let status = mesh.status().await;
     assert_eq!(status["peers"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_process_gpt2_mesh_completes_exactly_like_one_process() {
+    let dir = common::gpt2_dir_with_tokenizer("gpt2-mesh");
+    let mesh = Mesh::start_with(&dir, &[2, 2]).await;
+    let status = mesh.status().await;
+    assert_eq!(status["peers"].as_array().unwrap().len(), 1, "{status:#}");
+    assert_eq!(status["route_boundaries"], json!([2]), "{status:#}");
+    let model = mesh.model_id().await;
+    let prompt = "hello mesh";
+    let max_tokens = 16;
+    let (code, answer) = mesh
+        .post(
+            "/v1/completions",
+            json!({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}),
+        )
+        .await;
+    assert_eq!(code, 200, "{answer:#}\n{}", mesh.logs());
+    let text = answer["choices"][0]["text"].as_str().unwrap();
+    let dir_arg = dir.display().to_string();
+    let expected = reference_generation(
+        &[
+            "--model",
+            &dir_arg,
+            "--prompt",
+            prompt,
+            "--temperature",
+            "0",
+        ],
+        &[2],
+        max_tokens,
+    );
+    assert!(!expected.is_empty(), "the reference continues the prompt");
+    assert_eq!(text, expected);
+
+    let (code, body) = mesh
+        .chat(json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}))
+        .await;
+    assert_eq!(code, 400, "{body:#}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("no chat format"), "{message}");
+    drop(mesh);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -21,9 +21,12 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{ModelShape, Quantization};
+use crate::model::ModelShape;
+
 use crate::planner::scale_throughput;
-use crate::types::{Directive, LayerSpan, PeerCapacity, PeerId};
+use crate::types::{Directive, PeerCapacity};
+use meshnet_types::Quantization;
+use meshnet_types::{LayerSpan, PeerId};
 
 /// One server of the baseline mesh.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -2,7 +2,7 @@
 
 use thiserror::Error;
 
-use crate::types::PeerId;
+use meshnet_types::PeerId;
 
 /// Why a plan could not be computed.
 ///

@@ -45,8 +45,6 @@ pub mod scenario;
 mod types;
 
 pub use error::PlanError;
-pub use model::{MAX_LAYERS, ModelShape, Quantization, TransformerDimensions};
+pub use model::{MAX_LAYERS, ModelShape, TransformerDimensions};
 pub use planner::{CoverageReport, Plan, Planner, PlannerConfig};
-pub use types::{
-    CoverageMap, Directive, LayerHolder, LayerSpan, PeerCapacity, PeerId, PeerState, ShardHolding,
-};
+pub use types::{CoverageMap, Directive, LayerHolder, PeerCapacity, ShardHolding};

@@ -5,57 +5,9 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use meshnet_types::Quantization;
+
 use crate::error::PlanError;
-
-/// A weight format a peer can run a layer in.
-///
-/// Variants are declared from the lowest to the highest quality, so the derived
-/// `Ord` means "better quality": `Quantization::Bf16 > Quantization::Nf4`.
-/// Quality follows the effective bits per weight of each format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Quantization {
-    /// 4-bit NormalFloat with a 16-bit scale per 64 weights (about 4.25 bits per weight).
-    Nf4,
-    /// GGUF 4-bit blocks of 32 weights with a 16-bit scale and minimum (5 bits per weight).
-    #[serde(rename = "q4_1")]
-    Q4_1,
-    /// 8-bit integers with a 16-bit scale per output row (slightly over 8 bits per weight).
-    Int8,
-    /// GGUF 8-bit blocks of 32 weights with a 16-bit scale (8.5 bits per weight).
-    #[serde(rename = "q8_0")]
-    Q8_0,
-    /// Brain float 16, the unquantized reference (16 bits per weight).
-    Bf16,
-}
-
-impl Quantization {
-    /// Every quantization, from the lowest to the highest quality.
-    pub const ALL: [Quantization; 5] = [
-        Quantization::Nf4,
-        Quantization::Q4_1,
-        Quantization::Int8,
-        Quantization::Q8_0,
-        Quantization::Bf16,
-    ];
-
-    /// The conventional lowercase name (`"bf16"`, `"q8_0"`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            Quantization::Nf4 => "nf4",
-            Quantization::Q4_1 => "q4_1",
-            Quantization::Int8 => "int8",
-            Quantization::Q8_0 => "q8_0",
-            Quantization::Bf16 => "bf16",
-        }
-    }
-}
-
-impl std::fmt::Display for Quantization {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// The dimensions of a decoder-only transformer, enough to size its weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -239,6 +191,44 @@ impl ModelShape {
     pub fn layer_cost(&self, quantization: Quantization, kv_tokens: u64) -> Option<u64> {
         let weights = self.bytes_per_layer(quantization)?;
         Some(weights.saturating_add(kv_tokens.saturating_mul(self.kv_bytes_per_token_per_layer)))
+    }
+
+    /// Bytes a peer needs to hold `layers` layers in `quantization` with `kv_tokens` of KV
+    /// reserved per layer, plus the embedding and head when it is the tracker; saturating.
+    /// `None` when the model has no size for that format.
+    pub fn memory_needed(
+        &self,
+        quantization: Quantization,
+        kv_tokens: u64,
+        layers: u32,
+        tracker: bool,
+    ) -> Option<u64> {
+        let extra = if tracker {
+            self.tracker_extra_bytes()
+        } else {
+            0
+        };
+        Some(
+            self.layer_cost(quantization, kv_tokens)?
+                .saturating_mul(u64::from(layers))
+                .saturating_add(extra),
+        )
+    }
+
+    /// The `--memory` that holds exactly `layers` layers: [`Self::memory_needed`] plus half a
+    /// layer of slack, so rounding can neither lose a layer nor gain one.
+    pub fn budget_for_layers(
+        &self,
+        quantization: Quantization,
+        kv_tokens: u64,
+        layers: u32,
+        tracker: bool,
+    ) -> Option<u64> {
+        let slack = self.layer_cost(quantization, kv_tokens)? / 2;
+        Some(
+            self.memory_needed(quantization, kv_tokens, layers, tracker)?
+                .saturating_add(slack),
+        )
     }
 
     /// Checks that the shape can be planned at all.

@@ -9,10 +9,10 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
-use crate::model::{ModelShape, Quantization};
-use crate::types::{
-    CoverageMap, Directive, LayerSpan, PeerCapacity, PeerId, PeerState, ShardHolding, spans_where,
-};
+use crate::model::ModelShape;
+use crate::types::{CoverageMap, Directive, PeerCapacity, ShardHolding, spans_where};
+use meshnet_types::Quantization;
+use meshnet_types::{LayerSpan, PeerId, SpanState};
 
 /// Tunable knobs of the planner.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -130,7 +130,7 @@ fn quantization_index(quantization: Quantization) -> usize {
 struct Holding {
     span: LayerSpan,
     quantization: Quantization,
-    segments: Vec<(LayerSpan, PeerState)>,
+    segments: Vec<(LayerSpan, SpanState)>,
 }
 
 /// Working state for one live peer.
@@ -436,7 +436,7 @@ impl<'a> Round<'a> {
                 continue;
             };
             let reach = candidate.reach_at(old.quantization);
-            let span = old.span.intersection(&volunteer);
+            let span = old.span.intersection(volunteer);
             if reach == 0 || span.is_empty() {
                 self.free_up(position);
             } else if span.len() > reach {
@@ -525,7 +525,7 @@ impl<'a> Round<'a> {
                 position,
                 span: grown,
                 quantization,
-                covered: gap.intersection(&grown).len(),
+                covered: gap.intersection(grown).len(),
                 loaded_bytes: self
                     .model
                     .span_bytes(quantization, grown.len() - span.len()),
@@ -560,7 +560,7 @@ impl<'a> Round<'a> {
         gap: LayerSpan,
     ) -> Option<Repair> {
         let (span, quantization) = self.full_reach_span(position, gap.start)?;
-        let covered = gap.intersection(&span).len();
+        let covered = gap.intersection(span).len();
         (covered > 0).then(|| Repair {
             kind,
             position,
@@ -999,7 +999,7 @@ fn best_window_after_move(
             .min(window_min[s] + added);
         let window = LayerSpan::new(start, start + length as u32);
         let loaded = if same_format {
-            window.len() - window.intersection(&old).len()
+            window.len() - window.intersection(old).len()
         } else {
             window.len()
         };
@@ -1128,7 +1128,7 @@ fn attach_current_holdings(
 
 /// `span` minus `removed`: up to two pieces, in layer order.
 fn subtract(span: LayerSpan, removed: LayerSpan) -> Vec<LayerSpan> {
-    let overlap = span.intersection(&removed);
+    let overlap = span.intersection(removed);
     if overlap.is_empty() {
         return vec![span];
     }
@@ -1161,7 +1161,7 @@ fn diff_directives(peer: &PeerId, candidate: &Candidate, directives: &mut Vec<Di
         (old, Some((new_span, quantization))) => {
             let kept = match old {
                 Some((old_span, old_q))
-                    if old_q == quantization && !old_span.intersection(&new_span).is_empty() =>
+                    if old_q == quantization && !old_span.intersection(new_span).is_empty() =>
                 {
                     for piece in subtract(old_span, new_span) {
                         directives.push(drop(piece, old_q));
@@ -1198,12 +1198,12 @@ fn planned_holdings(
     quantization: Quantization,
     holdings: &mut Vec<ShardHolding>,
 ) {
-    let mut segments: Vec<(LayerSpan, PeerState)> = Vec::new();
-    let kept_segments: Vec<(LayerSpan, PeerState)> = match old {
+    let mut segments: Vec<(LayerSpan, SpanState)> = Vec::new();
+    let kept_segments: Vec<(LayerSpan, SpanState)> = match old {
         Some(holding) if holding.quantization == quantization => holding
             .segments
             .iter()
-            .map(|&(segment, state)| (segment.intersection(&span), state))
+            .map(|&(segment, state)| (segment.intersection(span), state))
             .filter(|(segment, _)| !segment.is_empty())
             .collect(),
         _ => Vec::new(),
@@ -1211,15 +1211,15 @@ fn planned_holdings(
     let mut cursor = span.start;
     for (segment, state) in kept_segments {
         if segment.start > cursor {
-            segments.push((LayerSpan::new(cursor, segment.start), PeerState::Loading));
+            segments.push((LayerSpan::new(cursor, segment.start), SpanState::Loading));
         }
         segments.push((segment, state));
         cursor = segment.end;
     }
     if cursor < span.end {
-        segments.push((LayerSpan::new(cursor, span.end), PeerState::Loading));
+        segments.push((LayerSpan::new(cursor, span.end), SpanState::Loading));
     }
-    let mut merged: Vec<(LayerSpan, PeerState)> = Vec::new();
+    let mut merged: Vec<(LayerSpan, SpanState)> = Vec::new();
     for (segment, state) in segments {
         match merged.last_mut() {
             Some((last, last_state)) if *last_state == state && last.end == segment.start => {

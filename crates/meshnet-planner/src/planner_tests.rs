@@ -47,7 +47,7 @@ fn holding(peer: &str, start: u32, end: u32) -> ShardHolding {
         peer: PeerId::from(peer),
         layers: LayerSpan::new(start, end),
         quantization: Quantization::Nf4,
-        state: PeerState::Ready,
+        state: SpanState::Ready,
     }
 }
 
@@ -110,7 +110,7 @@ fn fresh_mesh_is_covered_within_every_budget() {
             capacity.memory_needed(&model, holding.quantization, span.len())
                 <= capacity.memory_bytes
         );
-        assert_eq!(holding.state, PeerState::Loading);
+        assert_eq!(holding.state, SpanState::Loading);
     }
     let tracker_holding = plan.map.holding_of(&PeerId::from("tracker")).unwrap();
     assert_eq!(tracker_holding.layers, LayerSpan::new(0, 3));

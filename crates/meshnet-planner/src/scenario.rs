@@ -8,8 +8,9 @@
 use rand::Rng;
 
 use crate::error::PlanError;
-use crate::model::Quantization;
-use crate::types::{PeerCapacity, PeerId};
+use crate::types::PeerCapacity;
+use meshnet_types::PeerId;
+use meshnet_types::Quantization;
 
 const GIB: u64 = 1 << 30;
 

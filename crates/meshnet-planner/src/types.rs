@@ -1,89 +1,9 @@
-//! The planner's vocabulary: peers, spans, the coverage map and directives.
+//! The planner's vocabulary: peer capacities, the coverage map and directives.
 
+use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 use serde::{Deserialize, Serialize};
 
-use crate::model::{ModelShape, Quantization};
-
-/// A peer's identity (the text form of its libp2p `PeerId`).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct PeerId(pub String);
-
-impl PeerId {
-    /// Wraps a peer id string.
-    pub fn new(id: impl Into<String>) -> Self {
-        PeerId(id.into())
-    }
-
-    /// The id as text.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Display for PeerId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl From<&str> for PeerId {
-    fn from(id: &str) -> Self {
-        PeerId(id.to_owned())
-    }
-}
-
-/// A half-open range of layer indices `[start, end)`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub struct LayerSpan {
-    /// First layer of the span.
-    pub start: u32,
-    /// One past the last layer of the span.
-    pub end: u32,
-}
-
-impl LayerSpan {
-    /// The span `[start, end)`.
-    pub fn new(start: u32, end: u32) -> Self {
-        LayerSpan { start, end }
-    }
-
-    /// Number of layers in the span.
-    pub fn len(&self) -> u32 {
-        self.end.saturating_sub(self.start)
-    }
-
-    /// Whether the span holds no layer.
-    pub fn is_empty(&self) -> bool {
-        self.end <= self.start
-    }
-
-    /// Whether `layer` lies inside the span.
-    pub fn contains(&self, layer: u32) -> bool {
-        self.start <= layer && layer < self.end
-    }
-
-    /// The layers both spans share (possibly empty).
-    pub fn intersection(&self, other: &LayerSpan) -> LayerSpan {
-        LayerSpan::new(self.start.max(other.start), self.end.min(other.end))
-    }
-}
-
-impl std::fmt::Display for LayerSpan {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "[{}..{})", self.start, self.end)
-    }
-}
-
-/// Whether a holder is still loading its layers or already serving them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum PeerState {
-    /// The weights are being fetched or loaded.
-    Loading,
-    /// The layers are loaded and serving.
-    Ready,
-}
+use crate::model::ModelShape;
 
 /// What a live peer offers the mesh.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -128,17 +48,9 @@ impl PeerCapacity {
         quantization: Quantization,
         layers: u32,
     ) -> u64 {
-        let per_layer = model
-            .layer_cost(quantization, self.kv_tokens)
-            .unwrap_or(u64::MAX);
-        let extra = if self.is_tracker {
-            model.tracker_extra_bytes()
-        } else {
-            0
-        };
-        per_layer
-            .saturating_mul(u64::from(layers))
-            .saturating_add(extra)
+        model
+            .memory_needed(quantization, self.kv_tokens, layers, self.is_tracker)
+            .unwrap_or(u64::MAX)
     }
 }
 
@@ -152,7 +64,7 @@ pub struct ShardHolding {
     /// The format it holds them in.
     pub quantization: Quantization,
     /// Whether it is loading or serving them.
-    pub state: PeerState,
+    pub state: SpanState,
 }
 
 /// One holder of one layer, as seen from that layer.
@@ -163,7 +75,7 @@ pub struct LayerHolder<'a> {
     /// The format it holds the layer in.
     pub quantization: Quantization,
     /// Whether it is loading or serving the layer.
-    pub state: PeerState,
+    pub state: SpanState,
 }
 
 /// Who holds which layers, as published by the tracker.
@@ -204,7 +116,7 @@ impl CoverageMap {
     pub fn holder_counts(&self, num_layers: u32) -> Vec<u32> {
         let mut delta = vec![0i64; num_layers as usize + 1];
         for holding in &self.holdings {
-            let span = holding.layers.intersection(&LayerSpan::new(0, num_layers));
+            let span = holding.layers.intersection(LayerSpan::new(0, num_layers));
             if !span.is_empty() {
                 delta[span.start as usize] += 1;
                 delta[span.end as usize] -= 1;
@@ -230,7 +142,7 @@ impl CoverageMap {
     pub fn mark_all_ready(&mut self) {
         let mut merged: Vec<ShardHolding> = Vec::with_capacity(self.holdings.len());
         for mut holding in std::mem::take(&mut self.holdings) {
-            holding.state = PeerState::Ready;
+            holding.state = SpanState::Ready;
             match merged.last_mut() {
                 Some(last)
                     if last.peer == holding.peer
@@ -350,7 +262,7 @@ mod tests {
             peer: PeerId::from(peer),
             layers: LayerSpan::new(start, end),
             quantization: Quantization::Nf4,
-            state: PeerState::Ready,
+            state: SpanState::Ready,
         };
         let map = CoverageMap {
             epoch: 3,
@@ -394,7 +306,7 @@ mod tests {
         let json = serde_json::to_string(&directive).unwrap();
         assert_eq!(
             json,
-            "{\"DROP_SHARD\":{\"peer\":\"p\",\"layers\":{\"start\":1,\"end\":2},\"quantization\":\"int8\"}}"
+            "{\"DROP_SHARD\":{\"peer\":\"p\",\"layers\":[1,2],\"quantization\":\"int8\"}}"
         );
         let back: Directive = serde_json::from_str(&json).unwrap();
         assert_eq!(back, directive);

@@ -5,9 +5,11 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use meshnet_planner::{
-    CoverageMap, Directive, LayerSpan, ModelShape, PeerCapacity, PeerId, PeerState, Plan,
-    PlanError, Planner, PlannerConfig, Quantization, ShardHolding,
+    CoverageMap, Directive, ModelShape, PeerCapacity, Plan, PlanError, Planner, PlannerConfig,
+    ShardHolding,
 };
+
+use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 use proptest::prelude::*;
 
 const FORMATS: [Quantization; 3] = [Quantization::Nf4, Quantization::Int8, Quantization::Bf16];
@@ -104,7 +106,7 @@ fn mesh_strategy(max_layers: u32, max_volunteers: usize) -> impl Strategy<Value 
                     peers.push(build(format!("v{i}"), v, false));
                 }
                 // Holdings for live peers and for two departed ones.
-                let mut names: Vec<String> = peers.iter().map(|p| p.peer.0.clone()).collect();
+                let mut names: Vec<String> = peers.iter().map(|p| p.peer.to_string()).collect();
                 names.push("departed-1".into());
                 names.push("departed-2".into());
                 let mut map = CoverageMap::empty(5);
@@ -114,9 +116,9 @@ fn mesh_strategy(max_layers: u32, max_volunteers: usize) -> impl Strategy<Value 
                         layers: LayerSpan::new(start, start + len),
                         quantization: FORMATS[format],
                         state: if ready {
-                            PeerState::Ready
+                            SpanState::Ready
                         } else {
-                            PeerState::Loading
+                            SpanState::Loading
                         },
                     });
                 }

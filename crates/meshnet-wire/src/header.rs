@@ -1,9 +1,9 @@
 //! The `X-Meshnet-*` header mapping of an activation frame's metadata.
 
 use std::fmt;
-use std::ops::Range;
 
 use http::{HeaderMap, HeaderValue, header};
+use meshnet_types::LayerSpan;
 use uuid::Uuid;
 
 use crate::error::quote;
@@ -78,69 +78,45 @@ impl Encoding {
     }
 }
 
-/// A half-open range of transformer layers `[start, end)`, written `start-end` in headers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct LayerRange {
-    /// The first layer in the range.
-    pub start: u32,
-    /// One past the last layer in the range.
-    pub end: u32,
+/// Parses a header's layer span, written `start-end`; the span must hold at least one layer.
+fn parse_layers(text: &str, field: &'static str) -> Result<LayerSpan, WireError> {
+    let invalid = || WireError::InvalidHeader {
+        name: field,
+        expected: "a layer range start-end with start < end",
+        got: quote(text),
+    };
+    let (start, end) = text.trim().split_once('-').ok_or_else(invalid)?;
+    let start = parse_decimal::<u32>(start).ok_or_else(invalid)?;
+    let end = parse_decimal::<u32>(end).ok_or_else(invalid)?;
+    LayerSpan::non_empty(start, end).ok_or_else(invalid)
 }
 
-impl LayerRange {
-    /// Builds a non-empty range; `None` when `start >= end`.
-    pub fn new(start: u32, end: u32) -> Option<Self> {
-        (start < end).then_some(LayerRange { start, end })
-    }
-
-    /// The range as a standard `Range<usize>`.
-    pub fn as_range(self) -> Range<usize> {
-        self.start as usize..self.end as usize
-    }
-
-    /// The number of layers in the range.
-    pub fn len(self) -> u32 {
-        self.end - self.start
-    }
-
-    /// Always false: a `LayerRange` holds at least one layer.
-    pub fn is_empty(self) -> bool {
-        false
-    }
-
-    fn parse(text: &str, field: &'static str) -> Result<Self, WireError> {
-        let invalid = || WireError::InvalidHeader {
-            name: field,
-            expected: "a layer range start-end with start < end",
-            got: quote(text),
-        };
-        let (start, end) = text.trim().split_once('-').ok_or_else(invalid)?;
-        let start = parse_decimal::<u32>(start).ok_or_else(invalid)?;
-        let end = parse_decimal::<u32>(end).ok_or_else(invalid)?;
-        LayerRange::new(start, end).ok_or_else(invalid)
-    }
-}
-
-impl fmt::Display for LayerRange {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.start, self.end)
-    }
+/// A layer span as headers write it: `start-end`.
+fn layers_text(layers: LayerSpan) -> String {
+    format!("{}-{}", layers.start, layers.end)
 }
 
 /// One hop of a source route: the layers that hop runs and where to reach it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Hop {
     /// The layers the hop runs.
-    pub layers: LayerRange,
+    pub layers: LayerSpan,
     /// How to reach the hop: an HTTP base URL such as `http://10.0.0.7:8081` today.
     pub endpoint: String,
 }
 
 impl Hop {
-    /// Builds a hop, checking that the endpoint can travel in a header (visible ASCII, no comma,
-    /// no `@`, at most [`MAX_ENDPOINT_LEN`] bytes).
-    pub fn new(layers: LayerRange, endpoint: impl Into<String>) -> Result<Self, WireError> {
+    /// Builds a hop, checking that it runs at least one layer and that the endpoint can travel
+    /// in a header (visible ASCII, no comma, no `@`, at most [`MAX_ENDPOINT_LEN`] bytes).
+    pub fn new(layers: LayerSpan, endpoint: impl Into<String>) -> Result<Self, WireError> {
         let endpoint = endpoint.into();
+        if layers.is_empty() {
+            return Err(WireError::InvalidHeader {
+                name: "X-Meshnet-Route",
+                expected: "a hop that runs at least one layer",
+                got: quote(&layers_text(layers)),
+            });
+        }
         if !valid_endpoint(&endpoint) {
             return Err(WireError::InvalidHeader {
                 name: "X-Meshnet-Route",
@@ -222,7 +198,7 @@ impl Route {
                     expected: "comma-separated hops of the form start-end@endpoint",
                     got: quote(part),
                 })?;
-                Hop::new(LayerRange::parse(layers, ROUTE)?, endpoint)
+                Hop::new(parse_layers(layers, ROUTE)?, endpoint)
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Route { hops })
@@ -235,7 +211,7 @@ impl fmt::Display for Route {
             if i > 0 {
                 f.write_str(",")?;
             }
-            write!(f, "{}@{}", hop.layers, hop.endpoint)?;
+            write!(f, "{}@{}", layers_text(hop.layers), hop.endpoint)?;
         }
         Ok(())
     }
@@ -254,7 +230,7 @@ pub struct FrameMeta {
     /// The absolute token position of the frame's first token.
     pub position: u64,
     /// The layers the receiver runs (in a response: the layers that were run).
-    pub layers: LayerRange,
+    pub layers: LayerSpan,
     /// The hops after the receiver (empty in a response and at the last hop).
     pub route: Route,
 }
@@ -324,7 +300,7 @@ pub fn read_meta(headers: &HeaderMap) -> Result<(Shape, FrameMeta), WireError> {
         chunk_index: required_number(headers, CHUNK_INDEX, "X-Meshnet-Chunk-Index")?,
         chunk_total: required_number(headers, CHUNK_TOTAL, "X-Meshnet-Chunk-Total")?,
         position: required_number(headers, POSITION, "X-Meshnet-Position")?,
-        layers: LayerRange::parse(
+        layers: parse_layers(
             required_str(headers, LAYERS, "a layer range start-end")?,
             "X-Meshnet-Layers",
         )?,
@@ -355,7 +331,7 @@ pub fn write_headers(shape: &Shape, meta: &FrameMeta, encoding: Encoding) -> Hea
     put(CHUNK_INDEX, meta.chunk_index.to_string());
     put(CHUNK_TOTAL, meta.chunk_total.to_string());
     put(POSITION, meta.position.to_string());
-    put(LAYERS, meta.layers.to_string());
+    put(LAYERS, layers_text(meta.layers));
     if !meta.route.is_empty() {
         put(ROUTE, meta.route.to_string());
     }
@@ -449,10 +425,10 @@ mod tests {
             chunk_index: 1,
             chunk_total: 3,
             position: 128,
-            layers: LayerRange::new(10, 20).unwrap(),
+            layers: LayerSpan::new(10, 20),
             route: Route::new(vec![
-                Hop::new(LayerRange::new(20, 25).unwrap(), "http://127.0.0.1:8082").unwrap(),
-                Hop::new(LayerRange::new(25, 30).unwrap(), "http://[::1]:8083").unwrap(),
+                Hop::new(LayerSpan::new(20, 25), "http://127.0.0.1:8082").unwrap(),
+                Hop::new(LayerSpan::new(25, 30), "http://[::1]:8083").unwrap(),
             ])
             .unwrap(),
         }
@@ -485,7 +461,7 @@ mod tests {
     #[test]
     fn pop_next_walks_the_route() {
         let (next, rest) = meta().route.pop_next().unwrap();
-        assert_eq!(next.layers, LayerRange::new(20, 25).unwrap());
+        assert_eq!(next.layers, LayerSpan::new(20, 25));
         let (last, empty) = rest.pop_next().unwrap();
         assert_eq!(last.endpoint, "http://[::1]:8083");
         assert!(empty.is_empty() && empty.pop_next().is_none());
@@ -505,7 +481,8 @@ mod tests {
         }
         let too_long = vec!["1-2@x"; MAX_ROUTE_HOPS + 1].join(",");
         assert!(Route::parse(&too_long).is_err());
-        assert!(LayerRange::new(3, 3).is_none());
+        assert!(parse_layers("3-3", LAYERS).is_err());
+        assert!(Hop::new(LayerSpan::new(3, 3), "http://a").is_err());
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //! candle tensors, and 128-token prefill chunking ([`chunk`]).
 //!
 //! ```
-//! use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, LayerRange, Limits, Route, Shape};
+//! use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Limits, Route, Shape};
 //! use half::bf16;
+//! use meshnet_types::LayerSpan;
 //!
 //! let activations = Activations::new(Shape::new(&[1, 2, 3])?, vec![bf16::ONE; 6])?;
 //! let meta = FrameMeta {
@@ -17,7 +18,7 @@
 //!     chunk_index: 0,
 //!     chunk_total: 1,
 //!     position: 0,
-//!     layers: LayerRange::new(0, 10).expect("non-empty"),
+//!     layers: LayerSpan::new(0, 10),
 //!     route: Route::default(),
 //! };
 //! let frame = ActivationFrame { meta, activations };
@@ -43,7 +44,7 @@ pub use frame::{
     ActivationFrame, DEFAULT_MAX_FRAME_BYTES, EncodedFrame, Limits, ZSTD_LEVEL, decode_payload,
     encode_payload,
 };
-pub use header::{Encoding, FrameMeta, Hop, LayerRange, Route};
+pub use header::{Encoding, FrameMeta, Hop, Route};
 pub use shape::{MAX_DIMS, Shape};
 
 /// The version of the wire format this build speaks, sent in `X-Meshnet-Wire-Version`.

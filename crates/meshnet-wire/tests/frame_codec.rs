@@ -4,13 +4,14 @@
 
 use half::bf16;
 use http::{HeaderMap, HeaderValue};
+use meshnet_types::LayerSpan;
 use meshnet_wire::header::{
     CHUNK_INDEX, CHUNK_TOTAL, DTYPE, ENCODING, LAYERS, POSITION, ROUTE, SESSION, SHAPE,
     WIRE_VERSION_HEADER,
 };
 use meshnet_wire::{
-    ActivationFrame, Activations, Encoding, ErrorClass, FrameMeta, Hop, LayerRange, Limits, Route,
-    Shape, WireError,
+    ActivationFrame, Activations, Encoding, ErrorClass, FrameMeta, Hop, Limits, Route, Shape,
+    WireError,
 };
 use proptest::prelude::*;
 use uuid::Uuid;
@@ -21,7 +22,7 @@ fn meta(route: Route) -> FrameMeta {
         chunk_index: 0,
         chunk_total: 1,
         position: 0,
-        layers: LayerRange::new(0, 10).unwrap(),
+        layers: LayerSpan::new(0, 10),
         route,
     }
 }
@@ -88,7 +89,7 @@ fn arb_frame() -> impl Strategy<Value = ActivationFrame> {
                 let route = Route::new(
                     hops.into_iter()
                         .map(|(s, l, endpoint)| {
-                            Hop::new(LayerRange::new(s, s + l).unwrap(), endpoint).unwrap()
+                            Hop::new(LayerSpan::new(s, s + l), endpoint).unwrap()
                         })
                         .collect(),
                 )
@@ -99,7 +100,7 @@ fn arb_frame() -> impl Strategy<Value = ActivationFrame> {
                         chunk_index: total / 2,
                         chunk_total: total + 1,
                         position,
-                        layers: LayerRange::new(start, start + len).unwrap(),
+                        layers: LayerSpan::new(start, start + len),
                         route,
                     },
                     activations: Activations::new(

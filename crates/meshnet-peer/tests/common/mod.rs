@@ -40,19 +40,45 @@ pub fn model() -> &'static MeshModel {
     MODEL.get_or_init(|| MeshModel::open(&model_path()).unwrap())
 }
 
-/// Memory for `layers` layers in the shipped format with the test's KV reservation, plus
-/// half a layer of slack; with `tracker`, also the embedding and head.
+/// The `--memory` that holds exactly `layers` layers in the shipped format with the test's KV
+/// reservation (with `tracker`, also the embedding and head), as `model-info --layers` sizes it.
 pub fn memory_for(layers: u32, tracker: bool) -> u64 {
-    let shape = model().shape();
-    let cost = shape
-        .layer_cost(model().shipped_format(), KV_TOKENS)
+    model()
+        .shape()
+        .budget_for_layers(model().shipped_format(), KV_TOKENS, layers, tracker)
+        .unwrap()
+}
+
+/// Copies the tiny GPT-2 fixture to a temporary directory, with a byte-level tokenizer of its
+/// 256-entry vocabulary (one token per byte, no merges) saved as `tokenizer.json`.
+pub fn gpt2_dir_with_tokenizer(name: &str) -> std::path::PathBuf {
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../meshnet-model/tests/fixtures/gpt2-tiny");
+    let dir = std::env::temp_dir().join(format!("meshnet-{name}-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for file in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(file), dir.join(file)).unwrap();
+    }
+    let mut alphabet: Vec<char> = ByteLevel::alphabet().into_iter().collect();
+    alphabet.sort_unstable();
+    let vocab: tokenizers::models::bpe::Vocab = alphabet
+        .iter()
+        .enumerate()
+        .map(|(id, c)| (c.to_string(), id as u32))
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, Vec::new())
+        .build()
         .unwrap();
-    let extra = if tracker {
-        shape.tracker_extra_bytes()
-    } else {
-        0
-    };
-    extra + cost * u64::from(layers) + cost / 2
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
+    tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
+    tokenizer.save(dir.join("tokenizer.json"), false).unwrap();
+    dir
 }
 
 /// A fresh memory-transport address.
@@ -132,7 +158,7 @@ pub fn converged(status: &StatusReport, peers: &[&RunningPeer]) -> bool {
                     layer
                         .holders
                         .iter()
-                        .any(|holder| holder.peer == peer.peer_id())
+                        .any(|holder| &holder.peer == peer.peer_id())
                 })
                 .map(|layer| layer.layer)
                 .collect();

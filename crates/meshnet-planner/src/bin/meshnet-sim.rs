@@ -8,9 +8,9 @@ use clap::{Parser, ValueEnum};
 use meshnet_planner::baseline::GreedyBaseline;
 use meshnet_planner::scenario::{self, MeshProfile};
 use meshnet_planner::{
-    CoverageMap, Directive, LayerSpan, MAX_LAYERS, ModelShape, PeerCapacity, PeerId, Planner,
-    PlannerConfig,
+    CoverageMap, Directive, MAX_LAYERS, ModelShape, PeerCapacity, Planner, PlannerConfig,
 };
+use meshnet_types::{LayerSpan, PeerId};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;

@@ -1,0 +1,82 @@
+//! How a peer is started.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use libp2p::Multiaddr;
+use libp2p::identity::Keypair;
+use meshnet_p2p::TransportChoice;
+use meshnet_types::{PeerId, Quantization};
+
+/// How a peer is started.
+#[derive(Clone, Debug)]
+pub struct PeerConfig {
+    /// The model: a Llama GGUF file or a Hugging Face GPT-2 directory; every member of a mesh
+    /// runs the same one.
+    pub model_path: PathBuf,
+    /// Take the tracker role.
+    pub tracker: bool,
+    /// Where the HTTP server (activation plane, status, and on the tracker the OpenAI API)
+    /// listens; port 0 picks a free port.
+    pub http_listen: SocketAddr,
+    /// The base URL other peers use to reach this one; by default `http://` and the bound
+    /// address (127.0.0.1 when bound to all interfaces).
+    pub advertise_http: Option<String>,
+    /// libp2p listen addresses.
+    pub p2p_listen: Vec<Multiaddr>,
+    /// libp2p addresses of any members of the mesh.
+    pub bootstrap: Vec<Multiaddr>,
+    /// Memory given to the mesh, in bytes (weights plus KV cache).
+    pub memory_bytes: u64,
+    /// Formats this peer may hold layers in; empty means the model's shipped format.
+    pub quantizations: Vec<Quantization>,
+    /// Where the peer keeps its identity key.
+    pub data_dir: PathBuf,
+    /// An identity to use instead of the one in `data_dir` (tests).
+    pub keypair: Option<Keypair>,
+    /// libp2p transports.
+    pub transport: TransportChoice,
+    /// How often the peer announces itself; it is forgotten after three silent intervals.
+    pub announce_interval: Duration,
+    /// KV-cache tokens reserved per held layer.
+    pub kv_tokens: u64,
+    /// Generations the tracker runs at once before answering 429.
+    pub max_sessions: usize,
+    /// Treat listen addresses as reachable (LANs, loopback testnets, public hosts).
+    pub assume_reachable: bool,
+    /// Ask the gateway for a UPnP port mapping.
+    pub upnp: bool,
+    /// Accept coverage maps and directives only from this tracker.
+    pub pinned_tracker: Option<PeerId>,
+    /// How long a dropped span keeps serving its running sessions.
+    pub drain_timeout: Duration,
+}
+
+impl PeerConfig {
+    /// Defaults a user would expect for `model_path`: a peer (not tracker) on HTTP port 0 and
+    /// TCP/QUIC port 0, 1 GiB of memory, announcements every 2 s, 2048 KV tokens per layer,
+    /// 4 concurrent generations.
+    pub fn new(model_path: PathBuf, data_dir: PathBuf) -> Self {
+        PeerConfig {
+            model_path,
+            tracker: false,
+            http_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise_http: None,
+            p2p_listen: Vec::new(),
+            bootstrap: Vec::new(),
+            memory_bytes: 1 << 30,
+            quantizations: Vec::new(),
+            data_dir,
+            keypair: None,
+            transport: TransportChoice::Network,
+            announce_interval: Duration::from_secs(2),
+            kv_tokens: 2048,
+            max_sessions: 4,
+            assume_reachable: false,
+            upnp: false,
+            pinned_tracker: None,
+            drain_timeout: Duration::from_secs(60),
+        }
+    }
+}
