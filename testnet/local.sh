@@ -7,8 +7,9 @@
 #   testnet/local.sh down                stop every process of the testnet (idempotent)
 #   testnet/local.sh status              print the tracker's GET /status
 #
-# Each process gets a --memory budget of its share of the model's layers plus half a layer, so
-# that no process can hold more than its share and all N take part in serving the model.
+# Each process gets a --memory budget of its share of the model's layers plus half a layer
+# (sized by `meshnet-peer model-info --layers`), so that no process can hold more than its
+# share and all N take part in serving the model.
 #
 # Environment:
 #   MESHNET_BIN              meshnet-peer binary to run (default: build it with cargo)
@@ -117,6 +118,11 @@ http_code() {
   curl -s -o /dev/null -m 2 -w '%{http_code}' "$1" 2>/dev/null || true
 }
 
+# json_field JSON KEY: the top-level KEY of a JSON object.
+json_field() {
+  python3 -c 'import json, sys; print(json.loads(sys.argv[1])[sys.argv[2]])' "$1" "$2"
+}
+
 # What a tracker's /status says about coverage, in a few lines.
 coverage_summary() {
   python3 - "$1" <<'PY'
@@ -212,33 +218,42 @@ up() {
     die "meshnet-peer model-info failed"
 
   # Memory budgets: the tracker gets ceil(L/N) layers, the peers split the rest as evenly as
-  # possible; everyone gets half a layer of slack, never enough for one more layer.
-  local budgets
-  budgets=$(python3 - "$n" "$format" "$info" <<'PY'
-import json, sys
-info = json.loads(sys.argv[3])
-n, fmt = int(sys.argv[1]), sys.argv[2] or info["shipped_format"]
-layers, extra = info["layers"], info["tracker_extra_bytes"]
-cost = info["layer_cost_with_kv"].get(fmt)
-if cost is None:
-    sys.exit(f"model-info has no layer cost for format {fmt!r}")
-if n > layers:
-    print(f"local.sh: the model has {layers} layers: at most {layers} processes can each hold one",
-          file=sys.stderr)
-    sys.exit(2)
-tracker_layers = -(-layers // n)
-rest, peers = layers - tracker_layers, n - 1
-shares = [tracker_layers] + [rest // peers + (1 if i < rest % peers else 0) for i in range(peers)]
-for i, share in enumerate(shares):
-    memory = share * cost + cost // 2 + (extra if i == 0 else 0)
-    print(share, memory)
-PY
-  ) || exit $?
+  # possible; model-info sizes each budget (the layers with their KV reserve, the tracker's
+  # embedding and head, half a layer of slack: never enough for one more layer).
+  local layers
+  layers=$(json_field "$info" layers) || die "model-info printed no layer count"
+  if [ "$n" -gt "$layers" ]; then
+    say "the model has $layers layers: at most $layers processes can each hold one"
+    exit 2
+  fi
+  local format_args=()
+  [ -n "$format" ] && format_args=(--quantization "$format")
+  # budget LAYERS [--tracker]: the --memory that holds exactly LAYERS layers.
+  budget() {
+    local out
+    out=$("$bin" model-info "${info_args[@]+"${info_args[@]}"}" --layers "$@" \
+      "${format_args[@]+"${format_args[@]}"}") || die "meshnet-peer model-info --layers $* failed"
+    json_field "$out" memory_for_layers
+  }
   local shares=() memories=()
-  while read -r i a; do
-    shares+=("$i")
-    memories+=("$a")
-  done <<<"$budgets"
+  local tracker_layers=$(((layers + n - 1) / n))
+  local rest=$((layers - tracker_layers)) peers=$((n - 1))
+  local k share tracker_budget low_budget high_budget
+  tracker_budget=$(budget "$tracker_layers" --tracker) || exit 1
+  low_budget=$(budget $((rest / peers))) || exit 1
+  high_budget=$(budget $((rest / peers + 1))) || exit 1
+  shares+=("$tracker_layers")
+  memories+=("$tracker_budget")
+  for ((k = 0; k < peers; k++)); do
+    if [ "$k" -lt $((rest % peers)) ]; then
+      share=$((rest / peers + 1))
+      memories+=("$high_budget")
+    else
+      share=$((rest / peers))
+      memories+=("$low_budget")
+    fi
+    shares+=("$share")
+  done
 
   # Ports.
   local tracker_http=${MESHNET_HTTP_PORT:-}
