@@ -14,6 +14,12 @@ pub const DEFAULT_HOP_TIMEOUT: Duration = Duration::from_secs(120);
 /// Why sending a frame to a peer failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The HTTP client could not be built (for example, its TLS backend failed to start).
+    #[error("cannot build the HTTP client: {reason}")]
+    Setup {
+        /// What the HTTP library reported.
+        reason: String,
+    },
     /// The endpoint is not a usable URL.
     #[error("invalid peer endpoint {endpoint:?}: {reason}")]
     InvalidEndpoint {
@@ -74,6 +80,7 @@ impl ClientError {
     /// A short, stable code for this error.
     pub fn code(&self) -> &'static str {
         match self {
+            ClientError::Setup { .. } => "client_setup_failed",
             ClientError::InvalidEndpoint { .. } => "next_hop_invalid_endpoint",
             ClientError::Unreachable { .. } => "next_hop_unreachable",
             ClientError::Timeout { .. } => "next_hop_timeout",
@@ -94,17 +101,21 @@ pub struct ForwardClient {
 
 impl ForwardClient {
     /// A client that accepts answers within `limits` and waits at most `timeout` per hop.
-    pub fn new(limits: Limits, timeout: Duration) -> Self {
+    ///
+    /// Fails with [`ClientError::Setup`] when the HTTP client cannot be built.
+    pub fn new(limits: Limits, timeout: Duration) -> Result<Self, ClientError> {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .tcp_nodelay(true)
             .build()
-            .unwrap_or_default();
-        ForwardClient {
+            .map_err(|e| ClientError::Setup {
+                reason: error_chain(&e),
+            })?;
+        Ok(ForwardClient {
             http,
             limits,
             timeout,
-        }
+        })
     }
 
     /// Posts `frame` to `{endpoint}/forward` in `encoding` and returns the peer's answer frame.

@@ -79,6 +79,7 @@ impl NodeError {
             },
             NodeError::NextHop(e) => match e {
                 ClientError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "next_hop_timeout"),
+                ClientError::Setup { .. } => (StatusCode::INTERNAL_SERVER_ERROR, e.code()),
                 _ => (StatusCode::BAD_GATEWAY, e.code()),
             },
             NodeError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),

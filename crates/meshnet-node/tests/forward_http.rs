@@ -65,7 +65,7 @@ fn limits() -> Limits {
 }
 
 fn client() -> ForwardClient {
-    ForwardClient::new(limits(), Duration::from_secs(10))
+    ForwardClient::new(limits(), Duration::from_secs(10)).unwrap()
 }
 
 fn plane(executor: Arc<dyn SpanExecutor>) -> ActivationPlane {

@@ -382,7 +382,8 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         config.kv_tokens,
         config.drain_timeout,
     ));
-    let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT);
+    let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)
+        .map_err(|e| PeerError::Internal(e.to_string()))?;
 
     let (book, engine) = if config.tracker {
         let capacity = PeerCapacity {
