@@ -38,7 +38,7 @@ impl RemoteStage {
     ) -> Result<Self, ModelError> {
         let invalid = |reason: String| ModelError::Stage {
             stage: "remote hops".to_owned(),
-            reason,
+            source: reason.into(),
         };
         let (first, rest) = hops
             .split_first()
@@ -71,7 +71,7 @@ impl RemoteStage {
     fn error(&self, reason: impl std::fmt::Display) -> ModelError {
         ModelError::Stage {
             stage: self.name(),
-            reason: reason.to_string(),
+            source: reason.to_string().into(),
         }
     }
 }
