@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use meshnet_model::{ModelError, SessionId, Stage};
-use meshnet_node::ForwardClient;
+use meshnet_node::{ClientError, ForwardClient};
 use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, LayerRange, Route};
 use tokio::runtime::Handle;
 
@@ -74,6 +74,26 @@ impl RemoteStage {
             source: reason.to_string().into(),
         }
     }
+
+    /// A failed send as a stage error whose source is the [`meshnet_node::HopFailure`] of the
+    /// hop that actually failed, named by its peer id when it is one of this route's hops.
+    fn hop_error(&self, error: ClientError) -> ModelError {
+        let source: Box<dyn std::error::Error + Send + Sync> = match error.hop_failure() {
+            Some(mut failure) => {
+                failure.peer = self
+                    .hops
+                    .iter()
+                    .find(|hop| hop.endpoint == failure.endpoint)
+                    .map(|hop| hop.peer.clone());
+                Box::new(failure)
+            }
+            None => Box::new(error),
+        };
+        ModelError::Stage {
+            stage: self.name(),
+            source,
+        }
+    }
 }
 
 fn layer_range(hop: &PlannedHop) -> Result<LayerRange, String> {
@@ -106,7 +126,7 @@ impl Stage for RemoteStage {
         let answer = self
             .runtime
             .block_on(self.client.forward(&first.endpoint, frame, self.encoding))
-            .map_err(|e| self.error(e))?;
+            .map_err(|e| self.hop_error(e))?;
         Ok(answer
             .activations
             .into_tensor(&Device::Cpu)?
