@@ -136,12 +136,16 @@ pub enum ModelError {
     #[error("activation conversion: {0}")]
     Wire(#[from] meshnet_wire::WireError),
     /// A remote or custom stage failed.
-    #[error("stage {stage}: {reason}")]
+    ///
+    /// The source keeps the stage's own error type, so a caller that knows the stage can
+    /// downcast it (`source.downcast_ref::<T>()`) to see what failed, for example which remote
+    /// hop.
+    #[error("stage {stage}: {source}")]
     Stage {
         /// Which stage.
         stage: String,
-        /// What went wrong.
-        reason: String,
+        /// What went wrong, in the stage's own error type (a `String` converts into it).
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// A tensor operation failed while computing.
     #[error("tensor computation failed: {0}")]
@@ -150,3 +154,27 @@ pub enum ModelError {
 
 /// The crate's result type.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stage_error_keeps_its_source_type_and_message() {
+        let error = ModelError::Stage {
+            stage: "remote".to_owned(),
+            source: Box::new(std::io::Error::other("hop 3 is down")),
+        };
+        assert_eq!(error.to_string(), "stage remote: hop 3 is down");
+        let ModelError::Stage { source, .. } = &error else {
+            panic!("expected a stage error");
+        };
+        assert!(source.downcast_ref::<std::io::Error>().is_some());
+        assert!(std::error::Error::source(&error).is_some());
+        let plain = ModelError::Stage {
+            stage: "remote".to_owned(),
+            source: "no hop".into(),
+        };
+        assert_eq!(plain.to_string(), "stage remote: no hop");
+    }
+}

@@ -88,7 +88,7 @@ async fn start_peer(listen: SocketAddr, serves: LayerSpan) -> anyhow::Result<Str
     let plane = ActivationPlane::new(
         Arc::new(StandInLayers { serves }),
         Limits::default(),
-        ForwardClient::new(Limits::default(), Duration::from_secs(30)),
+        ForwardClient::new(Limits::default(), Duration::from_secs(30))?,
     );
     tokio::spawn(async move { axum::serve(listener, plane.router()).await });
     Ok(format!("http://{addr}"))
@@ -136,7 +136,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
         .collect();
     let prompt = Activations::new(shape, values)?;
     let session = uuid::Uuid::new_v4();
-    let client = ForwardClient::new(Limits::default(), Duration::from_secs(30));
+    let client = ForwardClient::new(Limits::default(), Duration::from_secs(30))?;
 
     println!(
         "\nsession {session}: prefill of {tokens} tokens x {hidden} in {PREFILL_CHUNK_TOKENS}-token chunks, zstd-1"

@@ -7,6 +7,7 @@ use meshnet_wire::{ActivationFrame, Encoding, Limits, WireError};
 
 use crate::blocking;
 use crate::error::ErrorBody;
+use crate::hop::{HopFailure, HopFailureKind};
 
 /// How long a hop may take, end to end, before the sender gives up.
 pub const DEFAULT_HOP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -14,6 +15,12 @@ pub const DEFAULT_HOP_TIMEOUT: Duration = Duration::from_secs(120);
 /// Why sending a frame to a peer failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The HTTP client could not be built (for example, its TLS backend failed to start).
+    #[error("cannot build the HTTP client: {reason}")]
+    Setup {
+        /// What the HTTP library reported.
+        reason: String,
+    },
     /// The endpoint is not a usable URL.
     #[error("invalid peer endpoint {endpoint:?}: {reason}")]
     InvalidEndpoint {
@@ -51,6 +58,9 @@ pub enum ClientError {
         message: String,
         /// The wire version the peer speaks, when it said.
         peer_wire_version: Option<String>,
+        /// The hop further down the route that actually failed, when the peer answered because
+        /// its own next hop failed (the `failed_hop` member of the error body).
+        failed_hop: Option<Box<HopFailure>>,
     },
     /// The peer answered 200 with a frame that does not decode.
     #[error("peer {endpoint} sent an invalid frame: {source}")]
@@ -74,6 +84,7 @@ impl ClientError {
     /// A short, stable code for this error.
     pub fn code(&self) -> &'static str {
         match self {
+            ClientError::Setup { .. } => "client_setup_failed",
             ClientError::InvalidEndpoint { .. } => "next_hop_invalid_endpoint",
             ClientError::Unreachable { .. } => "next_hop_unreachable",
             ClientError::Timeout { .. } => "next_hop_timeout",
@@ -81,6 +92,63 @@ impl ClientError {
             ClientError::BadResponse { .. } => "next_hop_bad_response",
             ClientError::MismatchedResponse { .. } => "next_hop_mismatched_response",
         }
+    }
+
+    /// The failure of the hop that actually failed: the one further down the route that the
+    /// peer named, if it named one, otherwise the peer this error is about. `None` when no hop
+    /// was involved (the client could not be built).
+    pub fn hop_failure(&self) -> Option<HopFailure> {
+        let (endpoint, kind, message) = match self {
+            ClientError::Setup { .. } => return None,
+            ClientError::Rejected {
+                endpoint,
+                failed_hop: Some(downstream),
+                ..
+            } => {
+                let mut failure = HopFailure::clone(downstream);
+                failure.reported_by = Some(endpoint.clone());
+                return Some(failure);
+            }
+            ClientError::InvalidEndpoint { endpoint, reason } => {
+                (endpoint, HopFailureKind::InvalidEndpoint, reason.clone())
+            }
+            ClientError::Unreachable { endpoint, reason } => {
+                (endpoint, HopFailureKind::Unreachable, reason.clone())
+            }
+            ClientError::Timeout { endpoint, timeout } => (
+                endpoint,
+                HopFailureKind::Timeout,
+                format!("no answer within {timeout:?}"),
+            ),
+            ClientError::Rejected {
+                endpoint,
+                status,
+                code,
+                message,
+                ..
+            } => (
+                endpoint,
+                HopFailureKind::Rejected {
+                    status: *status,
+                    code: code.clone(),
+                },
+                message.clone(),
+            ),
+            ClientError::BadResponse { endpoint, source } => {
+                (endpoint, HopFailureKind::BadResponse, source.to_string())
+            }
+            ClientError::MismatchedResponse { endpoint, reason } => {
+                (endpoint, HopFailureKind::MismatchedResponse, reason.clone())
+            }
+        };
+        Some(HopFailure::new(endpoint.clone(), kind, message))
+    }
+
+    /// Whether sending the frame again may succeed (see [`HopFailureKind::retryable`]); a
+    /// client that could not be built never will.
+    pub fn retryable(&self) -> bool {
+        self.hop_failure()
+            .is_some_and(|failure| failure.retryable())
     }
 }
 
@@ -94,17 +162,21 @@ pub struct ForwardClient {
 
 impl ForwardClient {
     /// A client that accepts answers within `limits` and waits at most `timeout` per hop.
-    pub fn new(limits: Limits, timeout: Duration) -> Self {
+    ///
+    /// Fails with [`ClientError::Setup`] when the HTTP client cannot be built.
+    pub fn new(limits: Limits, timeout: Duration) -> Result<Self, ClientError> {
         let http = reqwest::Client::builder()
             .timeout(timeout)
             .tcp_nodelay(true)
             .build()
-            .unwrap_or_default();
-        ForwardClient {
+            .map_err(|e| ClientError::Setup {
+                reason: error_chain(&e),
+            })?;
+        Ok(ForwardClient {
             http,
             limits,
             timeout,
-        }
+        })
     }
 
     /// Posts `frame` to `{endpoint}/forward` in `encoding` and returns the peer's answer frame.
@@ -289,11 +361,15 @@ fn rejection(
     headers: &reqwest::header::HeaderMap,
     body: &[u8],
 ) -> ClientError {
-    let (code, message) = match serde_json::from_slice::<ErrorBody>(body) {
-        Ok(parsed) => (parsed.error.code, parsed.error.message),
+    let (code, message, failed_hop) = match serde_json::from_slice::<ErrorBody>(body) {
+        Ok(parsed) => (
+            parsed.error.code,
+            parsed.error.message,
+            parsed.error.failed_hop.map(Box::new),
+        ),
         Err(_) => {
             let text = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
-            ("unknown".to_owned(), text)
+            ("unknown".to_owned(), text, None)
         }
     };
     ClientError::Rejected {
@@ -305,6 +381,7 @@ fn rejection(
             .get(WIRE_VERSION_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned),
+        failed_hop,
     }
 }
 
@@ -324,5 +401,163 @@ mod tests {
         );
         assert!(forward_url("ftp://h").is_err());
         assert!(forward_url("not a url").is_err());
+    }
+
+    fn rejected(status: u16, code: &str, failed_hop: Option<HopFailure>) -> ClientError {
+        ClientError::Rejected {
+            endpoint: "http://first:1".to_owned(),
+            status,
+            code: code.to_owned(),
+            message: "refused".to_owned(),
+            peer_wire_version: Some("1".to_owned()),
+            failed_hop: failed_hop.map(Box::new),
+        }
+    }
+
+    #[test]
+    fn each_client_error_is_classified_retryable_or_final() {
+        let endpoint = || "http://first:1".to_owned();
+        let cases = [
+            (
+                ClientError::Setup {
+                    reason: "no TLS".to_owned(),
+                },
+                false,
+            ),
+            (
+                ClientError::InvalidEndpoint {
+                    endpoint: endpoint(),
+                    reason: "no scheme".to_owned(),
+                },
+                false,
+            ),
+            (
+                ClientError::Unreachable {
+                    endpoint: endpoint(),
+                    reason: "connection refused".to_owned(),
+                },
+                true,
+            ),
+            (
+                ClientError::Unreachable {
+                    endpoint: endpoint(),
+                    reason: "connection reset by peer".to_owned(),
+                },
+                true,
+            ),
+            (
+                ClientError::Timeout {
+                    endpoint: endpoint(),
+                    timeout: Duration::from_secs(1),
+                },
+                true,
+            ),
+            (rejected(500, "compute_failed", None), true),
+            (rejected(502, "unknown", None), true),
+            (rejected(503, "overloaded", None), true),
+            (rejected(504, "next_hop_timeout", None), true),
+            (rejected(429, "unknown", None), true),
+            (rejected(400, "invalid_shape", None), false),
+            (rejected(409, "layers_not_served", None), false),
+            (rejected(413, "body_too_large", None), false),
+            (rejected(422, "bad_activations", None), false),
+            (
+                ClientError::BadResponse {
+                    endpoint: endpoint(),
+                    source: WireError::BodyTooLarge {
+                        body_bytes: 10,
+                        limit: 1,
+                    },
+                },
+                true,
+            ),
+            (
+                ClientError::MismatchedResponse {
+                    endpoint: endpoint(),
+                    reason: "other session".to_owned(),
+                },
+                true,
+            ),
+        ];
+        for (error, retryable) in cases {
+            assert_eq!(error.retryable(), retryable, "{error}");
+            if let Some(failure) = error.hop_failure() {
+                assert_eq!(failure.endpoint, "http://first:1", "{error}");
+                assert_eq!(failure.retryable(), retryable, "{error}");
+                assert_eq!(failure.reported_by, None, "{error}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_rejection_that_names_a_later_hop_is_that_hops_failure() {
+        let later = |kind| HopFailure::new("http://third:3", kind, "down there");
+        // The first hop answered 502 because the third was unreachable: retryable, and about
+        // the third hop even though the first one answered.
+        let error = rejected(
+            502,
+            "next_hop_rejected",
+            Some(later(HopFailureKind::Unreachable)),
+        );
+        let failure = error.hop_failure().unwrap();
+        assert_eq!(failure.endpoint, "http://third:3");
+        assert_eq!(failure.reported_by.as_deref(), Some("http://first:1"));
+        assert_eq!(failure.code(), "unreachable");
+        assert_eq!(failure.status(), None);
+        assert!(error.retryable());
+        // ... and final when the later hop refused the frame, though the first answered 502.
+        let error = rejected(
+            502,
+            "next_hop_rejected",
+            Some(later(HopFailureKind::Rejected {
+                status: 409,
+                code: "layers_not_served".to_owned(),
+            })),
+        );
+        let failure = error.hop_failure().unwrap();
+        assert_eq!(
+            (failure.status(), failure.code()),
+            (Some(409), "layers_not_served")
+        );
+        assert!(!error.retryable());
+    }
+
+    #[test]
+    fn a_rejection_reads_code_message_and_failed_hop_from_the_body() {
+        let mut headers = reqwest::header::HeaderMap::new();
+        headers.insert(WIRE_VERSION_HEADER, "1".parse().unwrap());
+        let body = br#"{"error":{"code":"next_hop_unreachable","message":"gone","failed_hop":{"endpoint":"http://third:3","code":"unreachable","message":"connection refused"}}}"#;
+        match rejection("http://first:1", 502, &headers, body) {
+            ClientError::Rejected {
+                code,
+                message,
+                failed_hop,
+                peer_wire_version,
+                ..
+            } => {
+                assert_eq!(
+                    (code.as_str(), message.as_str()),
+                    ("next_hop_unreachable", "gone")
+                );
+                assert_eq!(peer_wire_version.as_deref(), Some("1"));
+                let failed_hop = failed_hop.unwrap();
+                assert_eq!(failed_hop.endpoint, "http://third:3");
+                assert_eq!(failed_hop.kind, HopFailureKind::Unreachable);
+            }
+            other => panic!("expected a rejection, got {other}"),
+        }
+        // A body that is not ours: the raw text, no failed hop.
+        match rejection("http://first:1", 503, &headers, b"busy") {
+            ClientError::Rejected {
+                code,
+                message,
+                failed_hop,
+                ..
+            } => {
+                assert_eq!((code.as_str(), message.as_str()), ("unknown", "busy"));
+                assert!(failed_hop.is_none());
+            }
+            other => panic!("expected a rejection, got {other}"),
+        }
     }
 }

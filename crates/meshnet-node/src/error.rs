@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::client::ClientError;
 use crate::executor::ExecutorError;
+use crate::hop::HopFailure;
 
 /// Seconds a client is asked to wait when a peer is overloaded.
 const RETRY_AFTER_SECONDS: &str = "1";
@@ -33,7 +34,8 @@ pub enum NodeError {
     Internal(String),
 }
 
-/// The JSON body of every error answer: `{"error":{"code":"...","message":"..."}}`.
+/// The JSON body of every error answer: `{"error":{"code":"...","message":"..."}}`, plus
+/// `"failed_hop"` inside `"error"` when a later hop of the route failed.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ErrorBody {
     /// The error itself.
@@ -47,6 +49,10 @@ pub struct ErrorDetail {
     pub code: String,
     /// A sentence for people, naming the field at fault.
     pub message: String,
+    /// The hop that actually failed, when this peer answers with an error because a later hop
+    /// of the route failed: the next hop itself, or the hop it named in turn.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_hop: Option<HopFailure>,
 }
 
 impl NodeError {
@@ -79,6 +85,7 @@ impl NodeError {
             },
             NodeError::NextHop(e) => match e {
                 ClientError::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "next_hop_timeout"),
+                ClientError::Setup { .. } => (StatusCode::INTERNAL_SERVER_ERROR, e.code()),
                 _ => (StatusCode::BAD_GATEWAY, e.code()),
             },
             NodeError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
@@ -98,6 +105,10 @@ impl IntoResponse for NodeError {
             error: ErrorDetail {
                 code: code.to_owned(),
                 message: self.to_string(),
+                failed_hop: match &self {
+                    NodeError::NextHop(e) => e.hop_failure(),
+                    _ => None,
+                },
             },
         };
         let mut response = (status, Json(body)).into_response();

@@ -4,17 +4,22 @@
 //! hands it to a [`SpanExecutor`] on a blocking thread, forwards the result to the next hop named
 //! in the frame's route (ADR-0011), and answers with the final hidden states in the request's
 //! encoding. [`ForwardClient`] is the sending side. Errors map to HTTP status codes in one place,
-//! [`NodeError`]'s `IntoResponse`, with a JSON body `{"error":{"code","message"}}`.
+//! [`NodeError`]'s `IntoResponse`, with a JSON body `{"error":{"code","message"}}`; when a later
+//! hop of the route failed, the body also names that hop (`failed_hop`), and
+//! [`ClientError::hop_failure`] gives the sender a [`HopFailure`]: which hop failed, its status
+//! and code, and whether sending again may succeed.
 
 mod activation;
 mod client;
 mod error;
 mod executor;
+mod hop;
 
 pub use activation::ActivationPlane;
 pub use client::{ClientError, DEFAULT_HOP_TIMEOUT, ForwardClient};
 pub use error::{ErrorBody, ErrorDetail, NodeError};
 pub use executor::{ExecutorError, SpanExecutor};
+pub use hop::{HopFailure, HopFailureKind};
 
 /// Runs CPU-bound work (decoding, compression, layer compute) on tokio's blocking pool, off the
 /// async workers. A panic in `work` comes back as an error message.

@@ -9,7 +9,8 @@ use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode};
 use half::bf16;
 use meshnet_node::{
-    ActivationPlane, ClientError, ErrorBody, ExecutorError, ForwardClient, SpanExecutor,
+    ActivationPlane, ClientError, ErrorBody, ExecutorError, ForwardClient, HopFailureKind,
+    SpanExecutor,
 };
 use meshnet_types::LayerSpan;
 use meshnet_wire::header::{DTYPE, ENCODING, SHAPE, WIRE_VERSION_HEADER};
@@ -64,7 +65,7 @@ fn limits() -> Limits {
 }
 
 fn client() -> ForwardClient {
-    ForwardClient::new(limits(), Duration::from_secs(10))
+    ForwardClient::new(limits(), Duration::from_secs(10)).unwrap()
 }
 
 fn plane(executor: Arc<dyn SpanExecutor>) -> ActivationPlane {
@@ -354,6 +355,130 @@ async fn failures_down_the_route_come_back_as_502_with_the_reason() {
             other => panic!("expected a rejection, got {other}"),
         }
     }
+}
+
+/// A loopback URL that nothing listens on.
+fn closed_port() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", listener.local_addr().unwrap())
+}
+
+/// The route `10-20@second, 20-30@third` after a first hop running 0..10.
+fn two_more_hops(second: &str, third: &str) -> Vec<Hop> {
+    vec![
+        Hop::new(LayerSpan::new(10, 20), second.to_owned()).unwrap(),
+        Hop::new(LayerSpan::new(20, 30), third.to_owned()).unwrap(),
+    ]
+}
+
+#[tokio::test]
+async fn a_dead_last_hop_is_named_at_the_entry_and_is_retryable() {
+    let first = serve(AddOnePerLayer::new(0, 10)).await;
+    let second = serve(AddOnePerLayer::new(10, 20)).await;
+    let third = closed_port();
+    let sent = frame((0, 10), two_more_hops(&second, &third), 2);
+    let err = client()
+        .forward(&first, sent.clone(), Encoding::Zstd)
+        .await
+        .unwrap_err();
+    // The first hop answered...
+    assert!(
+        matches!(&err, ClientError::Rejected { endpoint, status: 502, .. } if *endpoint == first),
+        "{err}"
+    );
+    // ... but the failure is the third hop's.
+    let failure = err.hop_failure().unwrap();
+    assert_eq!(failure.endpoint, third, "{failure}");
+    assert_eq!(failure.kind, HopFailureKind::Unreachable, "{failure}");
+    assert_eq!(failure.code(), "unreachable");
+    assert_eq!(failure.status(), None);
+    assert_eq!(failure.reported_by.as_deref(), Some(first.as_str()));
+    assert!(failure.retryable(), "{failure}");
+    assert!(err.retryable());
+    assert!(failure.to_string().contains(&third), "{failure}");
+
+    // On the wire: the first hop's error body names the third hop.
+    let encoded = sent.encode(Encoding::Raw);
+    let response = reqwest::Client::new()
+        .post(format!("{first}/forward"))
+        .headers(encoded.headers)
+        .body(encoded.body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 502);
+    let body: ErrorBody = serde_json::from_slice(&response.bytes().await.unwrap()).unwrap();
+    assert_eq!(body.error.code, "next_hop_rejected");
+    let named = body.error.failed_hop.unwrap();
+    assert_eq!(
+        (named.endpoint.as_str(), named.code(), named.status()),
+        (third.as_str(), "unreachable", None)
+    );
+}
+
+#[tokio::test]
+async fn a_hop_that_refuses_the_frame_is_named_and_final() {
+    let first = serve(AddOnePerLayer::new(0, 10)).await;
+    let second = serve(AddOnePerLayer::new(10, 20)).await;
+    // Asked for 20..30, serves 40..50: 409 layers_not_served.
+    let third = serve(AddOnePerLayer::new(40, 50)).await;
+    let err = client()
+        .forward(
+            &first,
+            frame((0, 10), two_more_hops(&second, &third), 2),
+            Encoding::Zstd,
+        )
+        .await
+        .unwrap_err();
+    let failure = err.hop_failure().unwrap();
+    assert_eq!(failure.endpoint, third, "{failure}");
+    assert_eq!(
+        (failure.status(), failure.code()),
+        (Some(409), "layers_not_served"),
+        "{failure}"
+    );
+    assert!(failure.message.contains("not served"), "{failure}");
+    assert!(!failure.retryable(), "{failure}");
+    assert!(!err.retryable());
+
+    // The first hop itself refusing: the failure is its own, and final too.
+    let err = client()
+        .forward(&third, frame((0, 10), vec![], 2), Encoding::Raw)
+        .await
+        .unwrap_err();
+    let failure = err.hop_failure().unwrap();
+    assert_eq!(
+        (failure.endpoint.as_str(), failure.status(), failure.code()),
+        (third.as_str(), Some(409), "layers_not_served")
+    );
+    assert_eq!(failure.reported_by, None);
+    assert!(!err.retryable());
+}
+
+#[tokio::test]
+async fn an_overloaded_last_hop_is_named_with_its_code_and_is_retryable() {
+    let first = serve(AddOnePerLayer::new(0, 10)).await;
+    let second = serve(AddOnePerLayer::new(10, 20)).await;
+    let third = serve(Arc::new(AddOnePerLayer {
+        serves: LayerSpan::new(20, 30),
+        overloaded: true,
+        calls: Mutex::new(Vec::new()),
+    }))
+    .await;
+    let err = client()
+        .forward(
+            &first,
+            frame((0, 10), two_more_hops(&second, &third), 2),
+            Encoding::Zstd,
+        )
+        .await
+        .unwrap_err();
+    let failure = err.hop_failure().unwrap();
+    assert_eq!(
+        (failure.endpoint.as_str(), failure.status(), failure.code()),
+        (third.as_str(), Some(503), "overloaded")
+    );
+    assert!(failure.retryable(), "{failure}");
 }
 
 #[tokio::test]

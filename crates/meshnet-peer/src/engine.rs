@@ -14,7 +14,7 @@ use meshnet_model::{
     ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
     generate_observed,
 };
-use meshnet_node::ForwardClient;
+use meshnet_node::{ForwardClient, HopFailure};
 use meshnet_wire::Encoding;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
@@ -313,13 +313,28 @@ impl GenerationJob {
             }
             Err(error) => {
                 tracing::warn!(request = %self.request_id, %session, %error, "generation failed");
-                let error = match error {
-                    ModelError::Stage { .. } => EngineError::Upstream(error.to_string()),
-                    other => EngineError::Internal(other.to_string()),
-                };
-                let _ = events.blocking_send(EngineEvent::Failed(error));
+                let _ = events.blocking_send(EngineEvent::Failed(engine_error(&error)));
             }
         }
+    }
+}
+
+/// How a failed generation is reported: a stage failure as 502, naming the failed hop's peer,
+/// endpoint and code when a remote hop failed; anything else as 500.
+fn engine_error(error: &ModelError) -> EngineError {
+    let ModelError::Stage { source, .. } = error else {
+        return EngineError::Internal(error.to_string());
+    };
+    match source.downcast_ref::<HopFailure>() {
+        // The hop or the network failed, not the request: it may succeed if sent again.
+        Some(hop) if hop.retryable() => EngineError::Upstream(format!(
+            "{hop} (a transient failure; the request may succeed if sent again)"
+        )),
+        // The hop refused the request itself.
+        Some(hop) => EngineError::Upstream(format!(
+            "{hop} (final: sending the request again would fail the same way)"
+        )),
+        None => EngineError::Upstream(error.to_string()),
     }
 }
 
@@ -398,7 +413,68 @@ impl<'a> TextStreamer<'a> {
 
 #[cfg(test)]
 mod tests {
-    use super::shown_len;
+    use meshnet_api::EngineError;
+    use meshnet_model::ModelError;
+    use meshnet_node::{HopFailure, HopFailureKind};
+
+    use super::{engine_error, shown_len};
+
+    fn stage_error(source: Box<dyn std::error::Error + Send + Sync>) -> ModelError {
+        ModelError::Stage {
+            stage: "http://a:1 (layers 10..20) -> http://b:2 (layers 20..30)".to_owned(),
+            source,
+        }
+    }
+
+    #[test]
+    fn a_failed_hop_is_a_502_naming_the_peer_its_endpoint_and_code() {
+        let mut hop = HopFailure::new(
+            "http://b:2",
+            HopFailureKind::Rejected {
+                status: 503,
+                code: "overloaded".to_owned(),
+            },
+            "no capacity for another session; retry later",
+        );
+        hop.peer = Some("12D3KooWPeerB".into());
+        hop.reported_by = Some("http://a:1".to_owned());
+        let EngineError::Upstream(message) = engine_error(&stage_error(Box::new(hop.clone())))
+        else {
+            panic!("expected an upstream error");
+        };
+        for needle in [
+            "12D3KooWPeerB",
+            "http://b:2",
+            "503",
+            "overloaded",
+            "transient",
+        ] {
+            assert!(message.contains(needle), "{needle} missing from {message}");
+        }
+
+        hop.kind = HopFailureKind::Rejected {
+            status: 409,
+            code: "layers_not_served".to_owned(),
+        };
+        let EngineError::Upstream(message) = engine_error(&stage_error(Box::new(hop))) else {
+            panic!("expected an upstream error");
+        };
+        for needle in ["12D3KooWPeerB", "http://b:2", "layers_not_served", "final"] {
+            assert!(message.contains(needle), "{needle} missing from {message}");
+        }
+    }
+
+    #[test]
+    fn other_stage_failures_are_502_and_the_rest_500() {
+        assert!(matches!(
+            engine_error(&stage_error("the route has no hop".into())),
+            EngineError::Upstream(message) if message.contains("the route has no hop")
+        ));
+        assert!(matches!(
+            engine_error(&ModelError::InvalidSpan("x".to_owned())),
+            EngineError::Internal(_)
+        ));
+    }
 
     fn stops(list: &[&str]) -> Vec<String> {
         list.iter().map(|s| (*s).to_owned()).collect()

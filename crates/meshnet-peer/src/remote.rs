@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use meshnet_model::{ModelError, SessionId, Stage};
-use meshnet_node::ForwardClient;
+use meshnet_node::{ClientError, ForwardClient};
 use meshnet_types::LayerSpan;
 use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Route};
 use tokio::runtime::Handle;
@@ -39,7 +39,7 @@ impl RemoteStage {
     ) -> Result<Self, ModelError> {
         let invalid = |reason: String| ModelError::Stage {
             stage: "remote hops".to_owned(),
-            reason,
+            source: reason.into(),
         };
         let (first, rest) = hops
             .split_first()
@@ -72,7 +72,27 @@ impl RemoteStage {
     fn error(&self, reason: impl std::fmt::Display) -> ModelError {
         ModelError::Stage {
             stage: self.name(),
-            reason: reason.to_string(),
+            source: reason.to_string().into(),
+        }
+    }
+
+    /// A failed send as a stage error whose source is the [`meshnet_node::HopFailure`] of the
+    /// hop that actually failed, named by its peer id when it is one of this route's hops.
+    fn hop_error(&self, error: ClientError) -> ModelError {
+        let source: Box<dyn std::error::Error + Send + Sync> = match error.hop_failure() {
+            Some(mut failure) => {
+                failure.peer = self
+                    .hops
+                    .iter()
+                    .find(|hop| hop.endpoint == failure.endpoint)
+                    .map(|hop| hop.peer.clone());
+                Box::new(failure)
+            }
+            None => Box::new(error),
+        };
+        ModelError::Stage {
+            stage: self.name(),
+            source,
         }
     }
 }
@@ -102,7 +122,7 @@ impl Stage for RemoteStage {
         let answer = self
             .runtime
             .block_on(self.client.forward(&first.endpoint, frame, self.encoding))
-            .map_err(|e| self.error(e))?;
+            .map_err(|e| self.hop_error(e))?;
         Ok(answer
             .activations
             .into_tensor(&Device::Cpu)?

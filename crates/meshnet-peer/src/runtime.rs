@@ -143,7 +143,8 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         config.kv_tokens,
         config.drain_timeout,
     ));
-    let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT);
+    let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)
+        .map_err(|e| PeerError::Internal(e.to_string()))?;
     let role = if config.tracker {
         let own = capacity(&config, &quantizations, peer_id.clone());
         tracker_role(&config, &host, own, &http_url, &client).await?

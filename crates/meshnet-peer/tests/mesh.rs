@@ -253,7 +253,8 @@ async fn hostile_frames_are_refused_before_any_work() {
     let client = meshnet_node::ForwardClient::new(
         meshnet_wire::Limits::default(),
         std::time::Duration::from_secs(30),
-    );
+    )
+    .unwrap();
     let frame = |position: u64, tokens: usize| meshnet_wire::ActivationFrame {
         meta: meshnet_wire::FrameMeta {
             session: uuid::Uuid::new_v4(),

@@ -148,7 +148,8 @@ mod tests {
         assert_eq!(LayerSpan::new(5, 3), LayerSpan::new(5, 5));
         assert!(LayerSpan::new(5, 3).is_empty());
         assert_eq!(LayerSpan::non_empty(3, 3), None);
-        assert_eq!(LayerSpan::from_range(4..2), None);
+        let (start, end) = (4, 2);
+        assert_eq!(LayerSpan::from_range(start..end), None);
         assert_eq!(LayerSpan::from_range(2..4), Some(LayerSpan::new(2, 4)));
     }
 
