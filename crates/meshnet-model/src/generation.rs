@@ -10,6 +10,7 @@ use candle_core::{DType, Device, Tensor};
 use meshnet_wire::chunk::chunk_ranges;
 use meshnet_wire::{Activations, PREFILL_CHUNK_TOKENS};
 
+use crate::detokenizer::IncrementalDecoder;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::SessionId;
 use crate::sampling::{Sampler, SamplingConfig, StopConditions};
@@ -233,7 +234,8 @@ fn run(
 
     let mut generated = Vec::with_capacity(request.max_tokens);
     let mut finish = FinishReason::Length;
-    let mut text = None;
+    let mut text = tokenizer.map(|tokenizer| GeneratedText::new(tokenizer, &request.stop));
+    let mut stop_at = None;
     let mut position = request.prompt.len();
     while generated.len() < request.max_tokens {
         let token = sampler.sample(&logits)?;
@@ -245,19 +247,18 @@ fn run(
             break;
         }
         generated.push(token);
+        let found = match text.as_mut() {
+            Some(text) => text.push(token)?,
+            None => None,
+        };
         if !observer(&generated) {
             finish = FinishReason::Cancelled;
             break;
         }
-        if let Some(tokenizer) = tokenizer
-            && !request.stop.strings.is_empty()
-        {
-            let decoded = tokenizer.decode(&generated)?;
-            if let Some(cut) = request.stop.find_stop_string(&decoded) {
-                text = Some(decoded[..cut].to_owned());
-                finish = FinishReason::StopString;
-                break;
-            }
+        if found.is_some() {
+            stop_at = found;
+            finish = FinishReason::StopString;
+            break;
         }
         if generated.len() == request.max_tokens {
             break;
@@ -265,15 +266,149 @@ fn run(
         logits = route.forward(session, position, &[token])?;
         position += 1;
     }
-    if text.is_none()
-        && let Some(tokenizer) = tokenizer
-    {
-        text = Some(tokenizer.decode(&generated)?);
-    }
+    let text = match text {
+        Some(text) if finish == FinishReason::Cancelled => Some(text.into_string()?),
+        Some(text) => {
+            let (text, stopped) = text.into_cut_string(stop_at)?;
+            if stopped {
+                finish = FinishReason::StopString;
+            }
+            Some(text)
+        }
+        None => None,
+    };
     Ok(Generation {
         tokens: generated,
         text,
         finish,
         logits: recorded,
     })
+}
+
+/// The text of the generated ids, decoded as they come, and the search for stop strings in it.
+///
+/// Each id costs the same whatever the length of the text: the decoder looks at a few recent
+/// ids, and a stop string is searched for only where the newest piece could have completed
+/// one (the longest stop string, less a byte, before the piece; then the piece and the
+/// decoder's lookahead).
+struct GeneratedText<'a> {
+    decoder: IncrementalDecoder<'a>,
+    stop: &'a StopConditions,
+    /// How far back before a new piece a stop string ending in it can start.
+    reach: usize,
+    text: String,
+}
+
+impl<'a> GeneratedText<'a> {
+    fn new(tokenizer: &'a ModelTokenizer, stop: &'a StopConditions) -> Self {
+        let longest = stop.strings.iter().map(String::len).max().unwrap_or(0);
+        GeneratedText {
+            decoder: IncrementalDecoder::new(tokenizer),
+            stop,
+            reach: longest.saturating_sub(1),
+            text: String::new(),
+        }
+    }
+
+    /// Adds a generated id; returns where the first stop string starts if the text (with the
+    /// decoder's lookahead) now has one.
+    fn push(&mut self, id: u32) -> Result<Option<usize>> {
+        let searched = self.text.len();
+        let piece = self.decoder.push(id)?;
+        self.text.push_str(&piece);
+        Ok(find_stop_after(
+            self.stop,
+            self.reach,
+            &self.text,
+            searched,
+            self.decoder.lookahead(),
+        ))
+    }
+
+    /// The whole text, without looking for stop strings in its last piece.
+    fn into_string(self) -> Result<String> {
+        let mut text = self.text;
+        text.push_str(&self.decoder.finish()?);
+        Ok(text)
+    }
+
+    /// The whole text cut before the stop string found at `stop_at` or, without one, before
+    /// a stop string that the decoder's last piece completes; says whether it was cut.
+    fn into_cut_string(self, stop_at: Option<usize>) -> Result<(String, bool)> {
+        let GeneratedText {
+            decoder,
+            stop,
+            reach,
+            mut text,
+        } = self;
+        if let Some(cut) = stop_at {
+            text.push_str(decoder.lookahead());
+            text.truncate(cut);
+            return Ok((text, true));
+        }
+        let searched = text.len();
+        text.push_str(&decoder.finish()?);
+        let found = find_stop_after(stop, reach, &text, searched, "");
+        if let Some(cut) = found {
+            text.truncate(cut);
+        }
+        Ok((text, found.is_some()))
+    }
+}
+
+/// Where the first stop string starts in `text` followed by `lookahead`, given that none ends
+/// within `text[..searched]`: only the text from `reach` bytes before `searched` on is
+/// searched.
+fn find_stop_after(
+    stop: &StopConditions,
+    reach: usize,
+    text: &str,
+    searched: usize,
+    lookahead: &str,
+) -> Option<usize> {
+    if stop.strings.is_empty() {
+        return None;
+    }
+    let mut from = searched.saturating_sub(reach);
+    while !text.is_char_boundary(from) {
+        from -= 1;
+    }
+    let mut window = String::with_capacity(text.len() - from + lookahead.len());
+    window.push_str(&text[from..]);
+    window.push_str(lookahead);
+    stop.find_stop_string(&window).map(|at| from + at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stops(strings: &[&str]) -> StopConditions {
+        StopConditions {
+            tokens: vec![],
+            strings: strings.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn stop_strings_are_found_across_the_newest_piece_and_the_lookahead() {
+        let stop = stops(&["cde", "xy"]);
+        // "cde" starts two bytes before the new piece "def".
+        assert_eq!(find_stop_after(&stop, 2, "abcdef", 3, ""), Some(2));
+        // ... and ends in the lookahead.
+        assert_eq!(find_stop_after(&stop, 2, "abcd", 3, "ef"), Some(2));
+        // Of two, the earlier.
+        assert_eq!(find_stop_after(&stop, 2, "abxycde", 3, ""), Some(2));
+        assert_eq!(find_stop_after(&stop, 2, "abcdef", 6, "g"), None);
+        assert_eq!(find_stop_after(&stops(&[]), 2, "abcde", 0, ""), None);
+    }
+
+    #[test]
+    fn the_search_window_starts_on_a_character_boundary() {
+        // Five bytes before the new piece "!" is inside "本": the window backs up to its start.
+        let stop = stops(&["本語!"]);
+        assert_eq!(find_stop_after(&stop, 5, "日本語!", 9, ""), Some(3));
+        let stop = stops(&["日本"]);
+        assert_eq!(find_stop_after(&stop, 5, "日本語!", 9, ""), None);
+    }
 }

@@ -4,7 +4,8 @@
 //! of Llama-family models from GGUF files with candle ([`LlamaSpan`]), reading only the
 //! tensors a span needs; keeps each session's keys and values in a [`KvStore`] beside the
 //! weights; rebuilds the model's tokenizer and chat format from the file's metadata
-//! ([`ModelTokenizer`], [`ChatTemplate`]); samples tokens apart from the model ([`Sampler`]);
+//! ([`ModelTokenizer`], [`ChatTemplate`]) and turns generated ids back into text as they come
+//! ([`IncrementalDecoder`]); samples tokens apart from the model ([`Sampler`]);
 //! and runs the one generation loop ([`generate`]) over a [`Route`] of [`Stage`]s, with the
 //! hand-off between stages either f32 (bit-identical to one process) or bfloat16 as on the
 //! wire ([`BoundaryPolicy`]).
@@ -16,6 +17,7 @@
 
 mod attention;
 mod chat;
+mod detokenizer;
 mod error;
 mod generation;
 mod gguf;
@@ -27,6 +29,7 @@ mod sampling;
 mod tokenizer;
 
 pub use chat::{ChatMessage, ChatTemplate, IM_END, IM_START};
+pub use detokenizer::IncrementalDecoder;
 pub use error::{ModelError, Result};
 pub use generation::{
     BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,

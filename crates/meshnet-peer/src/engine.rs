@@ -275,26 +275,13 @@ impl GenerationJob {
             prompt_tokens = self.request.prompt.len(),
             "generation started"
         );
-        let mut streamer = TextStreamer::new(&self.text.tokenizer, &self.request.stop.strings);
+        let outcome = stream_generation(&route, &self.request, &self.text.tokenizer, &self.events);
         let events = &self.events;
-        let outcome = generate_observed(
-            &route,
-            &self.request,
-            Some(&self.text.tokenizer),
-            &mut |generated| match streamer.delta(generated) {
-                Some(delta) => events.blocking_send(EngineEvent::Delta(delta)).is_ok(),
-                None => !events.is_closed(),
-            },
-        );
         match outcome {
             Ok(generation) if generation.finish == ModelFinish::Cancelled => {
                 tracing::info!(request = %self.request_id, %session, "generation cancelled: the client went away");
             }
             Ok(generation) => {
-                let final_text = generation.text.unwrap_or_default();
-                if let Some(rest) = streamer.remainder(&final_text) {
-                    let _ = events.blocking_send(EngineEvent::Delta(rest));
-                }
                 let reason = match generation.finish {
                     ModelFinish::Length => FinishReason::Length,
                     _ => FinishReason::Stop,
@@ -366,48 +353,86 @@ fn shown_len(text: &str, stops: &[String]) -> usize {
     safe
 }
 
+/// Runs `request` over `route`, sending text deltas to `events` as they become safe to show
+/// and, once it has ended (unless cancelled), whatever the final text adds to them: the deltas
+/// add up to the generation's text.
+fn stream_generation(
+    route: &Route<'_>,
+    request: &GenerationRequest,
+    tokenizer: &ModelTokenizer,
+    events: &mpsc::Sender<EngineEvent>,
+) -> Result<meshnet_model::Generation, ModelError> {
+    let mut streamer = TextStreamer::new(tokenizer, &request.stop.strings);
+    let outcome = generate_observed(
+        route,
+        request,
+        Some(tokenizer),
+        &mut |generated| match streamer.delta(generated) {
+            Some(delta) => events.blocking_send(EngineEvent::Delta(delta)).is_ok(),
+            None => !events.is_closed(),
+        },
+    );
+    if let Ok(generation) = &outcome
+        && generation.finish != ModelFinish::Cancelled
+        && let Some(rest) = streamer.remainder(generation.text.as_deref().unwrap_or_default())
+    {
+        let _ = events.blocking_send(EngineEvent::Delta(rest));
+    }
+    outcome
+}
+
 /// Turns the growing list of generated tokens into text deltas that never split a UTF-8
 /// character and never show the start of a stop string that may still complete.
+///
+/// The tokens are decoded incrementally, and only the text not shown yet (at most a tail that
+/// may still become a stop string, and the newest piece) is searched for stop strings, so each
+/// token costs the same whatever the length of the text.
 struct TextStreamer<'a> {
-    tokenizer: &'a ModelTokenizer,
+    decoder: meshnet_model::IncrementalDecoder<'a>,
     stops: &'a [String],
-    emitted: usize,
-    emitted_text: String,
+    /// How many of the generated tokens the decoder has been given.
+    decoded: usize,
+    /// Decoded text not shown yet.
+    held: String,
+    /// All text shown so far.
+    shown: String,
 }
 
 impl<'a> TextStreamer<'a> {
     fn new(tokenizer: &'a ModelTokenizer, stops: &'a [String]) -> Self {
         TextStreamer {
-            tokenizer,
+            decoder: meshnet_model::IncrementalDecoder::new(tokenizer),
             stops,
-            emitted: 0,
-            emitted_text: String::new(),
+            decoded: 0,
+            held: String::new(),
+            shown: String::new(),
         }
     }
 
     /// The new text that is safe to show after `generated`, if any.
     fn delta(&mut self, generated: &[u32]) -> Option<String> {
-        let text = self.tokenizer.decode(generated).ok()?;
-        let safe = shown_len(&text, self.stops);
-        self.take_up_to(&text, safe)
+        for &token in generated.get(self.decoded..)? {
+            let piece = self.decoder.push(token).ok()?;
+            self.held.push_str(&piece);
+            self.decoded += 1;
+        }
+        let safe = shown_len(&self.held, self.stops);
+        if safe == 0 {
+            return None;
+        }
+        let delta: String = self.held.drain(..safe).collect();
+        self.shown.push_str(&delta);
+        Some(delta)
     }
 
     /// What the final text adds to what was already shown.
     fn remainder(&mut self, final_text: &str) -> Option<String> {
-        self.take_up_to(final_text, final_text.len())
-    }
-
-    fn take_up_to(&mut self, text: &str, safe: usize) -> Option<String> {
-        if safe <= self.emitted
-            || !text.is_char_boundary(safe)
-            || !text.starts_with(self.emitted_text.as_str())
-        {
+        let rest = final_text.strip_prefix(self.shown.as_str())?;
+        if rest.is_empty() {
             return None;
         }
-        let delta = text[self.emitted..safe].to_owned();
-        self.emitted = safe;
-        self.emitted_text.push_str(&delta);
-        Some(delta)
+        self.shown.push_str(rest);
+        Some(rest.to_owned())
     }
 }
 
@@ -492,5 +517,165 @@ mod tests {
         assert_eq!(shown_len("Done. X", &stops(&["END"])), 7);
         // Several stops: the earliest cut wins.
         assert_eq!(shown_len("a<b|c", &stops(&["|", "<b"])), 1);
+    }
+}
+
+#[cfg(test)]
+mod streaming_tests {
+    use std::cell::Cell;
+    use std::sync::OnceLock;
+
+    use candle_core::{DType, Device, Tensor};
+    use meshnet_model::{Generation, GgufModel, LogitsHead, TokenEmbedder};
+
+    use super::*;
+
+    /// The default model's tokenizer, built once.
+    fn tokenizer() -> &'static ModelTokenizer {
+        static TOKENIZER: OnceLock<ModelTokenizer> = OnceLock::new();
+        TOKENIZER.get_or_init(|| {
+            let path = meshnet_model::default_model_path();
+            assert!(
+                path.is_file(),
+                "the default model is missing at {}: run `bash scripts/fetch-model.sh`",
+                path.display()
+            );
+            ModelTokenizer::from_gguf(&GgufModel::open(&path).unwrap()).unwrap()
+        })
+    }
+
+    /// A route whose greedy choices are the scripted ids, one after another (then id 0).
+    struct Script {
+        ids: Vec<u32>,
+        step: Cell<usize>,
+    }
+
+    impl TokenEmbedder for Script {
+        fn embed(&self, tokens: &[u32]) -> meshnet_model::Result<Tensor> {
+            Ok(Tensor::zeros(
+                (1, tokens.len(), 1),
+                DType::F32,
+                &Device::Cpu,
+            )?)
+        }
+    }
+
+    impl Stage for Script {
+        fn forward(&self, _: SessionId, _: usize, hidden: Tensor) -> meshnet_model::Result<Tensor> {
+            Ok(hidden)
+        }
+
+        fn end_session(&self, _: SessionId) {}
+
+        fn name(&self) -> String {
+            "script".to_owned()
+        }
+    }
+
+    impl LogitsHead for Script {
+        fn logits(&self, _: &Tensor) -> meshnet_model::Result<Vec<f32>> {
+            let step = self.step.get();
+            self.step.set(step + 1);
+            let mut logits = vec![0.0; tokenizer().vocab_size()];
+            logits[self.ids.get(step).map_or(0, |&id| id as usize)] = 1.0;
+            Ok(logits)
+        }
+    }
+
+    /// Streams the generation of `text`'s ids as the engine does: the deltas sent, and the
+    /// generation.
+    fn stream(text: &str, stops: &[&str]) -> (Vec<String>, Generation) {
+        let tokenizer = tokenizer();
+        let ids = tokenizer.encode(text).unwrap();
+        let script = Script {
+            step: Cell::new(0),
+            ids: ids.clone(),
+        };
+        let route = Route {
+            embedder: &script,
+            stages: vec![&script],
+            head: &script,
+            boundary: BoundaryPolicy::F32,
+        };
+        let request = GenerationRequest {
+            stop: StopConditions {
+                tokens: vec![],
+                strings: stops.iter().map(|stop| (*stop).to_owned()).collect(),
+            },
+            ..GenerationRequest::greedy(tokenizer.encode("Say:").unwrap(), ids.len())
+        };
+        let (events, mut received) = mpsc::channel(ids.len() + 2);
+        let generation = stream_generation(&route, &request, tokenizer, &events).unwrap();
+        let mut deltas = Vec::new();
+        while let Ok(event) = received.try_recv() {
+            match event {
+                EngineEvent::Delta(delta) => deltas.push(delta),
+                _ => panic!("only deltas are sent while generating"),
+            }
+        }
+        (deltas, generation)
+    }
+
+    #[test]
+    fn streamed_multi_byte_text_equals_the_generated_text() {
+        for text in [
+            "🦀🚀 ok",
+            "日本語のテキスト",
+            "Tiếng Việt, żółć, café crème brûlée",
+            "Hello, 世界! Ça va? 🎉 fine.",
+        ] {
+            let (deltas, generation) = stream(text, &[]);
+            assert_eq!(generation.text.as_deref(), Some(text));
+            assert_eq!(deltas.concat(), text);
+            assert!(deltas.len() > 1, "{text:?} came in one piece: {deltas:?}");
+            for delta in &deltas {
+                assert!(!delta.contains('\u{FFFD}'), "{text:?}: delta {delta:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_stop_string_spread_over_tokens_is_never_streamed() {
+        let tokenizer = tokenizer();
+        for (text, stop) in [
+            ("日本語のテキストです。続きがある", "テキ"),
+            ("Hello, 世界! Ça va? 🎉 fine.", "界! Ç"),
+            ("The answer is forty-two, said the computer.", "two, sa"),
+            ("Wow!🦀🚀 and more", "🚀"),
+            ("Answer: 日本語です", ": "),
+        ] {
+            let ids = tokenizer.encode(text).unwrap();
+            assert!(
+                ids.iter()
+                    .all(|&id| !tokenizer.decode(&[id]).unwrap().contains(stop)),
+                "{stop:?} is within one token of {text:?}"
+            );
+            let expected = &text[..text.find(stop).unwrap()];
+            let (deltas, generation) = stream(text, &[stop]);
+            assert_eq!(generation.finish, ModelFinish::StopString);
+            assert_eq!(generation.text.as_deref(), Some(expected));
+            assert_eq!(deltas.concat(), expected, "{text:?} / {stop:?}: {deltas:?}");
+            if tokenizer.encode(expected).unwrap().len() > 1 {
+                assert!(deltas.len() > 1, "{text:?} came in one piece: {deltas:?}");
+            }
+            for delta in &deltas {
+                assert!(!delta.contains('\u{FFFD}'), "{text:?}: delta {delta:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_held_back_start_of_a_stop_string_is_shown_once_it_cannot_complete() {
+        let text = "日本語のテキストです。";
+        // "テキス" waits for a "X" that never comes, and is shown when "ト" follows it.
+        let (deltas, generation) = stream(text, &["テキスX"]);
+        assert_eq!(generation.finish, ModelFinish::Length);
+        assert_eq!(generation.text.as_deref(), Some(text));
+        assert_eq!(deltas.concat(), text);
+        // At the very end, the held-back tail is sent with what the final text adds.
+        let (deltas, generation) = stream("日本語のテキス", &["テキスX"]);
+        assert_eq!(generation.text.as_deref(), Some("日本語のテキス"));
+        assert_eq!(deltas.concat(), "日本語のテキス");
+        assert_eq!(deltas.last().map(String::as_str), Some("テキス"));
     }
 }
