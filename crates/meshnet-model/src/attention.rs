@@ -1,6 +1,7 @@
-//! Pieces shared by every model family's attention and embedding.
+//! Pieces shared by every model family's spans, attention and embedding.
 
 use candle_core::{Device, Tensor};
+use meshnet_types::LayerSpan;
 
 use crate::error::{ModelError, Result};
 
@@ -48,6 +49,17 @@ pub(crate) fn check_token_ids(tokens: &[u32], vocab_size: usize) -> Result<()> {
             "token id {bad} is outside the vocabulary of {vocab_size}"
         ))),
         None => Ok(()),
+    }
+}
+
+/// Refuses `layers` unless it lies within `span` (a span runs only its own layers).
+pub(crate) fn check_sub_span(span: LayerSpan, layers: LayerSpan) -> Result<()> {
+    if span.covers(layers) {
+        Ok(())
+    } else {
+        Err(ModelError::InvalidSpan(format!(
+            "layers {layers} are not within this span's {span}"
+        )))
     }
 }
 

@@ -24,7 +24,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 use serde_json::Value;
 
-use crate::attention::{causal_mask, check_token_ids, hidden_tokens};
+use crate::attention::{causal_mask, check_sub_span, check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use meshnet_types::{LayerSpan, Quantization};
@@ -945,12 +945,7 @@ impl Gpt2Span {
         hidden: &Tensor,
         layers: LayerSpan,
     ) -> Result<Tensor> {
-        if !self.layer_range.covers(layers) {
-            return Err(ModelError::InvalidSpan(format!(
-                "layers {layers} are not within this span's {}",
-                self.layer_range
-            )));
-        }
+        check_sub_span(self.layer_range, layers)?;
         let tokens = hidden_tokens(hidden, self.hidden)?;
         if position + tokens > self.positions {
             return Err(ModelError::InvalidSpan(format!(

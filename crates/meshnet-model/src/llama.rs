@@ -10,7 +10,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, IndexOp, Module, Tensor};
 
-use crate::attention::{causal_mask, check_token_ids, hidden_tokens};
+use crate::attention::{causal_mask, check_sub_span, check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use meshnet_types::{LayerSpan, Quantization};
@@ -279,12 +279,7 @@ impl LlamaSpan {
         hidden: &Tensor,
         layers: LayerSpan,
     ) -> Result<Tensor> {
-        if !self.layer_range.covers(layers) {
-            return Err(ModelError::InvalidSpan(format!(
-                "layers {layers} are not within this span's {}",
-                self.layer_range
-            )));
-        }
+        check_sub_span(self.layer_range, layers)?;
         let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
         // Checked before the rotary tables and the mask are built: their size grows with the
         // position, which a frame from the network declares.
