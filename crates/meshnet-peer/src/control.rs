@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, watch};
 use crate::error::PeerError;
 use crate::member::{Member, Role, lock};
 use crate::shard::ShardTarget;
+use crate::status::RejectionReport;
 use crate::tracker::TrackerBook;
 
 /// How long the tracker waits after a change before planning, to batch announcements.
@@ -174,8 +175,12 @@ impl ControlLoop {
                 topic,
                 reason,
             } => {
-                self.member.count_rejection();
                 tracing::warn!(%from, %topic, %reason, "gossip message rejected");
+                self.member.count_rejection(RejectionReport {
+                    from,
+                    topic,
+                    reason,
+                });
             }
             P2pEvent::ListeningOn(address) => {
                 let address = address.to_string();
@@ -192,8 +197,12 @@ impl ControlLoop {
                 model,
                 decisive,
             } => {
-                self.member.count_rejection();
                 let ours = self.member.model.id();
+                self.member.count_rejection(RejectionReport {
+                    from: peer.clone(),
+                    topic: "identify".to_owned(),
+                    reason: format!("runs model {model}, this mesh runs {ours}"),
+                });
                 if self.planning.is_none() && decisive {
                     let reason = format!(
                         "the mesh this peer joined runs model {model} (peer {peer}), but this \

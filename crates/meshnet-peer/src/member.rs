@@ -1,6 +1,7 @@
 //! What a running member shares between its HTTP handlers and its control loop: its
 //! identity, its role, its span slot, and what it last heard from the mesh.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -12,6 +13,7 @@ use meshnet_wire::WIRE_VERSION;
 use crate::engine::MeshEngine;
 use crate::mesh_model::MeshModel;
 use crate::shard::ShardHost;
+use crate::status::RejectionReport;
 use crate::tracker::{TrackerBook, route_boundaries};
 
 /// The part a member plays. Only a tracker has a book of peers and an OpenAI engine, so a
@@ -59,7 +61,12 @@ pub(crate) struct Member {
     pub(crate) p2p_addrs: Mutex<Vec<String>>,
     /// Gossip messages and peers refused.
     pub(crate) rejected: AtomicU64,
+    /// The latest refusals, newest last, at most [`RECENT_REJECTIONS`].
+    pub(crate) recent_rejections: Mutex<VecDeque<RejectionReport>>,
 }
+
+/// How many refusals `/status` lists.
+pub(crate) const RECENT_REJECTIONS: usize = 16;
 
 /// Locks a mutex, taking the data of a poisoned one (a panicked holder leaves it usable).
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -88,9 +95,15 @@ impl Member {
         generations.max(self.host.active_sessions())
     }
 
-    /// Counts a refused gossip message or peer (shown in `/status`).
-    pub(crate) fn count_rejection(&self) {
+    /// Counts a refused gossip message or peer and keeps it among the recent ones (both shown
+    /// in `/status`).
+    pub(crate) fn count_rejection(&self, rejection: RejectionReport) {
         self.rejected.fetch_add(1, Ordering::Relaxed);
+        let mut recent = lock(&self.recent_rejections);
+        if recent.len() == RECENT_REJECTIONS {
+            recent.pop_front();
+        }
+        recent.push_back(rejection);
     }
 
     /// What this member tells the mesh about itself now.

@@ -185,6 +185,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         coverage: Mutex::new(None),
         p2p_addrs: Mutex::new(p2p_addrs),
         rejected: AtomicU64::new(0),
+        recent_rejections: Mutex::default(),
     });
     Ok(run(
         member,

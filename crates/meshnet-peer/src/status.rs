@@ -40,6 +40,8 @@ pub struct StatusReport {
     /// Gossip messages rejected by validation (undecodable, another model, not from the
     /// tracker, spoofed sender).
     pub rejected_messages: u64,
+    /// The latest refusals (at most 16), oldest first.
+    pub recent_rejections: Vec<RejectionReport>,
     /// The coverage map (the tracker's own; on other peers, the last one received).
     pub coverage: Option<CoverageReport>,
     /// The peers the tracker knows (tracker only).
@@ -52,6 +54,17 @@ pub struct StatusReport {
     /// `meshnet-peer generate --boundaries` takes them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route_boundaries: Option<Vec<u32>>,
+}
+
+/// One refused gossip message or peer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RejectionReport {
+    /// The signed sender (or the peer refused).
+    pub from: PeerId,
+    /// The gossip topic it came on (`identify` for a peer of another model).
+    pub topic: String,
+    /// Why it was refused.
+    pub reason: String,
 }
 
 /// The model's identity.
@@ -181,6 +194,7 @@ impl StatusReport {
             free_kv_tokens: host.free_kv_tokens(),
             tracker: lock(&member.tracker).clone(),
             rejected_messages: member.rejected.load(Ordering::Relaxed),
+            recent_rejections: lock(&member.recent_rejections).iter().cloned().collect(),
             coverage: lock(&member.coverage)
                 .as_ref()
                 .map(CoverageReport::from_message),

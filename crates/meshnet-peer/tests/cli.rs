@@ -77,6 +77,51 @@ fn bad_input_gives_a_clear_message_and_no_panic() {
     }
 }
 
+/// Greedy text of the model at `dir` split at `boundaries` (bf16 casts between spans, f32 when
+/// whole), generated in this process with the library's own route.
+fn in_process(
+    dir: &std::path::Path,
+    boundaries: &[usize],
+    prompt: &str,
+    max_tokens: usize,
+) -> String {
+    use meshnet_model::{
+        BoundaryPolicy, GenerationRequest, Model, SplitModel, StopConditions, TextSide,
+    };
+
+    let model = Model::open(dir).unwrap();
+    let text = TextSide::of(&model).unwrap();
+    let specs = meshnet_model::split_specs(
+        model.description().layers,
+        boundaries,
+        None,
+        meshnet_model::DEFAULT_KV_BUDGET_BYTES,
+    )
+    .unwrap();
+    let spans = specs
+        .iter()
+        .map(|spec| model.load_span(spec, &mut |_, _| {}).unwrap())
+        .collect();
+    let split = SplitModel::from_spans(spans);
+    let policy = if boundaries.is_empty() {
+        BoundaryPolicy::F32
+    } else {
+        BoundaryPolicy::Bf16
+    };
+    let route = split.route(policy).unwrap();
+    let request = GenerationRequest {
+        stop: StopConditions {
+            tokens: text.stop_tokens.clone(),
+            strings: Vec::new(),
+        },
+        ..GenerationRequest::greedy(text.tokenizer.encode(prompt).unwrap(), max_tokens)
+    };
+    meshnet_model::generate(&route, &request, Some(&text.tokenizer))
+        .unwrap()
+        .text
+        .unwrap()
+}
+
 #[test]
 fn generates_from_a_gpt2_directory_whole_and_split() {
     let dir = gpt2_dir_with_tokenizer("gpt2");
@@ -104,12 +149,20 @@ fn generates_from_a_gpt2_directory_whole_and_split() {
     };
     let whole = run(&[]);
     assert!(!whole.trim().is_empty(), "no continuation");
-    // A random model's continuation is noise; split with bf16 boundaries it still runs
-    // through both spans and produces text.
+    assert_eq!(
+        whole,
+        format!("{}\n", in_process(&dir, &[], "hello mesh", 12))
+    );
+    // A random model's continuation is noise, but it is the same noise as the library's own
+    // route split at the same boundary with the same bf16 cast.
     let split = run(&["--boundaries", "2"]);
     assert!(
         !split.trim().is_empty(),
         "no continuation from the split model"
+    );
+    assert_eq!(
+        split,
+        format!("{}\n", in_process(&dir, &[2], "hello mesh", 12))
     );
     let bad = peer()
         .args(["generate", "--prompt", "hi", "--boundaries", "4", "--model"])

@@ -62,10 +62,17 @@ async fn a_directive_forged_by_a_non_tracker_is_rejected_and_not_acted_on() {
     forger_config.bootstrap = tracker.p2p_addrs().await.unwrap();
     forger_config.assume_reachable = true;
     let (forger, _events) = meshnet_p2p::spawn(forger_config).await.unwrap();
+    let forger_id = forger.local_peer_id();
+    // The victim's rejection of this forger's directive, specifically.
+    let rejected_forgery = |status: &meshnet_peer::status::StatusReport| {
+        status.recent_rejections.iter().any(|rejection| {
+            rejection.from == forger_id && rejection.topic.ends_with("/directives")
+        })
+    };
     let forged_span = LayerSpan::new(0, 3);
     let started = Instant::now();
     let mut sequence = u64::MAX / 2;
-    while victim.status().rejected_messages == 0 {
+    while !rejected_forgery(&victim.status()) {
         assert!(
             started.elapsed() < common::DEADLINE,
             "the forged directive never arrived"
