@@ -301,3 +301,75 @@ async fn hostile_frames_are_refused_before_any_work() {
     peer.shutdown().await;
     tracker.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_names_it() {
+    let tracker = tracker(10).await;
+    let mut config = common::config(false, 20, tracker.p2p_addrs().await.unwrap());
+    // Room for 16 tokens of KV cache per layer: any longer prompt overflows it.
+    config.kv_tokens = 16;
+    let peer = meshnet_peer::start(config).await.unwrap();
+    wait_for("coverage", &tracker, |s| converged(s, &[&peer])).await;
+    let span = peer.current_span().unwrap().target.layers;
+    let hidden = common::model().description().hidden;
+
+    // Straight to the peer: 64 tokens in one frame do not fit 16 tokens of cache.
+    let client = meshnet_node::ForwardClient::new(
+        meshnet_wire::Limits::default(),
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap();
+    let frame = meshnet_wire::ActivationFrame {
+        meta: meshnet_wire::FrameMeta {
+            session: uuid::Uuid::new_v4(),
+            chunk_index: 0,
+            chunk_total: 1,
+            position: 0,
+            layers: span,
+            route: meshnet_wire::Route::default(),
+        },
+        activations: meshnet_wire::Activations::new(
+            meshnet_wire::Shape::new(&[64, hidden]).unwrap(),
+            vec![half::bf16::ZERO; 64 * hidden],
+        )
+        .unwrap(),
+    };
+    match client
+        .forward(peer.http_url(), frame, meshnet_wire::Encoding::Raw)
+        .await
+    {
+        Err(meshnet_node::ClientError::Rejected { status, code, .. }) => {
+            assert_eq!((status, code.as_str()), (503, "overloaded"));
+        }
+        other => panic!("expected a 503 overloaded, got {other:?}"),
+    }
+
+    // Through the tracker's API: the entry's 502 names the peer and its 503.
+    let base = tracker.openai_base_url().unwrap();
+    let response = reqwest::Client::new()
+        .post(format!("{base}/chat/completions"))
+        .json(&serde_json::json!({
+            "model": tracker.model_id(),
+            "messages": [{
+                "role": "user",
+                "content": "Please write a long and detailed essay about the history of the \
+                            city of Paris, its rivers, bridges, museums and people.",
+            }],
+            "max_tokens": 4,
+            "temperature": 0,
+        }))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(status, 502, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(&peer.peer_id().to_string()), "{body}");
+    assert!(
+        message.contains("503") || message.contains("overloaded"),
+        "{body}"
+    );
+    peer.shutdown().await;
+    tracker.shutdown().await;
+}
