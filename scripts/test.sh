@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs every check and test of the workspace: formatting, lints, unit, property, HTTP and
-# process-level tests, and a short run of each fuzz target when cargo-fuzz is installed.
+# process-level tests, and a short run of each fuzz target. A missing cargo-fuzz or a failing
+# fuzz run fails the script; only MESHNET_FUZZ_SECONDS=0 skips fuzzing.
 #
-#   MESHNET_FUZZ_SECONDS=N   seconds per fuzz target (default 20; 0 skips fuzzing)
+#   MESHNET_FUZZ_SECONDS=N   seconds per fuzz target (default 20; 0 skips fuzzing explicitly)
 #   MESHNET_SKIP_MESH=1      skip the OpenAI client check against a local 3-process mesh
 #   MESHNET_VENV=DIR         virtualenv with the `openai` package (default .venv, made by setup.sh)
 set -euo pipefail
@@ -46,7 +47,14 @@ fi
 fuzz_seconds=${MESHNET_FUZZ_SECONDS:-20}
 if [ "$fuzz_seconds" -gt 0 ]; then
   if cargo fuzz --version >/dev/null 2>&1; then
-    for target in $(cd fuzz && cargo fuzz list); do
+    # An assignment, so a failing `cargo fuzz list` stops the script (a failing command
+    # substitution in a `for` list would not).
+    targets=$(cd fuzz && cargo fuzz list)
+    if [ -z "$targets" ]; then
+      echo "cargo fuzz list found no fuzz targets" >&2
+      exit 1
+    fi
+    for target in $targets; do
       step "cargo fuzz run $target (${fuzz_seconds}s)"
       mkdir -p "fuzz/corpus/$target"
       # libFuzzer needs nightly-only compiler flags; RUSTC_BOOTSTRAP lets the stable toolchain
@@ -55,8 +63,12 @@ if [ "$fuzz_seconds" -gt 0 ]; then
         -- -max_total_time="$fuzz_seconds" -rss_limit_mb=2048)
     done
   else
-    step "cargo-fuzz not installed: fuzz targets skipped (scripts/setup.sh installs it)"
+    echo "cargo-fuzz is not installed: run scripts/setup.sh to install it," \
+      "or set MESHNET_FUZZ_SECONDS=0 to skip fuzzing explicitly" >&2
+    exit 1
   fi
+else
+  step "fuzzing skipped: MESHNET_FUZZ_SECONDS=0"
 fi
 
 printf '\nall checks passed\n'

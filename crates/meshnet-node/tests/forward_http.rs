@@ -525,3 +525,39 @@ async fn an_oversized_content_length_is_refused_before_the_body_is_read() {
         error.error.message
     );
 }
+
+#[tokio::test]
+async fn a_next_hop_that_accepts_and_never_answers_times_out() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent = format!("http://{}", listener.local_addr().unwrap());
+    // Accepts connections and holds them open without reading or answering.
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        loop {
+            let (socket, _) = listener.accept().await.unwrap();
+            held.push(socket);
+        }
+    });
+    let client = ForwardClient::new(limits(), Duration::from_millis(300)).unwrap();
+    let err = tokio::time::timeout(
+        Duration::from_secs(30),
+        client.forward(&silent, frame((0, 1), vec![], 1), Encoding::Raw),
+    )
+    .await
+    .expect("the client's own timeout never fired")
+    .unwrap_err();
+    holder.abort();
+    match &err {
+        ClientError::Timeout { endpoint, timeout } => {
+            assert_eq!(endpoint, &silent);
+            assert_eq!(*timeout, Duration::from_millis(300));
+        }
+        other => panic!("expected a timeout, got {other}"),
+    }
+    assert_eq!(err.code(), "next_hop_timeout");
+    assert!(err.retryable(), "{err}");
+    let failure = err.hop_failure().unwrap();
+    assert_eq!(failure.kind, HopFailureKind::Timeout);
+    assert_eq!(failure.endpoint, silent);
+    assert!(failure.retryable(), "{failure}");
+}

