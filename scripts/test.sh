@@ -45,6 +45,16 @@ else
 fi
 
 fuzz_seconds=${MESHNET_FUZZ_SECONDS:-20}
+# The memory a fuzz run may use (libFuzzer's -rss_limit_mb, also its largest single malloc),
+# from what the decoders promise per input, in MB:
+#   128  zstd's decoder window: the decoder accepts windows up to 2^27 bytes
+#        (ZSTD_WINDOWLOG_LIMIT_DEFAULT) whatever the shape declares;
+#     8  frame_decode's frame limit (`Limits { max_frame_bytes: 1 << 20 }`, 1 MiB) for each copy
+#        it holds at once: decoded values, re-encoded body, values decoded again, two bit
+#        vectors, with room to spare (control messages are bounded by the input, a few kB);
+#   256  AddressSanitizer's quarantine of freed memory (its default on 64-bit targets);
+#   128  libFuzzer, ASan's shadow memory and runtime, and the corpus held in memory.
+fuzz_rss_limit_mb=$((128 + 8 + 256 + 128))
 if [ "$fuzz_seconds" -gt 0 ]; then
   if cargo fuzz --version >/dev/null 2>&1; then
     # An assignment, so a failing `cargo fuzz list` stops the script (a failing command
@@ -60,7 +70,7 @@ if [ "$fuzz_seconds" -gt 0 ]; then
       # libFuzzer needs nightly-only compiler flags; RUSTC_BOOTSTRAP lets the stable toolchain
       # accept them.
       (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" "corpus/$target" "seeds/$target" \
-        -- -max_total_time="$fuzz_seconds" -rss_limit_mb=2048)
+        -- -max_total_time="$fuzz_seconds" -rss_limit_mb="$fuzz_rss_limit_mb")
     done
   else
     echo "cargo-fuzz is not installed: run scripts/setup.sh to install it," \

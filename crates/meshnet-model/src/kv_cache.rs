@@ -411,12 +411,39 @@ mod tests {
         let idle = SessionId::new_v4();
         append(&store, idle, 0, 2).unwrap();
         assert_eq!(store.end_sessions_idle_since(before), 0);
+        // Both sessions were last touched before the cutoff; `busy` is then checked out for a
+        // chunk, and the reaper runs while that chunk computes.
+        let busy = SessionId::new_v4();
+        append(&store, busy, 0, 1).unwrap();
         let cutoff = Instant::now();
-        let fresh = SessionId::new_v4();
-        append(&store, fresh, 0, 1).unwrap();
-        assert_eq!(store.end_sessions_idle_since(cutoff), 1);
+        store
+            .with_session(busy, 1, 1, |cache| {
+                assert_eq!(
+                    store.end_sessions_idle_since(cutoff),
+                    1,
+                    "only the idle session is reaped"
+                );
+                assert!(!store.has_session(idle), "the idle session is reaped");
+                assert!(store.has_session(busy), "the busy session is kept");
+                let (keys, values) = chunk(1);
+                cache.append(0, keys, values)?;
+                Ok(())
+            })
+            .unwrap();
         assert!(!store.has_session(idle));
-        assert!(store.has_session(fresh));
-        assert_eq!(store.used_bytes(), 64);
+        assert!(
+            store.has_session(busy),
+            "the busy session is back after its chunk"
+        );
+        assert_eq!(store.session_len(busy), 2);
+        assert_eq!(store.used_bytes(), 2 * 64);
+        // Its next chunk continues where the last one ended.
+        append(&store, busy, 2, 1).unwrap();
+        assert_eq!(store.session_len(busy), 3);
+        // Once idle itself, it goes too.
+        let later = Instant::now();
+        assert_eq!(store.end_sessions_idle_since(later), 1);
+        assert_eq!(store.session_count(), 0);
+        assert_eq!(store.used_bytes(), 0);
     }
 }

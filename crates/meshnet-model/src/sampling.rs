@@ -231,6 +231,221 @@ mod tests {
         assert!(a.iter().all(|&t| t < 4));
     }
 
+    /// Logits with distinct values, so every token has its own probability and the order of
+    /// the tokens by probability is unambiguous.
+    const LOGITS: [f32; 6] = [1.0, 2.5, -0.5, 0.3, 1.8, -1.2];
+
+    /// Draws per distribution check: one draw from each of this many seeds.
+    const DRAWS: u64 = 4000;
+
+    /// `softmax(logits / temperature)` in `f64`.
+    fn softmax(logits: &[f32], temperature: f64) -> Vec<f64> {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let weights: Vec<f64> = logits
+            .iter()
+            .map(|&logit| ((f64::from(logit) - f64::from(max)) / temperature).exp())
+            .collect();
+        let total: f64 = weights.iter().sum();
+        weights.iter().map(|weight| weight / total).collect()
+    }
+
+    /// Token indices from the most to the least likely.
+    fn ranked(logits: &[f32]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..logits.len()).collect();
+        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+        order
+    }
+
+    /// How often each token comes out of one draw per seed `0..DRAWS`.
+    fn counts(config: &SamplingConfig, logits: &[f32]) -> Vec<u64> {
+        let mut counts = vec![0u64; logits.len()];
+        for seed in 0..DRAWS {
+            let mut sampler = Sampler::new(SamplingConfig {
+                seed,
+                ..config.clone()
+            })
+            .unwrap();
+            counts[sampler.sample(logits).unwrap() as usize] += 1;
+        }
+        counts
+    }
+
+    /// Pearson's chi-square statistic of `counts` against `expected` probabilities, over the
+    /// tokens whose expected probability is not zero; a count on a zero-probability token
+    /// makes it infinite.
+    fn chi_square(counts: &[u64], expected: &[f64]) -> f64 {
+        let total = counts.iter().sum::<u64>() as f64;
+        counts
+            .iter()
+            .zip(expected)
+            .map(|(&count, &probability)| {
+                let wanted = probability * total;
+                if wanted == 0.0 {
+                    if count == 0 { 0.0 } else { f64::INFINITY }
+                } else {
+                    (count as f64 - wanted).powi(2) / wanted
+                }
+            })
+            .sum()
+    }
+
+    /// Upper critical values of the chi-square distribution at p = 0.001, indexed by degrees
+    /// of freedom (index 0 unused).
+    const CHI_SQUARE_CRITICAL_P001: [f64; 6] = [f64::NAN, 10.83, 13.82, 16.27, 18.47, 20.52];
+
+    fn sampling(temperature: f32, top_k: Option<usize>, top_p: Option<f32>) -> SamplingConfig {
+        SamplingConfig {
+            temperature,
+            top_k,
+            top_p,
+            seed: 0,
+        }
+    }
+
+    #[test]
+    fn frequencies_follow_the_tempered_softmax() {
+        let degrees = LOGITS.len() - 1;
+        let critical = CHI_SQUARE_CRITICAL_P001[degrees];
+        let mut observed = Vec::new();
+        for temperature in [0.5f32, 1.5] {
+            let counts = counts(&sampling(temperature, None, None), &LOGITS);
+            let expected = softmax(&LOGITS, f64::from(temperature));
+            let statistic = chi_square(&counts, &expected);
+            println!("temperature {temperature}: counts {counts:?}, chi-square {statistic:.2}");
+            assert!(
+                statistic < critical,
+                "temperature {temperature}: chi-square {statistic:.2} >= {critical} \
+                 (counts {counts:?}, expected probabilities {expected:?})"
+            );
+            observed.push((temperature, counts));
+        }
+        // The two temperatures give clearly different distributions: each sample is far from
+        // the other temperature's softmax.
+        for ((temperature, counts), (other, _)) in observed.iter().zip(observed.iter().rev()) {
+            let statistic = chi_square(counts, &softmax(&LOGITS, f64::from(*other)));
+            println!(
+                "temperature {temperature} against softmax at {other}: chi-square {statistic:.2}"
+            );
+            assert!(
+                statistic > 10.0 * critical,
+                "temperature {temperature} samples look like temperature {other}: \
+                 chi-square {statistic:.2}"
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_only_the_k_best_in_proportion() {
+        let k = 3;
+        let order = ranked(&LOGITS);
+        let allowed = &order[..k];
+        let counts = counts(&sampling(1.0, Some(k), None), &LOGITS);
+        for (token, &count) in counts.iter().enumerate() {
+            assert!(
+                count == 0 || allowed.contains(&token),
+                "top-k {k} emitted token {token} ({count} times) outside {allowed:?}"
+            );
+        }
+        // Within the k best, the softmax renormalised over those k.
+        let full = softmax(&LOGITS, 1.0);
+        let kept: f64 = allowed.iter().map(|&token| full[token]).sum();
+        let expected: Vec<f64> = (0..LOGITS.len())
+            .map(|token| {
+                if allowed.contains(&token) {
+                    full[token] / kept
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let statistic = chi_square(&counts, &expected);
+        println!("top-k {k}: counts {counts:?}, chi-square {statistic:.2}");
+        assert!(
+            statistic < CHI_SQUARE_CRITICAL_P001[k - 1],
+            "top-k {k}: chi-square {statistic:.2} (counts {counts:?}, expected {expected:?})"
+        );
+    }
+
+    #[test]
+    fn top_p_keeps_only_the_nucleus_in_proportion() {
+        let temperature = 1.0;
+        let full = softmax(&LOGITS, temperature);
+        let order = ranked(&LOGITS);
+        for p in [0.7f32, 0.85, 0.95] {
+            // The nucleus: the smallest set of most likely tokens whose mass reaches `p`.
+            let mut mass = 0.0;
+            let mut size = 0;
+            while mass < f64::from(p) {
+                mass += full[order[size]];
+                size += 1;
+            }
+            let nucleus = &order[..size];
+            assert!(
+                size >= 2 && size < LOGITS.len(),
+                "p {p}: nucleus {nucleus:?}"
+            );
+            let counts = counts(&sampling(temperature as f32, None, Some(p)), &LOGITS);
+            for (token, &count) in counts.iter().enumerate() {
+                assert!(
+                    count == 0 || nucleus.contains(&token),
+                    "top-p {p} emitted token {token} ({count} times) outside the nucleus \
+                     {nucleus:?}"
+                );
+            }
+            let expected: Vec<f64> = (0..LOGITS.len())
+                .map(|token| {
+                    if nucleus.contains(&token) {
+                        full[token] / mass
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let statistic = chi_square(&counts, &expected);
+            println!(
+                "top-p {p}: nucleus {nucleus:?}, counts {counts:?}, chi-square {statistic:.2}"
+            );
+            assert!(
+                statistic < CHI_SQUARE_CRITICAL_P001[size - 1],
+                "top-p {p}: chi-square {statistic:.2} (counts {counts:?}, expected {expected:?})"
+            );
+        }
+    }
+
+    #[test]
+    fn a_seed_fixes_the_sequence_and_different_seeds_differ() {
+        let run = |seed: u64| {
+            let mut sampler = Sampler::new(SamplingConfig {
+                seed,
+                ..sampling(1.0, None, None)
+            })
+            .unwrap();
+            (0..64)
+                .map(|_| sampler.sample(&LOGITS).unwrap())
+                .collect::<Vec<_>>()
+        };
+        let sequences: Vec<Vec<u32>> = (0..8).map(run).collect();
+        for (seed, sequence) in sequences.iter().enumerate() {
+            assert_eq!(
+                *sequence,
+                run(seed as u64),
+                "seed {seed} is not reproducible"
+            );
+            for (other, other_sequence) in sequences.iter().enumerate().skip(seed + 1) {
+                assert_ne!(
+                    sequence, other_sequence,
+                    "seeds {seed} and {other} give the same sequence"
+                );
+            }
+        }
+        // A sampler continues its own stream: a draw depends on the ones before it.
+        let first = &sequences[0];
+        assert!(
+            first.windows(2).any(|pair| pair[0] != pair[1]),
+            "one seed gives a constant sequence: {first:?}"
+        );
+    }
+
     #[test]
     fn rejects_bad_settings() {
         let bad = |config: SamplingConfig| Sampler::new(config).is_err();

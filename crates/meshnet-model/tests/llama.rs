@@ -126,34 +126,73 @@ fn kv_cache_decoding_equals_recomputing() {
     println!("KV cache vs recompute: max logit difference {worst:e}");
 }
 
+/// Greedy decoding of `prompts` on `route`, one session per prompt, the sessions advanced in
+/// turn one step at a time; returns each session's id and the logits of each of its `steps`
+/// steps (the first from the prompt, then one per generated token).
+fn decode_in_turn(
+    route: &Route<'_>,
+    prompts: &[&[u32]],
+    steps: usize,
+) -> Vec<(SessionId, Vec<Vec<f32>>)> {
+    let mut runs: Vec<(SessionId, Vec<Vec<f32>>)> = prompts
+        .iter()
+        .map(|_| (SessionId::new_v4(), Vec::new()))
+        .collect();
+    for step in 0..steps {
+        for (prompt, (session, logits)) in prompts.iter().zip(&mut runs) {
+            let next = match logits.last() {
+                None => route.forward(*session, 0, prompt).unwrap(),
+                Some(last) => route
+                    .forward(*session, prompt.len() + step - 1, &[argmax(last)])
+                    .unwrap(),
+            };
+            logits.push(next);
+        }
+    }
+    runs
+}
+
 #[test]
 fn sessions_share_weights_without_interfering() {
     let span = whole_q8();
     let route = whole_q8_route();
     let prompts = common::prompts();
-    let (a, b) = (SessionId::new_v4(), SessionId::new_v4());
-    // Interleave two sessions on the same span.
-    let first_a = route.forward(a, 0, &prompts[0]).unwrap();
-    let first_b = route.forward(b, 0, &prompts[1]).unwrap();
-    let next_a = route
-        .forward(a, prompts[0].len(), &[argmax(&first_a)])
-        .unwrap();
-    let next_b = route
-        .forward(b, prompts[1].len(), &[argmax(&first_b)])
-        .unwrap();
-    // Alone, each gives the same.
-    let alone = SessionId::new_v4();
-    route.forward(alone, 0, &prompts[1]).unwrap();
-    let alone_b = route
-        .forward(alone, prompts[1].len(), &[argmax(&first_b)])
-        .unwrap();
-    assert_eq!(alone_b, next_b);
-    assert_ne!(next_a, next_b);
+    let (first, second) = (prompts[0].as_slice(), prompts[1].as_slice());
+    let steps = 6;
+    // Each session alone, then both on the same span, interleaved step by step.
+    let alone_first = decode_in_turn(&route, &[first], steps).remove(0);
+    let alone_second = decode_in_turn(&route, &[second], steps).remove(0);
+    let interleaved = decode_in_turn(&route, &[first, second], steps);
+    let tokens = |logits: &[Vec<f32>]| logits.iter().map(|l| argmax(l)).collect::<Vec<_>>();
+    for (name, alone, together) in [
+        ("first", &alone_first, &interleaved[0]),
+        ("second", &alone_second, &interleaved[1]),
+    ] {
+        assert_eq!(
+            tokens(&together.1),
+            tokens(&alone.1),
+            "{name} prompt: interleaved greedy tokens differ from the session run alone"
+        );
+        for (step, (a, b)) in alone.1.iter().zip(&together.1).enumerate() {
+            assert!(
+                a == b,
+                "{name} prompt, step {step}: interleaved logits differ from the session run alone"
+            );
+        }
+    }
+    // The two prompts really do continue differently, so a mix-up would show.
+    assert_ne!(tokens(&alone_first.1), tokens(&alone_second.1));
     // A gap in positions is an error that names the session.
-    let error = route.forward(a, prompts[0].len() + 5, &[1]).unwrap_err();
+    let a = interleaved[0].0;
+    let error = route.forward(a, first.len() + steps + 5, &[1]).unwrap_err();
     assert!(error.to_string().contains("gap"), "{error}");
-    for session in [a, b, alone] {
-        span.end_session(session);
+    for (session, _) in [
+        &alone_first,
+        &alone_second,
+        &interleaved[0],
+        &interleaved[1],
+    ] {
+        span.end_session(*session);
     }
     assert_eq!(span.kv_store().used_bytes(), 0);
 }

@@ -485,6 +485,97 @@ fn a_zstd_bomb_is_cut_off_at_the_declared_size() {
     );
 }
 
+/// The window the memory test's bomb is compressed with: zstd's decoder keeps a buffer of
+/// about this size while it inflates, whatever the declared shape.
+const BOMB_WINDOW_LOG: u32 = 21;
+
+/// Set in the child process of [`decoding_a_zstd_bomb_stays_within_the_declared_frame`]: the
+/// bomb to decode, in hex.
+const BOMB_CHILD_ENV: &str = "MESHNET_WIRE_TEST_BOMB_HEX";
+
+/// A kB line of `/proc/self/status` (`VmHWM`, `VmRSS`), in bytes.
+#[cfg(target_os = "linux")]
+fn status_bytes(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status
+        .lines()
+        .find(|line| line.starts_with(field))
+        .unwrap_or_else(|| panic!("no {field} in /proc/self/status"));
+    let kilobytes: u64 = line
+        .trim_start_matches(field)
+        .trim_start_matches(':')
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kilobytes * 1024
+}
+
+/// Measures memory, not just the error: a child process (this test binary, running only this
+/// test) decodes the bomb and reports how far its peak resident memory rose while decoding.
+/// The decoder may hold the declared frame plus zstd's window and decoder state; inflating the
+/// bomb (64 MiB) would blow far past that.
+#[cfg(target_os = "linux")]
+#[test]
+fn decoding_a_zstd_bomb_stays_within_the_declared_frame() {
+    const NAME: &str = "decoding_a_zstd_bomb_stays_within_the_declared_frame";
+    let (headers, _) = valid(Encoding::Zstd);
+    if let Ok(hex) = std::env::var(BOMB_CHILD_ENV) {
+        let bomb: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        // Resets the peak to the current resident size (Linux 4.0+), so only decoding counts.
+        std::fs::write("/proc/self/clear_refs", "5").unwrap();
+        let before = status_bytes("VmHWM");
+        let err = ActivationFrame::decode(&headers, &bomb, &Limits::default()).unwrap_err();
+        let after = status_bytes("VmHWM");
+        assert!(
+            matches!(err, WireError::DecompressedTooLarge { expected: 64, .. }),
+            "{err}"
+        );
+        println!("peak-growth-bytes {}", after.saturating_sub(before));
+        return;
+    }
+    let inflated = 64usize << 20;
+    let mut encoder = zstd::stream::write::Encoder::new(Vec::new(), 3).unwrap();
+    encoder.window_log(BOMB_WINDOW_LOG).unwrap();
+    let zeros = vec![0u8; 1 << 20];
+    for _ in 0..inflated >> 20 {
+        std::io::Write::write_all(&mut encoder, &zeros).unwrap();
+    }
+    let bomb = encoder.finish().unwrap();
+    let hex: String = bomb.iter().map(|byte| format!("{byte:02x}")).collect();
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+        .env(BOMB_CHILD_ENV, hex)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "child failed: {stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let growth: usize = stdout
+        .lines()
+        .find_map(|line| line.split("peak-growth-bytes ").nth(1))
+        .unwrap_or_else(|| panic!("child reported nothing: {stdout}"))
+        .parse()
+        .unwrap();
+    // The declared frame (64 bytes), zstd's window, and 1 MiB for the decoder's context, its
+    // block buffers and the allocator's rounding.
+    let declared = 64;
+    let allowed = declared + (1 << BOMB_WINDOW_LOG) + (1 << 20);
+    println!("decoding a {inflated}-byte bomb raised peak memory by {growth} bytes");
+    assert!(
+        growth <= allowed,
+        "decoding the bomb raised peak memory by {growth} bytes, more than the {allowed} the \
+         declared {declared}-byte frame allows (the bomb inflates to {inflated})"
+    );
+}
+
 #[test]
 fn zstd_shrinks_compressible_activations() {
     let frame = frame_of(&[1, 128, 576], |i| if i % 7 == 0 { 0x3F80 } else { 0 });
