@@ -137,6 +137,11 @@ pub enum EngineError {
     /// A peer on the route failed. Answered with 502.
     #[error("a peer on the route failed: {0}")]
     Upstream(String),
+    /// A peer on the route failed and every failover to other peers failed too (or no peer
+    /// took over its layers in time). Answered with 503 and `Retry-After`; the message names
+    /// the failed hop.
+    #[error("the route failed and could not be repaired: {0}")]
+    RouteLost(String),
     /// Anything else. Answered with 500.
     #[error("internal error: {0}")]
     Internal(String),

@@ -9,6 +9,9 @@ use crate::engine::EngineError;
 /// How long clients are told to wait when the mesh does not cover the model.
 pub const NOT_COVERED_RETRY_AFTER_SECONDS: u64 = 10;
 
+/// `Retry-After` on a 503 for a generation whose route failed beyond repair.
+pub const ROUTE_LOST_RETRY_AFTER_SECONDS: u64 = 2;
+
 /// Everything the API can answer with instead of a completion.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -103,6 +106,12 @@ impl ApiError {
                 "server_error",
                 Some("model_not_covered"),
                 Some(NOT_COVERED_RETRY_AFTER_SECONDS),
+            ),
+            Self::Engine(EngineError::RouteLost(_)) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                Some("route_lost"),
+                Some(ROUTE_LOST_RETRY_AFTER_SECONDS),
             ),
             Self::Engine(EngineError::Upstream(_)) => (
                 StatusCode::BAD_GATEWAY,
@@ -217,6 +226,7 @@ mod tests {
             ),
             (EngineError::NotCovered("layers 4..8".into()), 503),
             (EngineError::Upstream("peer gone".into()), 502),
+            (EngineError::RouteLost("peer gone, no other".into()), 503),
             (EngineError::Internal("bug".into()), 500),
         ];
         for (error, status) in cases {

@@ -59,6 +59,14 @@ pub struct PeerAnnouncement {
     pub active_sessions: u32,
     /// Whether the sender is the tracker.
     pub is_tracker: bool,
+    /// Smoothed milliseconds the sender spends on one decode step of its layers (0 before it
+    /// ran one); routing prefers the faster of two holders.
+    pub forward_latency_ms: f64,
+    /// The sender is shutting down: it finishes its running sessions but takes no new ones,
+    /// and the tracker re-covers its layers without it.
+    pub leaving: bool,
+    /// The sender may take the tracker role if the tracker goes silent.
+    pub tracker_capable: bool,
     /// Sender's clock when the announcement was made, in milliseconds since the Unix epoch.
     pub sent_at_unix_ms: u64,
 }
@@ -68,6 +76,13 @@ pub struct PeerAnnouncement {
 pub struct CoverageMessage {
     /// The model the map describes.
     pub model_id: String,
+    /// The sender's tracker term: 1 for a tracker started as one, one more for each
+    /// takeover. A higher term wins; peers act only on the current term.
+    pub term: u64,
+    /// Who may take over if the sender goes silent, in order of preference: ready,
+    /// reachable peers with the memory for the first layers. A takeover claim from anyone
+    /// else is rejected.
+    pub succession: Vec<PeerId>,
     /// Planning epoch of the map.
     pub epoch: u64,
     /// Monotonic publication counter of the tracker, to order messages of one epoch.
@@ -85,6 +100,8 @@ pub struct DirectiveMessage {
     pub model_id: String,
     /// The peer that must apply the directives.
     pub target: PeerId,
+    /// The sender's tracker term; a directive of an older term is rejected.
+    pub term: u64,
     /// Planning epoch the directives belong to.
     pub epoch: u64,
     /// Monotonic publication counter of the tracker.
@@ -106,6 +123,8 @@ pub struct TrackerRecord {
     pub http_endpoint: String,
     /// Planning epoch when the record was written.
     pub epoch: u64,
+    /// The tracker's term; a record of an older term than the one followed is ignored.
+    pub term: u64,
     /// The model the tracker coordinates.
     pub model_id: String,
 }
@@ -220,6 +239,7 @@ mod tests {
             addresses: vec!["/ip4/127.0.0.1/tcp/4001".into()],
             http_endpoint: "http://127.0.0.1:8080".into(),
             epoch: 7,
+            term: 2,
             model_id: "smollm2-135m".into(),
         }
     }
@@ -239,6 +259,8 @@ mod tests {
     fn round_trip_keeps_every_field() {
         let coverage = CoverageMessage {
             model_id: "m".into(),
+            term: 4,
+            succession: vec![PlannerPeerId::from("b"), PlannerPeerId::from("c")],
             epoch: 3,
             sequence: 9,
             num_layers: 30,

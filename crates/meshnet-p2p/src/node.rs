@@ -66,6 +66,10 @@ enum Command {
     Tracker {
         reply: Reply<Option<PeerId>>,
     },
+    TakeTrackerRole {
+        term: u64,
+        reply: Reply<()>,
+    },
     Shutdown {
         reply: Reply<()>,
     },
@@ -90,6 +94,7 @@ impl std::fmt::Debug for Command {
             Command::Dial { .. } => "Dial",
             Command::ConnectedPeers { .. } => "ConnectedPeers",
             Command::Tracker { .. } => "Tracker",
+            Command::TakeTrackerRole { .. } => "TakeTrackerRole",
             Command::Shutdown { .. } => "Shutdown",
         };
         f.write_str(name)
@@ -183,6 +188,15 @@ impl P2pHandle {
         Ok(tracker.as_ref().map(mesh_peer_id))
     }
 
+    /// Makes this node the tracker of `term` (a takeover after the tracker went silent): it
+    /// authorises itself, stops looking the tracker up, and peers accept its coverage maps
+    /// if it is on their succession list. A later claim that beats `term` makes it a follower
+    /// again (reported as a [`P2pEvent::Coverage`] from the new tracker).
+    pub async fn take_tracker_role(&self, term: u64) -> Result<(), P2pError> {
+        self.request(|reply| Command::TakeTrackerRole { term, reply })
+            .await
+    }
+
     /// Stops the event loop and drops the swarm (closing every connection).
     pub async fn shutdown(&self) {
         // An error means the loop has already stopped.
@@ -265,7 +279,10 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
         events: event_sender,
         local_peer_id,
         model_id: config.model_id,
-        role: config.role,
+        is_tracker: matches!(config.role, Role::Tracker),
+        term: u64::from(matches!(config.role, Role::Tracker)),
+        // A pinned peer follows its pinned tracker only: nobody may take over.
+        succession: pinned_tracker.map(|_| Vec::new()),
         pinned_tracker,
         assume_reachable: config.assume_reachable,
         tracker,
@@ -308,7 +325,13 @@ struct EventLoop {
     events: mpsc::Sender<P2pEvent>,
     local_peer_id: PeerId,
     model_id: String,
-    role: Role,
+    /// Whether this node is the tracker now.
+    is_tracker: bool,
+    /// The current tracker's term (0 before one is known).
+    term: u64,
+    /// The succession list of the last tracker this node followed (`None` before it followed
+    /// one): who may take over.
+    succession: Option<Vec<PeerId>>,
     /// The only tracker a peer accepts, when pinned.
     pinned_tracker: Option<PeerId>,
     assume_reachable: bool,
@@ -334,7 +357,6 @@ struct EventLoop {
 
 impl EventLoop {
     async fn run(mut self) {
-        let looks_up_tracker = matches!(self.role, Role::Peer { .. });
         let mut lookup_timer: Pin<Box<Sleep>> = Box::pin(tokio::time::sleep(Duration::ZERO));
         let republish_period = self
             .record_republish_interval
@@ -349,6 +371,7 @@ impl EventLoop {
         let redials = !self.bootstrap.is_empty();
 
         let shutdown_reply = loop {
+            let looks_up_tracker = !self.is_tracker;
             tokio::select! {
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
                 command = self.commands.recv() => match command {
@@ -424,6 +447,13 @@ impl EventLoop {
             }
             Command::Tracker { reply } => {
                 let _ = reply.send(self.tracker);
+            }
+            Command::TakeTrackerRole { term, reply } => {
+                tracing::info!(term, "taking the tracker role");
+                self.is_tracker = true;
+                self.tracker = Some(self.local_peer_id);
+                self.term = term;
+                let _ = reply.send(());
             }
             Command::Shutdown { reply } => {
                 // Handled by the loop itself; answered here only for completeness.
@@ -622,7 +652,7 @@ impl EventLoop {
             }
         }
         // A new DHT neighbour may know the tracker: ask at once rather than at the next tick.
-        if matches!(self.role, Role::Peer { .. }) && self.discovered_record.is_none() {
+        if !self.is_tracker && self.discovered_record.is_none() {
             self.look_up_tracker();
         }
     }
@@ -678,6 +708,33 @@ impl EventLoop {
                 return;
             }
         }
+        if Some(peer) == self.tracker && record.term < self.term {
+            return;
+        }
+        if let Some(current) = self.tracker
+            && current != peer
+        {
+            let admission = self.admission();
+            if let Err(Verdict::Reject(reason) | Verdict::Ignore(reason)) =
+                admission.check_takeover(peer, record.term)
+            {
+                if record.term < self.term {
+                    // A copy left behind by an earlier tracker.
+                    tracing::debug!(record = %peer, term = record.term, "stale tracker record ignored");
+                } else {
+                    tracing::warn!(record = %peer, %reason, "tracker record rejected");
+                    self.emit(P2pEvent::Rejected {
+                        from: mesh_peer_id(&peer),
+                        topic: "tracker-record".to_owned(),
+                        reason,
+                    });
+                }
+                return;
+            }
+            if self.is_tracker {
+                return;
+            }
+        }
         let addresses: Vec<Multiaddr> = record
             .addresses
             .iter()
@@ -696,8 +753,45 @@ impl EventLoop {
             tracing::info!(tracker = %peer, "tracker discovered");
         }
         self.tracker = Some(peer);
+        self.term = self.term.max(record.term);
         self.discovered_record = Some(record.clone());
         self.emit(P2pEvent::TrackerDiscovered(record));
+    }
+
+    /// What this node knows when it judges a tracker message.
+    fn admission(&self) -> Admission<'_> {
+        Admission {
+            model_id: &self.model_id,
+            local_peer: self.local_peer_id,
+            tracker: self.tracker,
+            term: self.term,
+            succession: self.succession.as_deref(),
+        }
+    }
+
+    /// Records an accepted coverage map of `term` from `tracker`, naming `succession`: a new
+    /// tracker (a takeover this node accepted) is followed from now on, and a node that was
+    /// the tracker steps down.
+    fn follow(&mut self, tracker: PeerId, term: u64, succession: &[meshnet_types::PeerId]) {
+        if self.tracker != Some(tracker) {
+            tracing::info!(%tracker, term, previous = ?self.tracker, "following a new tracker");
+            if self.is_tracker {
+                tracing::warn!(%tracker, term, "another tracker won a later term: stepping down");
+                self.is_tracker = false;
+                self.own_record = None;
+            }
+            self.tracker = Some(tracker);
+            self.discovered_record = None;
+        }
+        self.term = self.term.max(term);
+        self.succession = Some(if self.pinned_tracker.is_some() {
+            Vec::new()
+        } else {
+            succession
+                .iter()
+                .filter_map(|peer| libp2p_peer_id(peer).ok())
+                .collect()
+        });
     }
 
     fn on_gossip_message(
@@ -710,17 +804,15 @@ impl EventLoop {
         let verdict = match (self.topic_kinds.get(&message.topic), message.source) {
             (None, _) => Verdict::Ignore(format!("not subscribed to {topic}")),
             (Some(_), None) => Verdict::Reject("unsigned message".to_owned()),
-            (Some(kind), Some(source)) => Admission {
-                model_id: &self.model_id,
-                local_peer: self.local_peer_id,
-                tracker: self.tracker,
-            }
-            .judge(*kind, source, &message.data),
+            (Some(kind), Some(source)) => self.admission().judge(*kind, source, &message.data),
         };
         let from = message.source.unwrap_or(propagation_source);
         let acceptance = match verdict {
             Verdict::Accept(event) => {
                 if let Some(event) = event {
+                    if let P2pEvent::Coverage { coverage, .. } = event.as_ref() {
+                        self.follow(from, coverage.term, &coverage.succession);
+                    }
                     self.emit(*event);
                 }
                 MessageAcceptance::Accept

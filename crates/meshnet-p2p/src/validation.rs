@@ -26,6 +26,23 @@ pub(crate) struct Admission<'a> {
     pub(crate) local_peer: PeerId,
     /// The tracker whose coverage maps and directives are accepted, once known.
     pub(crate) tracker: Option<PeerId>,
+    /// That tracker's term (0 before any is known).
+    pub(crate) term: u64,
+    /// Who may take over from it: the succession list of the last tracker this node followed.
+    /// `None` while it has followed none (a node started as tracker): then the highest term
+    /// wins, whoever claims it.
+    pub(crate) succession: Option<&'a [PeerId]>,
+}
+
+/// Whether a tracker claim of `term` by `claimant` beats the current tracker `current` of
+/// `current_term` ([`meshnet_types::claim_beats`] on the mesh's peer ids).
+pub(crate) fn claim_beats(claimant: PeerId, term: u64, current: PeerId, current_term: u64) -> bool {
+    meshnet_types::claim_beats(
+        &mesh_peer_id(&claimant),
+        term,
+        &mesh_peer_id(&current),
+        current_term,
+    )
 }
 
 impl Admission<'_> {
@@ -61,6 +78,43 @@ impl Admission<'_> {
         }
     }
 
+    /// Checks that a message of `term` from the current tracker is not from an older term.
+    fn check_term(&self, term: u64) -> Result<(), Verdict> {
+        if term < self.term {
+            Err(Verdict::Reject(format!(
+                "of tracker term {term}, older than the current term {}",
+                self.term
+            )))
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Judges a claim by `claimant`, who is not the current tracker, to be the tracker of
+    /// `term`: it must beat the current tracker ([`claim_beats`]) and be on the succession
+    /// list (when this node has one).
+    pub(crate) fn check_takeover(&self, claimant: PeerId, term: u64) -> Result<(), Verdict> {
+        let Some(current) = self.tracker else {
+            return Err(Verdict::Ignore(
+                "no tracker known yet to authorise tracker messages".to_owned(),
+            ));
+        };
+        if !claim_beats(claimant, term, current, self.term) {
+            return Err(Verdict::Reject(format!(
+                "sent by {claimant}, which is not the tracker {current} (its term {term} does \
+                 not beat the current term {})",
+                self.term
+            )));
+        }
+        match self.succession {
+            Some(list) if !list.contains(&claimant) => Err(Verdict::Reject(format!(
+                "{claimant} claims tracker term {term}, but tracker {current} did not name it \
+                 in its succession list"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     fn judge_announcement(&self, source: PeerId, data: &[u8]) -> Verdict {
         let announcement: PeerAnnouncement = match decode(data) {
             Ok(announcement) => announcement,
@@ -86,10 +140,14 @@ impl Admission<'_> {
             Ok(coverage) => coverage,
             Err(error) => return Verdict::Reject(format!("undecodable coverage map: {error}")),
         };
-        if let Err(verdict) = self
-            .check_model(&coverage.model_id)
-            .and_then(|()| self.check_tracker(source))
-        {
+        let authorised = self.check_model(&coverage.model_id).and_then(|()| {
+            if self.tracker == Some(source) {
+                self.check_term(coverage.term)
+            } else {
+                self.check_takeover(source, coverage.term)
+            }
+        });
+        if let Err(verdict) = authorised {
             return verdict;
         }
         Verdict::Accept(Some(Box::new(P2pEvent::Coverage {
@@ -106,6 +164,7 @@ impl Admission<'_> {
         if let Err(verdict) = self
             .check_model(&directive.model_id)
             .and_then(|()| self.check_tracker(source))
+            .and_then(|()| self.check_term(directive.term))
         {
             return verdict;
         }
@@ -158,6 +217,9 @@ mod tests {
             free_kv_tokens: 2048,
             active_sessions: 0,
             is_tracker: false,
+            forward_latency_ms: 0.0,
+            leaving: false,
+            tracker_capable: true,
             sent_at_unix_ms: 0,
         }
     }
@@ -166,6 +228,7 @@ mod tests {
         DirectiveMessage {
             model_id: "m".into(),
             target: mesh_peer_id(&target),
+            term: 1,
             epoch: 1,
             sequence: 1,
             directives: vec![Directive::LoadShard {
@@ -188,6 +251,8 @@ mod tests {
             model_id: "m",
             local_peer: me,
             tracker: None,
+            term: 0,
+            succession: None,
         };
         let good = encode(&announcement(alice, "m")).unwrap();
         assert!(matches!(
@@ -211,18 +276,13 @@ mod tests {
     #[test]
     fn coverage_needs_the_authorised_tracker() {
         let (me, tracker, intruder) = (peer(), peer(), peer());
-        let coverage = encode(&CoverageMessage {
-            model_id: "m".into(),
-            epoch: 1,
-            sequence: 1,
-            num_layers: 4,
-            map: CoverageMap::empty(1),
-        })
-        .unwrap();
+        let coverage = encode(&coverage_of_term(1, vec![])).unwrap();
         let unknown = Admission {
             model_id: "m",
             local_peer: me,
             tracker: None,
+            term: 0,
+            succession: None,
         };
         assert!(matches!(
             unknown.judge(TopicKind::Coverage, tracker, &coverage),
@@ -230,6 +290,8 @@ mod tests {
         ));
         let known = Admission {
             tracker: Some(tracker),
+            term: 1,
+            succession: Some(&[]),
             ..unknown
         };
         assert!(matches!(
@@ -250,6 +312,8 @@ mod tests {
             model_id: "m",
             local_peer: me,
             tracker: Some(tracker),
+            term: 1,
+            succession: None,
         };
         let to_me = encode(&directive(me, me)).unwrap();
         let to_other = encode(&directive(other, other)).unwrap();
@@ -272,5 +336,119 @@ mod tests {
             tracker,
             &mismatched
         )));
+    }
+
+    fn coverage_of_term(term: u64, succession: Vec<PlannerPeerId>) -> CoverageMessage {
+        CoverageMessage {
+            model_id: "m".into(),
+            term,
+            succession,
+            epoch: 1,
+            sequence: 1,
+            num_layers: 4,
+            map: CoverageMap::empty(1),
+        }
+    }
+
+    #[test]
+    fn only_a_listed_successor_of_a_higher_term_takes_over() {
+        let (me, tracker, heir, stranger) = (peer(), peer(), peer(), peer());
+        let list = [heir];
+        let admission = Admission {
+            model_id: "m",
+            local_peer: me,
+            tracker: Some(tracker),
+            term: 3,
+            succession: Some(&list),
+        };
+        let claim = |term| encode(&coverage_of_term(term, vec![])).unwrap();
+        assert!(matches!(
+            admission.judge(TopicKind::Coverage, heir, &claim(4)),
+            Verdict::Accept(Some(_))
+        ));
+        // Not listed: refused whatever the term.
+        assert!(is_reject(&admission.judge(
+            TopicKind::Coverage,
+            stranger,
+            &claim(4)
+        )));
+        assert!(is_reject(&admission.judge(
+            TopicKind::Coverage,
+            stranger,
+            &claim(99)
+        )));
+        // Listed, but not a newer term than the living tracker's.
+        assert!(is_reject(&admission.judge(
+            TopicKind::Coverage,
+            heir,
+            &claim(2)
+        )));
+        // The tracker itself may not go back to an older term.
+        assert!(is_reject(&admission.judge(
+            TopicKind::Coverage,
+            tracker,
+            &claim(2)
+        )));
+        assert!(matches!(
+            admission.judge(TopicKind::Coverage, tracker, &claim(3)),
+            Verdict::Accept(Some(_))
+        ));
+        // A node that never followed a list (a started tracker) yields to any higher term.
+        let fresh = Admission {
+            succession: None,
+            tracker: Some(me),
+            term: 1,
+            ..admission
+        };
+        assert!(matches!(
+            fresh.judge(TopicKind::Coverage, stranger, &claim(2)),
+            Verdict::Accept(Some(_))
+        ));
+        // Two trackers started by hand, both of term 1: the lower id wins.
+        let verdict = fresh.judge(TopicKind::Coverage, stranger, &claim(1));
+        if claim_beats(stranger, 1, me, 1) {
+            assert!(matches!(verdict, Verdict::Accept(Some(_))));
+        } else {
+            assert!(is_reject(&verdict));
+        }
+    }
+
+    #[test]
+    fn directives_of_an_older_term_are_refused() {
+        let (me, tracker) = (peer(), peer());
+        let admission = Admission {
+            model_id: "m",
+            local_peer: me,
+            tracker: Some(tracker),
+            term: 2,
+            succession: None,
+        };
+        let mut old = directive(me, me);
+        old.term = 1;
+        assert!(is_reject(&admission.judge(
+            TopicKind::Directives,
+            tracker,
+            &encode(&old).unwrap()
+        )));
+        old.term = 2;
+        assert!(matches!(
+            admission.judge(TopicKind::Directives, tracker, &encode(&old).unwrap()),
+            Verdict::Accept(Some(_))
+        ));
+    }
+
+    #[test]
+    fn of_two_claims_exactly_one_wins() {
+        for _ in 0..32 {
+            let (a, b) = (peer(), peer());
+            for (ta, tb) in [(1, 1), (1, 2), (2, 1), (5, 5)] {
+                let a_wins = claim_beats(a, ta, b, tb);
+                let b_wins = claim_beats(b, tb, a, ta);
+                assert!(a_wins != b_wins, "{ta} vs {tb}: exactly one claim must win");
+                if ta != tb {
+                    assert_eq!(a_wins, ta > tb, "the higher term wins");
+                }
+            }
+        }
     }
 }

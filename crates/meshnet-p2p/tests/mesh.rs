@@ -165,6 +165,9 @@ fn announcement(peer: PeerId) -> PeerAnnouncement {
         free_kv_tokens: 1024,
         active_sessions: 2,
         is_tracker: false,
+        forward_latency_ms: 0.0,
+        leaving: false,
+        tracker_capable: true,
         sent_at_unix_ms: 1_700_000_000_000,
     }
 }
@@ -172,6 +175,8 @@ fn announcement(peer: PeerId) -> PeerAnnouncement {
 fn coverage(holder: PeerId, epoch: u64) -> CoverageMessage {
     CoverageMessage {
         model_id: MODEL.into(),
+        term: 1,
+        succession: Vec::new(),
         epoch,
         sequence: epoch * 10,
         num_layers: 30,
@@ -192,6 +197,7 @@ fn directive(target: PeerId, epoch: u64) -> DirectiveMessage {
     DirectiveMessage {
         model_id: MODEL.into(),
         target: target.clone(),
+        term: 1,
         epoch,
         sequence: epoch,
         directives: vec![Directive::LoadShard {
@@ -213,6 +219,7 @@ fn tracker_record(tracker: &Node) -> TrackerRecord {
         addresses: Vec::new(),
         http_endpoint: "http://tracker.invalid:8080".into(),
         epoch: 1,
+        term: 1,
         model_id: MODEL.into(),
     }
 }

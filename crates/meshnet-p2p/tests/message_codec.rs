@@ -103,6 +103,7 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
             any::<bool>(),
             any::<u64>(),
         ),
+        (0.0f64..1e6, any::<bool>(), any::<bool>()),
     )
         .prop_map(
             |(
@@ -124,6 +125,7 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
                     is_tracker,
                     sent_at_unix_ms,
                 ),
+                (forward_latency_ms, leaving, tracker_capable),
             )| PeerAnnouncement {
                 peer: PlannerPeerId::new(peer),
                 model_id,
@@ -138,6 +140,9 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
                 free_kv_tokens,
                 active_sessions,
                 is_tracker,
+                forward_latency_ms,
+                leaving,
+                tracker_capable,
                 sent_at_unix_ms,
             },
         )
@@ -150,10 +155,13 @@ fn coverage() -> impl Strategy<Value = CoverageMessage> {
         any::<u64>(),
         any::<u32>(),
         coverage_map(),
+        (any::<u64>(), prop::collection::vec(".{0,52}", 0..4)),
     )
         .prop_map(
-            |(model_id, epoch, sequence, num_layers, map)| CoverageMessage {
+            |(model_id, epoch, sequence, num_layers, map, (term, succession))| CoverageMessage {
                 model_id,
+                term,
+                succession: succession.into_iter().map(PlannerPeerId::new).collect(),
                 epoch,
                 sequence,
                 num_layers,
@@ -170,11 +178,13 @@ fn directive_message() -> impl Strategy<Value = DirectiveMessage> {
         any::<u64>(),
         prop::collection::vec(directive(), 0..6),
         prop::option::of(span_status()),
+        any::<u64>(),
     )
         .prop_map(
-            |(model_id, target, epoch, sequence, directives, span_after)| DirectiveMessage {
+            |(model_id, target, epoch, sequence, directives, span_after, term)| DirectiveMessage {
                 model_id,
                 target: PlannerPeerId::new(target),
+                term,
                 epoch,
                 sequence,
                 directives,
@@ -190,13 +200,15 @@ fn tracker_record() -> impl Strategy<Value = TrackerRecord> {
         ".{0,40}",
         any::<u64>(),
         ".{0,20}",
+        any::<u64>(),
     )
         .prop_map(
-            |(peer, addresses, http_endpoint, epoch, model_id)| TrackerRecord {
+            |(peer, addresses, http_endpoint, epoch, model_id, term)| TrackerRecord {
                 peer: PlannerPeerId::new(peer),
                 addresses,
                 http_endpoint,
                 epoch,
+                term,
                 model_id,
             },
         )

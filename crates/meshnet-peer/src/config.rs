@@ -9,6 +9,8 @@ use libp2p::identity::Keypair;
 use meshnet_p2p::TransportChoice;
 use meshnet_types::{PeerId, Quantization};
 
+use crate::remote::FailoverPolicy;
+
 /// How a peer is started.
 #[derive(Clone, Debug)]
 pub struct PeerConfig {
@@ -51,6 +53,14 @@ pub struct PeerConfig {
     pub pinned_tracker: Option<PeerId>,
     /// How long a dropped span keeps serving its running sessions.
     pub drain_timeout: Duration,
+    /// How the tracker's generations get past a failed hop.
+    pub failover: FailoverPolicy,
+    /// Whether this member may take over the tracker role when the tracker goes silent
+    /// (only if the tracker names it in its succession list).
+    pub tracker_capable: bool,
+    /// How long a leaving member waits for its sessions to finish and its layers to be
+    /// covered by others before it goes anyway.
+    pub leave_timeout: Duration,
 }
 
 impl PeerConfig {
@@ -77,6 +87,9 @@ impl PeerConfig {
             upnp: false,
             pinned_tracker: None,
             drain_timeout: Duration::from_secs(60),
+            failover: FailoverPolicy::default(),
+            leave_timeout: Duration::from_secs(30),
+            tracker_capable: true,
         }
     }
 }

@@ -10,7 +10,7 @@ use meshnet_types::PeerId;
 use tokio::sync::{mpsc, watch};
 
 use crate::error::PeerError;
-use crate::member::{Member, Role, lock};
+use crate::member::{Member, lock};
 use crate::shard::ShardTarget;
 use crate::status::RejectionReport;
 use crate::tracker::TrackerBook;
@@ -46,6 +46,16 @@ struct Planning {
 }
 
 impl Planning {
+    /// Planning over `book`, starting at once.
+    fn new(book: Arc<Mutex<TrackerBook>>) -> Self {
+        Planning {
+            book,
+            replan_at: Some(tokio::time::Instant::now()),
+            record_epoch: None,
+            covered: false,
+        }
+    }
+
     /// Plans at `at` unless a plan is already scheduled.
     fn plan_by(&mut self, at: tokio::time::Instant) {
         self.replan_at.get_or_insert(at);
@@ -74,15 +84,9 @@ impl ControlLoop {
         announce_interval: Duration,
         failed: watch::Sender<Option<String>>,
     ) -> Self {
-        let planning = match &member.role {
-            Role::Tracker(parts) => Some(Planning {
-                book: Arc::clone(&parts.book),
-                replan_at: Some(tokio::time::Instant::now()),
-                record_epoch: None,
-                covered: false,
-            }),
-            Role::Peer => None,
-        };
+        let planning = member
+            .tracker_parts()
+            .map(|parts| Planning::new(parts.book));
         ControlLoop {
             failed,
             member,
@@ -136,7 +140,11 @@ impl ControlLoop {
                         planning.plan_by(tokio::time::Instant::now());
                     }
                 }
-                _ = reap.tick() => self.member.host.reap(Instant::now()),
+                _ = reap.tick() => {
+                    self.member.host.reap(Instant::now());
+                    self.maybe_take_over().await;
+                }
+                _ = self.member.announce_now.notified() => self.announce().await,
                 _ = replan => {
                     if let Some(planning) = &mut self.planning {
                         planning.replan_at = None;
@@ -152,23 +160,27 @@ impl ControlLoop {
     fn handle_event(&mut self, event: P2pEvent, load_tx: &mpsc::Sender<LoadDone>) {
         match event {
             P2pEvent::Announcement { announcement, .. } => {
+                let now = Instant::now();
+                lock(&self.member.seen)
+                    .insert(announcement.peer.clone(), (announcement.clone(), now));
                 if let Some(planning) = &mut self.planning
-                    && lock(&planning.book).observe(announcement, Instant::now())
+                    && lock(&planning.book).observe(announcement, now)
                 {
                     planning.plan_by(tokio::time::Instant::now() + REPLAN_DEBOUNCE);
                 }
             }
-            P2pEvent::Coverage { coverage, .. } => {
-                if self.planning.is_none() {
-                    *lock(&self.member.coverage) = Some(coverage);
-                }
-            }
+            P2pEvent::Coverage { from, coverage } => self.follow(from, coverage),
             P2pEvent::Directive { from, directive } => {
                 self.apply_directive(from, directive, load_tx)
             }
             P2pEvent::TrackerDiscovered(record) => {
-                tracing::info!(tracker = %record.peer, http = %record.http_endpoint, "tracker found");
-                *lock(&self.member.tracker) = Some(record.peer);
+                tracing::info!(tracker = %record.peer, term = record.term, http = %record.http_endpoint, "tracker found");
+                let mut following = lock(&self.member.following);
+                if following.tracker.as_ref() != Some(&record.peer) {
+                    following.tracker = Some(record.peer);
+                    following.heard_at = Some(Instant::now());
+                }
+                following.term = following.term.max(record.term);
             }
             P2pEvent::Rejected {
                 from,
@@ -215,6 +227,124 @@ impl ControlLoop {
                 }
             }
         }
+    }
+
+    /// Takes in a coverage map the control plane accepted from `from`: the tracker it
+    /// follows, or a new one that won a later term (then a member that was the tracker steps
+    /// down).
+    fn follow(&mut self, from: PeerId, coverage: meshnet_p2p::CoverageMessage) {
+        if from == self.member.peer_id {
+            return;
+        }
+        if self.planning.is_some() {
+            tracing::warn!(
+                tracker = %from,
+                term = coverage.term,
+                "another member won a later tracker term: stepping down to peer"
+            );
+            self.planning = None;
+            self.member.set_role(None);
+        }
+        let mut following = lock(&self.member.following);
+        if following.tracker.as_ref() != Some(&from) {
+            tracing::info!(tracker = %from, term = coverage.term, "following tracker");
+        }
+        following.tracker = Some(from);
+        following.term = coverage.term;
+        following.succession = coverage.succession.clone();
+        following.heard_at = Some(Instant::now());
+        drop(following);
+        *lock(&self.member.coverage) = Some(coverage);
+    }
+
+    /// Takes the tracker role when the tracker has been silent long enough and this member
+    /// is next in its succession list among the members still heard (see
+    /// [`crate::election`]).
+    async fn maybe_take_over(&mut self) {
+        let member = &self.member;
+        if self.planning.is_some()
+            || !member.settings.tracker_capable
+            || member.leaving.load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return;
+        }
+        let following = lock(&member.following).clone();
+        let (Some(tracker), Some(heard_at)) = (following.tracker.clone(), following.heard_at)
+        else {
+            return;
+        };
+        let now = Instant::now();
+        let silence = now.duration_since(heard_at);
+        let timeout = self.announce_interval * 3;
+        let alive = {
+            let seen = lock(&member.seen);
+            move |peer: &PeerId| {
+                *peer == member.peer_id
+                    || seen.get(peer).is_some_and(|(announcement, at)| {
+                        !announcement.leaving && now.duration_since(*at) <= timeout
+                    })
+            }
+        };
+        let Some(rank) = crate::election::rank(&following.succession, &member.peer_id, alive)
+        else {
+            return;
+        };
+        if !crate::election::claims_now(rank, silence, timeout) {
+            return;
+        }
+        let term = following.term + 1;
+        tracing::warn!(
+            %tracker,
+            silent_ms = silence.as_millis() as u64,
+            term,
+            rank,
+            "the tracker went silent: taking over as tracker"
+        );
+        if let Err(error) = self.take_over(term).await {
+            tracing::error!(%error, "taking over as tracker failed");
+            // Try again one timeout later, unless someone else claims first.
+            lock(&self.member.following).heard_at = Some(Instant::now());
+        }
+    }
+
+    /// Becomes the tracker of `term`: a book rebuilt from the announcements heard, an engine
+    /// and API over it, the control plane told, and a plan at once.
+    async fn take_over(&mut self, term: u64) -> Result<(), PeerError> {
+        let member = Arc::clone(&self.member);
+        let own = member.capacity(true);
+        let parts = crate::runtime::build_tracker_parts(
+            &member.host,
+            own,
+            &member.http_url,
+            &member.settings,
+            &member.failovers,
+        )
+        .await?;
+        {
+            let mut book = lock(&parts.book);
+            book.set_term(term);
+            book.set_own_span(member.host.entry_span_status());
+            let tracker = lock(&member.following).tracker.clone();
+            for (peer, (announcement, at)) in lock(&member.seen).iter() {
+                if Some(peer) != tracker.as_ref() {
+                    book.observe(announcement.clone(), *at);
+                }
+            }
+        }
+        self.p2p.take_tracker_role(term).await?;
+        {
+            let mut following = lock(&member.following);
+            following.tracker = Some(member.peer_id.clone());
+            following.term = term;
+            following.heard_at = Some(Instant::now());
+        }
+        self.planning = Some(Planning::new(Arc::clone(&parts.book)));
+        member.set_role(Some(parts));
+        // Directives from the old tracker no longer apply; the new one's sequence numbers
+        // start from its own clock.
+        self.last_directive = None;
+        tracing::info!(term, "this member is the tracker now");
+        Ok(())
     }
 
     fn apply_directive(
@@ -284,7 +414,7 @@ impl ControlLoop {
             }
         }
         if let Some(planning) = &self.planning {
-            lock(&planning.book).set_own_span(self.member.host.span_status());
+            lock(&planning.book).set_own_span(self.member.host.entry_span_status());
         }
         if let Some(next) = self.loader.queued.take() {
             self.request_span(next, load_tx);
@@ -306,7 +436,7 @@ impl ControlLoop {
         };
         let outcome = {
             let mut book = lock(&book);
-            book.set_own_span(self.member.host.span_status());
+            book.set_own_span(self.member.host.entry_span_status());
             book.plan(Instant::now())
         };
         let outcome = match outcome {
@@ -367,11 +497,13 @@ impl ControlLoop {
         }
         planning.record_epoch = Some(epoch);
         let member = &self.member;
+        let term = lock(&planning.book).term();
         let record = TrackerRecord {
             peer: member.peer_id.clone(),
             addresses: lock(&member.p2p_addrs).clone(),
             http_endpoint: member.http_url.clone(),
             epoch,
+            term,
             model_id: member.model.id().to_owned(),
         };
         if let Err(error) = self.p2p.set_tracker_record(record).await {

@@ -18,8 +18,7 @@ use meshnet_node::{ForwardClient, HopFailure};
 use meshnet_wire::Encoding;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::remote::RemoteStage;
-use crate::routing::{PlannedHop, Uncovered};
+use crate::remote::{Failover, RemoteStage, RouteLost};
 use crate::shard::{LoadedShard, ShardHost};
 
 /// Tokens generated when a request sets no `max_tokens` (bounded by the context).
@@ -28,15 +27,12 @@ pub const DEFAULT_MAX_TOKENS: usize = 256;
 /// Events buffered between the generation thread and the HTTP response.
 const EVENT_BUFFER: usize = 64;
 
-/// Chooses the remote hops for layers `start..end`.
-pub type RouteSource = dyn Fn(u32, u32) -> Result<Vec<PlannedHop>, Uncovered> + Send + Sync;
-
 /// The OpenAI API's view of the mesh.
 pub struct MeshEngine {
     info: ModelInfo,
     text: Arc<TextSide>,
     host: Arc<ShardHost>,
-    routes: Arc<RouteSource>,
+    failover: Failover,
     client: ForwardClient,
     encoding: Encoding,
     sessions: Arc<Semaphore>,
@@ -44,14 +40,15 @@ pub struct MeshEngine {
 }
 
 impl MeshEngine {
-    /// An engine generating with the entry span in `host` and remote hops from `routes`, at
-    /// most `max_sessions` generations at once. Chats leave out the chat template's default
-    /// system prompt, as `meshnet-peer generate --chat` does.
+    /// An engine generating with the entry span in `host` and remote hops from the routes of
+    /// `failover` (which also says how a failed hop is routed around), at most
+    /// `max_sessions` generations at once. Chats leave out the chat template's default system
+    /// prompt, as `meshnet-peer generate --chat` does.
     pub fn new(
         model_id: String,
         mut text: TextSide,
         host: Arc<ShardHost>,
-        routes: Arc<RouteSource>,
+        failover: Failover,
         client: ForwardClient,
         max_sessions: usize,
     ) -> Self {
@@ -70,7 +67,7 @@ impl MeshEngine {
             },
             text: Arc::new(text),
             host,
-            routes,
+            failover,
             client,
             encoding: Encoding::Zstd,
             sessions: Arc::new(Semaphore::new(max_sessions)),
@@ -181,12 +178,16 @@ impl CompletionEngine for MeshEngine {
             .ok_or_else(|| {
                 EngineError::NotCovered("the entry layers are still loading".to_owned())
             })?;
-        let num_layers = self.host.model().num_layers();
-        let hops = (self.routes)(entry.target.layers.end, num_layers).map_err(|uncovered| {
-            EngineError::NotCovered(format!(
-                "the mesh does not cover the model yet: {uncovered}"
-            ))
-        })?;
+        let start = entry.target.layers.end;
+        let hops = self
+            .failover
+            .routes
+            .route(start, &[])
+            .map_err(|uncovered| {
+                EngineError::NotCovered(format!(
+                    "the mesh does not cover the model yet: {uncovered}"
+                ))
+            })?;
 
         let mut stop_tokens = self.text.stop_tokens.clone();
         if chat {
@@ -216,10 +217,12 @@ impl CompletionEngine for MeshEngine {
             } else {
                 Some(
                     RemoteStage::new(
+                        start,
                         hops,
                         self.client.clone(),
                         tokio::runtime::Handle::current(),
                         self.encoding,
+                        self.failover.clone(),
                     )
                     .map_err(|e| EngineError::Internal(e.to_string()))?,
                 )
@@ -306,12 +309,16 @@ impl GenerationJob {
     }
 }
 
-/// How a failed generation is reported: a stage failure as 502, naming the failed hop's peer,
-/// endpoint and code when a remote hop failed; anything else as 500.
+/// How a failed generation is reported: a route that failed beyond repair as 503 and any
+/// other stage failure as 502, naming the failed hop's peer, endpoint and code when a remote
+/// hop failed; anything else as 500.
 fn engine_error(error: &ModelError) -> EngineError {
     let ModelError::Stage { source, .. } = error else {
         return EngineError::Internal(error.to_string());
     };
+    if let Some(lost) = source.downcast_ref::<RouteLost>() {
+        return EngineError::RouteLost(lost.to_string());
+    }
     match source.downcast_ref::<HopFailure>() {
         // The hop or the network failed, not the request: it may succeed if sent again.
         Some(hop) if hop.retryable() => EngineError::Upstream(format!(

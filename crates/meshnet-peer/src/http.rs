@@ -4,38 +4,155 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::State;
-use axum::http::StatusCode;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{any, get};
 use axum::serve::ListenerExt;
 use axum::{Json, Router};
-use meshnet_api::openai_router;
 use meshnet_node::{ActivationPlane, ForwardClient, SpanExecutor};
 use meshnet_wire::Limits;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tower::ServiceExt;
 
 use crate::error::PeerError;
 use crate::member::Member;
 use crate::status::StatusReport;
 
-/// Every route this member answers.
+/// Every route this member answers: the activation plane, `/status`, `/health`, and the
+/// OpenAI-style API under `/v1` (served by the tracker itself; any other member passes the
+/// request on to the tracker it follows, so clients may point at any member).
 pub(crate) fn router(member: &Arc<Member>, client: ForwardClient) -> Router {
     let executor: Arc<dyn SpanExecutor> = Arc::clone(&member.host) as Arc<dyn SpanExecutor>;
-    let router = ActivationPlane::new(executor, Limits::default(), client)
+    ActivationPlane::new(executor, Limits::default(), client)
         .router()
         .merge(
             Router::new()
                 .route("/status", get(status_handler))
                 .route("/health", get(health_handler))
+                .route("/v1", any(openai_handler))
+                .route("/v1/{*rest}", any(openai_handler))
+                .fallback(unknown_path)
                 .with_state(Arc::clone(member)),
-        );
-    match member.tracker_parts() {
-        Some(parts) => openai_router(Arc::clone(&parts.engine) as _).merge(router),
-        None => router,
+        )
+}
+
+/// How long a proxied API request may take to start answering (a generation streams after).
+const PROXY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `/v1/...`: the tracker's own API, or the tracker's answer to the same request.
+async fn openai_handler(State(member): State<Arc<Member>>, request: Request) -> Response {
+    if let Some(parts) = member.tracker_parts() {
+        return match parts.api.oneshot(request).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        };
     }
+    let Some(tracker) = member.tracker_url() else {
+        return api_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "tracker_unavailable",
+            "this member follows no tracker yet; retry shortly".to_owned(),
+        );
+    };
+    proxy(&member, &tracker, request).await
+}
+
+/// Passes `request` on to the tracker at `tracker`, streaming its answer back.
+async fn proxy(member: &Member, tracker: &str, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let body = match axum::body::to_bytes(body, meshnet_api::MAX_BODY_BYTES).await {
+        Ok(body) => body,
+        Err(_) => {
+            return api_error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                format!(
+                    "the request body is larger than {} bytes",
+                    meshnet_api::MAX_BODY_BYTES
+                ),
+            );
+        }
+    };
+    let path = parts
+        .uri
+        .path_and_query()
+        .map_or("/v1", |path| path.as_str());
+    let url = format!("{}{path}", tracker.trim_end_matches('/'));
+    let mut outgoing = member.proxy.request(parts.method, &url).body(body);
+    for name in [header::CONTENT_TYPE, header::ACCEPT, header::AUTHORIZATION] {
+        if let Some(value) = parts.headers.get(&name) {
+            outgoing = outgoing.header(name, value);
+        }
+    }
+    let answer = match outgoing.send().await {
+        Ok(answer) => answer,
+        Err(error) => {
+            tracing::warn!(%tracker, %error, "passing an API request to the tracker failed");
+            return api_error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "tracker_unavailable",
+                format!("the tracker at {tracker} did not answer ({error}); retry shortly"),
+            );
+        }
+    };
+    let mut response = Response::builder().status(answer.status());
+    for name in [
+        header::CONTENT_TYPE,
+        header::RETRY_AFTER,
+        header::CACHE_CONTROL,
+    ] {
+        if let Some(value) = answer.headers().get(&name) {
+            response = response.header(name, value);
+        }
+    }
+    response
+        .body(Body::from_stream(answer.bytes_stream()))
+        .unwrap_or_else(|error| {
+            api_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                error.to_string(),
+            )
+        })
+}
+
+/// An error in the OpenAI shape.
+fn api_error(status: StatusCode, code: &str, message: String) -> Response {
+    let kind = if status.is_client_error() {
+        "invalid_request_error"
+    } else {
+        "server_error"
+    };
+    (
+        status,
+        Json(serde_json::json!({
+            "error": {"message": message, "type": kind, "param": null, "code": code}
+        })),
+    )
+        .into_response()
+}
+
+/// Any path this member does not serve.
+async fn unknown_path(uri: axum::http::Uri) -> Response {
+    api_error(
+        StatusCode::NOT_FOUND,
+        "unknown_url",
+        format!("unknown path {}", uri.path()),
+    )
+}
+
+/// The client a member passes API requests to the tracker with.
+pub(crate) fn proxy_client() -> Result<reqwest::Client, PeerError> {
+    reqwest::Client::builder()
+        .connect_timeout(PROXY_CONNECT_TIMEOUT)
+        .build()
+        .map_err(|error| PeerError::Internal(format!("building the API proxy client: {error}")))
 }
 
 /// Binds the HTTP listener and reads back its address.

@@ -18,6 +18,7 @@
 
 pub mod config;
 mod control;
+pub mod election;
 pub mod engine;
 mod error;
 mod http;
@@ -32,4 +33,4 @@ pub mod tracker;
 
 pub use config::PeerConfig;
 pub use error::PeerError;
-pub use runtime::{RunningPeer, start};
+pub use runtime::{LeaveOutcome, RunningPeer, start};

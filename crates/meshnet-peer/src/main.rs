@@ -23,6 +23,7 @@ use meshnet_model::{
 use meshnet_p2p::TransportChoice;
 use meshnet_peer::PeerConfig;
 use meshnet_peer::mesh_model::MeshModel;
+use meshnet_peer::remote::FailoverPolicy;
 use meshnet_types::{PeerId, Quantization};
 
 #[derive(Parser)]
@@ -127,6 +128,20 @@ struct RunArgs {
     /// Accept coverage maps and directives only from this tracker peer id.
     #[arg(long, value_name = "PEER_ID", value_parser = parse_peer_id)]
     tracker_id: Option<PeerId>,
+    /// New routes a generation tries after a hop fails, before the client gets a 503.
+    #[arg(long, default_value_t = 3)]
+    failover_attempts: u32,
+    /// Seconds a failing generation waits for some peer to serve layers nobody serves.
+    #[arg(long, default_value_t = 60.0)]
+    recover_timeout: f64,
+    /// Whether this peer may take over the tracker role when the tracker goes silent (only
+    /// a peer the tracker names in its succession list does).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
+    tracker_capable: bool,
+    /// Seconds a stopping peer (SIGTERM, Ctrl-C) waits for its sessions to finish and its
+    /// layers to be served by others before it exits anyway.
+    #[arg(long, default_value_t = 30.0)]
+    leave_timeout: f64,
 }
 
 #[derive(clap::Args)]
@@ -349,6 +364,17 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     if args.max_sessions == 0 {
         bail!("--max-sessions must be at least 1");
     }
+    if args.failover_attempts == 0 {
+        bail!("--failover-attempts must be at least 1");
+    }
+    for (flag, seconds) in [
+        ("--recover-timeout", args.recover_timeout),
+        ("--leave-timeout", args.leave_timeout),
+    ] {
+        if !(seconds.is_finite() && (0.0..=86_400.0).contains(&seconds)) {
+            bail!("{flag} must be between 0 and 86400 seconds, got {seconds}");
+        }
+    }
     let data_dir = args
         .data_dir
         .clone()
@@ -380,6 +406,13 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     config.assume_reachable = args.reachable;
     config.upnp = args.upnp;
     config.pinned_tracker = args.tracker_id;
+    config.failover = FailoverPolicy {
+        attempts: args.failover_attempts,
+        recover_timeout: Duration::from_secs_f64(args.recover_timeout),
+    };
+    config.leave_timeout = Duration::from_secs_f64(args.leave_timeout);
+    config.tracker_capable = args.tracker_capable;
+    let leave_timeout = config.leave_timeout;
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -393,6 +426,27 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
             reason = peer.failure() => Some(reason),
         };
         progress.abort();
+        if failure.is_none() {
+            tracing::info!(
+                timeout = ?leave_timeout,
+                "leaving the mesh: finishing running sessions while others take over this \
+                 peer's layers (a second signal stops at once)"
+            );
+            tokio::select! {
+                outcome = peer.leave(leave_timeout) => match outcome {
+                    meshnet_peer::LeaveOutcome::Clean { waited } => {
+                        tracing::info!(waited_ms = waited.as_millis() as u64, "left the mesh cleanly");
+                    }
+                    meshnet_peer::LeaveOutcome::TimedOut { sessions, covered } => {
+                        tracing::warn!(sessions, covered, "leaving timed out; stopping anyway");
+                    }
+                },
+                _ = wait_for_stop_signal() => {
+                    tracing::warn!("second signal: stopping at once");
+                    std::process::exit(130);
+                }
+            }
+        }
         tracing::info!("stopping");
         peer.shutdown().await;
         match failure {

@@ -1,10 +1,10 @@
 //! What a running member shares between its HTTP handlers and its control loop: its
 //! identity, its role, its span slot, and what it last heard from the mesh.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use meshnet_p2p::{CoverageMessage, PeerAnnouncement};
 use meshnet_types::{PeerId, Quantization};
@@ -26,11 +26,41 @@ pub(crate) enum Role {
 }
 
 /// What only the tracker has.
+#[derive(Clone)]
 pub(crate) struct TrackerParts {
     /// The peers it hears from, the plan and the routes.
     pub(crate) book: Arc<Mutex<TrackerBook>>,
     /// The completion engine behind the API.
     pub(crate) engine: Arc<MeshEngine>,
+    /// The OpenAI-style API over `engine`.
+    pub(crate) api: axum::Router,
+}
+
+/// The tracker this member follows, as its coverage maps tell.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Following {
+    /// The tracker.
+    pub(crate) tracker: Option<PeerId>,
+    /// Its term.
+    pub(crate) term: u64,
+    /// Who may take over from it.
+    pub(crate) succession: Vec<PeerId>,
+    /// When its last coverage map arrived.
+    pub(crate) heard_at: Option<Instant>,
+}
+
+/// Settings a member needs if it takes the tracker role later.
+pub(crate) struct Settings {
+    /// Seconds between announcements; three silent ones end a peer (or the tracker).
+    pub(crate) announce_interval: Duration,
+    /// Generations the tracker runs at once.
+    pub(crate) max_sessions: usize,
+    /// How generations get past a failed hop.
+    pub(crate) failover: crate::remote::FailoverPolicy,
+    /// Whether this member may take over the tracker role.
+    pub(crate) tracker_capable: bool,
+    /// The activation-plane client the engine sends with.
+    pub(crate) client: meshnet_node::ForwardClient,
 }
 
 /// What this member offers the mesh, as announced.
@@ -46,7 +76,8 @@ pub(crate) struct Offer {
 /// State shared by the HTTP handlers and the control loop.
 pub(crate) struct Member {
     pub(crate) peer_id: PeerId,
-    pub(crate) role: Role,
+    pub(crate) role: RwLock<Role>,
+    pub(crate) settings: Settings,
     pub(crate) model: Arc<MeshModel>,
     pub(crate) host: Arc<ShardHost>,
     pub(crate) http_url: String,
@@ -55,14 +86,24 @@ pub(crate) struct Member {
     pub(crate) throughput: Mutex<f64>,
     /// The coverage map: the tracker's own, or the last one received.
     pub(crate) coverage: Mutex<Option<CoverageMessage>>,
-    /// The tracker this member follows.
-    pub(crate) tracker: Mutex<Option<PeerId>>,
+    /// The tracker this member follows, its term and succession list.
+    pub(crate) following: Mutex<Following>,
+    /// The latest announcement of every member heard, and when it arrived.
+    pub(crate) seen: Mutex<BTreeMap<PeerId, (PeerAnnouncement, Instant)>>,
     /// libp2p addresses it listens on.
     pub(crate) p2p_addrs: Mutex<Vec<String>>,
     /// Gossip messages and peers refused.
     pub(crate) rejected: AtomicU64,
     /// The latest refusals, newest last, at most [`RECENT_REJECTIONS`].
     pub(crate) recent_rejections: Mutex<VecDeque<RejectionReport>>,
+    /// Generations that got past a failed hop on a new route.
+    pub(crate) failovers: Arc<AtomicU64>,
+    /// Set once the member is shutting down: it announces `leaving` and takes no new work.
+    pub(crate) leaving: AtomicBool,
+    /// Wakes the control loop to announce at once (rather than at its next tick).
+    pub(crate) announce_now: tokio::sync::Notify,
+    /// Passes API requests on to the tracker when this member is not it.
+    pub(crate) proxy: reqwest::Client,
 }
 
 /// How many refusals `/status` lists.
@@ -75,16 +116,47 @@ pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Member {
     /// The tracker's parts, when this member is the tracker.
-    pub(crate) fn tracker_parts(&self) -> Option<&TrackerParts> {
-        match &self.role {
-            Role::Tracker(parts) => Some(parts),
+    pub(crate) fn tracker_parts(&self) -> Option<TrackerParts> {
+        match &*self.role.read().unwrap_or_else(PoisonError::into_inner) {
+            Role::Tracker(parts) => Some(parts.clone()),
             Role::Peer => None,
         }
     }
 
     /// Whether this member is the tracker.
     pub(crate) fn is_tracker(&self) -> bool {
-        matches!(self.role, Role::Tracker(_))
+        self.tracker_parts().is_some()
+    }
+
+    /// Takes the tracker role with `parts`, or gives it up (`None`).
+    pub(crate) fn set_role(&self, parts: Option<TrackerParts>) {
+        *self.role.write().unwrap_or_else(PoisonError::into_inner) = match parts {
+            Some(parts) => Role::Tracker(parts),
+            None => Role::Peer,
+        };
+    }
+
+    /// What this member offers the planner (as the tracker when `is_tracker`).
+    pub(crate) fn capacity(&self, is_tracker: bool) -> meshnet_planner::PeerCapacity {
+        meshnet_planner::PeerCapacity {
+            peer: self.peer_id.clone(),
+            memory_bytes: self.offer.memory_bytes,
+            quantizations: self.offer.quantizations.clone(),
+            throughput: lock(&self.throughput).max(f64::MIN_POSITIVE),
+            kv_tokens: self.offer.kv_tokens,
+            is_tracker,
+        }
+    }
+
+    /// The tracker's HTTP base URL, from its latest announcement (or this member's own).
+    pub(crate) fn tracker_url(&self) -> Option<String> {
+        if self.is_tracker() {
+            return Some(self.http_url.clone());
+        }
+        let tracker = lock(&self.following).tracker.clone()?;
+        let seen = lock(&self.seen);
+        let (announcement, _) = seen.get(&tracker)?;
+        announcement.http_endpoints.first().cloned()
     }
 
     /// Sessions running here: generations on the tracker, KV sessions on any span.
@@ -106,6 +178,25 @@ impl Member {
         recent.push_back(rejection);
     }
 
+    /// Whether every layer this member serves is also served, ready, by another member in
+    /// the latest coverage map (true when it serves none): it can leave without a gap.
+    pub(crate) fn covered_by_others(&self) -> bool {
+        let Some(mine) = self.host.current().map(|shard| shard.target.layers) else {
+            return true;
+        };
+        let coverage = lock(&self.coverage);
+        let Some(coverage) = coverage.as_ref() else {
+            return false;
+        };
+        (mine.start..mine.end).all(|layer| {
+            coverage.map.holdings.iter().any(|holding| {
+                holding.peer != self.peer_id
+                    && holding.state == meshnet_types::SpanState::Ready
+                    && holding.layers.contains(layer)
+            })
+        })
+    }
+
     /// What this member tells the mesh about itself now.
     pub(crate) fn announcement(&self) -> PeerAnnouncement {
         PeerAnnouncement {
@@ -122,6 +213,9 @@ impl Member {
             free_kv_tokens: self.host.free_kv_tokens(),
             active_sessions: u32::try_from(self.active_sessions()).unwrap_or(u32::MAX),
             is_tracker: self.is_tracker(),
+            tracker_capable: self.settings.tracker_capable,
+            forward_latency_ms: self.host.forward_latency_ms(),
+            leaving: self.leaving.load(Ordering::Relaxed),
             sent_at_unix_ms: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
@@ -141,15 +235,16 @@ impl Member {
     /// Whether this member does its job now: the tracker when the mesh covers the model, a
     /// peer when it serves a ready span.
     pub(crate) fn health(&self) -> Result<&'static str, &'static str> {
-        match &self.role {
-            Role::Tracker(_) => match self.route_boundaries() {
+        if self.is_tracker() {
+            match self.route_boundaries() {
                 Some(_) => Ok("the mesh covers the model"),
                 None => Err("the mesh does not cover the model yet"),
-            },
-            Role::Peer => match self.host.current() {
+            }
+        } else {
+            match self.host.current() {
                 Some(_) => Ok("serving a span"),
                 None => Err("no span assigned yet"),
-            },
+            }
         }
     }
 }

@@ -1,100 +1,450 @@
-//! The part of a route that runs on other peers, seen by the generation loop as one stage.
+//! The part of a route that runs on other peers, seen by the generation loop as one stage,
+//! and its failover.
 //!
 //! The entry posts each chunk to the first hop with the rest of the route in the frame
 //! (source routing); every hop runs its layers and posts to the next; the last hop's output
 //! comes back up the chain. Ending a session asks every hop to free its KV cache.
+//!
+//! The stage keeps every hidden state it has sent (the entry's output, as the wire carries it:
+//! bfloat16). When a hop fails in a way another peer could get past (it is unreachable, timed
+//! out, answered 5xx or 429, or no longer serves the layers), the stage keeps the failed peer
+//! off routes, takes a new route from the tracker's book (waiting, bounded, for the mesh to
+//! cover the layers again), replays the recorded hidden states through it in prefill chunks
+//! under a new session id to rebuild the KV caches, ends the old session on the hops that
+//! survived, and sends the step that failed again. The generation loop never notices beyond the
+//! pause (ADR-0018).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use meshnet_model::{ModelError, SessionId, Stage};
-use meshnet_node::{ClientError, ForwardClient};
-use meshnet_types::LayerSpan;
-use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Route};
+use meshnet_node::{ClientError, ForwardClient, HopFailure, HopFailureKind};
+use meshnet_types::{LayerSpan, PeerId};
+use meshnet_wire::{
+    ActivationFrame, Activations, Encoding, FrameMeta, Hop, PREFILL_CHUNK_TOKENS, Route,
+};
 use tokio::runtime::Handle;
 
-use crate::routing::PlannedHop;
+use crate::member::lock;
+use crate::routing::{MeshRoutes, PlannedHop};
 
 /// How long the entry waits for a hop to confirm it freed a session.
-pub const END_SESSION_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+pub const END_SESSION_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The remote hops of one generation.
-pub struct RemoteStage {
+/// How often a failover waiting for the mesh to cover the layers again looks for a route.
+const RECOVERY_POLL: Duration = Duration::from_millis(200);
+
+/// How a generation gets past a failed hop.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FailoverPolicy {
+    /// Routes tried after one failure before the generation fails (each failed replay counts).
+    pub attempts: u32,
+    /// How long to wait for some peer to serve a layer nobody serves any more.
+    pub recover_timeout: Duration,
+}
+
+impl Default for FailoverPolicy {
+    /// Three attempts, a minute to re-cover a layer.
+    fn default() -> Self {
+        FailoverPolicy {
+            attempts: 3,
+            recover_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Where a failing generation finds its next route, and what it counts.
+#[derive(Clone)]
+pub struct Failover {
+    /// The routes, and the bans they respect.
+    pub routes: Arc<dyn MeshRoutes>,
+    /// The limits.
+    pub policy: FailoverPolicy,
+    /// Failovers that got a generation going again, for `/status`.
+    pub completed: Arc<AtomicU64>,
+}
+
+/// A generation that could not get past a failed hop.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the route failed and no failover got past it ({attempts} attempted): {reason}; last failure: {last}"
+)]
+pub struct RouteLost {
+    /// Failovers attempted.
+    pub attempts: u32,
+    /// Why it stopped trying.
+    pub reason: String,
+    /// The last hop failure seen.
+    pub last: HopFailure,
+}
+
+/// The route one generation currently takes, and what it has sent through it.
+struct RouteState {
     hops: Vec<PlannedHop>,
     /// The first hop's layers and the route after it, built once for every frame.
     first_layers: LayerSpan,
     onward: Route,
+    /// The session id on the hops: the generation's own until the first failover.
+    session: Option<SessionId>,
+    /// Every hidden state sent so far, in order (bfloat16, `[1, tokens, hidden]`).
+    history: Vec<Tensor>,
+    /// Tokens in `history`.
+    history_tokens: usize,
+    /// Peers this generation no longer uses.
+    avoid: Avoid,
+}
+
+/// Peers one generation no longer uses.
+#[derive(Clone, Debug, Default)]
+struct Avoid {
+    /// Failed (unreachable, timed out, broken, moved away).
+    failed: Vec<PeerId>,
+    /// Answered that they have no room (503 overloaded, 429).
+    busy: Vec<PeerId>,
+}
+
+impl Avoid {
+    fn all(&self) -> Vec<PeerId> {
+        self.failed.iter().chain(&self.busy).cloned().collect()
+    }
+}
+
+/// The remote hops of one generation.
+pub struct RemoteStage {
+    /// The first layer the remote hops run.
+    start: u32,
     client: ForwardClient,
     runtime: Handle,
     encoding: Encoding,
+    failover: Failover,
+    state: Mutex<RouteState>,
+}
+
+/// Why a send failed.
+enum SendError {
+    /// A hop failed; another route may get past it.
+    Hop(Box<HopFailure>),
+    /// Anything else.
+    Other(ModelError),
 }
 
 impl RemoteStage {
-    /// A stage over `hops` (at least one, none empty), sending frames with `client` on
-    /// `runtime` in `encoding`. Its methods block: call them from a blocking thread, never from
-    /// an async worker.
+    /// A stage over `hops` (at least one, none empty, starting at layer `start`), sending
+    /// frames with `client` on `runtime` in `encoding`, failing over as `failover` allows. Its
+    /// methods block: call them from a blocking thread, never from an async worker.
     pub fn new(
+        start: u32,
         hops: Vec<PlannedHop>,
         client: ForwardClient,
         runtime: Handle,
         encoding: Encoding,
+        failover: Failover,
     ) -> Result<Self, ModelError> {
-        let invalid = |reason: String| ModelError::Stage {
-            stage: "remote hops".to_owned(),
-            source: reason.into(),
-        };
-        let (first, rest) = hops
-            .split_first()
-            .ok_or_else(|| invalid("the route has no hop".to_owned()))?;
-        let first_layers = first.layers;
-        if first_layers.is_empty() {
-            return Err(invalid(format!("empty layer span for peer {}", first.peer)));
-        }
-        let onward = rest
-            .iter()
-            .map(|hop| Hop::new(hop.layers, hop.endpoint.clone()).map_err(|e| e.to_string()))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(invalid)?;
-        let onward = Route::new(onward)?;
+        let state = route_state(hops, Avoid::default())?;
         Ok(RemoteStage {
-            hops,
-            first_layers,
-            onward,
+            start,
             client,
             runtime,
             encoding,
+            failover,
+            state: Mutex::new(state),
         })
     }
 
     /// The hops, in order.
-    pub fn hops(&self) -> &[PlannedHop] {
-        &self.hops
+    pub fn hops(&self) -> Vec<PlannedHop> {
+        lock(&self.state).hops.clone()
     }
 
-    fn error(&self, reason: impl std::fmt::Display) -> ModelError {
-        ModelError::Stage {
-            stage: self.name(),
-            source: reason.to_string().into(),
-        }
-    }
-
-    /// A failed send as a stage error whose source is the [`meshnet_node::HopFailure`] of the
-    /// hop that actually failed, named by its peer id when it is one of this route's hops.
-    fn hop_error(&self, error: ClientError) -> ModelError {
-        let source: Box<dyn std::error::Error + Send + Sync> = match error.hop_failure() {
-            Some(mut failure) => {
-                failure.peer = self
-                    .hops
-                    .iter()
-                    .find(|hop| hop.endpoint == failure.endpoint)
-                    .map(|hop| hop.peer.clone());
-                Box::new(failure)
-            }
-            None => Box::new(error),
+    /// Sends `hidden` at `position` of `session` through the current route.
+    fn send(
+        &self,
+        state: &RouteState,
+        session: SessionId,
+        position: usize,
+        hidden: &Tensor,
+    ) -> Result<Tensor, SendError> {
+        let first = state
+            .hops
+            .first()
+            .ok_or_else(|| SendError::Other(stage_error(state, "the route has no hop")))?;
+        let activations =
+            Activations::from_tensor(hidden).map_err(|e| SendError::Other(e.into()))?;
+        let frame = ActivationFrame {
+            meta: FrameMeta {
+                session,
+                chunk_index: 0,
+                chunk_total: 1,
+                position: position as u64,
+                layers: state.first_layers,
+                route: state.onward.clone(),
+            },
+            activations,
         };
-        ModelError::Stage {
-            stage: self.name(),
-            source,
+        let answer = self
+            .runtime
+            .block_on(self.client.forward(&first.endpoint, frame, self.encoding))
+            .map_err(|error| hop_error(state, error))?;
+        answer
+            .activations
+            .into_tensor(&Device::Cpu)
+            .and_then(|t| Ok(t.to_dtype(DType::F32)?))
+            .map_err(|e| SendError::Other(e.into()))
+    }
+
+    /// Gets the generation past `failure`: a new route, the history replayed through it under
+    /// a new session id. Fails when the attempts run out or no route appears in time.
+    fn fail_over(&self, state: &mut RouteState, mut failure: HopFailure) -> Result<(), ModelError> {
+        let started = Instant::now();
+        let policy = &self.failover.policy;
+        for attempt in 1..=policy.attempts {
+            let culprit = culprit(state, &failure);
+            let busy = is_busy(&failure);
+            tracing::warn!(
+                attempt,
+                of = policy.attempts,
+                peer = %culprit,
+                cause = %failure,
+                "failover: a hop failed; routing around it"
+            );
+            if !busy && !matches!(&failure.kind, HopFailureKind::Rejected { status: 409, .. }) {
+                self.failover.routes.ban(&culprit, &failure.to_string());
+            }
+            let list = if busy {
+                &mut state.avoid.busy
+            } else {
+                &mut state.avoid.failed
+            };
+            if !list.contains(&culprit) {
+                list.push(culprit.clone());
+            }
+            let hops = match self.wait_for_route(&state.avoid) {
+                Ok(hops) => hops,
+                Err(reason) => {
+                    return Err(route_lost(state, attempt, reason, failure));
+                }
+            };
+            let old_hops = std::mem::take(&mut state.hops);
+            let old_session = state.session;
+            let history = std::mem::take(&mut state.history);
+            let history_tokens = state.history_tokens;
+            let avoid = std::mem::take(&mut state.avoid);
+            *state = route_state(hops, avoid)?;
+            state.history = history;
+            state.history_tokens = history_tokens;
+            state.session = Some(SessionId::new_v4());
+            if let Some(old) = old_session {
+                self.end_in_background(&old_hops, &culprit, old);
+            }
+            match self.replay(state) {
+                Ok(replayed) => {
+                    self.failover.completed.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(
+                        attempt,
+                        failed_peer = %culprit,
+                        route = %describe(&state.hops),
+                        replayed_tokens = replayed,
+                        pause_ms = started.elapsed().as_millis() as u64,
+                        "failover: the generation continues on a new route"
+                    );
+                    return Ok(());
+                }
+                Err(SendError::Hop(next)) if reroutable(&next) => failure = *next,
+                Err(SendError::Hop(next)) => return Err(hop_model_error(state, *next)),
+                Err(SendError::Other(error)) => return Err(error),
+            }
+        }
+        Err(route_lost(
+            state,
+            policy.attempts,
+            "every attempt failed".to_owned(),
+            failure,
+        ))
+    }
+
+    /// A route from the stage's first layer avoiding `avoid`, waiting up to the policy's
+    /// recovery timeout for one to exist; at once an error when only busy holders are left
+    /// (they serve the layers, so no new holder will come).
+    fn wait_for_route(&self, avoid: &Avoid) -> Result<Vec<PlannedHop>, String> {
+        let deadline = Instant::now() + self.failover.policy.recover_timeout;
+        let mut logged = false;
+        let all = avoid.all();
+        loop {
+            match self.failover.routes.route(self.start, &all) {
+                Ok(hops) if !hops.is_empty() => return Ok(hops),
+                Ok(_) => return Err("the tracker returned an empty route".to_owned()),
+                Err(uncovered)
+                    if self
+                        .failover
+                        .routes
+                        .route(self.start, &avoid.failed)
+                        .is_ok() =>
+                {
+                    return Err(format!("every holder of layer {} is busy", uncovered.layer));
+                }
+                Err(uncovered) => {
+                    if Instant::now() >= deadline {
+                        return Err(format!(
+                            "{uncovered} within {:?}",
+                            self.failover.policy.recover_timeout
+                        ));
+                    }
+                    if !logged {
+                        tracing::warn!(%uncovered, timeout = ?self.failover.policy.recover_timeout, "failover: waiting for the mesh to cover the layers again");
+                        logged = true;
+                    }
+                    std::thread::sleep(RECOVERY_POLL);
+                }
+            }
         }
     }
+
+    /// Sends the recorded history through the current route in prefill chunks; returns the
+    /// tokens replayed.
+    fn replay(&self, state: &RouteState) -> Result<usize, SendError> {
+        if state.history.is_empty() {
+            return Ok(0);
+        }
+        let session = state.session.unwrap_or_else(SessionId::new_v4);
+        let all = Tensor::cat(&state.history, 1).map_err(|e| SendError::Other(e.into()))?;
+        let total = state.history_tokens;
+        let mut position = 0;
+        while position < total {
+            let len = PREFILL_CHUNK_TOKENS.min(total - position);
+            let chunk = all
+                .narrow(1, position, len)
+                .map_err(|e| SendError::Other(e.into()))?;
+            self.send(state, session, position, &chunk)?;
+            position += len;
+        }
+        Ok(total)
+    }
+
+    /// Asks every hop of `hops` but `failed` to free `session`, without waiting.
+    fn end_in_background(&self, hops: &[PlannedHop], failed: &PeerId, session: SessionId) {
+        let client = self.client.clone();
+        let endpoints: Vec<String> = hops
+            .iter()
+            .filter(|hop| hop.peer != *failed)
+            .map(|hop| hop.endpoint.clone())
+            .collect();
+        self.runtime.spawn(async move {
+            for endpoint in endpoints {
+                let _ = tokio::time::timeout(
+                    END_SESSION_TIMEOUT,
+                    client.end_session(&endpoint, session),
+                )
+                .await;
+            }
+        });
+    }
+}
+
+/// The route state for `hops`, avoiding `avoid`.
+fn route_state(hops: Vec<PlannedHop>, avoid: Avoid) -> Result<RouteState, ModelError> {
+    let invalid = |reason: String| ModelError::Stage {
+        stage: "remote hops".to_owned(),
+        source: reason.into(),
+    };
+    let (first, rest) = hops
+        .split_first()
+        .ok_or_else(|| invalid("the route has no hop".to_owned()))?;
+    let first_layers = first.layers;
+    if first_layers.is_empty() {
+        return Err(invalid(format!("empty layer span for peer {}", first.peer)));
+    }
+    let onward = rest
+        .iter()
+        .map(|hop| Hop::new(hop.layers, hop.endpoint.clone()).map_err(|e| e.to_string()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(invalid)?;
+    let onward = Route::new(onward)?;
+    Ok(RouteState {
+        hops,
+        first_layers,
+        onward,
+        session: None,
+        history: Vec::new(),
+        history_tokens: 0,
+        avoid,
+    })
+}
+
+/// The hops as `endpoint (layers a..b) -> ...`.
+fn describe(hops: &[PlannedHop]) -> String {
+    hops.iter()
+        .map(|hop| format!("{} (layers {})", hop.endpoint, hop.layers))
+        .collect::<Vec<_>>()
+        .join(" -> ")
+}
+
+fn stage_error(state: &RouteState, reason: impl std::fmt::Display) -> ModelError {
+    ModelError::Stage {
+        stage: describe(&state.hops),
+        source: reason.to_string().into(),
+    }
+}
+
+/// A failed send: the [`HopFailure`] of the hop that actually failed, named by its peer id
+/// when it is one of this route's hops.
+fn hop_error(state: &RouteState, error: ClientError) -> SendError {
+    match error.hop_failure() {
+        Some(mut failure) => {
+            failure.peer = state
+                .hops
+                .iter()
+                .find(|hop| hop.endpoint == failure.endpoint)
+                .map(|hop| hop.peer.clone());
+            SendError::Hop(Box::new(failure))
+        }
+        None => SendError::Other(ModelError::Stage {
+            stage: describe(&state.hops),
+            source: Box::new(error),
+        }),
+    }
+}
+
+fn hop_model_error(state: &RouteState, failure: HopFailure) -> ModelError {
+    ModelError::Stage {
+        stage: describe(&state.hops),
+        source: Box::new(failure),
+    }
+}
+
+fn route_lost(state: &RouteState, attempts: u32, reason: String, last: HopFailure) -> ModelError {
+    tracing::error!(attempts, %reason, last = %last, "failover: giving up");
+    ModelError::Stage {
+        stage: describe(&state.hops),
+        source: Box::new(RouteLost {
+            attempts,
+            reason,
+            last,
+        }),
+    }
+}
+
+/// The peer to blame for `failure`: the hop it names, else the first hop.
+fn culprit(state: &RouteState, failure: &HopFailure) -> PeerId {
+    failure
+        .peer
+        .clone()
+        .or_else(|| state.hops.first().map(|hop| hop.peer.clone()))
+        .unwrap_or_else(|| PeerId::new(failure.endpoint.clone()))
+}
+
+/// A hop that is merely busy (503 overloaded, 429): another holder may take the session, and
+/// the hop stays routable for other generations.
+fn is_busy(failure: &HopFailure) -> bool {
+    matches!(&failure.kind, HopFailureKind::Rejected { status: 429, .. })
+        || matches!(&failure.kind, HopFailureKind::Rejected { status: 503, code } if code == "overloaded")
+}
+
+/// Whether another route may get past `failure`: a retryable failure, or a hop that no longer
+/// serves the layers (the route was planned on a map it has since left).
+fn reroutable(failure: &HopFailure) -> bool {
+    failure.retryable() || failure.kind.code() == "layers_not_served"
 }
 
 impl Stage for RemoteStage {
@@ -104,38 +454,47 @@ impl Stage for RemoteStage {
         position: usize,
         hidden: Tensor,
     ) -> meshnet_model::Result<Tensor> {
-        let first = self
-            .hops
-            .first()
-            .ok_or_else(|| self.error("the route has no hop"))?;
-        let frame = ActivationFrame {
-            meta: FrameMeta {
-                session,
-                chunk_index: 0,
-                chunk_total: 1,
-                position: position as u64,
-                layers: self.first_layers,
-                route: self.onward.clone(),
-            },
-            activations: Activations::from_tensor(&hidden)?,
-        };
-        let answer = self
-            .runtime
-            .block_on(self.client.forward(&first.endpoint, frame, self.encoding))
-            .map_err(|e| self.hop_error(e))?;
-        Ok(answer
-            .activations
-            .into_tensor(&Device::Cpu)?
-            .to_dtype(DType::F32)?)
+        // The wire carries bfloat16: recording that is recording exactly what was sent.
+        let input = hidden.to_dtype(DType::BF16)?;
+        let tokens = input.dim(1)?;
+        let mut state = lock(&self.state);
+        if position != state.history_tokens {
+            return Err(stage_error(
+                &state,
+                format!(
+                    "position {position} does not follow the {} tokens sent",
+                    state.history_tokens
+                ),
+            ));
+        }
+        loop {
+            let on_hops = state.session.unwrap_or(session);
+            match self.send(&state, on_hops, position, &input) {
+                Ok(output) => {
+                    state.history.push(input);
+                    state.history_tokens += tokens;
+                    return Ok(output);
+                }
+                Err(SendError::Hop(failure)) if reroutable(&failure) => {
+                    self.fail_over(&mut state, *failure)?;
+                }
+                Err(SendError::Hop(failure)) => return Err(hop_model_error(&state, *failure)),
+                Err(SendError::Other(error)) => return Err(error),
+            }
+        }
     }
 
     fn end_session(&self, session: SessionId) {
+        let (hops, on_hops) = {
+            let state = lock(&self.state);
+            (state.hops.clone(), state.session.unwrap_or(session))
+        };
         // All hops at once, each given a few seconds: a dead hop must not hold up the others
         // (peers also drop sessions left idle).
-        let ends = self.hops.iter().map(|hop| async move {
+        let ends = hops.iter().map(|hop| async move {
             let freed = tokio::time::timeout(
                 END_SESSION_TIMEOUT,
-                self.client.end_session(&hop.endpoint, session),
+                self.client.end_session(&hop.endpoint, on_hops),
             )
             .await;
             (hop, freed)
@@ -144,20 +503,16 @@ impl Stage for RemoteStage {
             match freed {
                 Ok(Ok(())) => {}
                 Ok(Err(error)) => {
-                    tracing::warn!(%session, peer = %hop.peer, %error, "could not free the session on a hop");
+                    tracing::warn!(session = %on_hops, peer = %hop.peer, %error, "could not free the session on a hop");
                 }
                 Err(_) => {
-                    tracing::warn!(%session, peer = %hop.peer, "freeing the session on a hop timed out");
+                    tracing::warn!(session = %on_hops, peer = %hop.peer, "freeing the session on a hop timed out");
                 }
             }
         }
     }
 
     fn name(&self) -> String {
-        self.hops
-            .iter()
-            .map(|hop| format!("{} (layers {})", hop.endpoint, hop.layers))
-            .collect::<Vec<_>>()
-            .join(" -> ")
+        describe(&lock(&self.state).hops)
     }
 }

@@ -15,6 +15,22 @@ pub struct RouteCandidate {
     pub active_sessions: u32,
     /// KV tokens it can still take.
     pub free_kv_tokens: u64,
+    /// Its smoothed milliseconds per decode step (0 when not measured yet).
+    pub forward_latency_ms: f64,
+}
+
+impl RouteCandidate {
+    /// How long a new session would expect to wait per step here, in relative units: the
+    /// measured step time (plus 1 ms, so an unmeasured peer still counts its sessions) times
+    /// the sessions sharing it, this one included. Lower is better.
+    fn load_score(&self) -> f64 {
+        let latency = if self.forward_latency_ms.is_finite() {
+            self.forward_latency_ms.max(0.0)
+        } else {
+            f64::MAX / 4.0
+        };
+        (latency + 1.0) * (f64::from(self.active_sessions) + 1.0)
+    }
 }
 
 /// One hop of a chosen route.
@@ -28,6 +44,15 @@ pub struct PlannedHop {
     pub layers: LayerSpan,
 }
 
+/// Where generations get their remote hops, and where they report a peer that failed them.
+pub trait MeshRoutes: Send + Sync {
+    /// The hops from layer `start` to the model's last layer, through none of `avoid`.
+    fn route(&self, start: u32, avoid: &[PeerId]) -> Result<Vec<PlannedHop>, Uncovered>;
+
+    /// Keeps `peer` off routes for a while: it failed a generation because of `cause`.
+    fn ban(&self, peer: &PeerId, cause: &str);
+}
+
 /// Why no route exists.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("no ready peer serves layer {layer}")]
@@ -37,8 +62,9 @@ pub struct Uncovered {
 }
 
 /// Chooses hops covering `start..end` in order. At each layer it takes, among the peers
-/// serving it, the one reaching furthest (fewest hops); ties go to the peer with fewer active
-/// sessions, then more free KV, then the smaller id (so equal inputs give equal routes).
+/// serving it, the one reaching furthest (fewest hops, and the same span boundaries whichever
+/// holder is taken); ties go to the lower load score (measured step latency times sessions),
+/// then more free KV, then the smaller id (so equal inputs give equal routes).
 pub fn choose_route(
     start: u32,
     end: u32,
@@ -55,7 +81,7 @@ pub fn choose_route(
                     .end
                     .min(end)
                     .cmp(&b.layers.end.min(end))
-                    .then(b.active_sessions.cmp(&a.active_sessions))
+                    .then(b.load_score().total_cmp(&a.load_score()))
                     .then(a.free_kv_tokens.cmp(&b.free_kv_tokens))
                     .then(b.peer.cmp(&a.peer))
             })
@@ -82,7 +108,32 @@ mod tests {
             layers: LayerSpan::new(start, end),
             active_sessions: sessions,
             free_kv_tokens: 1000,
+            forward_latency_ms: 0.0,
         }
+    }
+
+    #[test]
+    fn prefers_the_faster_holder_unless_it_is_much_busier() {
+        let mut fast = candidate("a", 10, 30, 0);
+        fast.forward_latency_ms = 5.0;
+        let mut slow = candidate("b", 10, 30, 0);
+        slow.forward_latency_ms = 20.0;
+        let peers = [slow.clone(), fast.clone()];
+        assert_eq!(choose_route(10, 30, &peers).unwrap()[0].peer, "a");
+        // Four sessions on the fast one: 6 ms x 5 = 30 > 21 ms x 1.
+        fast.active_sessions = 4;
+        assert_eq!(choose_route(10, 30, &[slow, fast]).unwrap()[0].peer, "b");
+    }
+
+    #[test]
+    fn reach_comes_before_load() {
+        let mut busy_long = candidate("a", 10, 30, 9);
+        busy_long.forward_latency_ms = 50.0;
+        let idle_short = candidate("b", 10, 20, 0);
+        let tail = candidate("c", 20, 30, 0);
+        let route = choose_route(10, 30, &[idle_short, tail, busy_long]).unwrap();
+        assert_eq!(route.len(), 1);
+        assert_eq!(route[0].peer, "a");
     }
 
     #[test]

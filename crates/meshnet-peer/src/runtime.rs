@@ -5,8 +5,8 @@
 //! control loop ([`crate::control`]) and the HTTP server ([`crate::http`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, RwLock};
 
 use libp2p::Multiaddr;
 use meshnet_model::TextSide;
@@ -23,8 +23,10 @@ use crate::config::PeerConfig;
 use crate::control::ControlLoop;
 use crate::engine::MeshEngine;
 use crate::error::PeerError;
-use crate::member::{Member, Offer, Role, TrackerParts, lock};
+use crate::member::{Following, Member, Offer, Role, Settings, TrackerParts, lock};
 use crate::mesh_model::MeshModel;
+use crate::remote::Failover;
+use crate::routing::MeshRoutes;
 use crate::shard::{LoadProgress, LoadedShard, ShardHost};
 use crate::status::StatusReport;
 use crate::tracker::TrackerBook;
@@ -96,6 +98,33 @@ impl RunningPeer {
         Ok(self.p2p.listen_addrs().await?)
     }
 
+    /// Leaves the mesh gracefully: announces that this member is leaving (the tracker routes
+    /// no new session through it and re-covers its layers), then waits until its running
+    /// sessions have ended and every layer it serves is served, ready, by another member, or
+    /// until `timeout`. Call [`RunningPeer::shutdown`] afterwards.
+    pub async fn leave(&self, timeout: std::time::Duration) -> LeaveOutcome {
+        let started = tokio::time::Instant::now();
+        self.member
+            .leaving
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.member.announce_now.notify_one();
+        let deadline = started + timeout;
+        loop {
+            let sessions = self.member.active_sessions();
+            // The tracker hands its role over on its own (the members elect a successor).
+            let covered = self.member.is_tracker() || self.member.covered_by_others();
+            if sessions == 0 && covered {
+                return LeaveOutcome::Clean {
+                    waited: started.elapsed(),
+                };
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return LeaveOutcome::TimedOut { sessions, covered };
+            }
+            tokio::time::sleep(LEAVE_POLL).await;
+        }
+    }
+
     /// Stops the control loop, the control plane and the HTTP server, and waits for them.
     pub async fn shutdown(self) {
         let _ = self.stop.send(true);
@@ -104,6 +133,26 @@ impl RunningPeer {
             let _ = task.await;
         }
     }
+}
+
+/// How often a leaving member checks whether it may go.
+const LEAVE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How a graceful leave ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LeaveOutcome {
+    /// Every session ended and the member's layers are served by others.
+    Clean {
+        /// How long it took.
+        waited: std::time::Duration,
+    },
+    /// The timeout came first.
+    TimedOut {
+        /// Sessions still running.
+        sessions: usize,
+        /// Whether others served this member's layers.
+        covered: bool,
+    },
 }
 
 /// Runs blocking work off the async workers.
@@ -145,17 +194,26 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     ));
     let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)
         .map_err(|e| PeerError::Internal(e.to_string()))?;
+    let failovers = Arc::new(AtomicU64::new(0));
+    let settings = Settings {
+        announce_interval: config.announce_interval,
+        max_sessions: config.max_sessions,
+        failover: config.failover.clone(),
+        tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
+        client: client.clone(),
+    };
     let role = if config.tracker {
         let own = capacity(&config, &quantizations, peer_id.clone());
-        tracker_role(&config, &host, own, &http_url, &client).await?
+        Role::Tracker(build_tracker_parts(&host, own, &http_url, &settings, &failovers).await?)
     } else {
         Role::Peer
     };
-    let p2p_role = match role {
-        Role::Tracker(_) => meshnet_p2p::Role::Tracker,
-        Role::Peer => meshnet_p2p::Role::Peer {
+    let p2p_role = if config.tracker {
+        meshnet_p2p::Role::Tracker
+    } else {
+        meshnet_p2p::Role::Peer {
             pinned_tracker: config.pinned_tracker.clone(),
-        },
+        }
     };
     let mut p2p_config = P2pConfig::new(keypair, model.id(), p2p_role);
     p2p_config.listen = config.p2p_listen.clone();
@@ -170,9 +228,15 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         .map(|addrs| addrs.iter().map(ToString::to_string).collect())
         .unwrap_or_default();
     let member = Arc::new(Member {
-        tracker: Mutex::new(config.tracker.then(|| peer_id.clone())),
+        following: Mutex::new(Following {
+            tracker: config.tracker.then(|| peer_id.clone()),
+            term: u64::from(config.tracker),
+            ..Following::default()
+        }),
+        seen: Mutex::default(),
         peer_id,
-        role,
+        role: RwLock::new(role),
+        settings,
         model,
         host,
         http_url,
@@ -186,6 +250,10 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         p2p_addrs: Mutex::new(p2p_addrs),
         rejected: AtomicU64::new(0),
         recent_rejections: Mutex::default(),
+        failovers,
+        leaving: AtomicBool::new(false),
+        announce_now: tokio::sync::Notify::new(),
+        proxy: crate::http::proxy_client()?,
     });
     Ok(run(
         member,
@@ -210,14 +278,14 @@ fn capacity(config: &PeerConfig, quantizations: &[Quantization], peer: PeerId) -
     }
 }
 
-/// The tracker's parts: its book of peers and the completion engine over it.
-async fn tracker_role(
-    config: &PeerConfig,
+/// The tracker's parts: its book of peers, the completion engine over it, and the API.
+pub(crate) async fn build_tracker_parts(
     host: &Arc<ShardHost>,
     own: PeerCapacity,
     http_url: &str,
-    client: &ForwardClient,
-) -> Result<Role, PeerError> {
+    settings: &Settings,
+    failovers: &Arc<AtomicU64>,
+) -> Result<TrackerParts, PeerError> {
     let model = host.model();
     let book = Arc::new(Mutex::new(TrackerBook::new(
         model.id().to_owned(),
@@ -225,20 +293,25 @@ async fn tracker_role(
         own.peer.clone(),
         own,
         http_url.to_owned(),
-        config.announce_interval * 3,
+        settings.announce_interval * 3,
     )?));
     let opened = Arc::clone(model.model());
     let text = blocking(move || Ok(TextSide::of(&opened)?)).await?;
-    let routes_book = Arc::clone(&book);
+    let failover = Failover {
+        routes: Arc::clone(&book) as Arc<dyn MeshRoutes>,
+        policy: settings.failover.clone(),
+        completed: Arc::clone(failovers),
+    };
     let engine = Arc::new(MeshEngine::new(
         model.id().to_owned(),
         text,
         Arc::clone(host),
-        Arc::new(move |start, _end| lock(&routes_book).route(start)),
-        client.clone(),
-        config.max_sessions,
+        failover,
+        settings.client.clone(),
+        settings.max_sessions,
     ));
-    Ok(Role::Tracker(TrackerParts { book, engine }))
+    let api = meshnet_api::openai_router(Arc::clone(&engine) as _);
+    Ok(TrackerParts { book, engine, api })
 }
 
 /// Spawns the HTTP server and the control loop of a member that is set up.

@@ -115,7 +115,16 @@ pub struct ShardHost {
     drain_timeout: Duration,
     state: Mutex<HostState>,
     progress: LoadProgress,
+    /// Smoothed milliseconds per decode-sized `/forward` call (at most
+    /// [`LATENCY_SAMPLE_TOKENS`] tokens), once one has run.
+    decode_latency_ms: Mutex<Option<f64>>,
 }
+
+/// Calls of at most this many tokens are decode steps, timed for [`ShardHost::forward_latency_ms`].
+pub const LATENCY_SAMPLE_TOKENS: usize = 4;
+
+/// The weight of the newest call in the smoothed latency.
+const LATENCY_SMOOTHING: f64 = 0.2;
 
 impl ShardHost {
     /// An empty slot for spans of `model`, reserving `kv_tokens` tokens of KV cache per held
@@ -127,7 +136,26 @@ impl ShardHost {
             drain_timeout,
             state: Mutex::new(HostState::default()),
             progress: LoadProgress::default(),
+            decode_latency_ms: Mutex::new(None),
         }
+    }
+
+    /// Smoothed milliseconds this peer spends on a decode step of its layers (0 before the
+    /// first one): what routing compares between holders of the same layers.
+    pub fn forward_latency_ms(&self) -> f64 {
+        crate::member::lock(&self.decode_latency_ms).unwrap_or(0.0)
+    }
+
+    fn record_latency(&self, tokens: usize, elapsed: Duration) {
+        if tokens > LATENCY_SAMPLE_TOKENS {
+            return;
+        }
+        let sample = elapsed.as_secs_f64() * 1000.0;
+        let mut latency = crate::member::lock(&self.decode_latency_ms);
+        *latency = Some(match *latency {
+            Some(smoothed) => smoothed + LATENCY_SMOOTHING * (sample - smoothed),
+            None => sample,
+        });
     }
 
     /// The model this slot serves.
@@ -159,6 +187,21 @@ impl ShardHost {
         state
             .current
             .as_ref()
+            .map(|shard| shard.target.status(SpanState::Ready))
+    }
+
+    /// [`ShardHost::span_status`], counting only an entry span (embedding and head): what a
+    /// tracker holds as the first layers. A member that just took the tracker role still
+    /// holds its old span; the planner must not see it as the tracker's.
+    pub fn entry_span_status(&self) -> Option<meshnet_p2p::SpanStatus> {
+        let state = self.lock();
+        if let Some(target) = state.loading.filter(|target| target.entry) {
+            return Some(target.status(SpanState::Loading));
+        }
+        state
+            .current
+            .as_ref()
+            .filter(|shard| shard.target.entry)
             .map(|shard| shard.target.status(SpanState::Ready))
     }
 
@@ -346,10 +389,12 @@ impl SpanExecutor for ShardHost {
             .map_err(|e| ExecutorError::Compute(e.to_string()))?;
         let position = usize::try_from(meta.position)
             .map_err(|_| ExecutorError::BadActivations("position too large".into()))?;
+        let started = Instant::now();
         let output = shard
             .span
             .forward_range(meta.session, position, &hidden, meta.layers)
             .map_err(executor_error)?;
+        self.record_latency(tokens, started.elapsed());
         Activations::from_tensor(&output).map_err(|e| ExecutorError::Compute(e.to_string()))
     }
 

@@ -35,25 +35,52 @@ pub struct StatusReport {
     pub active_sessions: usize,
     /// KV tokens the current span can still take.
     pub free_kv_tokens: u64,
-    /// The tracker this peer follows.
+    /// The tracker this peer follows (itself on the tracker).
     pub tracker: Option<PeerId>,
+    /// That tracker's term: 1 for a tracker started as one, one more per takeover.
+    pub term: u64,
+    /// Who may take over if the tracker goes silent, in order.
+    pub succession: Vec<PeerId>,
     /// Gossip messages rejected by validation (undecodable, another model, not from the
     /// tracker, spoofed sender).
     pub rejected_messages: u64,
     /// The latest refusals (at most 16), oldest first.
     pub recent_rejections: Vec<RejectionReport>,
+    /// Generations that got past a failed hop on a new route (tracker; 0 elsewhere).
+    pub failovers: u64,
+    /// Whether this member is leaving the mesh (it finishes its sessions, takes no new ones).
+    pub leaving: bool,
+    /// This member's smoothed milliseconds per decode step of its layers (0 before one ran).
+    pub forward_latency_ms: f64,
+    /// Peers kept off routes after failing a generation (tracker only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub banned: Option<Vec<BanReport>>,
     /// The coverage map (the tracker's own; on other peers, the last one received).
     pub coverage: Option<CoverageReport>,
     /// The peers the tracker knows (tracker only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peers: Option<Vec<PeerReport>>,
-    /// Where the OpenAI-style API answers (tracker only).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// Where this member answers the OpenAI-style API: the tracker itself, any other member
+    /// by passing requests on to the tracker it follows.
     pub openai_base_url: Option<String>,
     /// The span boundaries of the route a generation takes now (tracker only), as
     /// `meshnet-peer generate --boundaries` takes them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route_boundaries: Option<Vec<u32>>,
+}
+
+/// A peer kept off routes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct BanReport {
+    /// The peer.
+    pub peer: PeerId,
+    /// How it failed a generation.
+    pub cause: String,
+    /// Milliseconds since it failed.
+    pub since_ms: u64,
+    /// Milliseconds until the ban's backoff ends (0 once only a fresh announcement is
+    /// awaited).
+    pub remaining_ms: u64,
 }
 
 /// One refused gossip message or peer.
@@ -128,6 +155,10 @@ pub struct PeerReport {
     pub free_kv_tokens: u64,
     /// Milliseconds since its last announcement.
     pub last_seen_ms: u64,
+    /// Its announced milliseconds per decode step.
+    pub forward_latency_ms: f64,
+    /// Whether it announced that it is leaving.
+    pub leaving: bool,
 }
 
 impl CoverageReport {
@@ -166,14 +197,32 @@ impl StatusReport {
     pub(crate) fn of(member: &Member) -> Self {
         let host = &member.host;
         let tracker = member.tracker_parts();
-        let peers = tracker.map(|parts| {
-            let now = Instant::now();
+        let now = Instant::now();
+        let peers = tracker.as_ref().map(|parts| {
             lock(&parts.book)
                 .peers()
                 .values()
                 .map(|known| PeerReport::of(known, now))
                 .collect()
         });
+        let banned = tracker.as_ref().map(|parts| {
+            lock(&parts.book)
+                .bans(now)
+                .into_iter()
+                .map(|(peer, ban)| BanReport {
+                    peer,
+                    cause: ban.cause,
+                    since_ms: now.saturating_duration_since(ban.since).as_millis() as u64,
+                    remaining_ms: ban.until.saturating_duration_since(now).as_millis() as u64,
+                })
+                .collect()
+        });
+        let mut following = lock(&member.following).clone();
+        if let Some(parts) = &tracker {
+            let book = lock(&parts.book);
+            following.term = book.term();
+            following.succession = book.succession(now);
+        }
         StatusReport {
             peer: member.peer_id.clone(),
             role: if tracker.is_some() { "tracker" } else { "peer" },
@@ -192,14 +241,20 @@ impl StatusReport {
                 .map(|target| target.status(SpanState::Loading)),
             active_sessions: member.active_sessions(),
             free_kv_tokens: host.free_kv_tokens(),
-            tracker: lock(&member.tracker).clone(),
+            tracker: following.tracker,
+            term: following.term,
+            succession: following.succession,
             rejected_messages: member.rejected.load(Ordering::Relaxed),
             recent_rejections: lock(&member.recent_rejections).iter().cloned().collect(),
+            failovers: member.failovers.load(Ordering::Relaxed),
+            leaving: member.leaving.load(Ordering::Relaxed),
+            forward_latency_ms: host.forward_latency_ms(),
+            banned,
             coverage: lock(&member.coverage)
                 .as_ref()
                 .map(CoverageReport::from_message),
             peers,
-            openai_base_url: tracker.map(|_| format!("{}/v1", member.http_url)),
+            openai_base_url: Some(format!("{}/v1", member.http_url)),
             route_boundaries: member.route_boundaries(),
         }
     }
@@ -219,6 +274,8 @@ impl PeerReport {
             active_sessions: a.active_sessions,
             free_kv_tokens: a.free_kv_tokens,
             last_seen_ms: now.saturating_duration_since(known.last_seen).as_millis() as u64,
+            forward_latency_ms: a.forward_latency_ms,
+            leaving: a.leaving,
         }
     }
 }

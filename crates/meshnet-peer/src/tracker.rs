@@ -12,10 +12,29 @@ use meshnet_planner::{
 use meshnet_types::{PeerId, Quantization, SpanState};
 
 use crate::error::PeerError;
-use crate::routing::{PlannedHop, RouteCandidate, Uncovered, choose_route};
+use crate::member::lock;
+use crate::routing::{MeshRoutes, PlannedHop, RouteCandidate, Uncovered, choose_route};
 
 /// A directive not yet reflected in its target's announcements is sent again after this long.
 pub const DIRECTIVE_RESEND_AFTER: Duration = Duration::from_secs(3);
+
+/// How long a peer that failed a generation gets no new traffic; after that it must also have
+/// announced since it failed.
+pub const BAN_BACKOFF: Duration = Duration::from_secs(10);
+
+/// How many successors a coverage map names.
+pub const SUCCESSION_LENGTH: usize = 4;
+
+/// A peer that failed a generation, kept off routes for a while.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ban {
+    /// When it failed.
+    pub since: Instant,
+    /// The earliest it may be routed to again (if it announced after `since`).
+    pub until: Instant,
+    /// What went wrong, for `/status` and the logs.
+    pub cause: String,
+}
 
 /// A peer the tracker has heard from.
 #[derive(Clone, Debug)]
@@ -53,6 +72,9 @@ pub struct TrackerBook {
     epoch: u64,
     sequence: u64,
     map: CoverageMap,
+    bans: BTreeMap<PeerId, Ban>,
+    /// The tracker term this book plans for.
+    term: u64,
 }
 
 impl TrackerBook {
@@ -87,6 +109,8 @@ impl TrackerBook {
             epoch: boot.as_millis() as u64,
             sequence: boot.as_micros() as u64,
             map: CoverageMap::empty(0),
+            bans: BTreeMap::new(),
+            term: 1,
         })
     }
 
@@ -128,7 +152,44 @@ impl TrackerBook {
             self.peers.remove(peer);
             self.sent.remove(peer);
         }
+        // A ban outlives its peer's expiry only while it runs.
+        self.bans
+            .retain(|peer, ban| self.peers.contains_key(peer) || now < ban.until);
         gone
+    }
+
+    /// Keeps `peer` off new routes for [`BAN_BACKOFF`], and after that until it announces
+    /// again: it failed a generation because of `cause`.
+    pub fn ban(&mut self, peer: &PeerId, cause: &str, now: Instant) {
+        tracing::warn!(%peer, cause, backoff = ?BAN_BACKOFF, "peer banned from routes");
+        self.bans.insert(
+            peer.clone(),
+            Ban {
+                since: now,
+                until: now + BAN_BACKOFF,
+                cause: cause.to_owned(),
+            },
+        );
+    }
+
+    /// Whether `peer` is kept off routes at `now`.
+    pub fn is_banned(&self, peer: &PeerId, now: Instant) -> bool {
+        self.bans.get(peer).is_some_and(|ban| {
+            let announced_since = self
+                .peers
+                .get(peer)
+                .is_some_and(|known| known.last_seen > ban.since);
+            now < ban.until || !announced_since
+        })
+    }
+
+    /// The peers kept off routes at `now`, with their bans.
+    pub fn bans(&self, now: Instant) -> Vec<(PeerId, Ban)> {
+        self.bans
+            .iter()
+            .filter(|(peer, _)| self.is_banned(peer, now))
+            .map(|(peer, ban)| (peer.clone(), ban.clone()))
+            .collect()
     }
 
     /// Tells the book what the tracker itself holds now.
@@ -151,6 +212,60 @@ impl TrackerBook {
         self.epoch
     }
 
+    /// The tracker term this book plans for (1 unless it took over).
+    pub fn term(&self) -> u64 {
+        self.term
+    }
+
+    /// Plans for tracker term `term` from now on (a takeover).
+    pub fn set_term(&mut self, term: u64) {
+        self.term = term;
+    }
+
+    /// Who may take over from this tracker at `now`, in order of preference: peers that are
+    /// tracker-capable, not leaving, heard from lately, not banned, serve a ready span, and
+    /// declare the memory for the layers the tracker holds plus the embedding and head; the
+    /// ones with the most memory first (then by id), at most [`SUCCESSION_LENGTH`].
+    pub fn succession(&self, now: Instant) -> Vec<PeerId> {
+        let own = self
+            .own_span
+            .as_ref()
+            .map(|span| (span.layers.len(), span.quantization))
+            .or_else(|| {
+                self.map
+                    .holding_of(&self.own_id)
+                    .map(|h| (h.layers.len(), h.quantization))
+            });
+        let Some((layers, quantization)) = own else {
+            return Vec::new();
+        };
+        let silent_after = self.expiry * 2 / 3;
+        let mut candidates: Vec<(u64, &PeerId)> = self
+            .peers
+            .values()
+            .filter(|known| {
+                let a = &known.announcement;
+                a.tracker_capable
+                    && !a.leaving
+                    && now.duration_since(known.last_seen) <= silent_after
+                    && !self.is_banned(&a.peer, now)
+                    && a.span.as_ref().is_some_and(|s| s.state == SpanState::Ready)
+                    && self
+                        .planner
+                        .model()
+                        .memory_needed(quantization, a.kv_tokens, layers, true)
+                        .is_some_and(|needed| a.memory_bytes >= needed)
+            })
+            .map(|known| (known.announcement.memory_bytes, &known.announcement.peer))
+            .collect();
+        candidates.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+        candidates
+            .into_iter()
+            .take(SUCCESSION_LENGTH)
+            .map(|(_, peer)| peer.clone())
+            .collect()
+    }
+
     /// The number of layers of the model.
     pub fn num_layers(&self) -> u32 {
         self.planner.model().num_layers
@@ -163,6 +278,7 @@ impl TrackerBook {
         capacities.extend(
             self.peers
                 .values()
+                .filter(|known| !known.announcement.leaving)
                 .map(|known| capacity(&known.announcement)),
         );
         let plan = self.planner.plan(&current, &capacities)?;
@@ -190,10 +306,12 @@ impl TrackerBook {
         if !same_span(own_intended.as_ref(), self.own_span.as_ref()) {
             own_target = own_intended;
         }
+        // A leaving peer keeps what it holds until it is gone: no directive moves it.
         let targets: Vec<(PeerId, Option<SpanStatus>)> = self
             .peers
-            .keys()
-            .map(|peer| (peer.clone(), intended_of(peer)))
+            .iter()
+            .filter(|(_, known)| !known.announcement.leaving)
+            .map(|(peer, _)| (peer.clone(), intended_of(peer)))
             .collect();
         let directives = targets
             .into_iter()
@@ -208,6 +326,8 @@ impl TrackerBook {
         Ok(PlanOutcome {
             coverage: CoverageMessage {
                 model_id: self.model_id.clone(),
+                term: self.term,
+                succession: self.succession(now),
                 epoch: self.epoch,
                 sequence: self.sequence,
                 num_layers: self.num_layers(),
@@ -250,6 +370,7 @@ impl TrackerBook {
         Some(DirectiveMessage {
             model_id: self.model_id.clone(),
             target: peer,
+            term: self.term,
             epoch: self.epoch,
             sequence: self.sequence,
             directives: list,
@@ -257,12 +378,19 @@ impl TrackerBook {
         })
     }
 
-    /// Ready holders that could serve a route, with their endpoints and load: peers that
-    /// announce, ready, exactly the span the plan gave them (a peer claiming other layers is
-    /// not trusted with traffic).
-    pub fn route_candidates(&self) -> Vec<RouteCandidate> {
+    /// Ready holders that could serve a route at `now`, with their endpoints and load: peers
+    /// that announce, ready, exactly the span the plan gave them (a peer claiming other layers
+    /// is not trusted with traffic), and are neither banned, leaving, nor silent for two thirds
+    /// of the expiry.
+    pub fn route_candidates(&self, now: Instant) -> Vec<RouteCandidate> {
+        let silent_after = self.expiry * 2 / 3;
         self.peers
             .values()
+            .filter(|known| {
+                !known.announcement.leaving
+                    && now.duration_since(known.last_seen) <= silent_after
+                    && !self.is_banned(&known.announcement.peer, now)
+            })
             .filter_map(|known| {
                 let a = &known.announcement;
                 let span = a.span.as_ref()?;
@@ -276,6 +404,7 @@ impl TrackerBook {
                     layers: span.layers,
                     active_sessions: a.active_sessions,
                     free_kv_tokens: a.free_kv_tokens,
+                    forward_latency_ms: a.forward_latency_ms,
                 })
             })
             .collect()
@@ -283,7 +412,19 @@ impl TrackerBook {
 
     /// The hops a generation would take after the tracker's own span, which ends at `start`.
     pub fn route(&self, start: u32) -> Result<Vec<PlannedHop>, Uncovered> {
-        choose_route(start, self.num_layers(), &self.route_candidates())
+        self.route_avoiding(start, &[], Instant::now())
+    }
+
+    /// The hops from layer `start` at `now`, through none of the peers in `avoid`.
+    pub fn route_avoiding(
+        &self,
+        start: u32,
+        avoid: &[PeerId],
+        now: Instant,
+    ) -> Result<Vec<PlannedHop>, Uncovered> {
+        let mut candidates = self.route_candidates(now);
+        candidates.retain(|candidate| !avoid.contains(&candidate.peer));
+        choose_route(start, self.num_layers(), &candidates)
     }
 
     /// The tracker's own HTTP endpoint.
@@ -314,6 +455,9 @@ impl TrackerBook {
                 .sent
                 .get(peer)
                 .filter(|(_, at)| now.duration_since(*at) < DIRECTIVE_RESEND_AFTER * 4);
+            if known.announcement.leaving {
+                continue;
+            }
             match (pending, &known.announcement.span) {
                 (Some((Some(target), _)), _) => push(peer, target),
                 (Some((None, _)), _) => {}
@@ -354,16 +498,34 @@ impl TrackerBook {
     }
 }
 
+impl MeshRoutes for std::sync::Mutex<TrackerBook> {
+    fn route(&self, start: u32, avoid: &[PeerId]) -> Result<Vec<PlannedHop>, Uncovered> {
+        lock(self).route_avoiding(start, avoid, Instant::now())
+    }
+
+    fn ban(&self, peer: &PeerId, cause: &str) {
+        lock(self).ban(peer, cause, Instant::now());
+    }
+}
+
 /// The parts of an announcement the planner depends on.
 fn planning_view(
     a: &PeerAnnouncement,
-) -> (u64, Vec<Quantization>, u64, Option<SpanStatus>, Vec<String>) {
+) -> (
+    u64,
+    Vec<Quantization>,
+    u64,
+    Option<SpanStatus>,
+    Vec<String>,
+    bool,
+) {
     (
         a.memory_bytes,
         a.quantizations.clone(),
         a.kv_tokens,
         a.span.clone(),
         a.http_endpoints.clone(),
+        a.leaving,
     )
 }
 
@@ -497,6 +659,9 @@ mod tests {
             free_kv_tokens: 1000,
             active_sessions: 0,
             is_tracker: false,
+            forward_latency_ms: 0.0,
+            leaving: false,
+            tracker_capable: true,
             sent_at_unix_ms: 0,
         }
     }

@@ -82,6 +82,7 @@ async fn a_directive_forged_by_a_non_tracker_is_rejected_and_not_acted_on() {
             .publish_directive(DirectiveMessage {
                 model_id: tracker.model_id().to_owned(),
                 target: victim.peer_id().to_owned(),
+                term: u64::MAX / 2,
                 epoch: u64::MAX / 2,
                 sequence,
                 directives: vec![Directive::LoadShard {
@@ -310,7 +311,7 @@ async fn hostile_frames_are_refused_before_any_work() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_names_it() {
+async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_gives_up_naming_it() {
     let tracker = tracker(10).await;
     let mut config = common::config(false, 20, tracker.p2p_addrs().await.unwrap());
     // Room for 16 tokens of KV cache per layer: any longer prompt overflows it.
@@ -351,7 +352,8 @@ async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_names_it() {
         other => panic!("expected a 503 overloaded, got {other:?}"),
     }
 
-    // Through the tracker's API: the entry's 502 names the peer and its 503.
+    // Through the tracker's API: no other peer holds the layers, so the entry gives up at once
+    // with a 503 naming the peer and its 503.
     let base = tracker.openai_base_url().unwrap();
     let response = reqwest::Client::new()
         .post(format!("{base}/chat/completions"))
@@ -370,10 +372,12 @@ async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_names_it() {
         .unwrap();
     let status = response.status();
     let body: serde_json::Value = response.json().await.unwrap();
-    assert_eq!(status, 502, "{body}");
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["code"], "route_lost", "{body}");
     let message = body["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains(&peer.peer_id().to_string()), "{body}");
     assert!(message.contains("503 overloaded"), "{body}");
+    assert!(message.contains("busy"), "{body}");
     peer.shutdown().await;
     tracker.shutdown().await;
 }

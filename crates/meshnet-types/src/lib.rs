@@ -3,7 +3,8 @@
 //! - [`LayerSpan`]: a half-open range of transformer layers `[start, end)`, the unit of work a
 //!   peer serves, the planner assigns and a frame names.
 //! - [`PeerId`]: a member's identity, the text form of its libp2p peer id. `meshnet-p2p` is the
-//!   only place that converts it to and from libp2p's own type.
+//!   only place that converts it to and from libp2p's own type. [`claim_beats`] orders two
+//!   claims to the tracker role.
 //! - [`Quantization`]: a weight format a layer can be held in.
 //! - [`SpanState`]: whether a held span is loading, serving, or draining its last sessions.
 //!
@@ -15,6 +16,6 @@ mod quantization;
 mod span;
 
 pub use error::TypesError;
-pub use peer::PeerId;
+pub use peer::{PeerId, claim_beats};
 pub use quantization::Quantization;
 pub use span::{LayerSpan, SpanState};

@@ -61,6 +61,14 @@ impl PartialEq<&str> for PeerId {
     }
 }
 
+/// Whether a claim to be the tracker of `term` by `claimant` beats the claim of `other_term`
+/// by `other`: the higher term wins; of equal terms (two successors elected at once), the
+/// lower peer id. Exactly one of two different claims wins, so any set of claims has one
+/// winner. Every member applies this one rule.
+pub fn claim_beats(claimant: &PeerId, term: u64, other: &PeerId, other_term: u64) -> bool {
+    term > other_term || (term == other_term && claimant < other)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,131 @@
+//! Who takes over when the tracker goes silent (ADR-0018).
+//!
+//! The tracker publishes, with every coverage map, a succession list: ready peers with the
+//! memory for the first layers, in its order of preference. When its maps stop for the
+//! election timeout, each member on the list computes its rank among the listed members it
+//! still hears from; the first takes over at once with the next term, the second one timeout
+//! later if the first has not spoken by then, and so on. Every member that hears the same
+//! announcements computes the same ranks, so one member claims first; if two claim the same
+//! term anyway, the lower peer id wins ([`meshnet_types::claim_beats`], which every member's
+//! gossip validation applies), and a higher term always wins.
+//! Pure logic: the caller passes in the list, who is alive, and the time.
+
+use std::time::Duration;
+
+use meshnet_types::PeerId;
+#[cfg(test)]
+use meshnet_types::claim_beats;
+
+/// `me`'s place among the members of `succession` that are alive (0 = first in line), or
+/// `None` when `me` is not on the list. Members not on the list never run.
+pub fn rank(
+    succession: &[PeerId],
+    me: &PeerId,
+    is_alive: impl Fn(&PeerId) -> bool,
+) -> Option<usize> {
+    let mut place = 0;
+    for candidate in succession {
+        if candidate == me {
+            return Some(place);
+        }
+        if is_alive(candidate) {
+            place += 1;
+        }
+    }
+    None
+}
+
+/// The member of `succession` that takes over first: the first one alive.
+pub fn first_in_line(succession: &[PeerId], is_alive: impl Fn(&PeerId) -> bool) -> Option<&PeerId> {
+    succession.iter().find(|candidate| is_alive(candidate))
+}
+
+/// Whether a member of rank `rank` claims the tracker role after the tracker has been silent
+/// for `silence`, given the election `timeout`: rank 0 after one timeout, rank 1 after two, ...
+pub fn claims_now(rank: usize, silence: Duration, timeout: Duration) -> bool {
+    let waited = timeout.saturating_mul(u32::try_from(rank + 1).unwrap_or(u32::MAX));
+    silence >= waited
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn ids(names: &[&str]) -> Vec<PeerId> {
+        names.iter().map(|name| PeerId::new(*name)).collect()
+    }
+
+    #[test]
+    fn the_first_live_member_of_the_list_goes_first() {
+        let list = ids(&["c", "a", "b"]);
+        let alive = |peer: &PeerId| peer.as_str() != "c";
+        assert_eq!(first_in_line(&list, alive).unwrap(), "a");
+        assert_eq!(rank(&list, &PeerId::new("a"), alive), Some(0));
+        assert_eq!(rank(&list, &PeerId::new("b"), alive), Some(1));
+        assert_eq!(rank(&list, &PeerId::new("z"), alive), None);
+        let second = Duration::from_secs(2);
+        assert!(!claims_now(1, second, second));
+        assert!(claims_now(1, second * 2, second));
+        assert!(claims_now(0, second, second));
+    }
+
+    proptest! {
+        /// Whatever order announcements arrive in (so whatever order members learn who is
+        /// alive), members with the same view agree on one winner, and exactly one member
+        /// has rank 0.
+        #[test]
+        fn any_order_of_announcements_elects_one_member(
+            list in prop::collection::btree_set(0u8..20, 1..8),
+            order in any::<prop::sample::Index>(),
+            dead in prop::collection::btree_set(0u8..20, 0..6),
+        ) {
+            let mut succession: Vec<PeerId> = list.iter().map(|n| PeerId::new(format!("p{n:02}"))).collect();
+            // The tracker's order of preference, not the ids' order.
+            let rotate = order.index(succession.len());
+            succession.rotate_left(rotate);
+            let dead: BTreeSet<PeerId> = dead.iter().map(|n| PeerId::new(format!("p{n:02}"))).collect();
+            // Announcements seen in some order: the set of live members is the same at the end.
+            let mut heard: Vec<&PeerId> = succession.iter().filter(|p| !dead.contains(*p)).collect();
+            heard.reverse();
+            let alive_set: BTreeSet<&PeerId> = heard.into_iter().collect();
+            let alive = |peer: &PeerId| alive_set.contains(peer);
+            let firsts: Vec<&PeerId> = succession
+                .iter()
+                .filter(|me| alive(me) && rank(&succession, me, alive) == Some(0))
+                .collect();
+            match first_in_line(&succession, alive) {
+                Some(winner) => prop_assert_eq!(firsts, vec![winner]),
+                None => prop_assert!(firsts.is_empty()),
+            }
+        }
+
+        /// Of any set of claims, exactly one beats all others.
+        #[test]
+        fn any_set_of_claims_has_one_winner(
+            claims in prop::collection::btree_map(0u8..50, 1u64..4, 1..6),
+        ) {
+            let claims: Vec<(PeerId, u64)> = claims
+                .into_iter()
+                .map(|(n, term)| (PeerId::new(format!("p{n:02}")), term))
+                .collect();
+            let winners: Vec<&PeerId> = claims
+                .iter()
+                .filter(|(peer, term)| {
+                    claims
+                        .iter()
+                        .filter(|(other, _)| other != peer)
+                        .all(|(other, other_term)| claim_beats(peer, *term, other, *other_term))
+                })
+                .map(|(peer, _)| peer)
+                .collect();
+            prop_assert_eq!(winners.len(), 1);
+            let top = claims.iter().map(|(_, term)| *term).max().unwrap();
+            let winner_term = claims.iter().find(|(peer, _)| peer == winners[0]).unwrap().1;
+            prop_assert_eq!(winner_term, top);
+        }
+    }
+}
