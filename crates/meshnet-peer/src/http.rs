@@ -40,6 +40,66 @@ pub(crate) fn router(member: &Arc<Member>, client: ForwardClient) -> Router {
                 .fallback(unknown_path)
                 .with_state(Arc::clone(member)),
         )
+        .layer(axum::middleware::from_fn(refuse_oversized_bodies))
+}
+
+/// The most of an oversized body read (and dropped) before answering 413, so that a client
+/// that writes its whole body before reading gets the answer rather than a reset connection.
+const OVERSIZED_DRAIN_BYTES: u64 = 1 << 30;
+
+/// How long reading an oversized body may take before the answer goes out anyway.
+const OVERSIZED_DRAIN_TIME: Duration = Duration::from_secs(30);
+
+/// The largest body `path` accepts.
+fn body_limit(path: &str) -> usize {
+    if path == "/v1" || path.starts_with("/v1/") {
+        meshnet_api::MAX_BODY_BYTES
+    } else if path == "/forward" {
+        Limits::default().max_body_bytes()
+    } else {
+        // Status, health and session ends carry no body.
+        64 * 1024
+    }
+}
+
+/// Answers a request whose declared length passes its path's limit with 413 and a JSON error
+/// (in the API's shape under `/v1`, the activation plane's elsewhere), after reading and
+/// dropping the body (bounded), so that the client sees the answer. Bodies of unknown length
+/// are limited by the handlers themselves.
+async fn refuse_oversized_bodies(request: Request, next: axum::middleware::Next) -> Response {
+    let limit = body_limit(request.uri().path());
+    let declared = request
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    let Some(declared) = declared.filter(|&length| length > limit as u64) else {
+        return next.run(request).await;
+    };
+    let api = request.uri().path().starts_with("/v1");
+    let mut body = request.into_body().into_data_stream();
+    let drained = tokio::time::timeout(OVERSIZED_DRAIN_TIME, async {
+        let mut read = 0u64;
+        while read < OVERSIZED_DRAIN_BYTES.min(declared) {
+            match futures::StreamExt::next(&mut body).await {
+                Some(Ok(chunk)) => read += chunk.len() as u64,
+                _ => break,
+            }
+        }
+    })
+    .await;
+    if drained.is_err() {
+        tracing::debug!(declared, "gave up reading an oversized body");
+    }
+    if api {
+        meshnet_api::ApiError::PayloadTooLarge { limit }.into_response()
+    } else {
+        meshnet_node::NodeError::Wire(meshnet_wire::WireError::BodyTooLarge {
+            body_bytes: declared,
+            limit,
+        })
+        .into_response()
+    }
 }
 
 /// How long a proxied API request may take to start answering (a generation streams after).

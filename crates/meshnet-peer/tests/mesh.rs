@@ -471,3 +471,56 @@ async fn stop_strings_end_of_turn_and_max_tokens_set_the_finish_reason() {
     }
     tracker.shutdown().await;
 }
+
+/// Sends `body_bytes` bytes to `path` as a client that writes its whole request before
+/// reading, and returns what came back (status line, headers and body).
+fn write_all_then_read(addr: std::net::SocketAddr, path: &str, body_bytes: usize) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: meshnet\r\nContent-Type: application/json\r\n\
+         Content-Length: {body_bytes}\r\nConnection: close\r\n\r\n"
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let chunk = vec![b' '; 1 << 20];
+    let mut left = body_bytes;
+    while left > 0 {
+        let n = left.min(chunk.len());
+        stream
+            .write_all(&chunk[..n])
+            .expect("the server reset the connection before the body was sent");
+        left -= n;
+    }
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    answer
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_bodies_get_413_with_a_json_reason_even_when_the_client_writes_them_whole() {
+    let tracker = tracker(10).await;
+    let addr = tracker.http_addr();
+    let api = meshnet_api::MAX_BODY_BYTES + (1 << 20);
+    let frame = meshnet_wire::Limits::default().max_body_bytes() + (1 << 20);
+    let (api_answer, frame_answer) = tokio::task::spawn_blocking(move || {
+        (
+            write_all_then_read(addr, "/v1/chat/completions", api),
+            write_all_then_read(addr, "/forward", frame),
+        )
+    })
+    .await
+    .unwrap();
+    for (answer, code) in [
+        (&api_answer, "request_too_large"),
+        (&frame_answer, "body_too_large"),
+    ] {
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        let body = &answer[answer.find("\r\n\r\n").unwrap() + 4..];
+        let json: serde_json::Value = serde_json::from_str(body).unwrap();
+        assert_eq!(json["error"]["code"], code, "{json}");
+    }
+    tracker.shutdown().await;
+}
