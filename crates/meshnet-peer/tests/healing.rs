@@ -271,3 +271,65 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
     other.shutdown().await;
     heir.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_claimed_by_a_member_off_the_succession_list_is_rejected_and_counted() {
+    let tracker = tracker(10).await;
+    let victim = peer(20, &tracker).await;
+    wait_for("coverage and a successor", &tracker, |s| {
+        converged(s, &[&victim]) && s.succession.len() == 1
+    })
+    .await;
+
+    // A member of the mesh that is not on the list claims a later term.
+    let mut config = meshnet_p2p::P2pConfig::new(
+        libp2p::identity::Keypair::generate_ed25519(),
+        tracker.model_id(),
+        meshnet_p2p::Role::Peer {
+            pinned_tracker: None,
+        },
+    );
+    config.transport = meshnet_p2p::TransportChoice::Memory;
+    config.listen = vec![common::memory_addr()];
+    config.bootstrap = tracker.p2p_addrs().await.unwrap();
+    config.assume_reachable = true;
+    let (usurper, _events) = meshnet_p2p::spawn(config).await.unwrap();
+    let usurper_id = usurper.local_peer_id();
+    let refused = |status: &StatusReport| {
+        status.recent_rejections.iter().any(|rejection| {
+            rejection.from == usurper_id
+                && rejection.topic.ends_with("/coverage")
+                && rejection.reason.contains("succession list")
+        })
+    };
+    let started = Instant::now();
+    let mut epoch = u64::MAX / 2;
+    while !refused(&victim.status()) {
+        assert!(started.elapsed() < DEADLINE, "the claim never arrived");
+        epoch += 1;
+        usurper
+            .publish_coverage(meshnet_p2p::CoverageMessage {
+                model_id: tracker.model_id().to_owned(),
+                term: 99,
+                succession: vec![usurper_id.clone()],
+                epoch,
+                sequence: epoch,
+                num_layers: 30,
+                map: meshnet_planner::CoverageMap::empty(epoch),
+            })
+            .await
+            .unwrap();
+        tokio::time::sleep(common::ANNOUNCE).await;
+    }
+    let status = victim.status();
+    assert!(status.rejected_messages >= 1);
+    assert_eq!(status.tracker.as_ref(), Some(tracker.peer_id()));
+    assert_eq!(status.term, 1);
+    assert!(
+        status.coverage.as_ref().is_some_and(|c| c.complete),
+        "the victim still holds the tracker's map"
+    );
+    usurper.shutdown().await;
+    victim.shutdown().await;
+    tracker.shutdown().await;
+}
