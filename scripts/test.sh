@@ -4,7 +4,9 @@
 # fuzz run fails the script; only MESHNET_FUZZ_SECONDS=0 skips fuzzing.
 #
 #   MESHNET_FUZZ_SECONDS=N   seconds per fuzz target (default 20; 0 skips fuzzing explicitly)
-#   MESHNET_SKIP_MESH=1      skip the OpenAI client check against a local 3-process mesh
+#   MESHNET_SKIP_MESH=1      skip the process-level mesh tests: the OpenAI client check against
+#                            a local 3-process mesh, and the self-healing checks (testnet/chaos.py)
+#                            on a 5-process mesh with redundancy 2
 #   MESHNET_VENV=DIR         virtualenv with the `openai` package (default .venv, made by setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +44,34 @@ else
   trap - EXIT
   rm -rf "$MESHNET_TESTNET_DIR"
   unset MESHNET_TESTNET_DIR
+fi
+
+step "self-healing: chaos, SIGTERM and tracker loss on a 5-process mesh, redundancy 2"
+if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
+  echo "skipped: MESHNET_SKIP_MESH=1"
+else
+  # A tracker and two groups of two peers, each group sized for the same span: every
+  # non-tracker layer has two holders. chaos.py kills a peer mid-stream 20 times (restarting it
+  # each time) and then SIGTERMs one; every stream must finish equal to an unbroken one. Last,
+  # it kills the tracker: a client talking to another member must get answers again within
+  # 10 s, and the restarted old tracker must join as a peer.
+  MESHNET_TESTNET_DIR=$(mktemp -d)
+  export MESHNET_TESTNET_DIR
+  trap 'testnet/local.sh down || true; rm -rf "$MESHNET_TESTNET_DIR"' EXIT
+  MESHNET_BIN=$PWD/target/debug/meshnet-peer testnet/local.sh up 5 --redundancy 2
+  # Every check runs, so one CI log shows them all; any failing fails the step.
+  healing_failed=0
+  python3 testnet/chaos.py chaos --runs 20 || healing_failed=1
+  python3 testnet/chaos.py sigterm || healing_failed=1
+  python3 testnet/chaos.py tracker || healing_failed=1
+  testnet/local.sh down
+  trap - EXIT
+  rm -rf "$MESHNET_TESTNET_DIR"
+  unset MESHNET_TESTNET_DIR
+  if [ "$healing_failed" -ne 0 ]; then
+    echo "self-healing checks failed (see chaos.py's output above)" >&2
+    exit 1
+  fi
 fi
 
 fuzz_seconds=${MESHNET_FUZZ_SECONDS:-20}

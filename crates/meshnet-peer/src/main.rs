@@ -448,13 +448,26 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
             }
         }
         tracing::info!("stopping");
-        peer.shutdown().await;
+        // Open connections get a few seconds to finish; a second signal does not wait.
+        tokio::select! {
+            () = peer.shutdown() => {}
+            () = tokio::time::sleep(SHUTDOWN_GRACE) => {
+                tracing::warn!(grace = ?SHUTDOWN_GRACE, "connections still open; stopping anyway");
+            }
+            _ = wait_for_stop_signal(), if failure.is_none() => {
+                tracing::warn!("second signal: stopping at once");
+                std::process::exit(130);
+            }
+        }
         match failure {
             Some(reason) => bail!("{reason}"),
             None => Ok(()),
         }
     })
 }
+
+/// How long a stopping member waits for its connections to close.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Draws a progress bar on a terminal's stderr while a span loads.
 async fn show_progress(progress: meshnet_peer::shard::LoadProgress) {

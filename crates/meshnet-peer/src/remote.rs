@@ -9,9 +9,10 @@
 //! bfloat16). When a hop fails in a way another peer could get past (it is unreachable, timed
 //! out, answered 5xx or 429, or no longer serves the layers), the stage keeps the failed peer
 //! off routes, takes a new route from the tracker's book (waiting, bounded, for the mesh to
-//! cover the layers again), replays the recorded hidden states through it in prefill chunks
-//! under a new session id to rebuild the KV caches, ends the old session on the hops that
-//! survived, and sends the step that failed again. The generation loop never notices beyond the
+//! cover the layers again), replays the recorded hidden states through it frame by frame as
+//! they were first sent (prefill chunks, then decode steps) under a new session id to rebuild
+//! the KV caches, ends the old session on the hops that survived, and sends the step that
+//! failed again. The generation loop never notices beyond the
 //! pause (ADR-0018).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,9 +23,7 @@ use candle_core::{DType, Device, Tensor};
 use meshnet_model::{ModelError, SessionId, Stage};
 use meshnet_node::{ClientError, ForwardClient, HopFailure, HopFailureKind};
 use meshnet_types::{LayerSpan, PeerId};
-use meshnet_wire::{
-    ActivationFrame, Activations, Encoding, FrameMeta, Hop, PREFILL_CHUNK_TOKENS, Route,
-};
+use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Route};
 use tokio::runtime::Handle;
 
 use crate::member::lock;
@@ -301,25 +300,21 @@ impl RemoteStage {
         }
     }
 
-    /// Sends the recorded history through the current route in prefill chunks; returns the
-    /// tokens replayed.
+    /// Sends the recorded history through the current route frame by frame, as it was first
+    /// sent (the prompt's prefill chunks of at most 128 tokens, then one frame per decode
+    /// step); returns the tokens replayed.
+    ///
+    /// The frames keep their first shapes because attention over a chunk does not give
+    /// bit-identical values to the same tokens decoded one by one: replaying the decode
+    /// steps as one chunk changed the greedy text in 5 of 20 chaos runs (ADR-0018).
     fn replay(&self, state: &RouteState) -> Result<usize, SendError> {
-        if state.history.is_empty() {
-            return Ok(0);
-        }
         let session = state.session.unwrap_or_else(SessionId::new_v4);
-        let all = Tensor::cat(&state.history, 1).map_err(|e| SendError::Other(e.into()))?;
-        let total = state.history_tokens;
         let mut position = 0;
-        while position < total {
-            let len = PREFILL_CHUNK_TOKENS.min(total - position);
-            let chunk = all
-                .narrow(1, position, len)
-                .map_err(|e| SendError::Other(e.into()))?;
-            self.send(state, session, position, &chunk)?;
-            position += len;
+        for frame in &state.history {
+            self.send(state, session, position, frame)?;
+            position += frame.dim(1).map_err(|e| SendError::Other(e.into()))?;
         }
-        Ok(total)
+        Ok(position)
     }
 
     /// Asks every hop of `hops` but `failed` to free `session`, without waiting.

@@ -701,7 +701,7 @@ impl<'a> Round<'a> {
         self.free.clear();
         for position in order {
             let reach = self.candidates[position].reach;
-            let start = min_sum_window(&self.load.throughput, volunteer, reach);
+            let start = least_held_window(&self.load, volunteer, reach);
             let span = LayerSpan::new(start, start + reach);
             if let Some(quantization) = self.candidates[position].best_quantization_for(reach) {
                 self.assign(position, span, quantization);
@@ -910,6 +910,29 @@ pub(crate) fn scale_throughput(tokens_per_second: f64) -> u64 {
 
 /// Start of the window of `length` layers inside `range` with the least
 /// summed throughput (leftmost on ties).
+/// The start of the window of `length` layers within `range` with the fewest holders summed
+/// over its layers, and of those the least throughput: a free peer adds redundancy where
+/// there is least of it first (what failover needs), and throughput, which measurements on
+/// a busy machine scatter widely, only breaks ties.
+fn least_held_window(load: &LayerLoad, range: LayerSpan, length: u32) -> u32 {
+    let length = length.min(range.len());
+    if length == 0 {
+        return range.start;
+    }
+    let window = |start: u32| {
+        let layers = start as usize..(start + length) as usize;
+        let holders: u64 = load.count[layers.clone()]
+            .iter()
+            .map(|&c| u64::from(c))
+            .sum();
+        let throughput: u64 = load.throughput[layers].iter().sum();
+        (holders, throughput)
+    };
+    (range.start..=range.end - length)
+        .min_by_key(|&start| (window(start), start))
+        .unwrap_or(range.start)
+}
+
 pub(crate) fn min_sum_window(throughput: &[u64], range: LayerSpan, length: u32) -> u32 {
     let length = length.min(range.len());
     if length == 0 {
