@@ -55,6 +55,13 @@ pub struct P2pConfig {
     pub tracker_lookup_interval: Duration,
     /// How often the tracker re-stores its record in Kademlia.
     pub record_republish_interval: Duration,
+    /// How long a follower must have heard no coverage map from its tracker before it
+    /// accepts another member's takeover claim.
+    pub takeover_silence: Duration,
+    /// How long after starting a node started as tracker yields to a later term from anyone
+    /// (it may be a restarted tracker whose mesh elected a successor meanwhile); after that,
+    /// only members of its own succession list may take over.
+    pub tracker_start_grace: Duration,
 }
 
 impl P2pConfig {
@@ -74,6 +81,8 @@ impl P2pConfig {
             max_connections: 256,
             tracker_lookup_interval: Duration::from_secs(2),
             record_republish_interval: Duration::from_secs(30),
+            takeover_silence: Duration::from_secs(6),
+            tracker_start_grace: Duration::from_secs(10),
         }
     }
 

@@ -281,8 +281,12 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
         model_id: config.model_id,
         is_tracker: matches!(config.role, Role::Tracker),
         term: u64::from(matches!(config.role, Role::Tracker)),
-        // A pinned peer follows its pinned tracker only: nobody may take over.
-        succession: pinned_tracker.map(|_| Vec::new()),
+        succession: Vec::new(),
+        heard_tracker_at: None,
+        takeover_silence: config.takeover_silence,
+        start_grace_until: matches!(config.role, Role::Tracker)
+            .then(|| Instant::now() + config.tracker_start_grace),
+        followed_another: false,
         pinned_tracker,
         assume_reachable: config.assume_reachable,
         tracker,
@@ -307,6 +311,13 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
     ))
 }
 
+/// The libp2p ids of a succession list (ids that do not parse are left out).
+fn parse_succession(list: &[meshnet_types::PeerId]) -> Vec<PeerId> {
+    list.iter()
+        .filter_map(|peer| libp2p_peer_id(peer).ok())
+        .collect()
+}
+
 /// Splits `/…/p2p/<id>` into the peer id and the address before it.
 fn split_peer_id(address: &Multiaddr) -> Option<(PeerId, Multiaddr)> {
     let mut rest = address.clone();
@@ -329,9 +340,17 @@ struct EventLoop {
     is_tracker: bool,
     /// The current tracker's term (0 before one is known).
     term: u64,
-    /// The succession list of the last tracker this node followed (`None` before it followed
-    /// one): who may take over.
-    succession: Option<Vec<PeerId>>,
+    /// Who may take over from the tracker: the list of the tracker this node follows, or its
+    /// own while it is the tracker (empty before the first map, and on a pinned peer).
+    succession: Vec<PeerId>,
+    /// When the last coverage map of the followed tracker arrived.
+    heard_tracker_at: Option<Instant>,
+    /// A follower accepts a takeover only after this long without its tracker's maps.
+    takeover_silence: Duration,
+    /// Until when a node started as tracker yields to a later term from anyone.
+    start_grace_until: Option<Instant>,
+    /// Whether this node ever followed a tracker other than itself.
+    followed_another: bool,
     /// The only tracker a peer accepts, when pinned.
     pinned_tracker: Option<PeerId>,
     assume_reachable: bool,
@@ -423,6 +442,14 @@ impl EventLoop {
                 }
             }
             Command::Publish { kind, data, reply } => {
+                if kind == TopicKind::Coverage
+                    && self.is_tracker
+                    && let Ok(own) = decode::<CoverageMessage>(&data)
+                {
+                    // Who may take over from this node is the list it publishes.
+                    self.succession = parse_succession(&own.succession);
+                    self.term = self.term.max(own.term);
+                }
                 let _ = reply.send(self.publish(kind, data));
             }
             Command::SetTrackerRecord { mut record, reply } => {
@@ -708,32 +735,29 @@ impl EventLoop {
                 return;
             }
         }
-        if Some(peer) == self.tracker && record.term < self.term {
-            return;
-        }
+        // Records are unsigned: they help a member find a tracker, never move it from the one
+        // it follows (only that tracker's signed coverage maps and a listed successor's do),
+        // and never set a term.
         if let Some(current) = self.tracker
             && current != peer
         {
-            let admission = self.admission();
-            if let Err(Verdict::Reject(reason) | Verdict::Ignore(reason)) =
-                admission.check_takeover(peer, record.term)
-            {
-                if record.term < self.term {
-                    // A copy left behind by an earlier tracker.
-                    tracing::debug!(record = %peer, term = record.term, "stale tracker record ignored");
-                } else {
-                    tracing::warn!(record = %peer, %reason, "tracker record rejected");
-                    self.emit(P2pEvent::Rejected {
-                        from: mesh_peer_id(&peer),
-                        topic: "tracker-record".to_owned(),
-                        reason,
-                    });
-                }
-                return;
+            if record.term > self.term {
+                let reason = format!(
+                    "a tracker record names {peer} with term {}, but this member follows \
+                     {current} (term {}); only signed coverage maps change the tracker",
+                    record.term, self.term
+                );
+                tracing::warn!(record = %peer, %reason, "tracker record rejected");
+                self.emit(P2pEvent::Rejected {
+                    from: mesh_peer_id(&peer),
+                    topic: "tracker-record".to_owned(),
+                    reason,
+                });
+            } else {
+                // A copy left behind by an earlier tracker.
+                tracing::debug!(record = %peer, term = record.term, "stale tracker record ignored");
             }
-            if self.is_tracker {
-                return;
-            }
+            return;
         }
         let addresses: Vec<Multiaddr> = record
             .addresses
@@ -753,7 +777,6 @@ impl EventLoop {
             tracing::info!(tracker = %peer, "tracker discovered");
         }
         self.tracker = Some(peer);
-        self.term = self.term.max(record.term);
         self.discovered_record = Some(record.clone());
         self.emit(P2pEvent::TrackerDiscovered(record));
     }
@@ -765,8 +788,27 @@ impl EventLoop {
             local_peer: self.local_peer_id,
             tracker: self.tracker,
             term: self.term,
-            succession: self.succession.as_deref(),
+            succession: if self.yields_to_any_claim() {
+                None
+            } else {
+                Some(&self.succession)
+            },
+            tracker_silent: self.is_tracker
+                || self
+                    .heard_tracker_at
+                    .is_none_or(|at| at.elapsed() >= self.takeover_silence),
         }
+    }
+
+    /// Whether this node was started as tracker moments ago and has followed nobody: it may be
+    /// a restarted tracker whose mesh has elected a successor, so a later term wins whoever
+    /// claims it.
+    fn yields_to_any_claim(&self) -> bool {
+        self.is_tracker
+            && !self.followed_another
+            && self
+                .start_grace_until
+                .is_some_and(|until| Instant::now() < until)
     }
 
     /// Records an accepted coverage map of `term` from `tracker`, naming `succession`: a new
@@ -782,16 +824,15 @@ impl EventLoop {
             }
             self.tracker = Some(tracker);
             self.discovered_record = None;
+            self.followed_another = true;
         }
+        self.heard_tracker_at = Some(Instant::now());
         self.term = self.term.max(term);
-        self.succession = Some(if self.pinned_tracker.is_some() {
+        self.succession = if self.pinned_tracker.is_some() {
             Vec::new()
         } else {
-            succession
-                .iter()
-                .filter_map(|peer| libp2p_peer_id(peer).ok())
-                .collect()
-        });
+            parse_succession(succession)
+        };
     }
 
     fn on_gossip_message(

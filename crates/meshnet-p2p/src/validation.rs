@@ -28,10 +28,13 @@ pub(crate) struct Admission<'a> {
     pub(crate) tracker: Option<PeerId>,
     /// That tracker's term (0 before any is known).
     pub(crate) term: u64,
-    /// Who may take over from it: the succession list of the last tracker this node followed.
-    /// `None` while it has followed none (a node started as tracker): then the highest term
-    /// wins, whoever claims it.
+    /// Who may take over from it: the succession list of the tracker this node follows (its
+    /// own, on the tracker). `None` only on a node started as tracker, in its first seconds:
+    /// then the highest term wins, whoever claims it.
     pub(crate) succession: Option<&'a [PeerId]>,
+    /// Whether this node has heard no coverage map from its tracker for the takeover silence
+    /// (always true on the tracker itself, which judges rival claims at once).
+    pub(crate) tracker_silent: bool,
 }
 
 /// Whether a tracker claim of `term` by `claimant` beats the current tracker `current` of
@@ -104,6 +107,12 @@ impl Admission<'_> {
                 "sent by {claimant}, which is not the tracker {current} (its term {term} does \
                  not beat the current term {})",
                 self.term
+            )));
+        }
+        if !self.tracker_silent {
+            // Not the claimant's fault: this node may hear the old tracker a little longer.
+            return Err(Verdict::Ignore(format!(
+                "{claimant} claims tracker term {term}, but tracker {current} is still heard"
             )));
         }
         match self.succession {
@@ -253,6 +262,7 @@ mod tests {
             tracker: None,
             term: 0,
             succession: None,
+            tracker_silent: true,
         };
         let good = encode(&announcement(alice, "m")).unwrap();
         assert!(matches!(
@@ -283,6 +293,7 @@ mod tests {
             tracker: None,
             term: 0,
             succession: None,
+            tracker_silent: true,
         };
         assert!(matches!(
             unknown.judge(TopicKind::Coverage, tracker, &coverage),
@@ -314,6 +325,7 @@ mod tests {
             tracker: Some(tracker),
             term: 1,
             succession: None,
+            tracker_silent: true,
         };
         let to_me = encode(&directive(me, me)).unwrap();
         let to_other = encode(&directive(other, other)).unwrap();
@@ -360,6 +372,7 @@ mod tests {
             tracker: Some(tracker),
             term: 3,
             succession: Some(&list),
+            tracker_silent: true,
         };
         let claim = |term| encode(&coverage_of_term(term, vec![])).unwrap();
         assert!(matches!(
@@ -422,6 +435,7 @@ mod tests {
             tracker: Some(tracker),
             term: 2,
             succession: None,
+            tracker_silent: true,
         };
         let mut old = directive(me, me);
         old.term = 1;
@@ -450,5 +464,42 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_successor_takes_over_only_once_the_tracker_is_no_longer_heard() {
+        let (me, tracker, heir) = (peer(), peer(), peer());
+        let list = [heir];
+        let admission = Admission {
+            model_id: "m",
+            local_peer: me,
+            tracker: Some(tracker),
+            term: 1,
+            succession: Some(&list),
+            tracker_silent: false,
+        };
+        let claim = encode(&coverage_of_term(2, vec![])).unwrap();
+        assert!(matches!(
+            admission.judge(TopicKind::Coverage, heir, &claim),
+            Verdict::Ignore(_)
+        ));
+        let silent = Admission {
+            tracker_silent: true,
+            ..admission
+        };
+        assert!(matches!(
+            silent.judge(TopicKind::Coverage, heir, &claim),
+            Verdict::Accept(Some(_))
+        ));
+        // A follower that knows no list yet accepts no takeover at all.
+        let listless = Admission {
+            succession: Some(&[]),
+            ..silent
+        };
+        assert!(is_reject(&listless.judge(
+            TopicKind::Coverage,
+            heir,
+            &claim
+        )));
     }
 }

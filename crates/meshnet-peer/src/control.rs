@@ -175,12 +175,12 @@ impl ControlLoop {
             }
             P2pEvent::TrackerDiscovered(record) => {
                 tracing::info!(tracker = %record.peer, term = record.term, http = %record.http_endpoint, "tracker found");
+                // A record finds a tracker; only coverage maps set the term.
                 let mut following = lock(&self.member.following);
-                if following.tracker.as_ref() != Some(&record.peer) {
+                if following.tracker.is_none() {
                     following.tracker = Some(record.peer);
                     following.heard_at = Some(Instant::now());
                 }
-                following.term = following.term.max(record.term);
             }
             P2pEvent::Rejected {
                 from,

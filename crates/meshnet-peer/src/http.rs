@@ -102,6 +102,9 @@ async fn refuse_oversized_bodies(request: Request, next: axum::middleware::Next)
     }
 }
 
+/// Marks an API request one member passed on to the tracker.
+const PROXIED_HEADER: &str = "x-meshnet-proxied";
+
 /// How long a proxied API request may take to start answering (a generation streams after).
 const PROXY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -112,6 +115,16 @@ async fn openai_handler(State(member): State<Arc<Member>>, request: Request) -> 
             Ok(response) => response,
             Err(never) => match never {},
         };
+    }
+    if request.headers().contains_key(PROXIED_HEADER) {
+        // Passed on by a member that took this one for the tracker: passing it on again could
+        // loop while the members disagree (a takeover in progress).
+        return api_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "tracker_unavailable",
+            "this member is not the tracker (a takeover may be in progress); retry shortly"
+                .to_owned(),
+        );
     }
     let Some(tracker) = member.tracker_url() else {
         return api_error(
@@ -144,7 +157,11 @@ async fn proxy(member: &Member, tracker: &str, request: Request) -> Response {
         .path_and_query()
         .map_or("/v1", |path| path.as_str());
     let url = format!("{}{path}", tracker.trim_end_matches('/'));
-    let mut outgoing = member.proxy.request(parts.method, &url).body(body);
+    let mut outgoing = member
+        .proxy
+        .request(parts.method, &url)
+        .header(PROXIED_HEADER, "1")
+        .body(body);
     for name in [header::CONTENT_TYPE, header::ACCEPT, header::AUTHORIZATION] {
         if let Some(value) = parts.headers.get(&name) {
             outgoing = outgoing.header(name, value);

@@ -195,10 +195,18 @@ impl RemoteStage {
 
     /// Gets the generation past `failure`: a new route, the history replayed through it under
     /// a new session id. Fails when the attempts run out or no route appears in time.
-    fn fail_over(&self, state: &mut RouteState, mut failure: HopFailure) -> Result<(), ModelError> {
+    fn fail_over(
+        &self,
+        state: &mut RouteState,
+        generation: SessionId,
+        mut failure: HopFailure,
+        attempts: &mut u32,
+    ) -> Result<(), ModelError> {
         let started = Instant::now();
         let policy = &self.failover.policy;
-        for attempt in 1..=policy.attempts {
+        while *attempts < policy.attempts {
+            *attempts += 1;
+            let attempt = *attempts;
             let culprit = culprit(state, &failure);
             let busy = is_busy(&failure);
             tracing::warn!(
@@ -225,18 +233,14 @@ impl RemoteStage {
                     return Err(route_lost(state, attempt, reason, failure));
                 }
             };
-            let old_hops = std::mem::take(&mut state.hops);
-            let old_session = state.session;
-            let history = std::mem::take(&mut state.history);
-            let history_tokens = state.history_tokens;
-            let avoid = std::mem::take(&mut state.avoid);
-            *state = route_state(hops, avoid)?;
-            state.history = history;
-            state.history_tokens = history_tokens;
-            state.session = Some(SessionId::new_v4());
-            if let Some(old) = old_session {
-                self.end_in_background(&old_hops, &culprit, old);
-            }
+            let mut next = route_state(hops, state.avoid.clone())?;
+            next.history = std::mem::take(&mut state.history);
+            next.history_tokens = state.history_tokens;
+            next.session = Some(SessionId::new_v4());
+            let old = std::mem::replace(state, next);
+            // The hops that survived free what they held (the generation's own session id
+            // until the first failover).
+            self.end_in_background(&old.hops, &culprit, old.session.unwrap_or(generation));
             match self.replay(state) {
                 Ok(replayed) => {
                     self.failover.completed.fetch_add(1, Ordering::Relaxed);
@@ -462,6 +466,8 @@ impl Stage for RemoteStage {
                 ),
             ));
         }
+        // Failed routes in a row for this step, replays included.
+        let mut attempts = 0;
         loop {
             let on_hops = state.session.unwrap_or(session);
             match self.send(&state, on_hops, position, &input) {
@@ -471,7 +477,7 @@ impl Stage for RemoteStage {
                     return Ok(output);
                 }
                 Err(SendError::Hop(failure)) if reroutable(&failure) => {
-                    self.fail_over(&mut state, *failure)?;
+                    self.fail_over(&mut state, session, *failure, &mut attempts)?;
                 }
                 Err(SendError::Hop(failure)) => return Err(hop_model_error(&state, *failure)),
                 Err(SendError::Other(error)) => return Err(error),

@@ -221,6 +221,9 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     p2p_config.transport = config.transport;
     p2p_config.upnp = config.upnp;
     p2p_config.assume_reachable = config.assume_reachable;
+    // Followers accept a successor once they have missed two of the tracker's maps; the
+    // successor claims after three (crate::election).
+    p2p_config.takeover_silence = config.announce_interval * 2;
     let (p2p, events) = meshnet_p2p::spawn(p2p_config).await?;
     let p2p_addrs = p2p
         .listen_addrs()
