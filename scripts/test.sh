@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+step() { printf '\n==> %s (at %d s)\n' "$*" "$SECONDS"; }
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -111,4 +111,4 @@ else
   step "fuzzing skipped: MESHNET_FUZZ_SECONDS=0"
 fi
 
-printf '\nall checks passed\n'
+printf '\nall checks passed in %d s\n' "$SECONDS"
