@@ -537,13 +537,20 @@ def route_mark(on_route):
     return "?" if on_route is None else ("yes" if on_route else "no")
 
 
-def run_chaos(net, args):
+def start_runs(net, args, what):
+    """Logs `what` with the model, waits for the mesh to heal and takes the reference:
+    (random generator, model id, reference stream)."""
     rng = random.Random(args.seed)
     model = model_id(net.base_url)
-    log(f"chaos: {args.runs} runs, seed {args.seed}, target {args.target}, "
-        f"redundancy {net.redundancy}, {net.base_url}, model {model}")
+    log(f"{what}, redundancy {net.redundancy}, {net.base_url}, model {model}")
     log(f"mesh healed after {net.wait_healed(args.timeout):.1f}s: {net.layout()}")
     reference = take_reference(net, model, args.reference_runs, args.stream_timeout)
+    return rng, model, reference
+
+
+def run_chaos(net, args):
+    rng, model, reference = start_runs(
+        net, args, f"chaos: {args.runs} runs, seed {args.seed}, target {args.target}")
     if len(reference.deltas) < K_MAX + 5:
         raise MeshUnhealthy(
             f"the reference has {len(reference.deltas)} deltas; the chaos runs need at least "
@@ -646,12 +653,9 @@ def run_chaos(net, args):
 
 
 def run_sigterm(net, args):
-    rng = random.Random(args.seed)
-    model = model_id(net.base_url)
-    log(f"sigterm: {args.runs} run(s), seed {args.seed}, target {args.target}, SIGTERM at delta "
-        f"{args.at}, redundancy {net.redundancy}, {net.base_url}, model {model}")
-    log(f"mesh healed after {net.wait_healed(args.timeout):.1f}s: {net.layout()}")
-    reference = take_reference(net, model, args.reference_runs, args.stream_timeout)
+    rng, model, reference = start_runs(
+        net, args, f"sigterm: {args.runs} run(s), seed {args.seed}, target {args.target}, "
+        f"SIGTERM at delta {args.at}")
     if len(reference.deltas) <= args.at:
         raise MeshUnhealthy(f"the reference has only {len(reference.deltas)} deltas")
     failed = False
