@@ -35,11 +35,6 @@ pub fn rank(
     None
 }
 
-/// The member of `succession` that takes over first: the first one alive.
-pub fn first_in_line(succession: &[PeerId], is_alive: impl Fn(&PeerId) -> bool) -> Option<&PeerId> {
-    succession.iter().find(|candidate| is_alive(candidate))
-}
-
 /// Whether a member of rank `rank` claims the tracker role after the tracker has been silent
 /// for `silence`, given the election `timeout`: rank 0 after one timeout, rank 1 after two, ...
 pub fn claims_now(rank: usize, silence: Duration, timeout: Duration) -> bool {
@@ -54,6 +49,12 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    /// The member of `succession` that takes over first, by the rule stated directly: the
+    /// first one alive. [`rank`] must give it, and only it, rank 0.
+    fn first_in_line(succession: &[PeerId], is_alive: impl Fn(&PeerId) -> bool) -> Option<&PeerId> {
+        succession.iter().find(|candidate| is_alive(candidate))
+    }
 
     fn ids(names: &[&str]) -> Vec<PeerId> {
         names.iter().map(|name| PeerId::new(*name)).collect()

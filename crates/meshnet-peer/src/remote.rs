@@ -152,11 +152,6 @@ impl RemoteStage {
         })
     }
 
-    /// The hops, in order.
-    pub fn hops(&self) -> Vec<PlannedHop> {
-        lock(&self.state).hops.clone()
-    }
-
     /// Sends `hidden` at `position` of `session` through the current route.
     fn send(
         &self,

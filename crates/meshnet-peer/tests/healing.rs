@@ -253,19 +253,10 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
     config.keypair = Some(tracker_key);
     let rejoined = meshnet_peer::start(config).await.unwrap();
     assert_eq!(rejoined.peer_id(), &old_id);
-    let started = Instant::now();
-    loop {
-        let status = rejoined.status();
-        if status.role == "peer" && status.tracker.as_ref() == Some(heir.peer_id()) {
-            break;
-        }
-        assert!(
-            started.elapsed() < DEADLINE,
-            "the old tracker did not step down: {}",
-            serde_json::to_string_pretty(&status).unwrap()
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    wait_for("the old tracker to step down", &rejoined, |s| {
+        s.role == "peer" && s.tracker.as_ref() == Some(heir.peer_id())
+    })
+    .await;
     assert_eq!(heir.status().role, "tracker");
     rejoined.shutdown().await;
     other.shutdown().await;
@@ -282,18 +273,7 @@ async fn a_takeover_claimed_by_a_member_off_the_succession_list_is_rejected_and_
     .await;
 
     // A member of the mesh that is not on the list claims a later term.
-    let mut config = meshnet_p2p::P2pConfig::new(
-        libp2p::identity::Keypair::generate_ed25519(),
-        tracker.model_id(),
-        meshnet_p2p::Role::Peer {
-            pinned_tracker: None,
-        },
-    );
-    config.transport = meshnet_p2p::TransportChoice::Memory;
-    config.listen = vec![common::memory_addr()];
-    config.bootstrap = tracker.p2p_addrs().await.unwrap();
-    config.assume_reachable = true;
-    let (usurper, _events) = meshnet_p2p::spawn(config).await.unwrap();
+    let (usurper, _events) = common::outsider(&tracker).await;
     let usurper_id = usurper.local_peer_id();
     let refused = |status: &StatusReport| {
         status.recent_rejections.iter().any(|rejection| {

@@ -6,7 +6,7 @@ mod common;
 use std::time::Instant;
 
 use common::{ANNOUNCE, converged, peer, tracker, wait_for};
-use meshnet_p2p::{DirectiveMessage, P2pConfig, Role, SpanStatus, TransportChoice};
+use meshnet_p2p::{DirectiveMessage, SpanStatus};
 use meshnet_planner::Directive;
 use meshnet_types::{LayerSpan, SpanState};
 
@@ -50,18 +50,7 @@ async fn a_directive_forged_by_a_non_tracker_is_rejected_and_not_acted_on() {
     let before = victim.current_span().unwrap().target;
 
     // A member of the mesh that is not the tracker forges a directive to the victim.
-    let mut forger_config = P2pConfig::new(
-        libp2p::identity::Keypair::generate_ed25519(),
-        tracker.model_id(),
-        Role::Peer {
-            pinned_tracker: None,
-        },
-    );
-    forger_config.transport = TransportChoice::Memory;
-    forger_config.listen = vec![common::memory_addr()];
-    forger_config.bootstrap = tracker.p2p_addrs().await.unwrap();
-    forger_config.assume_reachable = true;
-    let (forger, _events) = meshnet_p2p::spawn(forger_config).await.unwrap();
+    let (forger, _events) = common::outsider(&tracker).await;
     let forger_id = forger.local_peer_id();
     // The victim's rejection of this forger's directive, specifically.
     let rejected_forgery = |status: &meshnet_peer::status::StatusReport| {

@@ -113,6 +113,28 @@ pub async fn tracker(layers: u32) -> RunningPeer {
         .unwrap()
 }
 
+/// A bare control-plane node that joins the mesh through `via` as an ordinary member: what a
+/// hostile volunteer forging tracker messages would run. Returns its handle and events.
+pub async fn outsider(
+    via: &RunningPeer,
+) -> (
+    meshnet_p2p::P2pHandle,
+    tokio::sync::mpsc::Receiver<meshnet_p2p::P2pEvent>,
+) {
+    let mut config = meshnet_p2p::P2pConfig::new(
+        Keypair::generate_ed25519(),
+        via.model_id(),
+        meshnet_p2p::Role::Peer {
+            pinned_tracker: None,
+        },
+    );
+    config.transport = TransportChoice::Memory;
+    config.listen = vec![memory_addr()];
+    config.bootstrap = via.p2p_addrs().await.unwrap();
+    config.assume_reachable = true;
+    meshnet_p2p::spawn(config).await.unwrap()
+}
+
 /// Starts a peer able to hold `layers` layers, bootstrapping from `via`.
 pub async fn peer(layers: u32, via: &RunningPeer) -> RunningPeer {
     let bootstrap = via.p2p_addrs().await.unwrap();
