@@ -83,6 +83,9 @@ pub struct CoverageMessage {
     /// reachable peers with the memory for the first layers. A takeover claim from anyone
     /// else is rejected.
     pub succession: Vec<PeerId>,
+    /// The sender's HTTP base URL, where it answers the OpenAI-style API: members that
+    /// follow it pass API requests there.
+    pub tracker_http: String,
     /// Planning epoch of the map.
     pub epoch: u64,
     /// Monotonic publication counter of the tracker, to order messages of one epoch.
@@ -261,6 +264,7 @@ mod tests {
             model_id: "m".into(),
             term: 4,
             succession: vec![PlannerPeerId::from("b"), PlannerPeerId::from("c")],
+            tracker_http: "http://10.0.0.1:8080".into(),
             epoch: 3,
             sequence: 9,
             num_layers: 30,

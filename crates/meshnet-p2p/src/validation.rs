@@ -355,6 +355,7 @@ mod tests {
             model_id: "m".into(),
             term,
             succession,
+            tracker_http: "http://127.0.0.1:8080".into(),
             epoch: 1,
             sequence: 1,
             num_layers: 4,

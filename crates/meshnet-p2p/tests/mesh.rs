@@ -177,6 +177,7 @@ fn coverage(holder: PeerId, epoch: u64) -> CoverageMessage {
         model_id: MODEL.into(),
         term: 1,
         succession: Vec::new(),
+        tracker_http: "http://127.0.0.1:8080".into(),
         epoch,
         sequence: epoch * 10,
         num_layers: 30,

@@ -155,17 +155,24 @@ fn coverage() -> impl Strategy<Value = CoverageMessage> {
         any::<u64>(),
         any::<u32>(),
         coverage_map(),
-        (any::<u64>(), prop::collection::vec(".{0,52}", 0..4)),
+        (
+            any::<u64>(),
+            prop::collection::vec(".{0,52}", 0..4),
+            ".{0,40}",
+        ),
     )
         .prop_map(
-            |(model_id, epoch, sequence, num_layers, map, (term, succession))| CoverageMessage {
-                model_id,
-                term,
-                succession: succession.into_iter().map(PlannerPeerId::new).collect(),
-                epoch,
-                sequence,
-                num_layers,
-                map,
+            |(model_id, epoch, sequence, num_layers, map, (term, succession, tracker_http))| {
+                CoverageMessage {
+                    model_id,
+                    term,
+                    succession: succession.into_iter().map(PlannerPeerId::new).collect(),
+                    tracker_http,
+                    epoch,
+                    sequence,
+                    num_layers,
+                    map,
+                }
             },
         )
 }

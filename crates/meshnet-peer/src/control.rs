@@ -179,6 +179,7 @@ impl ControlLoop {
                 let mut following = lock(&self.member.following);
                 if following.tracker.is_none() {
                     following.tracker = Some(record.peer);
+                    following.tracker_http = Some(record.http_endpoint);
                     following.heard_at = Some(Instant::now());
                 }
             }
@@ -250,6 +251,7 @@ impl ControlLoop {
             tracing::info!(tracker = %from, term = coverage.term, "following tracker");
         }
         following.tracker = Some(from);
+        following.tracker_http = Some(coverage.tracker_http.clone());
         following.term = coverage.term;
         following.succession = coverage.succession.clone();
         following.heard_at = Some(Instant::now());
@@ -335,6 +337,7 @@ impl ControlLoop {
         {
             let mut following = lock(&member.following);
             following.tracker = Some(member.peer_id.clone());
+            following.tracker_http = Some(member.http_url.clone());
             following.term = term;
             following.heard_at = Some(Instant::now());
         }

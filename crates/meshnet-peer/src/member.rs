@@ -41,6 +41,8 @@ pub(crate) struct TrackerParts {
 pub(crate) struct Following {
     /// The tracker.
     pub(crate) tracker: Option<PeerId>,
+    /// Its HTTP base URL (where it answers the API), as its coverage map or record names it.
+    pub(crate) tracker_http: Option<String>,
     /// Its term.
     pub(crate) term: u64,
     /// Who may take over from it.
@@ -148,12 +150,17 @@ impl Member {
         }
     }
 
-    /// The tracker's HTTP base URL, from its latest announcement (or this member's own).
+    /// The tracker's HTTP base URL: this member's own on the tracker, else the one the
+    /// followed tracker's coverage map (or record) names, else its latest announcement's.
     pub(crate) fn tracker_url(&self) -> Option<String> {
         if self.is_tracker() {
             return Some(self.http_url.clone());
         }
-        let tracker = lock(&self.following).tracker.clone()?;
+        let following = lock(&self.following).clone();
+        let tracker = following.tracker?;
+        if let Some(url) = following.tracker_http.filter(|url| !url.is_empty()) {
+            return Some(url);
+        }
         let seen = lock(&self.seen);
         let (announcement, _) = seen.get(&tracker)?;
         announcement.http_endpoints.first().cloned()

@@ -37,6 +37,8 @@ pub struct StatusReport {
     pub free_kv_tokens: u64,
     /// The tracker this peer follows (itself on the tracker).
     pub tracker: Option<PeerId>,
+    /// Where that tracker answers the API (where this member passes `/v1` requests).
+    pub tracker_http: Option<String>,
     /// That tracker's term: 1 for a tracker started as one, one more per takeover.
     pub term: u64,
     /// Who may take over if the tracker goes silent, in order.
@@ -241,6 +243,7 @@ impl StatusReport {
                 .map(|target| target.status(SpanState::Loading)),
             active_sessions: member.active_sessions(),
             free_kv_tokens: host.free_kv_tokens(),
+            tracker_http: member.tracker_url(),
             tracker: following.tracker,
             term: following.term,
             succession: following.succession,

@@ -328,6 +328,7 @@ impl TrackerBook {
                 model_id: self.model_id.clone(),
                 term: self.term,
                 succession: self.succession(now),
+                tracker_http: self.own_endpoint.clone(),
                 epoch: self.epoch,
                 sequence: self.sequence,
                 num_layers: self.num_layers(),

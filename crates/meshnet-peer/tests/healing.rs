@@ -253,10 +253,14 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
     config.keypair = Some(tracker_key);
     let rejoined = meshnet_peer::start(config).await.unwrap();
     assert_eq!(rejoined.peer_id(), &old_id);
-    wait_for("the old tracker to step down", &rejoined, |s| {
+    let stepped_down = wait_for("the old tracker to step down", &rejoined, |s| {
         s.role == "peer" && s.tracker.as_ref() == Some(heir.peer_id())
     })
     .await;
+    // The map it follows names where the heir answers, so it passes chats on at once.
+    assert_eq!(stepped_down.tracker_http.as_deref(), Some(heir.http_url()));
+    let through_old = format!("{}/v1", rejoined.http_url());
+    assert!(!answer(&through_old, &model).await.is_empty());
     assert_eq!(heir.status().role, "tracker");
     rejoined.shutdown().await;
     other.shutdown().await;
@@ -292,6 +296,7 @@ async fn a_takeover_claimed_by_a_member_off_the_succession_list_is_rejected_and_
                 model_id: tracker.model_id().to_owned(),
                 term: 99,
                 succession: vec![usurper_id.clone()],
+                tracker_http: "http://127.0.0.1:9".into(),
                 epoch,
                 sequence: epoch,
                 num_layers: 30,
