@@ -46,13 +46,14 @@ else
   unset MESHNET_TESTNET_DIR
 fi
 
-step "self-healing: chaos, SIGTERM and tracker loss on a 5-process mesh, redundancy 2"
+step "self-healing: chaos, SIGTERM, SIGSTOP and tracker loss on a 5-process mesh, redundancy 2"
 if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
   echo "skipped: MESHNET_SKIP_MESH=1"
 else
   # A tracker and two groups of two peers, each group sized for the same span: every
   # non-tracker layer has two holders. chaos.py kills a peer mid-stream 20 times (restarting it
-  # each time) and then SIGTERMs one; every stream must finish equal to an unbroken one. Last,
+  # each time), SIGTERMs one and SIGSTOPs one; every stream must finish equal to an unbroken
+  # one. Last,
   # it kills the tracker: a client talking to another member must get answers again within
   # 10 s, and the restarted old tracker must join as a peer.
   MESHNET_TESTNET_DIR=$(mktemp -d)
@@ -63,6 +64,7 @@ else
   healing_failed=0
   python3 testnet/chaos.py chaos --runs 20 || healing_failed=1
   python3 testnet/chaos.py sigterm || healing_failed=1
+  python3 testnet/chaos.py stop || healing_failed=1
   python3 testnet/chaos.py tracker || healing_failed=1
   testnet/local.sh down
   trap - EXIT

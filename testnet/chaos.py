@@ -4,6 +4,7 @@
 Usage:
     testnet/chaos.py chaos [--runs 20] [--seed S] [--target any|on-route]
     testnet/chaos.py sigterm [--runs 1] [--seed S] [--at 10] [--target on-route|any]
+    testnet/chaos.py stop [--runs 1] [--seed S] [--at 10] [--target on-route|any]
     testnet/chaos.py reference
     testnet/chaos.py tracker [--member NAME]
 
@@ -34,6 +35,11 @@ with the reference.
   (--target any: any non-tracker process); the stream must finish without error and equal the
   reference, the process must exit with status 0 (from local.sh's exit file) within 35 s. Then
   it is restarted and the mesh healed as above.
+- stop: at delta --at sends SIGSTOP to a process serving the generation (a laptop lid closed,
+  a container paused: its connections stay open and nothing answers); the stream must finish
+  equal to the reference with a pause under 20 s (the tracker notices the missed
+  announcements; the hop timeout is 120 s). The process gets SIGCONT after the stream and the
+  mesh must heal as above.
 - reference: prints the reference stream (text, delta count, gaps) and exits.
 - tracker: streams the chat through another member (--member, default peer1: every member
   answers /v1 by passing requests to the tracker) and sends SIGKILL to the tracker at delta
@@ -751,6 +757,70 @@ def run_sigterm(net, args):
     return 1 if failed else 0
 
 
+# The longest pause a stream may show when a process on its route is stopped: the tracker
+# gives up on a hop once it missed three of its announcements (1.5 s at local.sh's 0.5 s
+# interval) and replays onto another holder; the hop timeout it would otherwise wait is 120 s.
+STOP_PAUSE_LIMIT_MS = 20_000
+
+
+def run_stop(net, args):
+    """SIGSTOP a process on the route mid-stream: the stream must finish equal to the
+    reference, well before the hop timeout; then SIGCONT it and wait for the mesh to heal."""
+    rng, model, reference = start_runs(
+        net, args, f"stop: {args.runs} run(s), seed {args.seed}, target {args.target}, "
+        f"SIGSTOP at delta {args.at}")
+    if len(reference.deltas) <= args.at:
+        raise MeshUnhealthy(f"the reference has only {len(reference.deltas)} deltas")
+    failed = False
+    for run in range(1, args.runs + 1):
+        candidates = net.names()
+        baseline = net.active_sessions(candidates)
+        stop = Disruption(net, signal.SIGSTOP, args.at, args.target, candidates, rng, baseline)
+        try:
+            got = stream_chat(net.base_url, model, on_delta=stop, timeout=args.stream_timeout)
+        finally:
+            if stop.pid is not None:
+                try:
+                    os.kill(stop.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+        problems = []
+        pause = None
+        if not stop.sent:
+            problems.append(got.error or f"the stream ended after {len(got.deltas)} deltas, "
+                            f"before delta {args.at}")
+        elif stop.error:
+            problems.append(stop.error)
+        elif got.error:
+            problems.append(f"the stream failed: {got.error}")
+        else:
+            pause = max(got.gaps_ms(since=stop.at) or [0.0])
+            diff = first_difference(reference, got)
+            if diff:
+                problems.append("the text differs from the reference:\n" + diff)
+            if pause > STOP_PAUSE_LIMIT_MS:
+                problems.append(f"the stream paused {pause:.0f} ms, more than "
+                                f"{STOP_PAUSE_LIMIT_MS} ms")
+        log(
+            f"run {run}: SIGSTOP {stop.name if stop.sent else '-'} (pid {stop.pid or '-'}, on "
+            f"route: {route_mark(stop.on_route)}, another holder: {route_mark(stop.backup)}) at "
+            f"delta {args.at}: stream {'ok' if got.error is None else 'FAILED'} "
+            f"({len(got.deltas)} deltas, pause {fmt_ms(pause)} ms); SIGCONT after the stream"
+        )
+        try:
+            heal = net.wait_healed(args.timeout)
+            log(f"run {run}: the stopped process resumed; healed {heal:.1f}s later")
+        except MeshUnhealthy as error:
+            log(f"stop: {error}")
+            return 3
+        if problems:
+            failed = True
+            log(f"run {run} FAILED:\n  " + "\n  ".join(problems))
+        else:
+            log(f"run {run} ok")
+    return 1 if failed else 0
+
+
 # The longest a client pointed at another member may go without answers after the tracker dies.
 TRACKER_RECOVERY_LIMIT = 10.0
 
@@ -898,7 +968,7 @@ def main():
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("mode", choices=["chaos", "sigterm", "reference", "tracker"])
+    parser.add_argument("mode", choices=["chaos", "sigterm", "stop", "reference", "tracker"])
     parser.add_argument("--run-dir", default=os.environ.get("MESHNET_TESTNET_DIR")
                         or os.path.join(os.environ.get("TMPDIR", "/tmp"), "meshnet-testnet"))
     parser.add_argument("--base-url", help="the OpenAI base URL (default: from the state file)")
@@ -906,8 +976,9 @@ def main():
     parser.add_argument("--runs", type=int, help="runs (chaos: 20, sigterm: 1)")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     parser.add_argument("--target", choices=["any", "on-route"],
-                        help="which process to disrupt (chaos: any, sigterm: on-route)")
-    parser.add_argument("--at", type=int, default=10, help="sigterm: the delta to send it at")
+                        help="which process to disrupt (chaos: any, sigterm and stop: on-route)")
+    parser.add_argument("--at", type=int, default=10,
+                        help="sigterm, stop: the delta to send the signal at")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds to wait for the mesh to heal")
     parser.add_argument("--stream-timeout", type=float, default=120.0,
@@ -933,6 +1004,7 @@ def main():
         mode = {
             "chaos": run_chaos,
             "sigterm": run_sigterm,
+            "stop": run_stop,
             "reference": run_reference,
             "tracker": run_tracker,
         }

@@ -18,6 +18,9 @@ pub enum HopFailureKind {
     Unreachable,
     /// The hop did not answer in time.
     Timeout,
+    /// The hop (or one after it) stopped announcing itself to the mesh while the sender waited
+    /// for the answer: it was stopped, cut off or died without closing its connections.
+    Silent,
     /// The hop answered with an HTTP error.
     Rejected {
         /// The HTTP status it answered.
@@ -44,6 +47,7 @@ impl HopFailureKind {
         match self {
             HopFailureKind::Unreachable
             | HopFailureKind::Timeout
+            | HopFailureKind::Silent
             | HopFailureKind::BadResponse
             | HopFailureKind::MismatchedResponse => true,
             HopFailureKind::InvalidEndpoint => false,
@@ -54,12 +58,14 @@ impl HopFailureKind {
     }
 
     /// A short, stable code: the hop's own error code when it answered with one, otherwise
-    /// `invalid_endpoint`, `unreachable`, `timeout`, `bad_response` or `mismatched_response`.
+    /// `invalid_endpoint`, `unreachable`, `timeout`, `silent`, `bad_response` or
+    /// `mismatched_response`.
     pub fn code(&self) -> &str {
         match self {
             HopFailureKind::InvalidEndpoint => "invalid_endpoint",
             HopFailureKind::Unreachable => "unreachable",
             HopFailureKind::Timeout => "timeout",
+            HopFailureKind::Silent => "silent",
             HopFailureKind::Rejected { code, .. } => code,
             HopFailureKind::BadResponse => "bad_response",
             HopFailureKind::MismatchedResponse => "mismatched_response",
@@ -139,6 +145,7 @@ impl fmt::Display for HopFailure {
             HopFailureKind::InvalidEndpoint => write!(f, " has an invalid endpoint")?,
             HopFailureKind::Unreachable => write!(f, " is unreachable")?,
             HopFailureKind::Timeout => write!(f, " timed out")?,
+            HopFailureKind::Silent => write!(f, " stopped announcing itself")?,
             HopFailureKind::Rejected { status, code } => write!(f, " answered {status} {code}")?,
             HopFailureKind::BadResponse => write!(f, " sent an invalid frame")?,
             HopFailureKind::MismatchedResponse => write!(f, " answered for the wrong request")?,
@@ -185,6 +192,7 @@ impl From<FailedHopWire> for HopFailure {
             },
             (None, "invalid_endpoint") => HopFailureKind::InvalidEndpoint,
             (None, "timeout") => HopFailureKind::Timeout,
+            (None, "silent") => HopFailureKind::Silent,
             (None, "bad_response") => HopFailureKind::BadResponse,
             (None, "mismatched_response") => HopFailureKind::MismatchedResponse,
             (None, _) => HopFailureKind::Unreachable,
@@ -209,6 +217,7 @@ mod tests {
         for kind in [
             HopFailureKind::Unreachable,
             HopFailureKind::Timeout,
+            HopFailureKind::Silent,
             HopFailureKind::BadResponse,
             HopFailureKind::MismatchedResponse,
             rejected(500, "compute_failed"),
@@ -243,6 +252,7 @@ mod tests {
             HopFailureKind::InvalidEndpoint,
             HopFailureKind::Unreachable,
             HopFailureKind::Timeout,
+            HopFailureKind::Silent,
             rejected(503, "overloaded"),
             HopFailureKind::BadResponse,
             HopFailureKind::MismatchedResponse,

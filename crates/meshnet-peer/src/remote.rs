@@ -7,7 +7,8 @@
 //!
 //! The stage keeps every hidden state it has sent (the entry's output, as the wire carries it:
 //! bfloat16). When a hop fails in a way another peer could get past (it is unreachable, timed
-//! out, answered 5xx or 429, or no longer serves the layers), the stage keeps the failed peer
+//! out, answered 5xx or 429, no longer serves the layers, or stopped announcing itself while
+//! the stage waited for its answer), the stage keeps the failed peer
 //! off routes, takes a new route from the tracker's book (waiting, bounded, for the mesh to
 //! cover the layers again), replays the recorded hidden states through it frame by frame as
 //! they were first sent (prefill chunks, then decode steps) under a new session id to rebuild
@@ -34,6 +35,9 @@ pub const END_SESSION_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often a failover waiting for the mesh to cover the layers again looks for a route.
 const RECOVERY_POLL: Duration = Duration::from_millis(200);
+
+/// How often a send waiting for its answer checks that the route's hops still announce.
+const SILENCE_POLL: Duration = Duration::from_millis(200);
 
 /// How a generation gets past a failed hop.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -177,15 +181,44 @@ impl RemoteStage {
             },
             activations,
         };
-        let answer = self
-            .runtime
-            .block_on(self.client.forward(&first.endpoint, frame, self.encoding))
-            .map_err(|error| hop_error(state, error))?;
+        let answer = self.runtime.block_on(async {
+            tokio::select! {
+                answer = self.client.forward(&first.endpoint, frame, self.encoding) => {
+                    answer.map_err(|error| hop_error(state, error))
+                }
+                silent = self.first_silent_hop(state) => Err(silent),
+            }
+        })?;
         answer
             .activations
             .into_tensor(&Device::Cpu)
             .and_then(|t| Ok(t.to_dtype(DType::F32)?))
             .map_err(|e| SendError::Other(e.into()))
+    }
+
+    /// Resolves once a hop of the route stops announcing itself (stopped, cut off, or dead
+    /// without closing its connections), with that hop's failure; the answer it holds up may
+    /// otherwise only end with the hop timeout.
+    async fn first_silent_hop(&self, state: &RouteState) -> SendError {
+        let peers: Vec<PeerId> = state.hops.iter().map(|hop| hop.peer.clone()).collect();
+        loop {
+            tokio::time::sleep(SILENCE_POLL).await;
+            let Some(peer) = self.failover.routes.first_silent(&peers) else {
+                continue;
+            };
+            let endpoint = state
+                .hops
+                .iter()
+                .find(|hop| hop.peer == peer)
+                .map_or_else(String::new, |hop| hop.endpoint.clone());
+            let mut failure = HopFailure::new(
+                endpoint,
+                HopFailureKind::Silent,
+                "the tracker stopped hearing its announcements while waiting for the answer",
+            );
+            failure.peer = Some(peer);
+            return SendError::Hop(Box::new(failure));
+        }
     }
 
     /// Gets the generation past `failure`: a new route, the history replayed through it under
@@ -510,5 +543,166 @@ impl Stage for RemoteStage {
 
     fn name(&self) -> String {
         describe(&lock(&self.state).hops)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+
+    use meshnet_node::{ActivationPlane, ExecutorError, SpanExecutor};
+    use meshnet_wire::Limits;
+
+    use super::*;
+    use crate::routing::Uncovered;
+
+    /// Stand-in layers: each adds 1 to every value.
+    struct AddOnePerLayer;
+
+    impl SpanExecutor for AddOnePerLayer {
+        fn served_layers(&self) -> Option<LayerSpan> {
+            Some(LayerSpan::new(10, 30))
+        }
+
+        fn forward(
+            &self,
+            meta: &FrameMeta,
+            input: Activations,
+        ) -> Result<Activations, ExecutorError> {
+            let add = meta.layers.len() as f32;
+            let (shape, values) = input.into_parts();
+            let values = values
+                .into_iter()
+                .map(|v| half::bf16::from_f32(v.to_f32() + add))
+                .collect();
+            Activations::new(shape, values).map_err(|e| ExecutorError::Compute(e.to_string()))
+        }
+    }
+
+    /// Two holders of 10..30: `stopped` (first choice until banned), then `healthy`.
+    /// `stopped` counts as silent once `silent` is set.
+    struct TwoHolders {
+        stopped: PlannedHop,
+        healthy: PlannedHop,
+        silent: AtomicBool,
+        banned: Mutex<Vec<(PeerId, String)>>,
+    }
+
+    impl MeshRoutes for TwoHolders {
+        fn route(&self, _start: u32, avoid: &[PeerId]) -> Result<Vec<PlannedHop>, Uncovered> {
+            let banned = lock(&self.banned)
+                .iter()
+                .any(|(p, _)| *p == self.stopped.peer);
+            if banned || avoid.contains(&self.stopped.peer) {
+                Ok(vec![self.healthy.clone()])
+            } else {
+                Ok(vec![self.stopped.clone()])
+            }
+        }
+
+        fn ban(&self, peer: &PeerId, cause: &str) {
+            lock(&self.banned).push((peer.clone(), cause.to_owned()));
+        }
+
+        fn first_silent(&self, peers: &[PeerId]) -> Option<PeerId> {
+            (self.silent.load(Ordering::Relaxed) && peers.contains(&self.stopped.peer))
+                .then(|| self.stopped.peer.clone())
+        }
+    }
+
+    fn hop(peer: &str, endpoint: String) -> PlannedHop {
+        PlannedHop {
+            peer: PeerId::new(peer),
+            endpoint,
+            layers: LayerSpan::new(10, 30),
+        }
+    }
+
+    /// A hop that is stopped (it holds connections open and never answers) is given up on
+    /// once it stops announcing, long before the hop timeout, and the step goes to the other
+    /// holder with the history replayed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hop_that_stops_announcing_is_routed_around_before_its_timeout() {
+        let limits = Limits::default();
+        let client = ForwardClient::new(limits, Duration::from_secs(60)).unwrap();
+        let healthy_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let healthy_url = format!("http://{}", healthy_listener.local_addr().unwrap());
+        let router =
+            ActivationPlane::new(Arc::new(AddOnePerLayer), limits, client.clone()).router();
+        tokio::spawn(async move { axum::serve(healthy_listener, router).await });
+        // Accepts connections and keeps them, answering nothing: a stopped process.
+        let stopped_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stopped_url = format!("http://{}", stopped_listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = stopped_listener.accept().await {
+                held.push(socket);
+            }
+        });
+
+        let routes = Arc::new(TwoHolders {
+            stopped: hop("stopped", stopped_url),
+            healthy: hop("healthy", healthy_url),
+            silent: AtomicBool::new(false),
+            banned: Mutex::new(Vec::new()),
+        });
+        let failover = Failover {
+            routes: Arc::clone(&routes) as Arc<dyn MeshRoutes>,
+            policy: FailoverPolicy::default(),
+            completed: Arc::new(AtomicU64::new(0)),
+        };
+        let first = routes.route(10, &[]).unwrap();
+        let stage = RemoteStage::new(
+            10,
+            first,
+            client,
+            Handle::current(),
+            Encoding::Raw,
+            failover.clone(),
+        )
+        .unwrap();
+        let stage = Arc::new(stage);
+
+        // The prefill goes to the stopped hop's holder before it stops: it never answers.
+        // Mark it silent shortly after the send started.
+        let marker = Arc::clone(&routes);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            marker.silent.store(true, Ordering::Relaxed);
+        });
+        let session = SessionId::new_v4();
+        let started = Instant::now();
+        let prompt = Tensor::ones((1, 3, 4), DType::F32, &Device::Cpu).unwrap();
+        let running = Arc::clone(&stage);
+        let output = tokio::task::spawn_blocking(move || running.forward(session, 0, prompt))
+            .await
+            .unwrap()
+            .unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(30),
+            "gave up on the stopped hop only after {took:?}"
+        );
+        // 20 layers of +1 on the healthy holder.
+        let values: Vec<f32> = output.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(values.iter().all(|v| *v == 21.0), "{values:?}");
+        let banned = lock(&routes.banned).clone();
+        assert_eq!(banned.len(), 1, "{banned:?}");
+        assert_eq!(banned[0].0, PeerId::new("stopped"));
+        assert!(banned[0].1.contains("stopped announcing"), "{banned:?}");
+        assert_eq!(failover.completed.load(Ordering::Relaxed), 1);
+
+        // The next step continues on the healthy holder at the next position.
+        let step = Tensor::ones((1, 1, 4), DType::F32, &Device::Cpu).unwrap();
+        let running = Arc::clone(&stage);
+        let next = tokio::task::spawn_blocking(move || running.forward(session, 3, step))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(next.dims(), &[1, 1, 4]);
+        assert!(stage.name().contains("layers 10..30"));
     }
 }

@@ -51,6 +51,10 @@ pub trait MeshRoutes: Send + Sync {
 
     /// Keeps `peer` off routes for a while: it failed a generation because of `cause`.
     fn ban(&self, peer: &PeerId, cause: &str);
+
+    /// The first of `peers` that stopped announcing itself (or is no longer known): a hop
+    /// whose answer may never come.
+    fn first_silent(&self, peers: &[PeerId]) -> Option<PeerId>;
 }
 
 /// Why no route exists.

@@ -411,6 +411,18 @@ impl TrackerBook {
             .collect()
     }
 
+    /// The first of `peers` not heard from for the expiry at `now`, or not known at all.
+    pub fn first_silent(&self, peers: &[PeerId], now: Instant) -> Option<PeerId> {
+        peers
+            .iter()
+            .find(|peer| {
+                self.peers
+                    .get(*peer)
+                    .is_none_or(|known| now.duration_since(known.last_seen) > self.expiry)
+            })
+            .cloned()
+    }
+
     /// The hops a generation would take after the tracker's own span, which ends at `start`.
     pub fn route(&self, start: u32) -> Result<Vec<PlannedHop>, Uncovered> {
         self.route_avoiding(start, &[], Instant::now())
@@ -506,6 +518,10 @@ impl MeshRoutes for std::sync::Mutex<TrackerBook> {
 
     fn ban(&self, peer: &PeerId, cause: &str) {
         lock(self).ban(peer, cause, Instant::now());
+    }
+
+    fn first_silent(&self, peers: &[PeerId]) -> Option<PeerId> {
+        lock(self).first_silent(peers, Instant::now())
     }
 }
 
