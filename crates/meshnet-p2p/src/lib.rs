@@ -15,7 +15,8 @@
 //!   limit, over TCP + QUIC or the in-memory transport ([`TransportChoice`]).
 //! - **Event loop** ([`spawn`]): one task owns the swarm; a cloneable
 //!   [`P2pHandle`] sends it commands and a bounded channel delivers
-//!   [`P2pEvent`]s.
+//!   [`P2pEvent`]s; [`P2pHandle::gossip_traffic`] reads how much gossip it
+//!   published and received.
 //!
 //! Gossip runs on three topics per model ([`topic_name`]). Every message is
 //! validated before it propagates: it must decode, be for our model, an
@@ -41,6 +42,10 @@ mod ids;
 #[cfg(feature = "network")]
 mod node;
 #[cfg(feature = "network")]
+mod outbox;
+#[cfg(feature = "network")]
+mod traffic;
+#[cfg(feature = "network")]
 mod validation;
 
 pub use error::P2pError;
@@ -59,3 +64,5 @@ pub use identity::{IDENTITY_FILE_NAME, load_or_create_identity};
 pub use ids::{libp2p_peer_id, mesh_peer_id, parse_peer_id};
 #[cfg(feature = "network")]
 pub use node::{P2pHandle, spawn};
+#[cfg(feature = "network")]
+pub use traffic::GossipTraffic;

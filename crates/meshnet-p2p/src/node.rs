@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -23,6 +24,8 @@ use crate::messages::{
     CoverageMessage, DirectiveMessage, PeerAnnouncement, TopicKind, TrackerRecord, decode, encode,
     topic_name, tracker_record_key,
 };
+use crate::outbox::Outbox;
+use crate::traffic::{GossipTraffic, TrafficCounters};
 use crate::validation::{Admission, Verdict};
 
 /// Capacity of the command channel from handles to the event loop.
@@ -83,6 +86,7 @@ enum Command {
 pub struct P2pHandle {
     local_peer_id: PeerId,
     commands: mpsc::Sender<Command>,
+    traffic: Arc<TrafficCounters>,
 }
 
 impl std::fmt::Debug for Command {
@@ -105,6 +109,12 @@ impl P2pHandle {
     /// This node's peer id.
     pub fn local_peer_id(&self) -> MeshPeerId {
         mesh_peer_id(&self.local_peer_id)
+    }
+
+    /// The gossip this node has published and received so far (payload bytes). Reads
+    /// counters; never waits for the event loop.
+    pub fn gossip_traffic(&self) -> GossipTraffic {
+        self.traffic.snapshot()
     }
 
     async fn request<T>(&self, command: impl FnOnce(Reply<T>) -> Command) -> Result<T, P2pError> {
@@ -268,7 +278,10 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
     };
     let (command_sender, commands) = mpsc::channel(COMMAND_CAPACITY);
     let (event_sender, events) = mpsc::channel(EVENT_CAPACITY);
+    let traffic = Arc::new(TrafficCounters::default());
     let event_loop = EventLoop {
+        traffic: Arc::clone(&traffic),
+        outbox: Outbox::default(),
         topic_kinds: topics
             .iter()
             .map(|(kind, topic)| (topic.hash(), *kind))
@@ -306,6 +319,7 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
         P2pHandle {
             local_peer_id,
             commands: command_sender,
+            traffic,
         },
         events,
     ))
@@ -331,6 +345,10 @@ fn split_peer_id(address: &Multiaddr) -> Option<(PeerId, Multiaddr)> {
 const BOOTSTRAP_REDIAL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
 
 struct EventLoop {
+    /// Gossip published and received, read by the handles.
+    traffic: Arc<TrafficCounters>,
+    /// Events waiting while the application's channel is full.
+    outbox: Outbox,
     swarm: Swarm<MeshBehaviour>,
     commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<P2pEvent>,
@@ -388,6 +406,8 @@ impl EventLoop {
         let mut redial_timer = tokio::time::interval(BOOTSTRAP_REDIAL_INTERVAL);
         redial_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let redials = !self.bootstrap.is_empty();
+        // Its own sender, so a permit to send does not borrow the loop.
+        let events = self.events.clone();
 
         let shutdown_reply = loop {
             let looks_up_tracker = !self.is_tracker;
@@ -400,12 +420,17 @@ impl EventLoop {
                 },
                 () = &mut lookup_timer, if looks_up_tracker => {
                     self.look_up_tracker();
-                    let next = if self.discovered_record.is_some() {
+                    let next = if self.reaches_tracker() {
                         TRACKER_REFRESH_INTERVAL
                     } else {
                         self.tracker_lookup_interval
                     };
                     lookup_timer.as_mut().reset(tokio::time::Instant::now() + next);
+                }
+                permit = events.reserve(), if !self.outbox.is_empty() => {
+                    if let (Ok(permit), Some(event)) = (permit, self.outbox.pop()) {
+                        permit.send(event);
+                    }
                 }
                 _ = redial_timer.tick(), if redials => self.redial_bootstrap(),
                 _ = republish_timer.tick(), if self.own_record.is_some() => {
@@ -422,13 +447,22 @@ impl EventLoop {
         }
     }
 
-    fn emit(&self, event: P2pEvent) {
-        match self.events.try_send(event) {
-            Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(event)) => {
-                tracing::warn!(?event, "p2p event consumer is too slow, event dropped");
+    /// Hands `event` to the application, or keeps it in the outbox while the channel is full
+    /// (or older events wait there).
+    fn emit(&mut self, event: P2pEvent) {
+        let event = if self.outbox.is_empty() {
+            match self.events.try_send(event) {
+                Ok(()) | Err(mpsc::error::TrySendError::Closed(_)) => return,
+                Err(mpsc::error::TrySendError::Full(event)) => event,
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        } else {
+            event
+        };
+        if !self.outbox.push(event) {
+            tracing::warn!(
+                dropped = self.outbox.dropped(),
+                "p2p event consumer is too slow and the outbox is full: event dropped"
+            );
         }
     }
 
@@ -496,13 +530,17 @@ impl EventLoop {
                 reason: "not subscribed".to_owned(),
             });
         };
+        let bytes = data.len();
         match self
             .swarm
             .behaviour_mut()
             .gossipsub
             .publish(topic.clone(), data)
         {
-            Ok(_) => Ok(()),
+            Ok(_) => {
+                self.traffic.published(bytes);
+                Ok(())
+            }
             Err(PublishError::NoPeersSubscribedToTopic) => {
                 tracing::debug!(%topic, "no subscriber yet, message not sent");
                 Ok(())
@@ -556,6 +594,14 @@ impl EventLoop {
                 tracing::debug!(%address, %error, "bootstrap redial failed");
             }
         }
+    }
+
+    /// Whether this node has its tracker: it found the record, or it hears the tracker's
+    /// coverage maps. Until then it looks the record up every few seconds (and whenever a new
+    /// DHT neighbour appears); after, only to refresh it, so a hundred members do not keep
+    /// the DHT busy with queries whose answer they have.
+    fn reaches_tracker(&self) -> bool {
+        self.discovered_record.is_some() || self.heard_tracker_at.is_some()
     }
 
     fn look_up_tracker(&mut self) {
@@ -679,7 +725,7 @@ impl EventLoop {
             }
         }
         // A new DHT neighbour may know the tracker: ask at once rather than at the next tick.
-        if !self.is_tracker && self.discovered_record.is_none() {
+        if !self.is_tracker && !self.reaches_tracker() {
             self.look_up_tracker();
         }
     }
@@ -841,6 +887,7 @@ impl EventLoop {
         message_id: &gossipsub::MessageId,
         message: gossipsub::Message,
     ) {
+        self.traffic.received(message.data.len());
         let topic = message.topic.as_str().to_owned();
         let verdict = match (self.topic_kinds.get(&message.topic), message.source) {
             (None, _) => Verdict::Ignore(format!("not subscribed to {topic}")),

@@ -106,6 +106,8 @@ pub(crate) struct Member {
     pub(crate) announce_now: tokio::sync::Notify,
     /// Passes API requests on to the tracker when this member is not it.
     pub(crate) proxy: reqwest::Client,
+    /// The control plane (for its gossip counts).
+    pub(crate) p2p: meshnet_p2p::P2pHandle,
 }
 
 /// How many refusals `/status` lists.

@@ -257,6 +257,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         leaving: AtomicBool::new(false),
         announce_now: tokio::sync::Notify::new(),
         proxy: crate::http::proxy_client()?,
+        p2p: p2p.clone(),
     });
     Ok(run(
         member,

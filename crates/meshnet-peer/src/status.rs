@@ -54,6 +54,8 @@ pub struct StatusReport {
     pub leaving: bool,
     /// This member's smoothed milliseconds per decode step of its layers (0 before one ran).
     pub forward_latency_ms: f64,
+    /// Gossip this member published and received since it started (payload bytes).
+    pub gossip: meshnet_p2p::GossipTraffic,
     /// Peers kept off routes after failing a generation (tracker only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub banned: Option<Vec<BanReport>>,
@@ -252,6 +254,7 @@ impl StatusReport {
             failovers: member.failovers.load(Ordering::Relaxed),
             leaving: member.leaving.load(Ordering::Relaxed),
             forward_latency_ms: host.forward_latency_ms(),
+            gossip: member.p2p.gossip_traffic(),
             banned,
             coverage: lock(&member.coverage)
                 .as_ref()
