@@ -74,6 +74,9 @@ pub(crate) struct ControlLoop {
     last_directive: Option<(PeerId, u64)>,
     /// Present on the tracker only.
     planning: Option<Planning>,
+    /// The silence (by when the tracker was last heard) for which this member already said it
+    /// hears too few others to take over.
+    cut_off_warned: Option<Instant>,
 }
 
 impl ControlLoop {
@@ -95,6 +98,7 @@ impl ControlLoop {
             loader: Loader::default(),
             last_directive: None,
             planning,
+            cut_off_warned: None,
         }
     }
 
@@ -278,20 +282,49 @@ impl ControlLoop {
         let now = Instant::now();
         let silence = now.duration_since(heard_at);
         let timeout = self.announce_interval * 3;
-        let alive = {
+        // The peers of the tracker's last map, the tracker aside: who must be heard for a
+        // majority.
+        let members: Vec<PeerId> = {
+            let coverage = lock(&member.coverage);
+            let mut peers: Vec<PeerId> = coverage
+                .as_ref()
+                .map(|c| c.map.holdings.iter().map(|h| h.peer.clone()).collect())
+                .unwrap_or_default();
+            peers.retain(|peer| *peer != tracker);
+            peers.sort();
+            peers.dedup();
+            peers
+        };
+        let (rank, quorum) = {
             let seen = lock(&member.seen);
-            move |peer: &PeerId| {
+            let alive = |peer: &PeerId| {
                 *peer == member.peer_id
                     || seen.get(peer).is_some_and(|(announcement, at)| {
                         !announcement.leaving && now.duration_since(*at) <= timeout
                     })
-            }
+            };
+            (
+                crate::election::rank(&following.succession, &member.peer_id, alive),
+                crate::election::has_quorum(&members, alive),
+            )
         };
-        let Some(rank) = crate::election::rank(&following.succession, &member.peer_id, alive)
-        else {
+        let Some(rank) = rank else {
             return;
         };
         if !crate::election::claims_now(rank, silence, timeout) {
+            return;
+        }
+        if !quorum {
+            if self.cut_off_warned != Some(heard_at) {
+                self.cut_off_warned = Some(heard_at);
+                tracing::warn!(
+                    %tracker,
+                    silent_ms = silence.as_millis() as u64,
+                    members = members.len(),
+                    "the tracker went silent, but this member hears too few of the others to \
+                     take over (cut off from the mesh?)"
+                );
+            }
             return;
         }
         let term = following.term + 1;

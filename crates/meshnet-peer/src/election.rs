@@ -7,7 +7,9 @@
 //! later if the first has not spoken by then, and so on. Every member that hears the same
 //! announcements computes the same ranks, so one member claims first; if two claim the same
 //! term anyway, the lower peer id wins ([`meshnet_types::claim_beats`], which every member's
-//! gossip validation applies), and a higher term always wins.
+//! gossip validation applies), and a higher term always wins. Only a member that still hears
+//! a majority of the mesh claims ([`has_quorum`]): one cut off from the others must not become
+//! the tracker of a partition of one.
 //! Pure logic: the caller passes in the list, who is alive, and the time.
 
 use std::time::Duration;
@@ -35,6 +37,16 @@ pub fn rank(
     None
 }
 
+/// Whether the members still heard make a majority of `members` (the peers of the tracker's
+/// last coverage map other than the tracker): a member cut off from the mesh hears nobody and
+/// must not make itself tracker of a partition of one, whose higher term would then win when
+/// the partition heals. Members that hear more than half of the mesh are on the majority
+/// side, and at most one side has a majority.
+pub fn has_quorum(members: &[PeerId], is_alive: impl Fn(&PeerId) -> bool) -> bool {
+    let heard = members.iter().filter(|member| is_alive(member)).count();
+    heard * 2 > members.len()
+}
+
 /// Whether a member of rank `rank` claims the tracker role after the tracker has been silent
 /// for `silence`, given the election `timeout`: rank 0 after one timeout, rank 1 after two, ...
 pub fn claims_now(rank: usize, silence: Duration, timeout: Duration) -> bool {
@@ -58,6 +70,18 @@ mod tests {
 
     fn ids(names: &[&str]) -> Vec<PeerId> {
         names.iter().map(|name| PeerId::new(*name)).collect()
+    }
+
+    #[test]
+    fn only_a_majority_may_elect() {
+        let mesh = ids(&["a", "b", "c", "d"]);
+        assert!(has_quorum(&mesh, |p: &PeerId| p.as_str() != "d"));
+        // Half is not a majority: two sides of two must not both elect.
+        assert!(!has_quorum(&mesh, |p: &PeerId| p.as_str() < "c"));
+        // Cut off: a member hears only itself.
+        assert!(!has_quorum(&mesh, |p: &PeerId| p.as_str() == "a"));
+        // The last peer of a two-member mesh takes over when the tracker dies.
+        assert!(has_quorum(&ids(&["a"]), |_: &PeerId| true));
     }
 
     #[test]
@@ -102,6 +126,19 @@ mod tests {
                 Some(winner) => prop_assert_eq!(firsts, vec![winner]),
                 None => prop_assert!(firsts.is_empty()),
             }
+        }
+
+        /// However a mesh splits in two, at most one side has a quorum.
+        #[test]
+        fn at_most_one_side_of_a_split_has_a_quorum(
+            mesh in prop::collection::btree_set(0u8..40, 1..20),
+            side in prop::collection::btree_set(0u8..40, 0..20),
+        ) {
+            let members: Vec<PeerId> = mesh.iter().map(|n| PeerId::new(format!("p{n:02}"))).collect();
+            let one: BTreeSet<PeerId> = side.iter().map(|n| PeerId::new(format!("p{n:02}"))).collect();
+            let this_side = has_quorum(&members, |p| one.contains(p));
+            let other_side = has_quorum(&members, |p| !one.contains(p));
+            prop_assert!(!(this_side && other_side));
         }
 
         /// Of any set of claims, exactly one beats all others.
