@@ -43,6 +43,8 @@ struct Planning {
     record_epoch: Option<u64>,
     /// Whether the mesh covered the model at the last plan.
     covered: bool,
+    /// The coverage map last published, and when.
+    published: Option<(meshnet_p2p::CoverageMessage, tokio::time::Instant)>,
 }
 
 impl Planning {
@@ -53,6 +55,7 @@ impl Planning {
             replan_at: Some(tokio::time::Instant::now()),
             record_epoch: None,
             covered: false,
+            published: None,
         }
     }
 
@@ -60,6 +63,27 @@ impl Planning {
     fn plan_by(&mut self, at: tokio::time::Instant) {
         self.replan_at.get_or_insert(at);
     }
+}
+
+/// Whether `coverage` should go out at `now` after `last` (the map last published, and when):
+/// it says something `last` did not (everything but the sequence number compared), or `last`
+/// is `heartbeat` old, so followers keep hearing their tracker. Replans while peers load come
+/// every few hundred milliseconds; an unchanged map need not reach every member each time.
+fn coverage_due<T: Copy + Ord + std::ops::Sub<Output = Duration>>(
+    last: Option<&(meshnet_p2p::CoverageMessage, T)>,
+    coverage: &meshnet_p2p::CoverageMessage,
+    now: T,
+    heartbeat: Duration,
+) -> bool {
+    let Some((last, at)) = last else {
+        return true;
+    };
+    let same = last.term == coverage.term
+        && last.epoch == coverage.epoch
+        && last.succession == coverage.succession
+        && last.tracker_http == coverage.tracker_http
+        && last.map == coverage.map;
+    !same || now.max(*at) - *at >= heartbeat
 }
 
 /// The control loop of one member.
@@ -492,8 +516,24 @@ impl ControlLoop {
         }
         let epoch = outcome.coverage.epoch;
         *lock(&self.member.coverage) = Some(outcome.coverage.clone());
-        if let Err(error) = self.p2p.publish_coverage(outcome.coverage).await {
-            tracing::warn!(%error, "publishing the coverage map failed");
+        let now = tokio::time::Instant::now();
+        // A tick comes every announcement interval; the heartbeat allows a little jitter.
+        let heartbeat = self.announce_interval.mul_f64(0.9);
+        let due = self.planning.as_ref().is_some_and(|planning| {
+            coverage_due(
+                planning.published.as_ref(),
+                &outcome.coverage,
+                now,
+                heartbeat,
+            )
+        });
+        if due {
+            if let Some(planning) = &mut self.planning {
+                planning.published = Some((outcome.coverage.clone(), now));
+            }
+            if let Err(error) = self.p2p.publish_coverage(outcome.coverage).await {
+                tracing::warn!(%error, "publishing the coverage map failed");
+            }
         }
         for directive in outcome.directives {
             tracing::info!(
@@ -545,5 +585,52 @@ impl ControlLoop {
         if let Err(error) = self.p2p.set_tracker_record(record).await {
             tracing::warn!(%error, "storing the tracker record failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use meshnet_planner::CoverageMap;
+
+    use super::*;
+
+    fn coverage(epoch: u64, sequence: u64) -> meshnet_p2p::CoverageMessage {
+        meshnet_p2p::CoverageMessage {
+            model_id: "m".into(),
+            term: 1,
+            succession: Vec::new(),
+            tracker_http: "http://t".into(),
+            epoch,
+            sequence,
+            num_layers: 30,
+            map: CoverageMap::empty(epoch),
+        }
+    }
+
+    #[test]
+    fn an_unchanged_map_goes_out_once_per_heartbeat_and_a_changed_one_at_once() {
+        let start = Instant::now();
+        let heartbeat = Duration::from_secs(2);
+        let sent = (coverage(5, 1), start);
+        assert!(coverage_due(None, &coverage(5, 1), start, heartbeat));
+        // Only the sequence moved: not yet.
+        let soon = start + Duration::from_millis(300);
+        assert!(!coverage_due(Some(&sent), &coverage(5, 2), soon, heartbeat));
+        // A new epoch (the holdings changed): at once.
+        assert!(coverage_due(Some(&sent), &coverage(6, 2), soon, heartbeat));
+        // Another succession list or term: at once.
+        let mut listed = coverage(5, 2);
+        listed.succession = vec![PeerId::new("heir")];
+        assert!(coverage_due(Some(&sent), &listed, soon, heartbeat));
+        let mut later_term = coverage(5, 2);
+        later_term.term = 2;
+        assert!(coverage_due(Some(&sent), &later_term, soon, heartbeat));
+        // The heartbeat.
+        assert!(coverage_due(
+            Some(&sent),
+            &coverage(5, 9),
+            start + heartbeat,
+            heartbeat
+        ));
     }
 }
