@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use libp2p::Multiaddr;
@@ -9,6 +10,7 @@ use libp2p::identity::Keypair;
 use meshnet_p2p::TransportChoice;
 use meshnet_types::{PeerId, Quantization};
 
+use crate::mesh_model::MeshModel;
 use crate::remote::FailoverPolicy;
 
 /// How a peer is started.
@@ -17,6 +19,9 @@ pub struct PeerConfig {
     /// The model: a Llama GGUF file or a Hugging Face GPT-2 directory; every member of a mesh
     /// runs the same one.
     pub model_path: PathBuf,
+    /// The model at `model_path`, already opened: many members in one process (tests,
+    /// benchmarks) share one instead of each reading and hashing the file.
+    pub model: Option<Arc<MeshModel>>,
     /// Take the tracker role.
     pub tracker: bool,
     /// Where the HTTP server (activation plane, status, and on the tracker the OpenAI API)
@@ -70,6 +75,7 @@ impl PeerConfig {
     pub fn new(model_path: PathBuf, data_dir: PathBuf) -> Self {
         PeerConfig {
             model_path,
+            model: None,
             tracker: false,
             http_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise_http: None,

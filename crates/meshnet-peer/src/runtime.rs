@@ -166,8 +166,13 @@ async fn blocking<T: Send + 'static>(
 
 /// Opens the model, binds the HTTP server, joins the mesh and starts the control loop.
 pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
-    let path = config.model_path.clone();
-    let model = Arc::new(blocking(move || MeshModel::open(&path)).await?);
+    let model = match &config.model {
+        Some(model) => Arc::clone(model),
+        None => {
+            let path = config.model_path.clone();
+            Arc::new(blocking(move || MeshModel::open(&path)).await?)
+        }
+    };
     let quantizations = if config.quantizations.is_empty() {
         vec![model.shipped_format()]
     } else {

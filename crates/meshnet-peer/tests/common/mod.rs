@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use libp2p::Multiaddr;
@@ -34,10 +34,10 @@ pub fn model_path() -> PathBuf {
     path
 }
 
-/// The default model, opened once per test binary.
-pub fn model() -> &'static MeshModel {
-    static MODEL: OnceLock<MeshModel> = OnceLock::new();
-    MODEL.get_or_init(|| MeshModel::open(&model_path()).unwrap())
+/// The default model, opened once per test binary and shared by every member it starts.
+pub fn model() -> &'static Arc<MeshModel> {
+    static MODEL: OnceLock<Arc<MeshModel>> = OnceLock::new();
+    MODEL.get_or_init(|| Arc::new(MeshModel::open(&model_path()).unwrap()))
 }
 
 /// The `--memory` that holds exactly `layers` layers in the shipped format with the test's KV
@@ -94,6 +94,7 @@ fn rand_port() -> u64 {
 /// A config for an in-process peer holding at most `layers` layers.
 pub fn config(tracker: bool, layers: u32, bootstrap: Vec<Multiaddr>) -> PeerConfig {
     let mut config = PeerConfig::new(model_path(), std::env::temp_dir());
+    config.model = Some(Arc::clone(model()));
     config.tracker = tracker;
     config.keypair = Some(Keypair::generate_ed25519());
     config.transport = TransportChoice::Memory;

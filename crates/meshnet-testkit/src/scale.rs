@@ -1,0 +1,240 @@
+//! The many-peer scenario: a tracker and `peers` members in one process converge on complete
+//! coverage of the real model; gossip is measured per peer over a quiet window; then `leave`
+//! random peers stop at once (no goodbye: their connections close and their announcements stop)
+//! and the rest must re-cover.
+
+use std::time::{Duration, Instant};
+
+use futures::future::join_all;
+use meshnet_p2p::GossipTraffic;
+use meshnet_peer::RunningPeer;
+use meshnet_types::PeerId;
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+
+use crate::{Kit, KitError, covered_by, min_holders, wait_until};
+
+/// The scenario's shape.
+#[derive(Clone, Debug)]
+pub struct ScaleConfig {
+    /// Members besides the tracker.
+    pub peers: usize,
+    /// Layers the tracker holds (it also holds the embedding and head).
+    pub tracker_layers: u32,
+    /// Layers each peer's budget holds.
+    pub peer_layers: u32,
+    /// Peers that stop at once after convergence.
+    pub leave: usize,
+    /// How long gossip is counted once the mesh has converged.
+    pub traffic_window: Duration,
+    /// The longest any phase may take.
+    pub deadline: Duration,
+    /// Seed of the choice of leavers.
+    pub seed: u64,
+}
+
+impl Default for ScaleConfig {
+    /// Forty peers of one layer each after a tracker of six; ten leave; gossip counted for ten
+    /// seconds; five minutes per phase.
+    fn default() -> Self {
+        ScaleConfig {
+            peers: 40,
+            tracker_layers: 6,
+            peer_layers: 1,
+            leave: 10,
+            traffic_window: Duration::from_secs(10),
+            deadline: Duration::from_secs(300),
+            seed: 1,
+        }
+    }
+}
+
+/// What the scenario measured.
+#[derive(Clone, Debug)]
+pub struct ScaleReport {
+    /// Members, the tracker included.
+    pub members: usize,
+    /// From the first peer's start to complete coverage with every peer ready in the map.
+    pub converge: Duration,
+    /// The fewest ready holders of a non-tracker layer once converged.
+    pub min_holders_converged: usize,
+    /// Gossip payload bytes a peer received per second over the window (mean over peers).
+    pub received_bytes_per_peer_s: f64,
+    /// Gossip payload bytes a peer published per second over the window (mean over peers).
+    pub published_bytes_per_peer_s: f64,
+    /// Gossip payload bytes the tracker published per second over the window.
+    pub tracker_published_bytes_s: f64,
+    /// Messages a peer received per second over the window (mean over peers).
+    pub received_messages_per_peer_s: f64,
+    /// Peers that left.
+    pub left: usize,
+    /// Whether some layer had no holder left the moment they went.
+    pub left_a_gap: bool,
+    /// From the leave to complete coverage by the rest, the departed gone from the map.
+    pub recover: Duration,
+    /// The fewest ready holders of a non-tracker layer once recovered.
+    pub min_holders_recovered: usize,
+}
+
+/// Runs the scenario with `kit`'s model and settings; the members are shut down at the end.
+pub async fn run(kit: &Kit, config: &ScaleConfig) -> Result<ScaleReport, KitError> {
+    let tracker = kit.tracker(config.tracker_layers).await?;
+    let bootstrap = tracker.p2p_addrs().await?;
+    let started = Instant::now();
+    let mut peers = Vec::with_capacity(config.peers);
+    for started_peers in join_all(
+        (0..config.peers)
+            .map(|_| meshnet_peer::start(kit.config(false, config.peer_layers, bootstrap.clone()))),
+    )
+    .await
+    {
+        peers.push(started_peers?);
+    }
+    let outcome = measure(config, &tracker, &mut peers, started).await;
+    join_all(peers.into_iter().map(RunningPeer::shutdown)).await;
+    tracker.shutdown().await;
+    outcome
+}
+
+async fn measure(
+    config: &ScaleConfig,
+    tracker: &RunningPeer,
+    peers: &mut Vec<RunningPeer>,
+    started: Instant,
+) -> Result<ScaleReport, KitError> {
+    let ids: Vec<PeerId> = peers.iter().map(|p| p.peer_id().clone()).collect();
+    let converged = wait_until(
+        "every peer ready and complete coverage",
+        tracker,
+        config.deadline,
+        |status| covered_by(status, &ids),
+    )
+    .await?;
+    let converge = started.elapsed();
+    let min_holders_converged = min_holders(&converged);
+
+    // Gossip over a quiet window.
+    let before: Vec<GossipTraffic> = peers.iter().map(|p| p.status().gossip).collect();
+    let tracker_before = tracker.status().gossip;
+    let window_started = Instant::now();
+    tokio::time::sleep(config.traffic_window).await;
+    let window = window_started.elapsed().as_secs_f64();
+    let after: Vec<GossipTraffic> = peers.iter().map(|p| p.status().gossip).collect();
+    let tracker_after = tracker.status().gossip;
+    let per_peer = |field: fn(&GossipTraffic) -> u64| {
+        let total: u64 = before
+            .iter()
+            .zip(&after)
+            .map(|(b, a)| field(a).saturating_sub(field(b)))
+            .sum();
+        total as f64 / (peers.len().max(1) as f64 * window)
+    };
+    let received_bytes_per_peer_s = per_peer(|t| t.received_bytes);
+    let published_bytes_per_peer_s = per_peer(|t| t.published_bytes);
+    let received_messages_per_peer_s = per_peer(|t| t.received_messages);
+    let tracker_published_bytes_s = tracker_after
+        .published_bytes
+        .saturating_sub(tracker_before.published_bytes) as f64
+        / window;
+
+    // Some peers stop at once.
+    let mut order: Vec<usize> = (0..peers.len()).collect();
+    order.shuffle(&mut rand::rngs::StdRng::seed_from_u64(config.seed));
+    let mut leaving: Vec<usize> = order.into_iter().take(config.leave).collect();
+    leaving.sort_unstable_by(|a, b| b.cmp(a));
+    let departed: Vec<PeerId> = leaving.iter().map(|&i| ids[i].clone()).collect();
+    let left_a_gap = gap_without(&converged, &departed);
+    let gone: Vec<RunningPeer> = leaving.iter().map(|&i| peers.swap_remove(i)).collect();
+    let left_at = Instant::now();
+    join_all(gone.into_iter().map(RunningPeer::shutdown)).await;
+    let remaining: Vec<PeerId> = peers.iter().map(|p| p.peer_id().clone()).collect();
+    let recovered = wait_until(
+        "complete coverage by the peers left",
+        tracker,
+        config.deadline,
+        |status| covered_by(status, &remaining),
+    )
+    .await?;
+    Ok(ScaleReport {
+        members: ids.len() + 1,
+        converge,
+        min_holders_converged,
+        received_bytes_per_peer_s,
+        published_bytes_per_peer_s,
+        tracker_published_bytes_s,
+        received_messages_per_peer_s,
+        left: departed.len(),
+        left_a_gap,
+        recover: left_at.elapsed(),
+        min_holders_recovered: min_holders(&recovered),
+    })
+}
+
+/// Whether some layer of `status`'s map is held only by peers in `departed`.
+fn gap_without(status: &meshnet_peer::status::StatusReport, departed: &[PeerId]) -> bool {
+    status.coverage.as_ref().is_some_and(|coverage| {
+        coverage.layers.iter().any(|layer| {
+            layer
+                .holders
+                .iter()
+                .all(|holder| departed.contains(&holder.peer))
+        })
+    })
+}
+
+impl ScaleReport {
+    /// The report as a markdown table.
+    pub fn table(&self) -> String {
+        let rows = [
+            ("members (tracker included)", self.members.to_string()),
+            (
+                "time to converge (all ready, coverage complete)",
+                format!("{:.1} s", self.converge.as_secs_f64()),
+            ),
+            (
+                "fewest holders of a layer, converged",
+                self.min_holders_converged.to_string(),
+            ),
+            (
+                "gossip received per peer",
+                format!(
+                    "{:.0} B/s ({:.1} messages/s)",
+                    self.received_bytes_per_peer_s, self.received_messages_per_peer_s
+                ),
+            ),
+            (
+                "gossip published per peer",
+                format!("{:.0} B/s", self.published_bytes_per_peer_s),
+            ),
+            (
+                "gossip published by the tracker",
+                format!("{:.0} B/s", self.tracker_published_bytes_s),
+            ),
+            (
+                "peers leaving at once",
+                format!(
+                    "{}{}",
+                    self.left,
+                    if self.left_a_gap {
+                        " (some layer lost every holder)"
+                    } else {
+                        ""
+                    }
+                ),
+            ),
+            (
+                "time to re-cover (complete, departed gone from the map)",
+                format!("{:.1} s", self.recover.as_secs_f64()),
+            ),
+            (
+                "fewest holders of a layer, recovered",
+                self.min_holders_recovered.to_string(),
+            ),
+        ];
+        let mut out = String::from("| measure | value |\n|---|---|\n");
+        for (name, value) in rows {
+            out.push_str(&format!("| {name} | {value} |\n"));
+        }
+        out
+    }
+}
