@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what building and testing meshnet needs on a fresh Debian machine with a Rust
 # toolchain: rustfmt and clippy, cargo-fuzz for the fuzz targets, the default model file
-# (scripts/fetch-model.sh) for the model tests, and a Python virtualenv with the `openai` package
-# for the OpenAI client check against a local mesh. Idempotent.
+# (scripts/fetch-model.sh) for the model tests, a compose tool for the Docker testnet when a
+# Docker engine is installed, and a Python virtualenv with the `openai` package for the OpenAI
+# client checks. Idempotent.
 #
 #   MESHNET_VENV=DIR   the virtualenv (default .venv in the repository root)
 set -euo pipefail
@@ -21,15 +22,31 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
 fi
 bash "$repo/scripts/fetch-model.sh" >/dev/null
 
+# The Docker testnet (testnet/docker.sh) needs a compose tool beside the engine, and strip
+# (binutils) to slim the packaged binary.
+apt_install() {
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+    echo "installing $*"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+  else
+    echo "note: install $* for the Docker testnet (apt-get install $*)" >&2
+  fi
+}
+if command -v docker >/dev/null 2>&1; then
+  if ! command -v docker-compose >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
+    apt_install docker-compose
+  fi
+  command -v strip >/dev/null 2>&1 || apt_install binutils
+fi
+
 # The virtualenv for scripts/openai_client_check.py.
 venv=${MESHNET_VENV:-$repo/.venv}
 if ! "$venv/bin/python" -c 'import openai' >/dev/null 2>&1; then
   # Debian's python3 without the python3-venv package has the venv module but no ensurepip.
   if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -m ensurepip --version >/dev/null 2>&1; then
     if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
-      echo "installing python3-venv"
-      DEBIAN_FRONTEND=noninteractive apt-get update -qq
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+      apt_install python3-venv
     else
       echo "python3 cannot create virtualenvs: install python3-venv (apt-get install python3-venv)" >&2
       exit 1

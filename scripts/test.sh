@@ -7,6 +7,8 @@
 #   MESHNET_SKIP_MESH=1      skip the process-level mesh tests: the OpenAI client check against
 #                            a local 3-process mesh, and the self-healing checks (testnet/chaos.py)
 #                            on a 5-process mesh with redundancy 2
+#   MESHNET_SKIP_DOCKER=1    skip the ten-peer Docker testnet (testnet/docker.sh smoke and
+#                            chaos); without a Docker engine they are skipped with a loud note
 #   MESHNET_VENV=DIR         virtualenv with the `openai` package (default .venv, made by setup.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +76,41 @@ else
     echo "self-healing checks failed (see chaos.py's output above)" >&2
     exit 1
   fi
+fi
+
+step "ten-peer Docker testnet: smoke and chaos"
+if [ "${MESHNET_SKIP_DOCKER:-0}" = 1 ]; then
+  echo "skipped: MESHNET_SKIP_DOCKER=1"
+elif ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then
+  # Loud, so a CI log shows it; the tests that need no engine still ran.
+  echo "##############################################################################"
+  echo "SKIPPED: no Docker engine answers (docker info failed): the Docker testnet"
+  echo "checks did not run"
+  echo "##############################################################################"
+else
+  # The image packages the binary cargo test built (stripped), with the shared libraries it
+  # links, FROM scratch; testnet/docker.sh down --image removes containers, network, volumes
+  # and the image, also when a check fails.
+  MESHNET_DOCKER_DIR=$(mktemp -d)
+  export MESHNET_DOCKER_DIR
+  trap 'testnet/docker.sh down --image || true; rm -rf "$MESHNET_DOCKER_DIR"' EXIT
+  docker_failed=0
+  MESHNET_BIN=$PWD/target/debug/meshnet-peer testnet/docker.sh up || docker_failed=1
+  if [ "$docker_failed" -eq 0 ]; then
+    testnet/docker.sh smoke || docker_failed=1
+    testnet/docker.sh chaos || docker_failed=1
+  fi
+  if [ "$docker_failed" -ne 0 ]; then
+    # Keep the container logs docker.sh collected where the CI log can name them.
+    kept=$(mktemp -d /tmp/meshnet-docker-logs.XXXXXX)
+    cp -r "$MESHNET_DOCKER_DIR"/logs-* "$kept"/ 2>/dev/null || true
+    echo "Docker testnet checks failed; container logs kept in $kept" >&2
+  fi
+  testnet/docker.sh down --image
+  trap - EXIT
+  rm -rf "$MESHNET_DOCKER_DIR"
+  unset MESHNET_DOCKER_DIR
+  [ "$docker_failed" -eq 0 ] || exit 1
 fi
 
 fuzz_seconds=${MESHNET_FUZZ_SECONDS:-20}

@@ -6,6 +6,8 @@
 //!   distributed — optionally split into spans at `--boundaries` with hidden states cast to
 //!   bfloat16 between them, exactly as the wire does.
 //! - `fetch-model` puts the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on disk.
+//! - `model-info` sizes `--memory` budgets; `health URL` is a container healthcheck (exit 0 only
+//!   on a 200).
 
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
@@ -51,6 +53,19 @@ enum Commands {
     /// Print what a mesh needs to know about a model as JSON: its id, layers, and the memory
     /// a layer, the tracker's extra parts and the KV cache take (for sizing --memory).
     ModelInfo(ModelInfoArgs),
+    /// Ask a member's `GET /health` (or any URL) and exit 0 only if it answers 200: a
+    /// container healthcheck that needs no shell or curl.
+    Health(HealthArgs),
+}
+
+/// What `health` asks.
+#[derive(clap::Args)]
+struct HealthArgs {
+    /// The URL to ask, e.g. http://127.0.0.1:8080/health.
+    url: String,
+    /// Seconds to wait for the answer.
+    #[arg(long, default_value_t = 5.0)]
+    timeout: f64,
 }
 
 /// What `model-info` is asked.
@@ -196,6 +211,7 @@ fn main() -> ExitCode {
         Some(Commands::Generate(args)) => run_generate(&args),
         Some(Commands::FetchModel) => fetch_model(),
         Some(Commands::ModelInfo(args)) => model_info(&args),
+        Some(Commands::Health(args)) => health(&args),
         None => run_peer(cli.run),
     };
     match outcome {
@@ -307,6 +323,49 @@ fn model_path_or_default(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
         bail!("model file {} does not exist", path.display());
     }
     Ok(path)
+}
+
+/// `health URL`: prints the answer's body; fails unless the answer is 200.
+fn health(args: &HealthArgs) -> anyhow::Result<()> {
+    let url = reqwest::Url::parse(&args.url).with_context(|| {
+        format!(
+            "{:?} is not a URL such as http://127.0.0.1:8080/health",
+            args.url
+        )
+    })?;
+    if !matches!(url.scheme(), "http" | "https") {
+        bail!("{url} is not an http:// URL");
+    }
+    if !(args.timeout.is_finite() && args.timeout > 0.0) {
+        bail!("--timeout must be a positive number of seconds");
+    }
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let (status, body) = runtime.block_on(async {
+        let client = reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .context("building the HTTP client")?;
+        let response = client
+            .get(url.clone())
+            .send()
+            .await
+            .with_context(|| format!("GET {url}"))?;
+        let status = response.status();
+        let body = response
+            .text()
+            .await
+            .with_context(|| format!("reading the answer of {url}"))?;
+        anyhow::Ok((status, body))
+    })?;
+    println!("{}", body.trim_end());
+    if status != reqwest::StatusCode::OK {
+        bail!("{url} answered {status}");
+    }
+    Ok(())
 }
 
 fn model_info(args: &ModelInfoArgs) -> anyhow::Result<()> {

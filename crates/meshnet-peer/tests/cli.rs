@@ -309,3 +309,63 @@ fn fetch_model_refuses_a_present_file_with_another_hash() {
     assert!(stderr.contains("python3"), "{stderr}");
     std::fs::remove_dir_all(models.parent().unwrap()).unwrap();
 }
+
+/// A one-shot HTTP server on 127.0.0.1 answering every request with `status` and `body`;
+/// returns its base URL.
+fn answering(status: &'static str, body: &'static str) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { return };
+            let mut request = [0u8; 4096];
+            let _ = stream.read(&mut request);
+            let answer = format!(
+                "HTTP/1.1 {status}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(answer.as_bytes());
+        }
+    });
+    url
+}
+
+#[test]
+fn health_exits_zero_only_on_a_200_and_names_what_failed() {
+    let healthy = answering("200 OK", "the mesh covers the model");
+    let output = peer()
+        .args(["health", &format!("{healthy}/health")])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        "the mesh covers the model"
+    );
+
+    let unhealthy = answering("503 Service Unavailable", "no span assigned yet");
+    let output = peer()
+        .args(["health", &format!("{unhealthy}/health")])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(String::from_utf8_lossy(&output.stderr).contains("answered 503"));
+
+    // Nothing listens on a port just freed; a URL that is none; a scheme that is not HTTP.
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}/health", listener.local_addr().unwrap())
+    };
+    for (url, named) in [
+        (closed.as_str(), "GET http://127.0.0.1"),
+        ("not a url", "is not a URL"),
+        ("ftp://127.0.0.1/health", "not an http:// URL"),
+    ] {
+        let output = peer().args(["health", url]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{url}: {stderr}");
+        assert!(stderr.contains(named), "{url}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{url}: {stderr}");
+    }
+}
