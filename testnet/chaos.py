@@ -658,6 +658,28 @@ def run_chaos(net, args):
     return 1 if failures or len(rows) < args.runs else 0
 
 
+def stream_problems(disruption, got, reference, at):
+    """What went wrong with a stream `disruption` was to hit at delta `at`: nothing ([]) when
+    the signal went out and the stream finished equal to the reference."""
+    if not disruption.sent:
+        return [got.error or f"the stream ended after {len(got.deltas)} deltas, before delta {at}"]
+    if disruption.error:
+        return [disruption.error]
+    if got.error:
+        return [f"the stream failed: {got.error}"]
+    diff = first_difference(reference, got)
+    return ["the text differs from the reference:\n" + diff] if diff else []
+
+
+def report_run(run, problems):
+    """Logs a run's outcome; whether it failed."""
+    if problems:
+        log(f"run {run} FAILED:\n  " + "\n  ".join(problems))
+        return True
+    log(f"run {run} ok")
+    return False
+
+
 def run_sigterm(net, args):
     rng, model, reference = start_runs(
         net, args, f"sigterm: {args.runs} run(s), seed {args.seed}, target {args.target}, "
@@ -693,18 +715,7 @@ def run_sigterm(net, args):
         watcher = threading.Thread(target=watch_map, daemon=True)
         watcher.start()
         got = stream_chat(net.base_url, model, on_delta=term, timeout=args.stream_timeout)
-        problems = []
-        if not term.sent:
-            problems.append(got.error or f"the stream ended after {len(got.deltas)} deltas, "
-                            f"before delta {args.at}")
-        elif term.error:
-            problems.append(term.error)
-        elif got.error:
-            problems.append(f"the stream failed: {got.error}")
-        else:
-            diff = first_difference(reference, got)
-            if diff:
-                problems.append("the text differs from the reference:\n" + diff)
+        problems = stream_problems(term, got, reference, args.at)
         code = exited_after = pause = None
         if term.sent:
             pause = max(got.gaps_ms(since=term.at) or [0.0]) if not got.error else None
@@ -749,11 +760,7 @@ def run_sigterm(net, args):
             except MeshUnhealthy as error:
                 log(f"sigterm: {error}")
                 return 3
-        if problems:
-            failed = True
-            log(f"run {run} FAILED:\n  " + "\n  ".join(problems))
-        else:
-            log(f"run {run} ok")
+        failed = report_run(run, problems) or failed
     return 1 if failed else 0
 
 
@@ -784,20 +791,10 @@ def run_stop(net, args):
                     os.kill(stop.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-        problems = []
+        problems = stream_problems(stop, got, reference, args.at)
         pause = None
-        if not stop.sent:
-            problems.append(got.error or f"the stream ended after {len(got.deltas)} deltas, "
-                            f"before delta {args.at}")
-        elif stop.error:
-            problems.append(stop.error)
-        elif got.error:
-            problems.append(f"the stream failed: {got.error}")
-        else:
+        if stop.sent and not stop.error and not got.error:
             pause = max(got.gaps_ms(since=stop.at) or [0.0])
-            diff = first_difference(reference, got)
-            if diff:
-                problems.append("the text differs from the reference:\n" + diff)
             if pause > STOP_PAUSE_LIMIT_MS:
                 problems.append(f"the stream paused {pause:.0f} ms, more than "
                                 f"{STOP_PAUSE_LIMIT_MS} ms")
@@ -813,11 +810,7 @@ def run_stop(net, args):
         except MeshUnhealthy as error:
             log(f"stop: {error}")
             return 3
-        if problems:
-            failed = True
-            log(f"run {run} FAILED:\n  " + "\n  ".join(problems))
-        else:
-            log(f"run {run} ok")
+        failed = report_run(run, problems) or failed
     return 1 if failed else 0
 
 
