@@ -479,6 +479,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         let mut peer = meshnet_peer::start(config).await?;
+        print_ready_line(&peer).await?;
         let progress = tokio::spawn(show_progress(peer.progress_handle()));
         let failure = tokio::select! {
             _ = wait_for_stop_signal() => None,
@@ -526,6 +527,29 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
 }
 
 /// How long a stopping member waits for its connections to close.
+/// Prints one JSON line on standard output once the member is up: its id, the HTTP base URL
+/// others reach it at, the address its HTTP server is bound to and its libp2p listen
+/// addresses. A script that starts it on port 0 reads the ports the system chose from here.
+async fn print_ready_line(peer: &meshnet_peer::RunningPeer) -> anyhow::Result<()> {
+    let p2p: Vec<String> = peer
+        .p2p_addrs()
+        .await?
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let line = serde_json::json!({
+        "event": "ready",
+        "peer": peer.peer_id(),
+        "http": peer.http_url(),
+        "http_bound": peer.http_addr().to_string(),
+        "p2p": p2p,
+    });
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "{line}")?;
+    stdout.flush()?;
+    Ok(())
+}
+
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Draws a progress bar on a terminal's stderr while a span loads.

@@ -18,6 +18,9 @@ const BIN: &str = env!("CARGO_BIN_EXE_meshnet-peer");
 struct Process {
     child: Child,
     log: PathBuf,
+    /// The ready line the child prints on standard output once it is up.
+    ready: std::sync::mpsc::Receiver<Value>,
+    ready_line: std::cell::OnceCell<Value>,
 }
 
 impl Drop for Process {
@@ -33,26 +36,61 @@ impl Process {
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
+
+    /// Waits for the child's ready line: the addresses it bound (port 0 lets the system choose
+    /// them, so parallel tests never race for a port).
+    fn wait_ready(&self) -> &Value {
+        self.ready_line
+            .get_or_init(|| match self.ready.recv_timeout(common::DEADLINE) {
+                Ok(line) => line,
+                Err(error) => panic!(
+                    "{} printed no ready line ({error}):\n{}",
+                    self.log.display(),
+                    self.log_tail()
+                ),
+            })
+    }
+
+    /// The port the child's HTTP server is bound to, from its ready line.
+    fn http_port(&self) -> u16 {
+        let ready = self.wait_ready();
+        let bound: std::net::SocketAddr = ready["http_bound"].as_str().unwrap().parse().unwrap();
+        bound.port()
+    }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+/// Listen addresses that let the system pick both ports.
+const ANY_HTTP_PORT: &str = "127.0.0.1:0";
+const ANY_P2P_PORT: &str = "/ip4/127.0.0.1/tcp/0";
 
 fn spawn(name: &str, dir: &Path, args: &[String]) -> Process {
     let log = dir.join(format!("{name}.log"));
-    let child = Command::new(BIN)
+    let mut child = Command::new(BIN)
         .args(args)
         .env("RUST_LOG", "info,libp2p=warn")
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(File::create(&log).unwrap())
         .spawn()
         .unwrap();
-    Process { child, log }
+    let stdout = child.stdout.take().unwrap();
+    let (sender, ready) = std::sync::mpsc::sync_channel(1);
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { return };
+            if let Ok(value) = serde_json::from_str::<Value>(&line)
+                && value["event"] == "ready"
+            {
+                let _ = sender.send(value);
+            }
+        }
+    });
+    Process {
+        child,
+        log,
+        ready,
+        ready_line: std::cell::OnceCell::new(),
+    }
 }
 
 /// The `--memory` that holds exactly `layers` layers of `model` with the default 2048 KV
@@ -76,14 +114,14 @@ fn memory(model: &Path, layers: u64, tracker: bool) -> String {
     info["memory_for_layers"].as_u64().unwrap().to_string()
 }
 
-fn peer_args(model: &Path, http: u16, p2p: u16, data: PathBuf, memory: String) -> Vec<String> {
+fn peer_args(model: &Path, data: PathBuf, memory: String) -> Vec<String> {
     vec![
         "--model".into(),
         model.display().to_string(),
         "--http".into(),
-        format!("127.0.0.1:{http}"),
+        ANY_HTTP_PORT.into(),
         "--p2p".into(),
-        format!("/ip4/127.0.0.1/tcp/{p2p}"),
+        ANY_P2P_PORT.into(),
         "--memory".into(),
         memory,
         "--data-dir".into(),
@@ -98,7 +136,8 @@ fn peer_args(model: &Path, http: u16, p2p: u16, data: PathBuf, memory: String) -
 struct Mesh {
     dir: PathBuf,
     tracker_http: u16,
-    tracker_p2p: u16,
+    /// The tracker's libp2p address, the one every other process bootstraps from.
+    tracker_p2p: String,
     processes: Vec<Process>,
     http: reqwest::Client,
 }
@@ -113,26 +152,20 @@ impl Mesh {
     async fn start_with(model: &Path, layers: &[u64]) -> Mesh {
         let dir = std::env::temp_dir().join(format!("meshnet-processes-{}", uuid::Uuid::new_v4()));
         std::fs::create_dir_all(&dir).unwrap();
-        let (tracker_http, tracker_p2p) = (free_port(), free_port());
-        let mut args = peer_args(
-            model,
-            tracker_http,
-            tracker_p2p,
-            dir.join("tracker"),
-            memory(model, layers[0], true),
-        );
+        let mut args = peer_args(model, dir.join("tracker"), memory(model, layers[0], true));
         args.push("--tracker".into());
-        let mut processes = vec![spawn("tracker", &dir, &args)];
+        let tracker = spawn("tracker", &dir, &args);
+        let tracker_http = tracker.http_port();
+        let tracker_p2p = tracker.wait_ready()["p2p"][0].as_str().unwrap().to_owned();
+        let mut processes = vec![tracker];
         for (index, &share) in layers[1..].iter().enumerate() {
             let mut args = peer_args(
                 model,
-                free_port(),
-                free_port(),
                 dir.join(format!("peer{index}")),
                 memory(model, share, false),
             );
             args.push("--bootstrap".into());
-            args.push(format!("/ip4/127.0.0.1/tcp/{tracker_p2p}"));
+            args.push(tracker_p2p.clone());
             processes.push(spawn(&format!("peer{index}"), &dir, &args));
         }
         let mesh = Mesh {
@@ -413,15 +446,9 @@ async fn a_peer_with_another_model_is_refused_with_a_message_naming_both() {
     let mut bytes = std::fs::read(common::model_path()).unwrap();
     bytes.push(0);
     std::fs::write(&other, bytes).unwrap();
-    let mut args = peer_args(
-        &other,
-        free_port(),
-        free_port(),
-        mesh.dir.join("stranger"),
-        memory(&other, 10, false),
-    );
+    let mut args = peer_args(&other, mesh.dir.join("stranger"), memory(&other, 10, false));
     args.push("--bootstrap".into());
-    args.push(format!("/ip4/127.0.0.1/tcp/{}", mesh.tracker_p2p));
+    args.push(mesh.tracker_p2p.clone());
     let mut stranger = spawn("stranger", &mesh.dir, &args);
     let started = Instant::now();
     let exit = loop {
