@@ -53,6 +53,8 @@ pub struct P2pConfig {
     pub max_connections: u32,
     /// How often a peer looks up the tracker record until it has found one.
     pub tracker_lookup_interval: Duration,
+    /// Once it has a tracker, how often a peer looks the record up again to refresh it.
+    pub tracker_refresh_interval: Duration,
     /// How often the tracker re-stores its record in Kademlia.
     pub record_republish_interval: Duration,
     /// How long a follower must have heard no coverage map from its tracker before it
@@ -67,7 +69,8 @@ pub struct P2pConfig {
 impl P2pConfig {
     /// A configuration with defaults: no listen or bootstrap address, network
     /// transports, no UPnP, reachability not assumed, 256 connections, tracker
-    /// lookups every 2 s and record republication every 30 s.
+    /// lookups every 2 s (every 30 s once a tracker is known) and record republication
+    /// every 30 s.
     pub fn new(keypair: Keypair, model_id: impl Into<String>, role: Role) -> Self {
         P2pConfig {
             keypair,
@@ -80,6 +83,7 @@ impl P2pConfig {
             assume_reachable: false,
             max_connections: 256,
             tracker_lookup_interval: Duration::from_secs(2),
+            tracker_refresh_interval: Duration::from_secs(30),
             record_republish_interval: Duration::from_secs(30),
             takeover_silence: Duration::from_secs(6),
             tracker_start_grace: Duration::from_secs(10),

@@ -37,9 +37,6 @@ const EVENT_CAPACITY: usize = 256;
 /// Lifetime of the tracker record in the DHT; the tracker re-stores it well before.
 const TRACKER_RECORD_TTL: Duration = Duration::from_secs(300);
 
-/// Once a tracker is known, how often peers look the record up again to follow a change.
-const TRACKER_REFRESH_INTERVAL: Duration = Duration::from_secs(30);
-
 /// How long [`P2pHandle::listen_addrs`] waits for the first listener.
 const LISTEN_ADDRS_DEADLINE: Duration = Duration::from_secs(5);
 
@@ -306,6 +303,7 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
         discovered_record: None,
         tracker_query: None,
         tracker_lookup_interval: config.tracker_lookup_interval,
+        tracker_refresh_interval: config.tracker_refresh_interval,
         own_record: None,
         record_republish_interval: config.record_republish_interval,
         listen_addrs: Vec::new(),
@@ -380,6 +378,7 @@ struct EventLoop {
     discovered_record: Option<TrackerRecord>,
     tracker_query: Option<QueryId>,
     tracker_lookup_interval: Duration,
+    tracker_refresh_interval: Duration,
     /// The record this node (as tracker) keeps in the DHT.
     own_record: Option<TrackerRecord>,
     record_republish_interval: Duration,
@@ -421,7 +420,7 @@ impl EventLoop {
                 () = &mut lookup_timer, if looks_up_tracker => {
                     self.look_up_tracker();
                     let next = if self.reaches_tracker() {
-                        TRACKER_REFRESH_INTERVAL
+                        self.tracker_refresh_interval
                     } else {
                         self.tracker_lookup_interval
                     };
@@ -770,7 +769,15 @@ impl EventLoop {
         if let Some(pinned) = self.pinned_tracker
             && pinned != peer
         {
-            tracing::warn!(record = %peer, %pinned, "tracker record disagrees with the pinned tracker; ignored");
+            let reason = format!(
+                "a tracker record names {peer}, but this member is pinned to tracker {pinned}"
+            );
+            tracing::warn!(record = %peer, %reason, "tracker record rejected");
+            self.emit(P2pEvent::Rejected {
+                from: mesh_peer_id(&peer),
+                topic: "tracker-record".to_owned(),
+                reason,
+            });
             return;
         }
         if let Some(previous) = &self.discovered_record {
@@ -834,7 +841,7 @@ impl EventLoop {
             local_peer: self.local_peer_id,
             tracker: self.tracker,
             term: self.term,
-            succession: if self.yields_to_any_claim() {
+            succession: if self.yields_to_any_claim() || self.knows_tracker_by_record_only() {
                 None
             } else {
                 Some(&self.succession)
@@ -844,6 +851,15 @@ impl EventLoop {
                     .heard_tracker_at
                     .is_none_or(|at| at.elapsed() >= self.takeover_silence),
         }
+    }
+
+    /// Whether this unpinned peer knows its tracker only from a Kademlia record and has
+    /// accepted no coverage map yet. Records are unsigned and anyone can store one, so a
+    /// record names whom to dial, not whom to trust: until a first signed map settles the
+    /// tracker (and its succession list), a map from another claimant of a later term is
+    /// judged without a list, or a forged record would strand the newcomer.
+    fn knows_tracker_by_record_only(&self) -> bool {
+        !self.is_tracker && self.pinned_tracker.is_none() && self.heard_tracker_at.is_none()
     }
 
     /// Whether this node was started as tracker moments ago and has followed nobody: it may be

@@ -415,6 +415,120 @@ async fn new_peer_finds_the_tracker_through_an_intermediate_peer() {
     coverage_arrives(&tracker, &mut newcomer.events, &sent).await;
 }
 
+/// A record a hostile member stores under the tracker key: it names `named` (not the
+/// tracker) with a term far above the mesh's.
+fn forged_record(named: &PeerId) -> TrackerRecord {
+    TrackerRecord {
+        peer: named.clone(),
+        addresses: Vec::new(),
+        http_endpoint: "http://forged.invalid:8080".into(),
+        epoch: 7,
+        term: 99,
+        model_id: MODEL.into(),
+    }
+}
+
+/// Waits for `node` to reject a tracker record naming `named`, and returns the reason.
+async fn rejects_record_naming(node: &mut Node, named: &PeerId) -> String {
+    next_matching(&mut node.events, |event| match event {
+        P2pEvent::Rejected {
+            from,
+            topic,
+            reason,
+        } if topic == "tracker-record" && &from == named => Some(reason),
+        _ => None,
+    })
+    .await
+}
+
+/// A tracker with its record stored, and a hostile member that joined through it and stored
+/// a forged record naming another peer (one that does not exist).
+async fn mesh_with_a_forged_record() -> (Node, Node, PeerId) {
+    let tracker = start(Role::Tracker, &[]).await;
+    tracker
+        .handle
+        .set_tracker_record(tracker_record(&tracker))
+        .await
+        .unwrap();
+    let forger = start(unpinned(), &[&tracker]).await;
+    let named = meshnet_p2p::mesh_peer_id(&Keypair::generate_ed25519().public().to_peer_id());
+    forger
+        .handle
+        .set_tracker_record(forged_record(&named))
+        .await
+        .unwrap();
+    (tracker, forger, named)
+}
+
+#[tokio::test]
+async fn a_forged_tracker_record_moves_no_follower_and_strands_no_newcomer() {
+    let (tracker, forger, named) = mesh_with_a_forged_record().await;
+
+    // A member that follows the tracker's maps and looks the record up often.
+    let mut follower_config = config(
+        unpinned(),
+        TransportChoice::Memory,
+        vec![tracker.address.clone()],
+    );
+    follower_config.tracker_refresh_interval = Duration::from_millis(200);
+    let mut follower = start_with(follower_config).await;
+    coverage_arrives(
+        &tracker,
+        &mut follower.events,
+        &coverage(tracker.id.clone(), 1),
+    )
+    .await;
+    let reason = rejects_record_naming(&mut follower, &named).await;
+    assert!(reason.contains("only signed coverage maps"), "{reason}");
+    assert_eq!(
+        follower.handle.tracker().await.unwrap(),
+        Some(tracker.id.clone())
+    );
+    coverage_arrives(
+        &tracker,
+        &mut follower.events,
+        &coverage(tracker.id.clone(), 2),
+    )
+    .await;
+
+    // A newcomer that knows only the forger finds the forged record first, yet follows the
+    // tracker as soon as it hears a signed map.
+    let mut newcomer = start(unpinned(), &[&forger]).await;
+    let record = discovered_tracker(&mut newcomer).await;
+    assert_eq!(
+        record.peer, named,
+        "the newcomer is handed the forged record"
+    );
+    coverage_arrives(
+        &tracker,
+        &mut newcomer.events,
+        &coverage(tracker.id.clone(), 3),
+    )
+    .await;
+    assert_eq!(
+        newcomer.handle.tracker().await.unwrap(),
+        Some(tracker.id.clone())
+    );
+}
+
+#[tokio::test]
+async fn a_pinned_peer_rejects_a_tracker_record_naming_another_peer() {
+    let (tracker, forger, named) = mesh_with_a_forged_record().await;
+    let mut pinned_peer = start(pinned(&tracker), &[&forger]).await;
+    let reason = rejects_record_naming(&mut pinned_peer, &named).await;
+    assert!(reason.contains("pinned"), "{reason}");
+    assert_eq!(
+        pinned_peer.handle.tracker().await.unwrap(),
+        Some(tracker.id.clone())
+    );
+    coverage_arrives(
+        &tracker,
+        &mut pinned_peer.events,
+        &coverage(tracker.id.clone(), 1),
+    )
+    .await;
+}
+
 #[tokio::test]
 async fn message_for_another_model_is_rejected() {
     let mut tracker = start(Role::Tracker, &[]).await;
