@@ -479,7 +479,10 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     runtime.block_on(async move {
         let mut peer = meshnet_peer::start(config).await?;
-        print_ready_line(&peer).await?;
+        if let Err(error) = print_ready_line(&peer).await {
+            // Standard output may be closed; the member serves all the same.
+            tracing::warn!(error = %format!("{error:#}"), "could not print the ready line");
+        }
         let progress = tokio::spawn(show_progress(peer.progress_handle()));
         let failure = tokio::select! {
             _ = wait_for_stop_signal() => None,
