@@ -325,6 +325,9 @@ fn model_path_or_default(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
+/// The most of a health answer's body `health` reads and prints.
+const HEALTH_BODY_LIMIT: usize = 64 * 1024;
+
 /// `health URL`: prints the answer's body; fails unless the answer is 200.
 fn health(args: &HealthArgs) -> anyhow::Result<()> {
     let url = reqwest::Url::parse(&args.url).with_context(|| {
@@ -336,8 +339,11 @@ fn health(args: &HealthArgs) -> anyhow::Result<()> {
     if !matches!(url.scheme(), "http" | "https") {
         bail!("{url} is not an http:// URL");
     }
-    if !(args.timeout.is_finite() && args.timeout > 0.0) {
-        bail!("--timeout must be a positive number of seconds");
+    if !(args.timeout.is_finite() && args.timeout > 0.0 && args.timeout <= 86_400.0) {
+        bail!(
+            "--timeout must be a number of seconds above 0 and at most 86400, got {}",
+            args.timeout
+        );
     }
     let timeout = Duration::from_secs_f64(args.timeout);
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -355,11 +361,19 @@ fn health(args: &HealthArgs) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("GET {url}"))?;
         let status = response.status();
-        let body = response
-            .text()
-            .await
-            .with_context(|| format!("reading the answer of {url}"))?;
-        anyhow::Ok((status, body))
+        let mut response = response;
+        // A health answer is a line; whatever else a URL sends is not kept.
+        let mut body = Vec::new();
+        while body.len() < HEALTH_BODY_LIMIT
+            && let Some(chunk) = response
+                .chunk()
+                .await
+                .with_context(|| format!("reading the answer of {url}"))?
+        {
+            let room = HEALTH_BODY_LIMIT - body.len();
+            body.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        }
+        anyhow::Ok((status, String::from_utf8_lossy(&body).into_owned()))
     })?;
     println!("{}", body.trim_end());
     if status != reqwest::StatusCode::OK {

@@ -344,6 +344,21 @@ fn health_exits_zero_only_on_a_200_and_names_what_failed() {
         "the mesh covers the model"
     );
 
+    for timeout in ["1e30", "0", "NaN"] {
+        let output = peer()
+            .args(["health", &format!("{healthy}/health"), "--timeout", timeout])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(
+            output.status.code(),
+            Some(1),
+            "--timeout {timeout}: {stderr}"
+        );
+        assert!(stderr.contains("--timeout must be"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+
     let unhealthy = answering("503 Service Unavailable", "no span assigned yet");
     let output = peer()
         .args(["health", &format!("{unhealthy}/health")])
