@@ -460,6 +460,21 @@ async fn mesh_with_a_forged_record() -> (Node, Node, PeerId) {
     (tracker, forger, named)
 }
 
+/// Publishes a map of `epoch` from `tracker` until `node` takes it, then checks that `node`
+/// follows `tracker`.
+async fn follows_after_a_map(node: &mut Node, tracker: &Node, epoch: u64) {
+    coverage_arrives(
+        tracker,
+        &mut node.events,
+        &coverage(tracker.id.clone(), epoch),
+    )
+    .await;
+    assert_eq!(
+        node.handle.tracker().await.unwrap(),
+        Some(tracker.id.clone())
+    );
+}
+
 #[tokio::test]
 async fn a_forged_tracker_record_moves_no_follower_and_strands_no_newcomer() {
     let (tracker, forger, named) = mesh_with_a_forged_record().await;
@@ -480,16 +495,7 @@ async fn a_forged_tracker_record_moves_no_follower_and_strands_no_newcomer() {
     .await;
     let reason = rejects_record_naming(&mut follower, &named).await;
     assert!(reason.contains("only signed coverage maps"), "{reason}");
-    assert_eq!(
-        follower.handle.tracker().await.unwrap(),
-        Some(tracker.id.clone())
-    );
-    coverage_arrives(
-        &tracker,
-        &mut follower.events,
-        &coverage(tracker.id.clone(), 2),
-    )
-    .await;
+    follows_after_a_map(&mut follower, &tracker, 2).await;
 
     // A newcomer that knows only the forger finds the forged record first, yet follows the
     // tracker as soon as it hears a signed map.
@@ -499,16 +505,7 @@ async fn a_forged_tracker_record_moves_no_follower_and_strands_no_newcomer() {
         record.peer, named,
         "the newcomer is handed the forged record"
     );
-    coverage_arrives(
-        &tracker,
-        &mut newcomer.events,
-        &coverage(tracker.id.clone(), 3),
-    )
-    .await;
-    assert_eq!(
-        newcomer.handle.tracker().await.unwrap(),
-        Some(tracker.id.clone())
-    );
+    follows_after_a_map(&mut newcomer, &tracker, 3).await;
 }
 
 #[tokio::test]
@@ -517,16 +514,7 @@ async fn a_pinned_peer_rejects_a_tracker_record_naming_another_peer() {
     let mut pinned_peer = start(pinned(&tracker), &[&forger]).await;
     let reason = rejects_record_naming(&mut pinned_peer, &named).await;
     assert!(reason.contains("pinned"), "{reason}");
-    assert_eq!(
-        pinned_peer.handle.tracker().await.unwrap(),
-        Some(tracker.id.clone())
-    );
-    coverage_arrives(
-        &tracker,
-        &mut pinned_peer.events,
-        &coverage(tracker.id.clone(), 1),
-    )
-    .await;
+    follows_after_a_map(&mut pinned_peer, &tracker, 1).await;
 }
 
 #[tokio::test]
