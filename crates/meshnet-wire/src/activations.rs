@@ -34,6 +34,11 @@ impl Activations {
         &self.values
     }
 
+    /// The size of the values as raw little-endian bf16 bytes (before any compression).
+    pub fn raw_len(&self) -> usize {
+        self.values.len() * 2
+    }
+
     /// Takes the shape and values apart.
     pub fn into_parts(self) -> (Shape, Vec<bf16>) {
         (self.shape, self.values)
