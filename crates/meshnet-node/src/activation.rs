@@ -6,6 +6,7 @@
 //! the sender. Answers use the request's encoding.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use axum::Router;
 use axum::body::Body;
@@ -15,6 +16,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, post};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use meshnet_metrics::Direction;
 use meshnet_types::LayerSpan;
 use meshnet_wire::header::{Encoding, check_wire_version};
 use meshnet_wire::{ActivationFrame, Limits};
@@ -62,6 +64,7 @@ impl ActivationPlane {
     ) -> Result<ActivationFrame, NodeError> {
         let executor = Arc::clone(&self.executor);
         let my_layers = frame.meta.layers;
+        let metrics = self.client.metrics().clone();
         let (meta, output) = blocking(move || {
             if !executor.accepts(&frame.meta) {
                 return Err(ExecutorError::LayersNotServed {
@@ -69,7 +72,9 @@ impl ActivationPlane {
                     served: executor.served_layers(),
                 });
             }
+            let started = Instant::now();
             let output = executor.forward(&frame.meta, frame.activations)?;
+            metrics.record_forward_compute(started.elapsed());
             Ok((frame.meta, output))
         })
         .await
@@ -123,6 +128,7 @@ async fn forward(
     }
     let body = read_limited(body, plane.limits.max_body_bytes()).await?;
     let limits = plane.limits;
+    let encoded_received = body.len();
     let (frame, encoding) = blocking(move || {
         let frame = ActivationFrame::decode(&headers, &body, &limits)?;
         let encoding = Encoding::from_headers(&headers)?;
@@ -131,13 +137,21 @@ async fn forward(
     .await
     .map_err(NodeError::Internal)??;
 
+    let metrics = plane.client.metrics();
+    metrics.count_wire_bytes(
+        Direction::Received,
+        frame.activations.raw_len(),
+        encoded_received,
+    );
     let session = frame.meta.session;
     let answer = plane.handle(frame, encoding).await.inspect_err(|e| {
         tracing::debug!(%session, error = %e, "forward failed");
     })?;
+    let raw_sent = answer.activations.raw_len();
     let encoded = blocking(move || answer.into_encoded(encoding))
         .await
         .map_err(NodeError::Internal)?;
+    metrics.count_wire_bytes(Direction::Sent, raw_sent, encoded.body.len());
     Ok((StatusCode::OK, encoded.headers, encoded.body).into_response())
 }
 

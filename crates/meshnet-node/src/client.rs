@@ -1,7 +1,8 @@
 //! The sending side of the activation plane: posts a frame to a peer and reads its answer.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use meshnet_metrics::{Direction, HopPath, Metrics};
 use meshnet_wire::header::WIRE_VERSION_HEADER;
 use meshnet_wire::{ActivationFrame, Encoding, Limits, WireError};
 
@@ -158,6 +159,7 @@ pub struct ForwardClient {
     http: reqwest::Client,
     limits: Limits,
     timeout: Duration,
+    metrics: Metrics,
 }
 
 impl ForwardClient {
@@ -176,7 +178,20 @@ impl ForwardClient {
             http,
             limits,
             timeout,
+            metrics: Metrics::detached(),
         })
+    }
+
+    /// The same client, counting its round trips and wire bytes (and those of the activation
+    /// plane that sends with it) in `metrics`.
+    pub fn with_metrics(mut self, metrics: Metrics) -> Self {
+        self.metrics = metrics;
+        self
+    }
+
+    /// Where this client counts.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
     }
 
     /// Posts `frame` to `{endpoint}/forward` in `encoding` and returns the peer's answer frame.
@@ -190,13 +205,17 @@ impl ForwardClient {
         encoding: Encoding,
     ) -> Result<ActivationFrame, ClientError> {
         let url = forward_url(endpoint)?;
+        let started = Instant::now();
         let sent_meta = frame.meta.clone();
+        let raw_sent = frame.activations.raw_len();
         let encoded = blocking(move || frame.into_encoded(encoding))
             .await
             .map_err(|reason| ClientError::Unreachable {
                 endpoint: endpoint.to_owned(),
                 reason,
             })?;
+        self.metrics
+            .count_wire_bytes(Direction::Sent, raw_sent, encoded.body.len());
         let transport = |e: reqwest::Error| self.transport_error(endpoint, e);
         let mut response = self
             .http
@@ -221,6 +240,7 @@ impl ForwardClient {
             return Err(rejection(endpoint, status.as_u16(), &headers, &body));
         }
         let limits = self.limits;
+        let encoded_received = body.len();
         let answer = blocking(move || ActivationFrame::decode(&headers, &body, &limits))
             .await
             .map_err(|reason| ClientError::Unreachable {
@@ -231,6 +251,13 @@ impl ForwardClient {
                 endpoint: endpoint.to_owned(),
                 source,
             })?;
+        self.metrics.count_wire_bytes(
+            Direction::Received,
+            answer.activations.raw_len(),
+            encoded_received,
+        );
+        self.metrics
+            .record_forward_request(endpoint, HopPath::DirectHttp, started.elapsed());
         let m = &answer.meta;
         if m.session != sent_meta.session
             || m.chunk_index != sent_meta.chunk_index

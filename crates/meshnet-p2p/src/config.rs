@@ -64,6 +64,8 @@ pub struct P2pConfig {
     /// (it may be a restarted tracker whose mesh elected a successor meanwhile); after that,
     /// only members of its own succession list may take over.
     pub tracker_start_grace: Duration,
+    /// Where gossip verdicts are counted (detached by default: counted, exported nowhere).
+    pub metrics: meshnet_metrics::Metrics,
 }
 
 impl P2pConfig {
@@ -87,6 +89,7 @@ impl P2pConfig {
             record_republish_interval: Duration::from_secs(30),
             takeover_silence: Duration::from_secs(6),
             tracker_start_grace: Duration::from_secs(10),
+            metrics: meshnet_metrics::Metrics::detached(),
         }
     }
 

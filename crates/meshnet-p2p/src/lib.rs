@@ -63,6 +63,6 @@ pub use identity::{IDENTITY_FILE_NAME, load_or_create_identity};
 #[cfg(feature = "network")]
 pub use ids::{libp2p_peer_id, mesh_peer_id, parse_peer_id};
 #[cfg(feature = "network")]
-pub use node::{P2pHandle, spawn};
+pub use node::{P2pHandle, spawn, spawn_registered};
 #[cfg(feature = "network")]
 pub use traffic::GossipTraffic;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, PublishError, TopicHash};
 use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, RecordKey};
+use libp2p::metrics::{Recorder, Registry};
 use libp2p::multiaddr::Protocol;
 use libp2p::swarm::SwarmEvent;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
@@ -217,6 +218,23 @@ impl P2pHandle {
 ///
 /// Fails if the swarm cannot be built or no listen address can be bound.
 pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEvent>), P2pError> {
+    start(config, None).await
+}
+
+/// [`spawn`], also exporting libp2p's own swarm, gossipsub, Kademlia, identify, ping, relay
+/// and DCUtR metrics in `registry` (under `libp2p_`).
+pub async fn spawn_registered(
+    config: P2pConfig,
+    registry: &mut Registry,
+) -> Result<(P2pHandle, mpsc::Receiver<P2pEvent>), P2pError> {
+    let libp2p_metrics = libp2p::metrics::Metrics::new(registry);
+    start(config, Some(libp2p_metrics)).await
+}
+
+async fn start(
+    config: P2pConfig,
+    libp2p_metrics: Option<libp2p::metrics::Metrics>,
+) -> Result<(P2pHandle, mpsc::Receiver<P2pEvent>), P2pError> {
     let mut swarm = build_swarm(&config)?;
     let local_peer_id = *swarm.local_peer_id();
 
@@ -278,6 +296,8 @@ pub async fn spawn(config: P2pConfig) -> Result<(P2pHandle, mpsc::Receiver<P2pEv
     let traffic = Arc::new(TrafficCounters::default());
     let event_loop = EventLoop {
         traffic: Arc::clone(&traffic),
+        metrics: config.metrics.clone(),
+        libp2p_metrics,
         outbox: Outbox::default(),
         topic_kinds: topics
             .iter()
@@ -345,6 +365,10 @@ const BOOTSTRAP_REDIAL_INTERVAL: std::time::Duration = std::time::Duration::from
 struct EventLoop {
     /// Gossip published and received, read by the handles.
     traffic: Arc<TrafficCounters>,
+    /// Gossip verdicts, exported by the application.
+    metrics: meshnet_metrics::Metrics,
+    /// libp2p's own metrics, when the application exports them.
+    libp2p_metrics: Option<libp2p::metrics::Metrics>,
     /// Events waiting while the application's channel is full.
     outbox: Outbox,
     swarm: Swarm<MeshBehaviour>,
@@ -612,6 +636,9 @@ impl EventLoop {
     }
 
     fn on_swarm_event(&mut self, event: SwarmEvent<MeshBehaviourEvent>) {
+        if let Some(metrics) = &self.libp2p_metrics {
+            metrics.record(&event);
+        }
         match event {
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
             SwarmEvent::NewListenAddr { address, .. } => {
@@ -656,6 +683,16 @@ impl EventLoop {
     }
 
     fn on_behaviour_event(&mut self, event: MeshBehaviourEvent) {
+        if let Some(metrics) = &self.libp2p_metrics {
+            match &event {
+                MeshBehaviourEvent::Gossipsub(event) => metrics.record(event),
+                MeshBehaviourEvent::Identify(event) => metrics.record(event),
+                MeshBehaviourEvent::Kademlia(event) => metrics.record(event),
+                MeshBehaviourEvent::Ping(event) => metrics.record(event),
+                MeshBehaviourEvent::Dcutr(event) => metrics.record(event),
+                _ => {}
+            }
+        }
         match event {
             MeshBehaviourEvent::Gossipsub(gossipsub::Event::Message {
                 propagation_source,
@@ -696,6 +733,8 @@ impl EventLoop {
             // Decided from what this node knows, not from what the stranger claims to be.
             let decisive = self.tracker == Some(peer)
                 || (self.tracker.is_none() && self.same_model_peers.is_empty());
+            self.metrics
+                .count_gossip_rejected("identify", "other_model");
             tracing::error!(
                 %peer,
                 their_model = model,
@@ -773,6 +812,8 @@ impl EventLoop {
                 "a tracker record names {peer}, but this member is pinned to tracker {pinned}"
             );
             tracing::warn!(record = %peer, %reason, "tracker record rejected");
+            self.metrics
+                .count_gossip_rejected("tracker-record", "not_pinned_tracker");
             self.emit(P2pEvent::Rejected {
                 from: mesh_peer_id(&peer),
                 topic: "tracker-record".to_owned(),
@@ -801,6 +842,8 @@ impl EventLoop {
                     record.term, self.term
                 );
                 tracing::warn!(record = %peer, %reason, "tracker record rejected");
+                self.metrics
+                    .count_gossip_rejected("tracker-record", "not_followed_tracker");
                 self.emit(P2pEvent::Rejected {
                     from: mesh_peer_id(&peer),
                     topic: "tracker-record".to_owned(),
@@ -905,14 +948,19 @@ impl EventLoop {
     ) {
         self.traffic.received(message.data.len());
         let topic = message.topic.as_str().to_owned();
+        let kind = self
+            .topic_kinds
+            .get(&message.topic)
+            .map_or("unsubscribed", |kind| kind.suffix());
         let verdict = match (self.topic_kinds.get(&message.topic), message.source) {
             (None, _) => Verdict::Ignore(format!("not subscribed to {topic}")),
-            (Some(_), None) => Verdict::Reject("unsigned message".to_owned()),
+            (Some(_), None) => Verdict::Reject("unsigned", "unsigned message".to_owned()),
             (Some(kind), Some(source)) => self.admission().judge(*kind, source, &message.data),
         };
         let from = message.source.unwrap_or(propagation_source);
         let acceptance = match verdict {
             Verdict::Accept(event) => {
+                self.metrics.count_gossip_accepted(kind);
                 if let Some(event) = event {
                     if let P2pEvent::Coverage { coverage, .. } = event.as_ref() {
                         self.follow(from, coverage.term, &coverage.succession);
@@ -925,8 +973,9 @@ impl EventLoop {
                 tracing::debug!(%from, %topic, %reason, "gossip message ignored");
                 MessageAcceptance::Ignore
             }
-            Verdict::Reject(reason) => {
+            Verdict::Reject(code, reason) => {
                 tracing::warn!(%from, via = %propagation_source, %topic, %reason, "gossip message rejected");
+                self.metrics.count_gossip_rejected(kind, code);
                 self.emit(P2pEvent::Rejected {
                     from: mesh_peer_id(&from),
                     topic,

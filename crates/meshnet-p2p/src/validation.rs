@@ -13,8 +13,9 @@ pub(crate) enum Verdict {
     Accept(Option<Box<P2pEvent>>),
     /// Neither propagate nor penalise (cannot judge it yet).
     Ignore(String),
-    /// Invalid: drop it and report the reason.
-    Reject(String),
+    /// Invalid: drop it and report the reason: a stable code (the metrics' label) and the
+    /// detail.
+    Reject(&'static str, String),
 }
 
 /// What a node knows when it judges a message.
@@ -62,10 +63,13 @@ impl Admission<'_> {
         if model_id == self.model_id {
             Ok(())
         } else {
-            Err(Verdict::Reject(format!(
-                "message is for model {model_id:?}, this mesh runs {:?}",
-                self.model_id
-            )))
+            Err(Verdict::Reject(
+                "other_model",
+                format!(
+                    "message is for model {model_id:?}, this mesh runs {:?}",
+                    self.model_id
+                ),
+            ))
         }
     }
 
@@ -75,19 +79,23 @@ impl Admission<'_> {
                 "no tracker known yet to authorise tracker messages".to_owned(),
             )),
             Some(tracker) if tracker == source => Ok(()),
-            Some(tracker) => Err(Verdict::Reject(format!(
-                "sent by {source}, which is not the tracker {tracker}"
-            ))),
+            Some(tracker) => Err(Verdict::Reject(
+                "not_tracker",
+                format!("sent by {source}, which is not the tracker {tracker}"),
+            )),
         }
     }
 
     /// Checks that a message of `term` from the current tracker is not from an older term.
     fn check_term(&self, term: u64) -> Result<(), Verdict> {
         if term < self.term {
-            Err(Verdict::Reject(format!(
-                "of tracker term {term}, older than the current term {}",
-                self.term
-            )))
+            Err(Verdict::Reject(
+                "stale_term",
+                format!(
+                    "of tracker term {term}, older than the current term {}",
+                    self.term
+                ),
+            ))
         } else {
             Ok(())
         }
@@ -103,11 +111,14 @@ impl Admission<'_> {
             ));
         };
         if !claim_beats(claimant, term, current, self.term) {
-            return Err(Verdict::Reject(format!(
-                "sent by {claimant}, which is not the tracker {current} (its term {term} does \
+            return Err(Verdict::Reject(
+                "claim_too_weak",
+                format!(
+                    "sent by {claimant}, which is not the tracker {current} (its term {term} does \
                  not beat the current term {})",
-                self.term
-            )));
+                    self.term
+                ),
+            ));
         }
         if !self.tracker_silent {
             // Not the claimant's fault: this node may hear the old tracker a little longer.
@@ -116,10 +127,13 @@ impl Admission<'_> {
             )));
         }
         match self.succession {
-            Some(list) if !list.contains(&claimant) => Err(Verdict::Reject(format!(
-                "{claimant} claims tracker term {term}, but tracker {current} did not name it \
+            Some(list) if !list.contains(&claimant) => Err(Verdict::Reject(
+                "off_succession",
+                format!(
+                    "{claimant} claims tracker term {term}, but tracker {current} did not name it \
                  in its succession list"
-            ))),
+                ),
+            )),
             _ => Ok(()),
         }
     }
@@ -127,16 +141,24 @@ impl Admission<'_> {
     fn judge_announcement(&self, source: PeerId, data: &[u8]) -> Verdict {
         let announcement: PeerAnnouncement = match decode(data) {
             Ok(announcement) => announcement,
-            Err(error) => return Verdict::Reject(format!("undecodable announcement: {error}")),
+            Err(error) => {
+                return Verdict::Reject(
+                    "undecodable",
+                    format!("undecodable announcement: {error}"),
+                );
+            }
         };
         if let Err(verdict) = self.check_model(&announcement.model_id) {
             return verdict;
         }
         if announcement.peer != mesh_peer_id(&source) {
-            return Verdict::Reject(format!(
-                "announcement names peer {} but is signed by {source}",
-                announcement.peer
-            ));
+            return Verdict::Reject(
+                "spoofed_sender",
+                format!(
+                    "announcement names peer {} but is signed by {source}",
+                    announcement.peer
+                ),
+            );
         }
         Verdict::Accept(Some(Box::new(P2pEvent::Announcement {
             from: mesh_peer_id(&source),
@@ -147,7 +169,12 @@ impl Admission<'_> {
     fn judge_coverage(&self, source: PeerId, data: &[u8]) -> Verdict {
         let coverage: CoverageMessage = match decode(data) {
             Ok(coverage) => coverage,
-            Err(error) => return Verdict::Reject(format!("undecodable coverage map: {error}")),
+            Err(error) => {
+                return Verdict::Reject(
+                    "undecodable",
+                    format!("undecodable coverage map: {error}"),
+                );
+            }
         };
         let authorised = self.check_model(&coverage.model_id).and_then(|()| {
             if self.tracker == Some(source) {
@@ -168,7 +195,9 @@ impl Admission<'_> {
     fn judge_directive(&self, source: PeerId, data: &[u8]) -> Verdict {
         let directive: DirectiveMessage = match decode(data) {
             Ok(directive) => directive,
-            Err(error) => return Verdict::Reject(format!("undecodable directive: {error}")),
+            Err(error) => {
+                return Verdict::Reject("undecodable", format!("undecodable directive: {error}"));
+            }
         };
         if let Err(verdict) = self
             .check_model(&directive.model_id)
@@ -182,11 +211,14 @@ impl Admission<'_> {
             .iter()
             .find(|inner| *inner.peer() != directive.target)
         {
-            return Verdict::Reject(format!(
-                "directive message for {} carries a directive for {}",
-                directive.target,
-                stray.peer()
-            ));
+            return Verdict::Reject(
+                "stray_directive",
+                format!(
+                    "directive message for {} carries a directive for {}",
+                    directive.target,
+                    stray.peer()
+                ),
+            );
         }
         let for_us = directive.target == mesh_peer_id(&self.local_peer);
         Verdict::Accept(for_us.then(|| {
@@ -250,7 +282,7 @@ mod tests {
     }
 
     fn is_reject(verdict: &Verdict) -> bool {
-        matches!(verdict, Verdict::Reject(_))
+        matches!(verdict, Verdict::Reject(..))
     }
 
     #[test]

@@ -376,7 +376,6 @@ impl ControlLoop {
             own,
             &member.http_url,
             &member.settings,
-            &member.failovers,
         )
         .await?;
         {
@@ -427,6 +426,9 @@ impl ControlLoop {
             directives = ?directive.directives,
             "directive received"
         );
+        self.member
+            .metrics
+            .count_directives_applied(directive.directives.len());
         let target = directive.span_after.map(|span| ShardTarget {
             layers: span.layers,
             quantization: span.quantization,
@@ -543,8 +545,10 @@ impl ControlLoop {
                 span_after = ?directive.span_after.as_ref().map(|s| s.layers.to_string()),
                 "directive published"
             );
-            if let Err(error) = self.p2p.publish_directive(directive).await {
-                tracing::warn!(%error, "publishing a directive failed");
+            let count = directive.directives.len();
+            match self.p2p.publish_directive(directive).await {
+                Ok(_) => self.member.metrics.count_directives_issued(count),
+                Err(error) => tracing::warn!(%error, "publishing a directive failed"),
             }
         }
         self.store_record(epoch).await;

@@ -163,6 +163,7 @@ impl CompletionEngine for MeshEngine {
             .map_err(|_| EngineError::Busy {
                 retry_after_seconds: 1,
             })?;
+        let admitted = Instant::now();
         let (text, chat) = self.prompt_text(request.prompt)?;
         let prompt_param = if chat { "messages" } else { "prompt" };
         let prompt = self
@@ -209,6 +210,8 @@ impl CompletionEngine for MeshEngine {
         let prompt_tokens = generation.prompt.len();
         let (events, receiver) = mpsc::channel(EVENT_BUFFER);
         let job = GenerationJob {
+            admitted,
+            metrics: self.client.metrics().clone(),
             request_id: request.request_id,
             text: Arc::clone(&self.text),
             entry,
@@ -246,6 +249,10 @@ fn random_seed() -> u64 {
 
 /// One generation, run on a blocking thread.
 struct GenerationJob {
+    /// When the request got its session slot (time to first token counts from here).
+    admitted: Instant,
+    /// Where tokens and their latencies are counted.
+    metrics: meshnet_metrics::Metrics,
     request_id: String,
     text: Arc<TextSide>,
     entry: Arc<LoadedShard>,
@@ -278,7 +285,18 @@ impl GenerationJob {
             prompt_tokens = self.request.prompt.len(),
             "generation started"
         );
-        let outcome = stream_generation(&route, &self.request, &self.text.tokenizer, &self.events);
+        let mut clock = TokenClock {
+            metrics: &self.metrics,
+            previous: self.admitted,
+            counted: 0,
+        };
+        let outcome = stream_generation(
+            &route,
+            &self.request,
+            &self.text.tokenizer,
+            &self.events,
+            &mut clock,
+        );
         let events = &self.events;
         match outcome {
             Ok(generation) if generation.finish == ModelFinish::Cancelled => {
@@ -368,17 +386,16 @@ fn stream_generation(
     request: &GenerationRequest,
     tokenizer: &ModelTokenizer,
     events: &mpsc::Sender<EngineEvent>,
+    clock: &mut TokenClock<'_>,
 ) -> Result<meshnet_model::Generation, ModelError> {
     let mut streamer = TextStreamer::new(tokenizer, &request.stop.strings);
-    let outcome = generate_observed(
-        route,
-        request,
-        Some(tokenizer),
-        &mut |generated| match streamer.delta(generated) {
+    let outcome = generate_observed(route, request, Some(tokenizer), &mut |generated| {
+        clock.tokens_now(generated.len());
+        match streamer.delta(generated) {
             Some(delta) => events.blocking_send(EngineEvent::Delta(delta)).is_ok(),
             None => !events.is_closed(),
-        },
-    );
+        }
+    });
     if let Ok(generation) = &outcome
         && generation.finish != ModelFinish::Cancelled
         && let Some(rest) = streamer.remainder(generation.text.as_deref().unwrap_or_default())
@@ -386,6 +403,28 @@ fn stream_generation(
         let _ = events.blocking_send(EngineEvent::Delta(rest));
     }
     outcome
+}
+
+/// Counts a generation's tokens and times them: the first from the admission, each later one
+/// from the one before.
+struct TokenClock<'a> {
+    metrics: &'a meshnet_metrics::Metrics,
+    previous: Instant,
+    counted: usize,
+}
+
+impl TokenClock<'_> {
+    /// Notes that `generated` tokens exist now.
+    fn tokens_now(&mut self, generated: usize) {
+        let now = Instant::now();
+        while self.counted < generated {
+            let first = self.counted == 0;
+            self.metrics
+                .record_token(first, now.saturating_duration_since(self.previous));
+            self.previous = now;
+            self.counted += 1;
+        }
+    }
 }
 
 /// Turns the growing list of generated tokens into text deltas that never split a UTF-8
@@ -612,7 +651,16 @@ mod streaming_tests {
             ..GenerationRequest::greedy(tokenizer.encode("Say:").unwrap(), ids.len())
         };
         let (events, mut received) = mpsc::channel(ids.len() + 2);
-        let generation = stream_generation(&route, &request, tokenizer, &events).unwrap();
+        let metrics = meshnet_metrics::Metrics::detached();
+        let mut clock = TokenClock {
+            metrics: &metrics,
+            previous: Instant::now(),
+            counted: 0,
+        };
+        let generation =
+            stream_generation(&route, &request, tokenizer, &events, &mut clock).unwrap();
+        // Every generated token is counted once, however the text was cut into deltas.
+        assert_eq!(metrics.tokens_generated(), generation.tokens.len() as u64);
         let mut deltas = Vec::new();
         while let Ok(event) = received.try_recv() {
             match event {

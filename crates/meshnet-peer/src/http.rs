@@ -1,5 +1,5 @@
-//! The member's HTTP server: the activation plane, `/status`, `/health`, and on the tracker
-//! the OpenAI-style API, on one listener.
+//! The member's HTTP server: the activation plane, `/status`, `/health`, `/metrics`, the live
+//! coverage page at `/`, and the OpenAI-style API, on one listener.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -24,15 +24,26 @@ use crate::error::PeerError;
 use crate::member::Member;
 use crate::status::StatusReport;
 
-/// Every route this member answers: the activation plane, `/status`, `/health`, and the
-/// OpenAI-style API under `/v1` (served by the tracker itself; any other member passes the
-/// request on to the tracker it follows, so clients may point at any member).
-pub(crate) fn router(member: &Arc<Member>, client: ForwardClient) -> Router {
+/// Every route this member answers: the activation plane, `/status`, `/health`, `/metrics`
+/// (the text exposition of `registry`), the coverage page at `/`, and the OpenAI-style API
+/// under `/v1` (served by the tracker itself; any other member passes the request on to the
+/// tracker it follows, so clients may point at any member).
+pub(crate) fn router(
+    member: &Arc<Member>,
+    client: ForwardClient,
+    registry: Arc<meshnet_metrics::Registry>,
+) -> Router {
     let executor: Arc<dyn SpanExecutor> = Arc::clone(&member.host) as Arc<dyn SpanExecutor>;
     ActivationPlane::new(executor, Limits::default(), client)
         .router()
         .merge(
             Router::new()
+                .route("/metrics", get(metrics_handler))
+                .with_state(registry),
+        )
+        .merge(
+            Router::new()
+                .route("/", get(coverage_page))
                 .route("/status", get(status_handler))
                 .route("/health", get(health_handler))
                 .route("/v1", any(openai_handler))
@@ -280,6 +291,32 @@ pub(crate) fn serve(
             tracing::error!(%error, "the HTTP server failed");
         }
     })
+}
+
+/// The live coverage page: one self-contained file, embedded in the binary.
+const COVERAGE_PAGE: &str = include_str!("page/index.html");
+
+async fn coverage_page() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        COVERAGE_PAGE,
+    )
+        .into_response()
+}
+
+/// The Prometheus text exposition of every family this member exports.
+async fn metrics_handler(State(registry): State<Arc<meshnet_metrics::Registry>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        meshnet_metrics::encode(&registry),
+    )
+        .into_response()
 }
 
 async fn status_handler(State(member): State<Arc<Member>>) -> Json<StatusReport> {

@@ -98,8 +98,8 @@ pub(crate) struct Member {
     pub(crate) rejected: AtomicU64,
     /// The latest refusals, newest last, at most [`RECENT_REJECTIONS`].
     pub(crate) recent_rejections: Mutex<VecDeque<RejectionReport>>,
-    /// Generations that got past a failed hop on a new route.
-    pub(crate) failovers: Arc<AtomicU64>,
+    /// Where this member counts what `/metrics` exports (failovers, tokens, directives...).
+    pub(crate) metrics: meshnet_metrics::Metrics,
     /// Set once the member is shutting down: it announces `leaving` and takes no new work.
     pub(crate) leaving: AtomicBool,
     /// Wakes the control loop to announce at once (rather than at its next tick).

@@ -16,7 +16,6 @@
 //! failed again. The generation loop never notices beyond the
 //! pause (ADR-0018).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -65,8 +64,9 @@ pub struct Failover {
     pub routes: Arc<dyn MeshRoutes>,
     /// The limits.
     pub policy: FailoverPolicy,
-    /// Failovers that got a generation going again, for `/status`.
-    pub completed: Arc<AtomicU64>,
+    /// Where failovers that got a generation going again are counted (for `/status` and
+    /// `/metrics`).
+    pub metrics: meshnet_metrics::Metrics,
 }
 
 /// A generation that could not get past a failed hop.
@@ -271,7 +271,7 @@ impl RemoteStage {
             self.end_in_background(&old.hops, &culprit, old.session.unwrap_or(generation));
             match self.replay(state) {
                 Ok(replayed) => {
-                    self.failover.completed.fetch_add(1, Ordering::Relaxed);
+                    self.failover.metrics.count_failover();
                     tracing::info!(
                         attempt,
                         failed_peer = %culprit,
@@ -551,7 +551,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use std::sync::Arc;
-    use std::sync::atomic::AtomicBool;
+    use std::sync::atomic::{AtomicBool, Ordering};
 
     use meshnet_node::{ActivationPlane, ExecutorError, SpanExecutor};
     use meshnet_wire::Limits;
@@ -652,7 +652,7 @@ mod tests {
         let failover = Failover {
             routes: Arc::clone(&routes) as Arc<dyn MeshRoutes>,
             policy: FailoverPolicy::default(),
-            completed: Arc::new(AtomicU64::new(0)),
+            metrics: meshnet_metrics::Metrics::detached(),
         };
         let first = routes.route(10, &[]).unwrap();
         let stage = RemoteStage::new(
@@ -693,7 +693,7 @@ mod tests {
         assert_eq!(banned.len(), 1, "{banned:?}");
         assert_eq!(banned[0].0, PeerId::new("stopped"));
         assert!(banned[0].1.contains("stopped announcing"), "{banned:?}");
-        assert_eq!(failover.completed.load(Ordering::Relaxed), 1);
+        assert_eq!(failover.metrics.failovers(), 1);
 
         // The next step continues on the healthy holder at the next position.
         let step = Tensor::ones((1, 1, 4), DType::F32, &Device::Cpu).unwrap();

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, RwLock};
 
 use libp2p::Multiaddr;
+use meshnet_metrics::{LiveCollector, Metrics, Registry};
 use meshnet_model::TextSide;
 use meshnet_node::{DEFAULT_HOP_TIMEOUT, ForwardClient};
 use meshnet_p2p::{P2pConfig, P2pHandle};
@@ -28,7 +29,7 @@ use crate::mesh_model::MeshModel;
 use crate::remote::Failover;
 use crate::routing::MeshRoutes;
 use crate::shard::{LoadProgress, LoadedShard, ShardHost};
-use crate::status::StatusReport;
+use crate::status::{MemberGauges, StatusReport};
 use crate::tracker::TrackerBook;
 
 /// A member that has started.
@@ -197,9 +198,11 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         config.kv_tokens,
         config.drain_timeout,
     ));
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
     let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)
-        .map_err(|e| PeerError::Internal(e.to_string()))?;
-    let failovers = Arc::new(AtomicU64::new(0));
+        .map_err(|e| PeerError::Internal(e.to_string()))?
+        .with_metrics(metrics.clone());
     let settings = Settings {
         announce_interval: config.announce_interval,
         max_sessions: config.max_sessions,
@@ -209,7 +212,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     };
     let role = if config.tracker {
         let own = capacity(&config, &quantizations, peer_id.clone());
-        Role::Tracker(build_tracker_parts(&host, own, &http_url, &settings, &failovers).await?)
+        Role::Tracker(build_tracker_parts(&host, own, &http_url, &settings).await?)
     } else {
         Role::Peer
     };
@@ -229,7 +232,8 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     // Followers accept a successor once they have missed two of the tracker's maps; the
     // successor claims after three (crate::election).
     p2p_config.takeover_silence = config.announce_interval * 2;
-    let (p2p, events) = meshnet_p2p::spawn(p2p_config).await?;
+    p2p_config.metrics = metrics.clone();
+    let (p2p, events) = meshnet_p2p::spawn_registered(p2p_config, &mut registry).await?;
     let p2p_addrs = p2p
         .listen_addrs()
         .await
@@ -258,15 +262,17 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         p2p_addrs: Mutex::new(p2p_addrs),
         rejected: AtomicU64::new(0),
         recent_rejections: Mutex::default(),
-        failovers,
+        metrics,
         leaving: AtomicBool::new(false),
         announce_now: tokio::sync::Notify::new(),
         proxy: crate::http::proxy_client()?,
         p2p: p2p.clone(),
     });
+    LiveCollector::register(&mut registry, MemberGauges(Arc::clone(&member)));
+    let router = crate::http::router(&member, client, Arc::new(registry));
     Ok(run(
         member,
-        client,
+        router,
         listener,
         http_addr,
         p2p,
@@ -293,7 +299,6 @@ pub(crate) async fn build_tracker_parts(
     own: PeerCapacity,
     http_url: &str,
     settings: &Settings,
-    failovers: &Arc<AtomicU64>,
 ) -> Result<TrackerParts, PeerError> {
     let model = host.model();
     let book = Arc::new(Mutex::new(TrackerBook::new(
@@ -309,7 +314,7 @@ pub(crate) async fn build_tracker_parts(
     let failover = Failover {
         routes: Arc::clone(&book) as Arc<dyn MeshRoutes>,
         policy: settings.failover.clone(),
-        completed: Arc::clone(failovers),
+        metrics: settings.client.metrics().clone(),
     };
     let engine = Arc::new(MeshEngine::new(
         model.id().to_owned(),
@@ -326,7 +331,7 @@ pub(crate) async fn build_tracker_parts(
 /// Spawns the HTTP server and the control loop of a member that is set up.
 fn run(
     member: Arc<Member>,
-    client: ForwardClient,
+    router: axum::Router,
     listener: TcpListener,
     http_addr: SocketAddr,
     p2p: P2pHandle,
@@ -334,11 +339,7 @@ fn run(
     announce_interval: std::time::Duration,
 ) -> RunningPeer {
     let (stop, stop_rx) = watch::channel(false);
-    let server = crate::http::serve(
-        listener,
-        crate::http::router(&member, client),
-        stop_rx.clone(),
-    );
+    let server = crate::http::serve(listener, router, stop_rx.clone());
     tracing::info!(
         peer = %member.peer_id,
         role = if member.is_tracker() { "tracker" } else { "peer" },

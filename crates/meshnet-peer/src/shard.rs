@@ -316,6 +316,19 @@ impl ShardHost {
         })
     }
 
+    /// KV cache bytes `(held by sessions on every span here, still free on the current span)`.
+    pub fn kv_bytes(&self) -> (u64, u64) {
+        let state = self.lock();
+        let used = all_shards(&state)
+            .map(|shard| shard.span.kv_store().used_bytes() as u64)
+            .sum();
+        let free = state.current.as_ref().map_or(0, |shard| {
+            let store = shard.span.kv_store();
+            store.budget_bytes().saturating_sub(store.used_bytes()) as u64
+        });
+        (used, free)
+    }
+
     /// The span that should run `meta`: the one already holding the session's cache, else the
     /// current span when it covers the layers.
     fn shard_for(&self, meta: &FrameMeta) -> Option<Arc<LoadedShard>> {

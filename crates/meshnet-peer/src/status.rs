@@ -5,6 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use meshnet_metrics::HopPath;
 use meshnet_p2p::{CoverageMessage, SpanStatus};
 use meshnet_types::{PeerId, Quantization, SpanState};
 use serde::Serialize;
@@ -145,6 +146,9 @@ pub struct PeerReport {
     pub peer: PeerId,
     /// Its activation-plane base URL.
     pub http: Option<String>,
+    /// How activations reach it: `direct-http` to its announced endpoint, or `unreachable`
+    /// when it announced none (it cannot be routed to).
+    pub path: &'static str,
     /// Its announced span.
     pub span: Option<SpanStatus>,
     /// Declared memory in bytes.
@@ -251,7 +255,7 @@ impl StatusReport {
             succession: following.succession,
             rejected_messages: member.rejected.load(Ordering::Relaxed),
             recent_rejections: lock(&member.recent_rejections).iter().cloned().collect(),
-            failovers: member.failovers.load(Ordering::Relaxed),
+            failovers: member.metrics.failovers(),
             leaving: member.leaving.load(Ordering::Relaxed),
             forward_latency_ms: host.forward_latency_ms(),
             gossip: member.p2p.gossip_traffic(),
@@ -266,6 +270,30 @@ impl StatusReport {
     }
 }
 
+/// The member's state as `/metrics` reads it at each scrape.
+pub(crate) struct MemberGauges(pub(crate) std::sync::Arc<Member>);
+
+impl meshnet_metrics::LiveSource for MemberGauges {
+    fn sample(&self) -> meshnet_metrics::LiveSample {
+        let member = &self.0;
+        let host = &member.host;
+        let (kv_used_bytes, kv_free_bytes) = host.kv_bytes();
+        let load_progress = match host.progress().get() {
+            Some((done, total)) => done as f64 / total.max(1) as f64,
+            None => 1.0,
+        };
+        meshnet_metrics::LiveSample {
+            active_sessions: member.active_sessions() as u64,
+            kv_used_bytes,
+            kv_free_bytes,
+            load_progress,
+            served_layers: host
+                .current()
+                .map_or(0, |shard| u64::from(shard.target.layers.len())),
+        }
+    }
+}
+
 impl PeerReport {
     /// A known peer as of `now`.
     fn of(known: &KnownPeer, now: Instant) -> Self {
@@ -273,6 +301,11 @@ impl PeerReport {
         PeerReport {
             peer: a.peer.clone(),
             http: a.http_endpoints.first().cloned(),
+            path: if a.http_endpoints.is_empty() {
+                "unreachable"
+            } else {
+                HopPath::DirectHttp.as_str()
+            },
             span: a.span.clone(),
             memory_bytes: a.memory_bytes,
             quantizations: a.quantizations.clone(),

@@ -89,7 +89,24 @@ async fn a_directive_forged_by_a_non_tracker_is_rejected_and_not_acted_on() {
             .unwrap();
         tokio::time::sleep(ANNOUNCE).await;
     }
-    // The victim rejected it and still holds what the tracker assigned.
+    // The victim rejected it, counted it by reason in /metrics, and still holds what the
+    // tracker assigned.
+    let scrape = reqwest::get(format!("{}/metrics", victim.http_url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let counted: f64 = scrape
+        .lines()
+        .filter(|line| {
+            line.starts_with("meshnet_gossip_rejected_total{")
+                && line.contains("topic=\"directives\"")
+                && line.contains("reason=\"not_tracker\"")
+        })
+        .map(|line| line.rsplit_once(' ').unwrap().1.parse::<f64>().unwrap())
+        .sum();
+    assert!(counted >= 1.0, "{scrape}");
     assert!(victim.status().loading.is_none());
     assert_eq!(victim.current_span().unwrap().target, before);
     let status = tracker.status();
