@@ -15,8 +15,11 @@
 //! - [`remote`]: the remote part of a route as one stage of the generation loop.
 //! - [`engine`]: the completion engine behind the OpenAI-style API.
 //! - [`status`]: the JSON of `GET /status`.
+//! - [`console`]: the text table of `meshnet-peer status` and the server-sent-event decoder of
+//!   `meshnet-peer chat`.
 
 pub mod config;
+pub mod console;
 mod control;
 pub mod election;
 pub mod engine;

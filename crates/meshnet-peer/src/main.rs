@@ -8,6 +8,10 @@
 //! - `fetch-model` puts the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on disk.
 //! - `model-info` sizes `--memory` budgets; `health URL` is a container healthcheck (exit 0 only
 //!   on a 200).
+//! - `status` prints a member's view of the mesh (coverage map, peers) as a table; `chat`
+//!   talks to the mesh in the terminal, streaming answers (both in `terminal`).
+
+mod terminal;
 
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
@@ -56,6 +60,12 @@ enum Commands {
     /// Ask a member's `GET /health` (or any URL) and exit 0 only if it answers 200: a
     /// container healthcheck that needs no shell or curl.
     Health(HealthArgs),
+    /// Print a member's view of the mesh as a table: the model, the tracker and its term, the
+    /// coverage map and every peer with its span, state and path.
+    Status(terminal::StatusArgs),
+    /// Chat with the mesh in the terminal: each line of input is a question, answers stream
+    /// as they are generated, followed by tokens/s. `/reset` forgets the conversation.
+    Chat(terminal::ChatArgs),
 }
 
 /// What `health` asks.
@@ -212,6 +222,8 @@ fn main() -> ExitCode {
         Some(Commands::FetchModel) => fetch_model(),
         Some(Commands::ModelInfo(args)) => model_info(&args),
         Some(Commands::Health(args)) => health(&args),
+        Some(Commands::Status(args)) => terminal::status(&args),
+        Some(Commands::Chat(args)) => terminal::chat(&args),
         None => run_peer(cli.run),
     };
     match outcome {

@@ -384,3 +384,37 @@ fn health_exits_zero_only_on_a_200_and_names_what_failed() {
         assert!(!stderr.contains("panicked"), "{url}: {stderr}");
     }
 }
+
+#[test]
+fn status_and_chat_name_a_bad_member_url_or_an_unreachable_member() {
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", listener.local_addr().unwrap())
+    };
+    let refusing = answering(
+        "503 Service Unavailable",
+        r#"{"error":{"message":"the mesh does not cover the model yet"}}"#,
+    );
+    let cases: [(&[&str], &str); 7] = [
+        (
+            &["status", "--url", "ftp://127.0.0.1"],
+            "not an http:// URL",
+        ),
+        (&["status", "--url", "http://"], "is not a URL"),
+        (&["status", "--url", &closed], "cannot reach a member"),
+        (&["chat", "--url", &closed], "cannot reach a member"),
+        (
+            &["chat", "--url", &refusing],
+            "the mesh does not cover the model yet",
+        ),
+        (&["chat", "--temperature", "NaN"], "--temperature must be"),
+        (&["chat", "--max-tokens", "0"], "--max-tokens must be"),
+    ];
+    for (args, named) in cases {
+        let output = peer().args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(named), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

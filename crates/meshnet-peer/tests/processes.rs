@@ -340,6 +340,81 @@ async fn a_three_process_mesh_answers_exactly_like_one_process_with_the_same_bou
             );
         }
     }
+
+    // The terminal commands against the same mesh. `status` shows the three members in
+    // route order, all ready, and complete coverage.
+    let output = terminal(&["status", "--url", &mesh.url("")], "").await;
+    assert!(output.status.success(), "{output:?}");
+    let table = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(table.contains("coverage complete"), "{table}");
+    let rows: Vec<&str> = table.lines().filter(|l| l.starts_with('…')).collect();
+    assert_eq!(rows.len(), 3, "{table}");
+    let spans: Vec<&str> = rows
+        .iter()
+        .map(|row| row.split_whitespace().nth(1).unwrap())
+        .collect();
+    let expected_spans = [
+        format!("0..{}", boundaries[0]),
+        format!("{}..{}", boundaries[0], boundaries[1]),
+        format!("{}..30", boundaries[1]),
+    ];
+    assert_eq!(spans, expected_spans, "{table}");
+    assert!(rows.iter().all(|row| row.contains(" ready ")), "{table}");
+
+    // `chat` through a peer (which passes /v1 on to the tracker) streams the greedy answer;
+    // `/reset` forgets the first exchange, so the same question gets the same answer again.
+    let peer_http = status["peers"][0]["http"].as_str().unwrap();
+    let question = "What is the capital of France?";
+    let output = terminal(
+        &[
+            "chat",
+            "--url",
+            peer_http,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "48",
+        ],
+        &format!("{question}\n/reset\n{question}\n/quit\nnot asked\n"),
+    )
+    .await;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let expected = reference_answer(question, &boundaries, 48);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        format!("{expected}\n{expected}\n")
+    );
+    assert_eq!(
+        stderr.matches("tokens/s, first token after").count(),
+        2,
+        "{stderr}"
+    );
+}
+
+/// Runs `meshnet-peer ARGS` with `input` on its standard input and waits for it.
+async fn terminal(args: &[&str], input: &str) -> std::process::Output {
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let input = input.to_owned();
+    tokio::task::spawn_blocking(move || {
+        use std::io::Write;
+        let mut child = Command::new(BIN)
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
