@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up meshnet, starts a local mesh of three processes (a tracker and two peers, each holding a
 # third of the model's layers), asks it one chat question through the OpenAI-style API, and
-# leaves the mesh running. Stop it with `testnet/local.sh down`.
+# leaves the mesh running. Stop it with `testnet/local.sh down`. It installs only what running
+# needs (scripts/setup.sh without --dev: the model; testnet/local.sh builds the release binary).
 #
 #   MESHNET_SKIP_SETUP=1   skip scripts/setup.sh
 #   MESHNET_PROFILE, MESHNET_HTTP_PORT, ...: see testnet/local.sh
@@ -37,6 +38,13 @@ print(json.dumps({"model": sys.argv[1], "temperature": 0, "max_tokens": 32,
 answer=$(curl -sSf "$base_url/chat/completions" -H 'Content-Type: application/json' -d "$request" |
   python3 -c 'import json, sys; print(json.load(sys.stdin)["choices"][0]["message"]["content"])')
 mesh_started=0
+if [ -n "${MESHNET_BIN:-}" ]; then
+  bin=$MESHNET_BIN
+elif [ "${MESHNET_PROFILE:-release}" = debug ]; then
+  bin=target/debug/meshnet-peer
+else
+  bin=target/release/meshnet-peer
+fi
 
 cat <<EOF
 
@@ -52,6 +60,11 @@ or, with the openai Python package (any API key is accepted):
 
   from openai import OpenAI
   client = OpenAI(base_url="$base_url", api_key="meshnet")
+
+Watch it: open ${base_url%/v1}/ in a browser (the live coverage page), or run
+  $bin status --url ${base_url%/v1}
+Chat with it in the terminal:
+  $bin chat --url ${base_url%/v1}
 
 Status: testnet/local.sh status    Stop: testnet/local.sh down
 EOF

@@ -4,12 +4,14 @@
 # fuzz run fails the script; only MESHNET_FUZZ_SECONDS=0 skips fuzzing.
 #
 #   MESHNET_FUZZ_SECONDS=N   seconds per fuzz target (default 20; 0 skips fuzzing explicitly)
-#   MESHNET_SKIP_MESH=1      skip the process-level mesh tests: the OpenAI client check against
-#                            a local 3-process mesh, and the self-healing checks (testnet/chaos.py)
-#                            on a 5-process mesh with redundancy 2
+#   MESHNET_SKIP_MESH=1      skip the process-level mesh tests: the OpenAI client, /metrics and
+#                            coverage-page (headless Chromium) checks against a local 3-process
+#                            mesh, and the self-healing checks (testnet/chaos.py) on a 5-process
+#                            mesh with redundancy 2
 #   MESHNET_SKIP_DOCKER=1    skip the ten-peer Docker testnet (testnet/docker.sh smoke and
 #                            chaos); without a Docker engine they are skipped with a loud note
-#   MESHNET_VENV=DIR         virtualenv with the `openai` package (default .venv, made by setup.sh)
+#   MESHNET_VENV=DIR         virtualenv with the `openai` and `prometheus_client` packages
+#                            (default .venv, made by setup.sh --dev)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,13 +26,14 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test --workspace"
 cargo test --workspace --locked
 
-step "OpenAI client against a 3-process mesh"
+step "a 3-process mesh: the OpenAI client, /metrics, and the coverage page in Chromium"
 if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
   echo "skipped: MESHNET_SKIP_MESH=1"
 else
   venv=${MESHNET_VENV:-.venv}
-  if ! "$venv/bin/python" -c 'import openai' >/dev/null 2>&1; then
-    echo "no virtualenv with the openai package at $venv: run scripts/setup.sh first" >&2
+  if ! "$venv/bin/python" -c 'import openai, prometheus_client' >/dev/null 2>&1; then
+    echo "no virtualenv with the openai and prometheus_client packages at $venv:" \
+      "run scripts/setup.sh --dev first" >&2
     exit 1
   fi
   # A run directory of its own, so a testnet the user has up is left alone.
@@ -42,6 +45,9 @@ else
   MESHNET_BIN=$PWD/target/debug/meshnet-peer testnet/local.sh up 3 | tee "$MESHNET_TESTNET_DIR/up.out"
   base_url=$(tail -n 1 "$MESHNET_TESTNET_DIR/up.out")
   "$venv/bin/python" scripts/openai_client_check.py "$base_url"
+  "$venv/bin/python" scripts/metrics_check.py "$base_url"
+  # The page's DOM and screenshots stay under target/test-output/page for a look afterwards.
+  python3 scripts/page_check.py "$base_url" --layers 30 --peers 3 --out target/test-output/page
   testnet/local.sh down
   trap - EXIT
   rm -rf "$MESHNET_TESTNET_DIR"
@@ -142,7 +148,7 @@ if [ "$fuzz_seconds" -gt 0 ]; then
         -- -max_total_time="$fuzz_seconds" -rss_limit_mb="$fuzz_rss_limit_mb")
     done
   else
-    echo "cargo-fuzz is not installed: run scripts/setup.sh to install it," \
+    echo "cargo-fuzz is not installed: run scripts/setup.sh --dev to install it," \
       "or set MESHNET_FUZZ_SECONDS=0 to skip fuzzing explicitly" >&2
     exit 1
   fi

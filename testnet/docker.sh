@@ -379,7 +379,7 @@ run_check() {
   local python=python3 venv=${MESHNET_VENV:-$repo/.venv}
   if [ "$1" = smoke ]; then
     "$venv/bin/python" -c 'import openai' >/dev/null 2>&1 ||
-      die "no virtualenv with the openai package at $venv: run scripts/setup.sh first"
+      die "no virtualenv with the openai package at $venv: run scripts/setup.sh --dev first"
     python=$venv/bin/python
   fi
   local rc=0
