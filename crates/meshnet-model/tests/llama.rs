@@ -95,35 +95,75 @@ fn split_equals_whole_exactly_with_f32_hand_off() {
     assert_eq!(middle.kv_store().used_bytes(), 0);
 }
 
+/// A natural paragraph of more than one 128-token prefill chunk: unlike a repeated sentence,
+/// what came before matters to what comes next.
+fn varied_long_prompt() -> Vec<u32> {
+    let text = "Maria left the harbour town of Ostrava at dawn, carrying a violin case, two \
+        letters from her brother in Lisbon, and a map on which someone had circled three \
+        villages in red ink. The train was late; a conductor with a limp told her the bridge \
+        near Olomouc had flooded overnight. She spent the delay writing in a green notebook: \
+        prices of bread, the colour of the river, a list of questions she meant to ask the old \
+        clockmaker. By noon the sky cleared, and the train finally crossed the swollen river \
+        slowly. In the dining car a retired geologist explained, at length and with diagrams \
+        drawn on napkins, why the hills near Brno hold so many caves, while his grandson \
+        counted cows through the window and lost track at forty-seven.";
+    let ids = common::tokenizer().encode(text).unwrap();
+    assert!(ids.len() > 128 && ids.len() < 200, "{} tokens", ids.len());
+    ids
+}
+
+/// The mean absolute difference of two logit vectors.
+fn mean_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f32>() / a.len() as f32
+}
+
+/// Decoding with the KV cache gives what recomputing the whole sequence gives, up to the
+/// rounding of the kernels. Not bit for bit: candle computes one row (a decode step) and many
+/// rows (a whole sequence) with different kernels, and on some CPUs they round differently
+/// (seen on an AVX2-only AMD EPYC: 0 difference for the first steps, then up to 0.44 in one
+/// logit and 0.10 on average); Q8 activations carry such differences through the layers. So
+/// the check is the greedy choice at every step and the mean difference against a bound, and
+/// a control shows the bound catches a real fault: the sequence without its first prefill
+/// chunk (a cache that lost it) lands far outside it (measured: 0.69 to 1.72 on average,
+/// against at most 0.053 for the cache).
 #[test]
-fn kv_cache_decoding_equals_recomputing() {
-    let prompt = long_prompt();
+fn kv_cache_decoding_matches_recomputing() {
+    const BOUND: f32 = 0.2;
+    const PREFILL_CHUNK: usize = 128;
+    let prompt = varied_long_prompt();
     let route = whole_q8_route();
     let mut request = GenerationRequest::greedy(prompt.clone(), 4);
     request.record_logits = true;
     let cached = generate(&route, &request, None).unwrap();
+    let recompute = |sequence: &[u32]| {
+        // From scratch in a single chunk, in a fresh session.
+        let session = SessionId::new_v4();
+        let logits = route.forward(session, 0, sequence).unwrap();
+        route.end_session(session);
+        logits
+    };
 
     let mut worst = 0f32;
     for (step, logits) in cached.logits.iter().enumerate() {
         let mut sequence = prompt.clone();
         sequence.extend_from_slice(&cached.tokens[..step]);
-        // Recompute from scratch in a single chunk, in a fresh session.
-        let session = SessionId::new_v4();
-        let fresh = route.forward(session, 0, &sequence).unwrap();
-        route.end_session(session);
-        let difference = logits
-            .iter()
-            .zip(&fresh)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let fresh = recompute(&sequence);
+        let difference = mean_difference(logits, &fresh);
         worst = worst.max(difference);
         assert!(
-            difference < 1e-2,
-            "step {step}: max logit difference {difference}"
+            difference < BOUND,
+            "step {step}: mean logit difference {difference}"
         );
         assert_eq!(argmax(logits), argmax(&fresh), "step {step}");
+
+        // The control: a cache that lost the first prefill chunk.
+        let lost = mean_difference(logits, &recompute(&sequence[PREFILL_CHUNK..]));
+        assert!(
+            lost > 2.0 * BOUND,
+            "step {step}: losing the first chunk moves the logits by only {lost} on average"
+        );
     }
-    println!("KV cache vs recompute: max logit difference {worst:e}");
+    println!("KV cache vs recompute: worst mean logit difference {worst:e}");
 }
 
 /// Greedy decoding of `prompts` on `route`, one session per prompt, the sessions advanced in
