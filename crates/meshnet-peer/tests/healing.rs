@@ -116,6 +116,7 @@ async fn a_hop_that_dies_mid_generation_is_replaced_and_the_text_is_unchanged() 
     let mut a = Some(a);
     let mut b = Some(b);
     let mut killed = None;
+    let mut banned_on_resume = None;
     let text = stream(&base, &model, async |deltas| {
         if deltas == 8 {
             let busy = the_busy_one([a.as_ref().unwrap(), b.as_ref().unwrap()])
@@ -130,16 +131,36 @@ async fn a_hop_that_dies_mid_generation_is_replaced_and_the_text_is_unchanged() 
             killed = Some(dying.peer_id().clone());
             dying.shutdown().await;
         }
+        if deltas > 8 && banned_on_resume.is_none() {
+            // The first tokens after the failover: the ban is fresh. (By the end of the
+            // stream its backoff may have run out on a slow machine, and the dead peer,
+            // silent since, may have left the book with it.)
+            let status = tracker.status();
+            if status.failovers > 0 {
+                banned_on_resume = status.banned;
+            }
+        }
     })
     .await;
     assert_eq!(text, reference, "the failover changed the text");
     let killed = killed.expect("a peer was stopped mid-generation");
-    let status: StatusReport = tracker.status();
-    assert_eq!(status.failovers, 1, "one failover");
-    let banned = status.banned.unwrap();
+    let banned = banned_on_resume.expect("the stream went on after the failover");
     assert!(
         banned.iter().any(|ban| ban.peer == killed),
-        "the dead peer is banned: {banned:?}"
+        "the dead peer is banned once the stream resumes: {banned:?}"
+    );
+    let status: StatusReport = tracker.status();
+    assert_eq!(status.failovers, 1, "one failover");
+    // Still off routes: banned, or forgotten as silent.
+    let still_banned = status.banned.unwrap().iter().any(|ban| ban.peer == killed);
+    let still_known = status
+        .peers
+        .unwrap()
+        .iter()
+        .any(|known| known.peer == killed);
+    assert!(
+        still_banned || !still_known,
+        "the dead peer is neither banned nor forgotten"
     );
     // The survivor freed the session the failover replayed onto it.
     let survivor = a.or(b).unwrap();
