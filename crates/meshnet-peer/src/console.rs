@@ -69,6 +69,23 @@ struct PeerRow {
     note: String,
 }
 
+impl PeerRow {
+    /// Takes what a member's own status and a tracker's peer entry share: the announced span
+    /// (when there is one), the sessions and the step time.
+    fn fill_from(&mut self, member: &Value) {
+        if let Some(span) = member.get("span").filter(|s| !s.is_null()) {
+            self.span = span_text(span).unwrap_or_default();
+            self.state = text(span, "state").to_owned();
+            self.quantization = text(span, "quantization").to_owned();
+        }
+        self.sessions = member
+            .get("active_sessions")
+            .map(ToString::to_string)
+            .unwrap_or_default();
+        self.latency = step_millis(member);
+    }
+}
+
 /// A `/status` answer as text: the member, the model and tracker, a line per layer range with
 /// its holders, and a row per peer. Works on any member (a non-tracker knows the coverage map
 /// but not the tracker's book of peers, so its rows come from the map).
@@ -199,16 +216,7 @@ fn peer_rows(status: &Value, coverage: Option<&Value>) -> BTreeMap<String, PeerR
         );
     }
     let own = rows.entry(text(status, "peer").to_owned()).or_default();
-    if let Some(span) = status.get("span").filter(|s| !s.is_null()) {
-        own.span = span_text(span).unwrap_or_default();
-        own.state = text(span, "state").to_owned();
-        own.quantization = text(span, "quantization").to_owned();
-    }
-    own.sessions = status
-        .get("active_sessions")
-        .map(ToString::to_string)
-        .unwrap_or_default();
-    own.latency = step_millis(status);
+    own.fill_from(status);
     own.path = "local".to_owned();
     own.note = format!("this member ({})", text(status, "role"));
     for known in status
@@ -218,17 +226,8 @@ fn peer_rows(status: &Value, coverage: Option<&Value>) -> BTreeMap<String, PeerR
         .flatten()
     {
         let row = rows.entry(text(known, "peer").to_owned()).or_default();
-        if let Some(span) = known.get("span").filter(|s| !s.is_null()) {
-            row.span = span_text(span).unwrap_or_default();
-            row.state = text(span, "state").to_owned();
-            row.quantization = text(span, "quantization").to_owned();
-        }
+        row.fill_from(known);
         row.path = text(known, "path").to_owned();
-        row.sessions = known
-            .get("active_sessions")
-            .map(ToString::to_string)
-            .unwrap_or_default();
-        row.latency = step_millis(known);
         if known.get("leaving").and_then(Value::as_bool) == Some(true) {
             row.note = "leaving".to_owned();
         }
