@@ -17,6 +17,19 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s (at %d s)\n' "$*" "$SECONDS"; }
 
+# Runs a check with a time limit, several times what it takes on a slow two-core machine, and
+# kills its whole process group at the limit: a hung check fails the run with its name instead
+# of stalling it.
+bounded() {
+  local limit=$1 rc=0
+  shift
+  timeout -k 30 "$limit" "$@" || rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    printf 'TIMED OUT: %s did not finish within %d s\n' "$*" "$limit" >&2
+  fi
+  return "$rc"
+}
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -24,7 +37,7 @@ step "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "cargo test --workspace"
-cargo test --workspace --locked
+bounded 3600 cargo test --workspace --locked
 
 step "a 3-process mesh: the OpenAI client, /metrics, and the coverage page in Chromium"
 if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
@@ -44,10 +57,10 @@ else
   # apart from the workspace and rebuild much of the dependency tree).
   MESHNET_BIN=$PWD/target/debug/meshnet-peer testnet/local.sh up 3 | tee "$MESHNET_TESTNET_DIR/up.out"
   base_url=$(tail -n 1 "$MESHNET_TESTNET_DIR/up.out")
-  "$venv/bin/python" scripts/openai_client_check.py "$base_url"
-  "$venv/bin/python" scripts/metrics_check.py "$base_url"
+  bounded 300 "$venv/bin/python" scripts/openai_client_check.py "$base_url"
+  bounded 300 "$venv/bin/python" scripts/metrics_check.py "$base_url"
   # The page's DOM and screenshots stay under target/test-output/page for a look afterwards.
-  python3 scripts/page_check.py "$base_url" --layers 30 --peers 3 --out target/test-output/page
+  bounded 300 python3 scripts/page_check.py "$base_url" --layers 30 --peers 3 --out target/test-output/page
   testnet/local.sh down
   trap - EXIT
   rm -rf "$MESHNET_TESTNET_DIR"
@@ -70,10 +83,10 @@ else
   MESHNET_BIN=$PWD/target/debug/meshnet-peer testnet/local.sh up 5 --redundancy 2
   # Every check runs, so one CI log shows them all; any failing fails the step.
   healing_failed=0
-  python3 testnet/chaos.py chaos --runs 20 || healing_failed=1
-  python3 testnet/chaos.py sigterm || healing_failed=1
-  python3 testnet/chaos.py stop || healing_failed=1
-  python3 testnet/chaos.py tracker || healing_failed=1
+  bounded 1500 python3 testnet/chaos.py chaos --runs 20 || healing_failed=1
+  bounded 300 python3 testnet/chaos.py sigterm || healing_failed=1
+  bounded 300 python3 testnet/chaos.py stop || healing_failed=1
+  bounded 300 python3 testnet/chaos.py tracker || healing_failed=1
   testnet/local.sh down
   trap - EXIT
   rm -rf "$MESHNET_TESTNET_DIR"
@@ -87,7 +100,7 @@ fi
 step "ten-peer Docker testnet: smoke and chaos"
 if [ "${MESHNET_SKIP_DOCKER:-0}" = 1 ]; then
   echo "skipped: MESHNET_SKIP_DOCKER=1"
-elif ! command -v docker >/dev/null 2>&1 || ! docker info >/dev/null 2>&1; then
+elif ! command -v docker >/dev/null 2>&1 || ! timeout -k 5 60 docker info >/dev/null 2>&1; then
   # Loud, so a CI log shows it; the tests that need no engine still ran.
   echo "##############################################################################"
   echo "SKIPPED: no Docker engine answers (docker info failed): the Docker testnet"
@@ -101,10 +114,10 @@ else
   export MESHNET_DOCKER_DIR
   trap 'testnet/docker.sh down --image || true; rm -rf "$MESHNET_DOCKER_DIR"' EXIT
   docker_failed=0
-  MESHNET_BIN=$PWD/target/debug/meshnet-peer testnet/docker.sh up || docker_failed=1
+  MESHNET_BIN=$PWD/target/debug/meshnet-peer bounded 900 testnet/docker.sh up || docker_failed=1
   if [ "$docker_failed" -eq 0 ]; then
-    testnet/docker.sh smoke || docker_failed=1
-    testnet/docker.sh chaos || docker_failed=1
+    bounded 600 testnet/docker.sh smoke || docker_failed=1
+    bounded 1500 testnet/docker.sh chaos || docker_failed=1
   fi
   if [ "$docker_failed" -ne 0 ]; then
     # Keep the container logs docker.sh collected where the CI log can name them.
@@ -144,8 +157,11 @@ if [ "$fuzz_seconds" -gt 0 ]; then
       mkdir -p "fuzz/corpus/$target"
       # libFuzzer needs nightly-only compiler flags; RUSTC_BOOTSTRAP lets the stable toolchain
       # accept them.
-      (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run "$target" "corpus/$target" "seeds/$target" \
-        -- -max_total_time="$fuzz_seconds" -rss_limit_mb="$fuzz_rss_limit_mb")
+      # -timeout: an input that keeps a decoder busy for a minute is a finding (libFuzzer saves
+      # it and fails), not a reason to wait for libFuzzer's default of twenty minutes.
+      (cd fuzz && RUSTC_BOOTSTRAP=1 bounded 1500 cargo fuzz run "$target" "corpus/$target" \
+        "seeds/$target" -- -max_total_time="$fuzz_seconds" -timeout=60 \
+        -rss_limit_mb="$fuzz_rss_limit_mb")
     done
   else
     echo "cargo-fuzz is not installed: run scripts/setup.sh --dev to install it," \

@@ -74,8 +74,9 @@ require_engine() {
     say "docker is not installed: no Docker engine to run the testnet on"
     exit 3
   }
-  if ! docker info >/dev/null 2>&1; then
-    say "no Docker engine answers (docker info failed): start dockerd, or check access to its socket"
+  if ! timeout -k 5 60 docker info >/dev/null 2>&1; then
+    say "no Docker engine answers (docker info failed or took over 60s): start dockerd, or" \
+      "check access to its socket"
     exit 3
   fi
   find_compose
@@ -391,23 +392,42 @@ run_check() {
   return "$rc"
 }
 
+# Runs a Docker command with a time limit, so a wedged engine fails `down` with a message
+# instead of stalling whoever called it.
+docker_bounded() {
+  local limit=$1 rc=0
+  shift
+  timeout -k 5 "$limit" "$@" || rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    say "down: '$*' did not finish within ${limit}s"
+  fi
+  return "$rc"
+}
+
 down() {
   require_engine
   mkdir -p "$run_dir"
   [ -f "$env_file" ] || : >"$env_file"
-  MESHNET_MODEL_DIR=${MESHNET_MODEL_DIR:-/nonexistent} compose down -v --remove-orphans \
-    --timeout 10 >/dev/null 2>&1 || true
+  say "down: stopping and removing the containers of $project"
+  local failed=0
+  MESHNET_MODEL_DIR=${MESHNET_MODEL_DIR:-/nonexistent} docker_bounded 180 \
+    "${compose_cmd[@]}" -p "$project" -f "$compose_file" --env-file "$env_file" \
+    down -v --remove-orphans --timeout 10 >/dev/null 2>&1 || true
   # Whatever the project left behind, even if the env file is gone.
   local leftovers
-  leftovers=$(docker ps -aq --filter "label=com.docker.compose.project=$project")
-  [ -z "$leftovers" ] || docker rm -f $leftovers >/dev/null
-  leftovers=$(docker network ls -q --filter "label=com.docker.compose.project=$project")
-  [ -z "$leftovers" ] || docker network rm $leftovers >/dev/null
-  leftovers=$(docker volume ls -q --filter "label=com.docker.compose.project=$project")
-  [ -z "$leftovers" ] || docker volume rm $leftovers >/dev/null
+  leftovers=$(docker_bounded 60 docker ps -aq --filter "label=com.docker.compose.project=$project") ||
+    failed=1
+  [ -z "$leftovers" ] || docker_bounded 120 docker rm -f $leftovers >/dev/null || failed=1
+  leftovers=$(docker_bounded 60 docker network ls -q \
+    --filter "label=com.docker.compose.project=$project") || failed=1
+  [ -z "$leftovers" ] || docker_bounded 60 docker network rm $leftovers >/dev/null || failed=1
+  leftovers=$(docker_bounded 60 docker volume ls -q \
+    --filter "label=com.docker.compose.project=$project") || failed=1
+  [ -z "$leftovers" ] || docker_bounded 60 docker volume rm $leftovers >/dev/null || failed=1
   if [ "${1:-}" = --image ]; then
-    docker image rm -f "$image" >/dev/null 2>&1 || true
+    docker_bounded 60 docker image rm -f "$image" >/dev/null 2>&1 || true
   fi
+  [ "$failed" -eq 0 ] || die "down: some of $project may be left: see 'docker ps -a' and 'docker network ls'"
   rm -f "$state_file"
   say "down: no container, network or volume of $project is left"
 }
