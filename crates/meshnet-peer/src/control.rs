@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use meshnet_p2p::{DirectiveMessage, P2pEvent, P2pHandle, TrackerRecord};
-use meshnet_types::PeerId;
+use meshnet_types::{PeerId, Quantization};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::PeerError;
@@ -26,6 +26,32 @@ const REAP_INTERVAL: Duration = Duration::from_secs(1);
 struct Loader {
     busy: bool,
     queued: Option<Option<ShardTarget>>,
+}
+
+/// The best speed this member measured per quantization, in layer-tokens per second (tokens
+/// per second through a span times its layers). A measurement runs while the machine does
+/// other work, which only slows it: the best one is the member's speed, and announcing it
+/// keeps the planner from rebalancing on every noisy measurement.
+#[derive(Debug, Default)]
+struct SpeedRecord {
+    best: std::collections::BTreeMap<Quantization, f64>,
+}
+
+impl SpeedRecord {
+    /// Takes in `tokens_per_s` measured through `target` and returns the throughput to
+    /// announce for it: the best rate of its format over its layers.
+    fn record(&mut self, target: &ShardTarget, tokens_per_s: f64) -> f64 {
+        let layers = f64::from(target.layers.len().max(1));
+        let best = self.best.entry(target.quantization).or_insert(0.0);
+        if tokens_per_s.is_finite() && tokens_per_s > 0.0 {
+            *best = best.max(tokens_per_s * layers);
+        }
+        if *best > 0.0 {
+            *best / layers
+        } else {
+            tokens_per_s
+        }
+    }
 }
 
 /// What a finished load reports back to the control loop.
@@ -94,6 +120,8 @@ pub(crate) struct ControlLoop {
     p2p: P2pHandle,
     announce_interval: Duration,
     loader: Loader,
+    /// The best measured speed per format, behind the announced throughput.
+    speed: SpeedRecord,
     /// The tracker and sequence of the last directive applied.
     last_directive: Option<(PeerId, u64)>,
     /// Present on the tracker only.
@@ -120,6 +148,7 @@ impl ControlLoop {
             p2p,
             announce_interval,
             loader: Loader::default(),
+            speed: SpeedRecord::default(),
             last_directive: None,
             planning,
             cut_off_warned: None,
@@ -470,7 +499,9 @@ impl ControlLoop {
         self.loader.busy = false;
         let loaded = done.outcome.is_ok();
         match done.outcome {
-            Ok(throughput) => *lock(&self.member.throughput) = throughput,
+            Ok(measured) => {
+                *lock(&self.member.throughput) = self.speed.record(&done.target, measured);
+            }
             Err(error) => {
                 tracing::error!(layers = %done.target.layers, %error, "loading a span failed");
             }
@@ -636,5 +667,29 @@ mod tests {
             start + heartbeat,
             heartbeat
         ));
+    }
+
+    #[test]
+    fn the_announced_speed_is_the_best_measured_per_layer_of_the_format() {
+        let span = |start, end, quantization| ShardTarget {
+            layers: meshnet_types::LayerSpan::new(start, end),
+            quantization,
+            entry: false,
+        };
+        let mut speed = SpeedRecord::default();
+        assert_eq!(speed.record(&span(0, 2, Quantization::Q4_1), 100.0), 100.0);
+        // A slower measurement (a busy machine) does not lower it.
+        assert_eq!(speed.record(&span(0, 2, Quantization::Q4_1), 40.0), 100.0);
+        // Twice the layers at the same rate per layer: half the tokens per second.
+        assert_eq!(speed.record(&span(4, 8, Quantization::Q4_1), 30.0), 50.0);
+        // A faster one raises it; another format keeps its own record.
+        assert_eq!(speed.record(&span(0, 1, Quantization::Q4_1), 300.0), 300.0);
+        assert_eq!(speed.record(&span(0, 1, Quantization::Q8_0), 80.0), 80.0);
+        // A measurement that means nothing keeps the record.
+        assert_eq!(speed.record(&span(0, 1, Quantization::Q8_0), 0.0), 80.0);
+        assert_eq!(
+            speed.record(&span(0, 1, Quantization::Q8_0), f64::NAN),
+            80.0
+        );
     }
 }

@@ -84,7 +84,7 @@ pub(crate) struct Member {
     pub(crate) host: Arc<ShardHost>,
     pub(crate) http_url: String,
     pub(crate) offer: Offer,
-    /// Tokens per second measured after the last load.
+    /// Tokens per second through the span held now, from the best measurement of its format.
     pub(crate) throughput: Mutex<f64>,
     /// The coverage map: the tracker's own, or the last one received.
     pub(crate) coverage: Mutex<Option<CoverageMessage>>,
