@@ -2,8 +2,8 @@
 //!
 //! Every member is the real thing — [`meshnet_peer::start`], with its control loop, planner,
 //! HTTP server and span slot — on the libp2p memory transport, with HTTP on port 0 and one
-//! opened model shared by all of them ([`Kit`]). [`scale`] runs the many-peer scenario: tens
-//! of members converge on complete coverage, ten leave at once, the rest re-cover.
+//! opened model shared by all of them ([`Kit`]). [`scale`] runs the many-peer scenario: a
+//! hundred members converge on complete coverage, ten leave at once, the rest re-cover.
 
 use std::path::PathBuf;
 use std::sync::Arc;

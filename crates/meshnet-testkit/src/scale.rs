@@ -34,11 +34,11 @@ pub struct ScaleConfig {
 }
 
 impl Default for ScaleConfig {
-    /// Forty peers of one layer each after a tracker of six; ten leave; gossip counted for ten
-    /// seconds; five minutes per phase.
+    /// A hundred peers of one layer each after a tracker of six; ten leave; gossip counted for
+    /// ten seconds; five minutes per phase.
     fn default() -> Self {
         ScaleConfig {
-            peers: 40,
+            peers: 100,
             tracker_layers: 6,
             peer_layers: 1,
             leave: 10,

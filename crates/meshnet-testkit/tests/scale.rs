@@ -1,38 +1,63 @@
-//! Forty members in one process converge on complete coverage of the real model, and the rest
-//! re-cover when ten leave at once (taking every holder of some layers with them). The figures
-//! (times, gossip per peer) are printed here and tabulated by `cargo bench -p meshnet-benches
-//! --bench mesh_scale`; this test holds the scenario to generous deadlines. Forty, not a
-//! hundred: a hundred full members (each its own libp2p swarm with Noise, Yamux, Kademlia and
-//! signed gossip) need more than the two cores CI has, and then they never settle.
+//! Many members in one process converge on complete coverage of the real model, and the rest
+//! re-cover when ten leave at once. The figures (times, gossip per peer) are printed here and
+//! tabulated by `cargo bench -p meshnet-benches --bench mesh_scale`; these tests hold the
+//! scenario to generous deadlines.
+//!
+//! Every member is a whole libp2p node (Noise, Yamux, Kademlia, signed gossip) and every
+//! announcement reaches every member, so the work of the mesh grows with the square of the
+//! members over the announcement interval, and here one machine's cores carry them all. Forty
+//! members with the peers' default 2 s announcements run in any build. A hundred, with
+//! announcements every 5 s, need an optimised build: in a debug build on two cores they
+//! saturate both, announcements fall behind the three-interval expiry and members drop in and
+//! out of the tracker's book. That test is ignored in the default run; `scripts/test.sh` runs
+//! it with `cargo test --release -p meshnet-testkit --test scale -- --ignored`.
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
 use meshnet_testkit::Kit;
-use meshnet_testkit::scale::{ScaleConfig, run};
+use meshnet_testkit::scale::{ScaleConfig, ScaleReport, run};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn forty_peers_converge_and_re_cover_when_ten_leave_at_once() {
-    let kit = tokio::task::spawn_blocking(|| Kit::with_default_model(Duration::from_secs(2)))
+async fn scenario(announce_interval: Duration, config: ScaleConfig) -> ScaleReport {
+    let kit = tokio::task::spawn_blocking(move || Kit::with_default_model(announce_interval))
         .await
         .unwrap()
         .unwrap();
+    let report = run(&kit, &config).await.unwrap();
+    eprintln!("{}", report.table());
+    assert_eq!(report.members, config.peers + 1);
+    assert_eq!(report.left, config.leave);
+    assert!(report.min_holders_converged >= 1, "{report:?}");
+    assert!(report.min_holders_recovered >= 1, "{report:?}");
+    // Every peer announces every interval and hears the others: gossip flows both ways.
+    assert!(report.published_bytes_per_peer_s > 0.0, "{report:?}");
+    let heard = (config.peers / 2) as f64;
+    assert!(
+        report.received_bytes_per_peer_s > heard * report.published_bytes_per_peer_s,
+        "a peer hears the announcements of the others: {report:?}"
+    );
+    report
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forty_peers_converge_and_re_cover_when_ten_leave_at_once() {
     let config = ScaleConfig {
         peers: 40,
         traffic_window: Duration::from_secs(5),
         ..ScaleConfig::default()
     };
-    let report = run(&kit, &config).await.unwrap();
-    eprintln!("{}", report.table());
-    assert_eq!(report.members, 41);
-    assert_eq!(report.left, 10);
-    assert!(report.min_holders_converged >= 1, "{report:?}");
-    assert!(report.min_holders_recovered >= 1, "{report:?}");
-    // Every peer announces every interval and hears the others: gossip flows both ways.
-    assert!(report.published_bytes_per_peer_s > 0.0, "{report:?}");
-    assert!(
-        report.received_bytes_per_peer_s > 20.0 * report.published_bytes_per_peer_s,
-        "a peer hears the announcements of dozens of others: {report:?}"
-    );
+    scenario(Duration::from_secs(2), config).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a hundred members need an optimised build: cargo test --release -p meshnet-testkit --test scale -- --ignored"]
+async fn a_hundred_peers_converge_and_re_cover_when_ten_leave_at_once() {
+    let config = ScaleConfig {
+        peers: 100,
+        traffic_window: Duration::from_secs(10),
+        deadline: Duration::from_secs(300),
+        ..ScaleConfig::default()
+    };
+    scenario(Duration::from_secs(5), config).await;
 }
