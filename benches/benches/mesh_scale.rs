@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use meshnet_testkit::Kit;
-use meshnet_testkit::scale::{ScaleConfig, run};
+use meshnet_testkit::scale::{ANNOUNCE_INTERVAL, ScaleConfig, run};
 
 fn setting(name: &str, default: u64) -> u64 {
     match std::env::var(name) {
@@ -28,12 +28,16 @@ fn setting(name: &str, default: u64) -> u64 {
 
 fn main() {
     // `cargo bench` passes --bench; nothing else is expected.
-    let announce = Duration::from_millis(setting("MESHNET_SCALE_ANNOUNCE_MS", 5000));
+    let announce = Duration::from_millis(setting(
+        "MESHNET_SCALE_ANNOUNCE_MS",
+        ANNOUNCE_INTERVAL.as_millis() as u64,
+    ));
+    let defaults = ScaleConfig::default();
     let config = ScaleConfig {
-        peers: setting("MESHNET_SCALE_PEERS", ScaleConfig::default().peers as u64) as usize,
-        leave: setting("MESHNET_SCALE_LEAVE", 10) as usize,
-        seed: setting("MESHNET_SCALE_SEED", 1),
-        ..ScaleConfig::default()
+        peers: setting("MESHNET_SCALE_PEERS", defaults.peers as u64) as usize,
+        leave: setting("MESHNET_SCALE_LEAVE", defaults.leave as u64) as usize,
+        seed: setting("MESHNET_SCALE_SEED", defaults.seed),
+        ..defaults
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

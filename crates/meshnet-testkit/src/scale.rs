@@ -14,6 +14,11 @@ use rand::seq::SliceRandom;
 
 use crate::{Kit, KitError, covered_by, min_holders, wait_until};
 
+/// The announcement interval the default scenario runs at: with every member on one machine's
+/// cores, a hundred at the peers' own 2 s saturate two cores (the gossip work grows with the
+/// square of the members over the interval).
+pub const ANNOUNCE_INTERVAL: Duration = Duration::from_secs(5);
+
 /// The scenario's shape.
 #[derive(Clone, Debug)]
 pub struct ScaleConfig {
