@@ -24,7 +24,8 @@
 //! signed by the authorised tracker (the node itself for [`Role::Tracker`], the
 //! pinned tracker, or the one named by the Kademlia record under
 //! [`tracker_record_key`]). Invalid messages are dropped and reported as
-//! [`P2pEvent::Rejected`].
+//! [`P2pEvent::Rejected`]. An announcement not newer (by its sender's clock) than
+//! one already accepted from the same peer is ignored: a replay, not news.
 
 mod error;
 pub mod messages;
@@ -35,6 +36,8 @@ mod behaviour;
 mod config;
 #[cfg(feature = "network")]
 mod events;
+#[cfg(feature = "network")]
+mod freshness;
 #[cfg(feature = "network")]
 mod identity;
 #[cfg(feature = "network")]

@@ -20,6 +20,7 @@ use crate::P2pError;
 use crate::behaviour::{KADEMLIA_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, build_swarm};
 use crate::config::{P2pConfig, Role};
 use crate::events::P2pEvent;
+use crate::freshness::AnnouncementFreshness;
 use crate::ids::{MeshPeerId, libp2p_peer_id, mesh_peer_id};
 use crate::messages::{
     CoverageMessage, DirectiveMessage, PeerAnnouncement, TopicKind, TrackerRecord, decode, encode,
@@ -299,6 +300,7 @@ async fn start(
         metrics: config.metrics.clone(),
         libp2p_metrics,
         outbox: Outbox::default(),
+        announcement_freshness: AnnouncementFreshness::default(),
         topic_kinds: topics
             .iter()
             .map(|(kind, topic)| (topic.hash(), *kind))
@@ -371,6 +373,8 @@ struct EventLoop {
     libp2p_metrics: Option<libp2p::metrics::Metrics>,
     /// Events waiting while the application's channel is full.
     outbox: Outbox,
+    /// The newest announcement accepted from each peer: older ones are replays.
+    announcement_freshness: AnnouncementFreshness,
     swarm: Swarm<MeshBehaviour>,
     commands: mpsc::Receiver<Command>,
     events: mpsc::Sender<P2pEvent>,
@@ -940,6 +944,23 @@ impl EventLoop {
         };
     }
 
+    /// `verdict`, unless it accepts an announcement not newer than one already accepted from
+    /// the same peer: that one is ignored (neither delivered nor propagated).
+    fn unless_stale(&mut self, verdict: Verdict) -> Verdict {
+        if let Verdict::Accept(Some(event)) = &verdict
+            && let P2pEvent::Announcement { from, announcement } = event.as_ref()
+        {
+            let sent_at = announcement.sent_at_unix_ms;
+            if !self.announcement_freshness.admit(from, sent_at) {
+                let newest = self.announcement_freshness.newest(from).unwrap_or_default();
+                return Verdict::Ignore(format!(
+                    "stale announcement: sent at {sent_at} ms, one sent at {newest} ms was accepted"
+                ));
+            }
+        }
+        verdict
+    }
+
     fn on_gossip_message(
         &mut self,
         propagation_source: PeerId,
@@ -957,6 +978,7 @@ impl EventLoop {
             (Some(_), None) => Verdict::Reject("unsigned", "unsigned message".to_owned()),
             (Some(kind), Some(source)) => self.admission().judge(*kind, source, &message.data),
         };
+        let verdict = self.unless_stale(verdict);
         let from = message.source.unwrap_or(propagation_source);
         let acceptance = match verdict {
             Verdict::Accept(event) => {

@@ -389,6 +389,44 @@ async fn announcement_naming_another_peer_is_rejected() {
 }
 
 #[tokio::test]
+async fn an_announcement_not_newer_than_the_last_accepted_is_ignored() {
+    let mut tracker = start(Role::Tracker, &[]).await;
+    let peer = start(pinned(&tracker), &[&tracker]).await;
+    let first = announcement(peer.id.clone());
+    let is_from_peer = |event: P2pEvent| match event {
+        P2pEvent::Announcement { from, announcement } if from == peer.id.clone() => {
+            Some(announcement)
+        }
+        _ => None,
+    };
+    let received = publish_until(
+        || peer.handle.publish_announcement(first.clone()),
+        &mut tracker.events,
+        is_from_peer,
+    )
+    .await;
+    assert_eq!(received, first);
+
+    // The same state sent again (a new gossip message, so gossipsub does not drop it as a
+    // duplicate) and an older one are replays; the next delivered is the later one.
+    let mut replay = first.clone();
+    replay.active_sessions += 1;
+    let mut older = replay.clone();
+    older.sent_at_unix_ms -= 1;
+    peer.handle.publish_announcement(replay).await.unwrap();
+    peer.handle.publish_announcement(older).await.unwrap();
+    let mut later = first.clone();
+    later.sent_at_unix_ms += 1;
+    let received = publish_until(
+        || peer.handle.publish_announcement(later.clone()),
+        &mut tracker.events,
+        is_from_peer,
+    )
+    .await;
+    assert_eq!(received, later);
+}
+
+#[tokio::test]
 async fn new_peer_finds_the_tracker_through_an_intermediate_peer() {
     let tracker = start(Role::Tracker, &[]).await;
     tracker

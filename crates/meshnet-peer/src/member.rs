@@ -104,10 +104,25 @@ pub(crate) struct Member {
     pub(crate) leaving: AtomicBool,
     /// Wakes the control loop to announce at once (rather than at its next tick).
     pub(crate) announce_now: tokio::sync::Notify,
+    /// The send time of the last announcement (ms since the Unix epoch): each is later than
+    /// the one before, since members ignore one not newer than what they accepted.
+    pub(crate) last_announced_ms: AtomicU64,
     /// Passes API requests on to the tracker when this member is not it.
     pub(crate) proxy: reqwest::Client,
     /// The control plane (for its gossip counts).
     pub(crate) p2p: meshnet_p2p::P2pHandle,
+}
+
+/// The send time of an announcement made at `now_ms` after the one recorded in `last`, which
+/// it replaces: `now_ms`, or one more than the last when the clock has not moved past it (two
+/// announcements in one millisecond, a clock stepped back).
+fn next_announcement_time(last: &AtomicU64, now_ms: u64) -> u64 {
+    let previous = last
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+            Some(now_ms.max(last + 1))
+        })
+        .unwrap_or_default();
+    now_ms.max(previous + 1)
 }
 
 /// How many refusals `/status` lists.
@@ -225,10 +240,16 @@ impl Member {
             tracker_capable: self.settings.tracker_capable,
             forward_latency_ms: self.host.forward_latency_ms(),
             leaving: self.leaving.load(Ordering::Relaxed),
-            sent_at_unix_ms: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_millis() as u64),
+            sent_at_unix_ms: self.announcement_time(),
         }
+    }
+
+    /// The send time of a new announcement: the clock in ms since the Unix epoch.
+    fn announcement_time(&self) -> u64 {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        next_announcement_time(&self.last_announced_ms, now)
     }
 
     /// The span boundaries of the route a generation takes now (tracker only, when the mesh
@@ -255,5 +276,21 @@ impl Member {
                 None => Err("no span assigned yet"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_announcement_is_sent_later_than_the_one_before() {
+        let last = AtomicU64::new(0);
+        assert_eq!(next_announcement_time(&last, 1_000), 1_000);
+        // Same millisecond, then a clock that stepped back: still later each time.
+        assert_eq!(next_announcement_time(&last, 1_000), 1_001);
+        assert_eq!(next_announcement_time(&last, 900), 1_002);
+        assert_eq!(next_announcement_time(&last, 5_000), 5_000);
+        assert_eq!(last.load(Ordering::Relaxed), 5_000);
     }
 }

@@ -265,6 +265,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         metrics,
         leaving: AtomicBool::new(false),
         announce_now: tokio::sync::Notify::new(),
+        last_announced_ms: AtomicU64::new(0),
         proxy: crate::http::proxy_client()?,
         p2p: p2p.clone(),
     });

@@ -20,6 +20,12 @@ use meshnet_testkit::Kit;
 use meshnet_testkit::scale::{ANNOUNCE_INTERVAL, ScaleConfig, run};
 
 async fn scenario(announce_interval: Duration, config: ScaleConfig) {
+    // RUST_LOG shows the members' logs (e.g. `meshnet_peer::tracker=info` for the tracker's
+    // book); without it only errors.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let kit = tokio::task::spawn_blocking(move || Kit::with_default_model(announce_interval))
         .await
         .unwrap()
