@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::P2pError;
 
 /// Version of the control message schema; part of every envelope and topic name.
-pub const SCHEMA_VERSION: u16 = 1;
+pub const SCHEMA_VERSION: u16 = 2;
 
 /// Largest encoded control message accepted or produced, in bytes (1 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
@@ -69,6 +69,10 @@ pub struct PeerAnnouncement {
     pub tracker_capable: bool,
     /// Sender's clock when the announcement was made, in milliseconds since the Unix epoch.
     pub sent_at_unix_ms: u64,
+    /// Milliseconds since the sender last heard its tracker's coverage map (`None` when it
+    /// follows no tracker yet, or is the tracker). A member takes over from a silent tracker
+    /// only when most of the mesh reports the silence too.
+    pub tracker_silent_ms: Option<u64>,
 }
 
 /// The tracker's coverage map, gossiped to every peer.
@@ -249,13 +253,13 @@ mod tests {
 
     #[test]
     fn topic_names_carry_schema_version_and_model() {
-        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/1/m/announce");
-        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/1/m/coverage");
+        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/2/m/announce");
+        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/2/m/coverage");
         assert_eq!(
             topic_name("m", TopicKind::Directives),
-            "meshnet/1/m/directives"
+            "meshnet/2/m/directives"
         );
-        assert_eq!(tracker_record_key("m"), "meshnet/1/m/tracker");
+        assert_eq!(tracker_record_key("m"), "meshnet/2/m/tracker");
     }
 
     #[test]
@@ -290,19 +294,19 @@ mod tests {
     fn other_schema_version_is_named() {
         let mut bytes = encode(&record()).unwrap();
         // Versions below 251 are a single varint byte.
-        bytes[0] = 2;
+        bytes[0] = SCHEMA_VERSION as u8 + 1;
         let error = decode::<TrackerRecord>(&bytes).unwrap_err();
         assert!(
             matches!(
                 error,
                 P2pError::SchemaVersion {
-                    expected: 1,
-                    found: 2
+                    expected: 2,
+                    found: 3
                 }
             ),
             "{error}"
         );
-        assert!(error.to_string().contains("version 2") && error.to_string().contains("version 1"));
+        assert!(error.to_string().contains("version 3") && error.to_string().contains("version 2"));
     }
 
     #[test]
@@ -343,8 +347,8 @@ mod tests {
 
     #[test]
     fn huge_claimed_length_does_not_allocate() {
-        // Version 1, then a string length claiming u64::MAX bytes.
-        let mut bytes = vec![1u8, 0xFF];
+        // The current version, then a string length claiming u64::MAX bytes.
+        let mut bytes = vec![SCHEMA_VERSION as u8, 0xFF];
         bytes.extend_from_slice(&u64::MAX.to_le_bytes());
         assert!(matches!(
             decode::<TrackerRecord>(&bytes),

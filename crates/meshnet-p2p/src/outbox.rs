@@ -104,6 +104,7 @@ mod tests {
                 leaving: false,
                 tracker_capable: false,
                 sent_at_unix_ms: sent_at,
+                tracker_silent_ms: None,
             },
         }
     }

@@ -169,6 +169,7 @@ fn announcement(peer: PeerId) -> PeerAnnouncement {
         leaving: false,
         tracker_capable: true,
         sent_at_unix_ms: 1_700_000_000_000,
+        tracker_silent_ms: None,
     }
 }
 

@@ -103,7 +103,12 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
             any::<bool>(),
             any::<u64>(),
         ),
-        (0.0f64..1e6, any::<bool>(), any::<bool>()),
+        (
+            0.0f64..1e6,
+            any::<bool>(),
+            any::<bool>(),
+            prop::option::of(any::<u64>()),
+        ),
     )
         .prop_map(
             |(
@@ -125,7 +130,7 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
                     is_tracker,
                     sent_at_unix_ms,
                 ),
-                (forward_latency_ms, leaving, tracker_capable),
+                (forward_latency_ms, leaving, tracker_capable, tracker_silent_ms),
             )| PeerAnnouncement {
                 peer: PlannerPeerId::new(peer),
                 model_id,
@@ -144,6 +149,7 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
                 leaving,
                 tracker_capable,
                 sent_at_unix_ms,
+                tracker_silent_ms,
             },
         )
 }
@@ -278,4 +284,17 @@ proptest! {
         );
         prop_assert!(is_trailing);
     }
+}
+
+/// The fuzz target's seeds are messages of the current schema, so the fuzzer starts from inputs
+/// that decode all the way.
+#[test]
+fn the_fuzz_seeds_are_current_messages() {
+    let seeds =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/control_decode");
+    let read = |name: &str| std::fs::read(seeds.join(name)).unwrap();
+    decode::<PeerAnnouncement>(&read("announcement")).unwrap();
+    decode::<CoverageMessage>(&read("coverage")).unwrap();
+    decode::<DirectiveMessage>(&read("directive")).unwrap();
+    decode::<TrackerRecord>(&read("tracker_record")).unwrap();
 }

@@ -356,9 +356,20 @@ impl ControlLoop {
                         !announcement.leaving && now.duration_since(*at) <= timeout
                     })
             };
+            // The majority must miss the tracker too, not just be heard.
+            let backs_the_claim = |peer: &PeerId| {
+                alive(peer)
+                    && (*peer == member.peer_id
+                        || seen.get(peer).is_some_and(|(announcement, _)| {
+                            crate::election::vouches_for_silence(
+                                announcement.tracker_silent_ms.map(Duration::from_millis),
+                                timeout,
+                            )
+                        }))
+            };
             (
                 crate::election::rank(&following.succession, &member.peer_id, alive),
-                crate::election::has_quorum(&members, alive),
+                crate::election::has_quorum(&members, backs_the_claim),
             )
         };
         let Some(rank) = rank else {
@@ -374,8 +385,8 @@ impl ControlLoop {
                     %tracker,
                     silent_ms = silence.as_millis() as u64,
                     members = members.len(),
-                    "the tracker went silent, but this member hears too few of the others to \
-                     take over (cut off from the mesh?)"
+                    "the tracker went silent, but too few of the others are heard missing it \
+                     too for this member to take over (cut off from the mesh?)"
                 );
             }
             return;

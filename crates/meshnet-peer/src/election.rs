@@ -9,7 +9,11 @@
 //! term anyway, the lower peer id wins ([`meshnet_types::claim_beats`], which every member's
 //! gossip validation applies), and a higher term always wins. Only a member that still hears
 //! a majority of the mesh claims ([`has_quorum`]): one cut off from the others must not become
-//! the tracker of a partition of one.
+//! the tracker of a partition of one. The majority counts only members whose latest
+//! announcement reports the tracker silent as well ([`vouches_for_silence`]): a member cut off
+//! a moment ago still holds fresh announcements from before the cut, and one back on the
+//! network hears the others before the tracker's next map; neither is evidence that the tracker
+//! is gone.
 //! Pure logic: the caller passes in the list, who is alive, and the time.
 
 use std::time::Duration;
@@ -47,6 +51,15 @@ pub fn has_quorum(members: &[PeerId], is_alive: impl Fn(&PeerId) -> bool) -> boo
     heard * 2 > members.len()
 }
 
+/// Whether a member that reported, in its latest announcement, `reported_silence` since it
+/// last heard the tracker (`None`: it follows none) backs a claim made after the election
+/// `timeout`: it must have missed the tracker for half the timeout. A member announces once per
+/// interval, a third of the timeout, so when the tracker is gone every live member's latest
+/// announcement reports at least two intervals of silence by the time anyone claims.
+pub fn vouches_for_silence(reported_silence: Option<Duration>, timeout: Duration) -> bool {
+    reported_silence.is_some_and(|silence| silence >= timeout / 2)
+}
+
 /// Whether a member of rank `rank` claims the tracker role after the tracker has been silent
 /// for `silence`, given the election `timeout`: rank 0 after one timeout, rank 1 after two, ...
 pub fn claims_now(rank: usize, silence: Duration, timeout: Duration) -> bool {
@@ -82,6 +95,27 @@ mod tests {
         assert!(!has_quorum(&mesh, |p: &PeerId| p.as_str() == "a"));
         // The last peer of a two-member mesh takes over when the tracker dies.
         assert!(has_quorum(&ids(&["a"]), |_: &PeerId| true));
+    }
+
+    #[test]
+    fn only_members_that_miss_the_tracker_too_back_a_claim() {
+        let timeout = Duration::from_millis(1500);
+        // Two intervals without a map: the tracker is gone for them too.
+        assert!(vouches_for_silence(
+            Some(Duration::from_millis(1000)),
+            timeout
+        ));
+        assert!(vouches_for_silence(
+            Some(Duration::from_millis(750)),
+            timeout
+        ));
+        // Heard the tracker within the last interval (as a member's announcement from just
+        // before this member was cut off says): no backing.
+        assert!(!vouches_for_silence(
+            Some(Duration::from_millis(400)),
+            timeout
+        ));
+        assert!(!vouches_for_silence(None, timeout));
     }
 
     #[test]

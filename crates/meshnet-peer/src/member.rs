@@ -55,8 +55,8 @@ pub(crate) struct Following {
 pub(crate) struct Settings {
     /// Seconds between announcements; three silent ones end a peer (or the tracker).
     pub(crate) announce_interval: Duration,
-    /// Generations the tracker runs at once.
-    pub(crate) max_sessions: usize,
+    /// Generations the tracker runs and keeps waiting.
+    pub(crate) admission: crate::admission::AdmissionLimits,
     /// How generations get past a failed hop.
     pub(crate) failover: crate::remote::FailoverPolicy,
     /// Whether this member may take over the tracker role.
@@ -241,7 +241,19 @@ impl Member {
             forward_latency_ms: self.host.forward_latency_ms(),
             leaving: self.leaving.load(Ordering::Relaxed),
             sent_at_unix_ms: self.announcement_time(),
+            tracker_silent_ms: self
+                .tracker_silence()
+                .map(|silence| silence.as_millis() as u64),
         }
+    }
+
+    /// How long since this member last heard its tracker's coverage map (`None` on the tracker,
+    /// or while it follows none).
+    fn tracker_silence(&self) -> Option<Duration> {
+        if self.is_tracker() {
+            return None;
+        }
+        lock(&self.following).heard_at.map(|at| at.elapsed())
     }
 
     /// The send time of a new announcement: the clock in ms since the Unix epoch.

@@ -680,6 +680,7 @@ mod tests {
             leaving: false,
             tracker_capable: true,
             sent_at_unix_ms: 0,
+            tracker_silent_ms: None,
         }
     }
 
