@@ -48,6 +48,7 @@ FAMILIES = {
     "meshnet_gossip_rejected": "counter",
     "meshnet_failovers": "counter",
     "meshnet_active_sessions": "gauge",
+    "meshnet_queued_sessions": "gauge",
     "meshnet_kv_cache_used_bytes": "gauge",
     "meshnet_kv_cache_free_bytes": "gauge",
     "meshnet_load_progress_ratio": "gauge",

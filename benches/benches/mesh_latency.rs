@@ -9,6 +9,11 @@
 //! taken from the final usage chunk. Prints a markdown table of medians (min-max) and the
 //! ratio mesh/single.
 //!
+//! Then a burst: `MESHNET_BENCH_BURST` (default 8) greedy chats of `BURST_MAX_TOKENS` tokens
+//! sent to the mesh at once, with default flags, against the same chats one after another:
+//! how many were served and how many refused (429), the aggregate tokens/s of each, the
+//! longest wait for a first token, and whether every text equals the one-at-a-time text.
+//!
 //! Needs a release `meshnet-peer` (or `MESHNET_BIN`) and the default model
 //! (`scripts/fetch-model.sh`). Run with
 //! `cargo build --release -p meshnet-peer && cargo bench -p meshnet-benches --bench mesh_latency`.
@@ -32,6 +37,8 @@ const LONG_MAX_TOKENS: u32 = 8;
 const LONG_PREFILL_CHUNKS: u64 = 4;
 const PREFILL_CHUNK_TOKENS: u64 = 128;
 const MESH_PROCESSES: u32 = 3;
+/// Tokens each chat of the burst generates.
+const BURST_MAX_TOKENS: u32 = 48;
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -116,6 +123,7 @@ impl Sample {
     }
 }
 
+#[derive(Clone)]
 struct Api {
     client: reqwest::Client,
     /// The tracker's root URL, without `/v1`.
@@ -144,6 +152,13 @@ impl Api {
 
     /// One streamed chat completion, timed from just before the request is sent.
     async fn stream(&self, prompt: &str, max_tokens: u32) -> Sample {
+        self.try_stream(prompt, max_tokens)
+            .await
+            .unwrap_or_else(|(status, text)| panic!("the tracker answered {status}: {text}"))
+    }
+
+    /// [`Api::stream`], or the status and body of a refusal.
+    async fn try_stream(&self, prompt: &str, max_tokens: u32) -> Result<Sample, (u16, String)> {
         let body = json!({
             "model": self.model,
             "messages": [{"role": "user", "content": prompt}],
@@ -165,7 +180,7 @@ impl Api {
         let status = response.status();
         if !status.is_success() {
             let text = response.text().await.unwrap_or_default();
-            panic!("POST {url} answered {status}: {text}");
+            return Err((status.as_u16(), text));
         }
 
         let mut buffer: Vec<u8> = Vec::new();
@@ -215,13 +230,13 @@ impl Api {
         assert!(done, "the stream from {url} ended without [DONE]");
         let usage = usage.expect("no usage chunk in the stream");
         let first = first.expect("the stream carried no content");
-        Sample {
+        Ok(Sample {
             ttft: first - start,
             decode: last.unwrap() - first,
             prompt_tokens: usage["prompt_tokens"].as_u64().unwrap(),
             completion_tokens: usage["completion_tokens"].as_u64().unwrap(),
             text,
-        }
+        })
     }
 
     async fn status(&self) -> Value {
@@ -295,6 +310,112 @@ async fn measure(root: &str, runs: usize, label: &str) -> Measured {
         );
     }
     measured
+}
+
+/// `MESHNET_BENCH_BURST`: chats sent at once (default 8).
+fn burst_size() -> usize {
+    match std::env::var("MESHNET_BENCH_BURST") {
+        Ok(value) => match value.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => n,
+            _ => panic!("MESHNET_BENCH_BURST must be an integer >= 1, got {value:?}"),
+        },
+        Err(_) => 8,
+    }
+}
+
+/// A burst of chats sent at once, against the same chats one after another.
+struct Burst {
+    sent: usize,
+    served: usize,
+    /// Refusals by status, with the first body.
+    refused: Vec<(u16, String)>,
+    in_turn_wall: Duration,
+    in_turn_tokens: u64,
+    at_once_wall: Duration,
+    at_once_tokens: u64,
+    longest_ttft: Duration,
+    same_text: bool,
+}
+
+async fn burst(root: &str, size: usize) -> Burst {
+    let api = Api::connect(root).await;
+    let started = Instant::now();
+    let mut in_turn = Vec::new();
+    for _ in 0..size {
+        in_turn.push(api.stream(SHORT_PROMPT, BURST_MAX_TOKENS).await);
+    }
+    let in_turn_wall = started.elapsed();
+    let started = Instant::now();
+    let mut chats = tokio::task::JoinSet::new();
+    for _ in 0..size {
+        let api = api.clone();
+        chats.spawn(async move { api.try_stream(SHORT_PROMPT, BURST_MAX_TOKENS).await });
+    }
+    let mut served = Vec::new();
+    let mut refused = Vec::new();
+    while let Some(outcome) = chats.join_next().await {
+        match outcome.unwrap() {
+            Ok(sample) => served.push(sample),
+            Err(refusal) => refused.push(refusal),
+        }
+    }
+    let at_once_wall = started.elapsed();
+    Burst {
+        sent: size,
+        served: served.len(),
+        same_text: served.iter().all(|s| s.text == in_turn[0].text)
+            && in_turn.iter().all(|s| s.text == in_turn[0].text),
+        refused,
+        in_turn_wall,
+        in_turn_tokens: in_turn.iter().map(|s| s.completion_tokens).sum(),
+        at_once_wall,
+        at_once_tokens: served.iter().map(|s| s.completion_tokens).sum(),
+        longest_ttft: served.iter().map(|s| s.ttft).max().unwrap_or_default(),
+    }
+}
+
+impl Burst {
+    fn print(&self) {
+        let rate = |tokens: u64, wall: Duration| tokens as f64 / wall.as_secs_f64();
+        let at_once = rate(self.at_once_tokens, self.at_once_wall);
+        let in_turn = rate(self.in_turn_tokens, self.in_turn_wall);
+        println!();
+        println!(
+            "## A burst of {} greedy {BURST_MAX_TOKENS}-token chats at once through the mesh \
+             (default flags)",
+            self.sent
+        );
+        println!();
+        println!("| measure | value |");
+        println!("|---|---|");
+        println!("| served / sent | {} / {} |", self.served, self.sent);
+        let first_refusal = self
+            .refused
+            .first()
+            .map_or(String::new(), |(status, body)| {
+                format!(" (first: {status} {body})")
+            });
+        println!("| refused | {}{first_refusal} |", self.refused.len());
+        println!(
+            "| aggregate tokens/s, at once | {at_once:.1} ({} tokens in {:.2} s) |",
+            self.at_once_tokens,
+            self.at_once_wall.as_secs_f64()
+        );
+        println!(
+            "| aggregate tokens/s, one after another | {in_turn:.1} ({} tokens in {:.2} s) |",
+            self.in_turn_tokens,
+            self.in_turn_wall.as_secs_f64()
+        );
+        println!("| at once / one after another | {:.2} |", at_once / in_turn);
+        println!(
+            "| longest time to first token, at once (ms) | {:.0} |",
+            ms(self.longest_ttft)
+        );
+        println!(
+            "| every text equal to the one-at-a-time text | {} |",
+            if self.same_text { "yes" } else { "no" }
+        );
+    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -548,6 +669,7 @@ fn main() {
         started.elapsed().as_secs_f64()
     );
     let mesh_measured = runtime.block_on(measure(&mesh.root, runs, "mesh"));
+    let burst_measured = runtime.block_on(burst(&mesh.root, burst_size()));
     drop(mesh);
 
     let short_prompt_tokens = single_measured.short[0].prompt_tokens;
@@ -623,4 +745,5 @@ fn main() {
             1
         )
     );
+    burst_measured.print();
 }

@@ -1,5 +1,6 @@
 //! The contract between the HTTP layer and whatever produces the text.
 
+use futures::future::BoxFuture;
 use serde::Serialize;
 use tokio::sync::mpsc;
 
@@ -107,9 +108,10 @@ pub trait CompletionEngine: Send + Sync + 'static {
     /// The model this engine serves.
     fn model_info(&self) -> ModelInfo;
 
-    /// Starts a generation. Must return quickly (tokenize, check limits, reserve a slot); the
-    /// generation runs elsewhere.
-    fn start(&self, request: EngineRequest) -> Result<EngineStream, EngineError>;
+    /// Starts a generation once it is admitted: it may wait for a slot in a bounded queue
+    /// (dropping the future gives up its place), then checks the request and reserves the
+    /// slot; the generation runs elsewhere.
+    fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>>;
 }
 
 /// Why the engine refused or abandoned a generation.
@@ -124,9 +126,12 @@ pub enum EngineError {
         /// What is wrong, for the client.
         message: String,
     },
-    /// All generation slots are taken. Answered with 429 and `Retry-After`.
-    #[error("the mesh is busy; retry in {retry_after_seconds} s")]
+    /// All generation slots are taken and the queue for them is full, or the request waited
+    /// in it for as long as allowed. Answered with 429 and `Retry-After`.
+    #[error("the mesh is busy: {reason}; retry in {retry_after_seconds} s")]
     Busy {
+        /// What is full, for the client.
+        reason: String,
         /// Suggested wait before retrying.
         retry_after_seconds: u64,
     },

@@ -95,6 +95,7 @@ impl ApiError {
             ),
             Self::Engine(EngineError::Busy {
                 retry_after_seconds,
+                ..
             }) => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "rate_limit_error",
@@ -220,6 +221,7 @@ mod tests {
             ),
             (
                 EngineError::Busy {
+                    reason: "the queue is full".into(),
                     retry_after_seconds: 3,
                 },
                 429,
@@ -250,6 +252,7 @@ mod tests {
     #[test]
     fn retry_after_is_set_for_busy_and_not_covered_only() {
         let busy = ApiError::from(EngineError::Busy {
+            reason: "the queue is full".into(),
             retry_after_seconds: 7,
         })
         .into_response();

@@ -125,7 +125,7 @@ async fn complete(
         seed: parsed.seed,
         stop: parsed.stop,
     };
-    let stream = match engine.start(request) {
+    let stream = match engine.start(request).await {
         Ok(stream) => stream,
         Err(error) => return log.reject(error.into()),
     };

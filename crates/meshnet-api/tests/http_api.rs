@@ -323,6 +323,7 @@ async fn engine_refusals_map_to_statuses() {
         ),
         (
             || EngineError::Busy {
+                reason: "4 generations are running and 32 are waiting".into(),
                 retry_after_seconds: 3,
             },
             Expected {

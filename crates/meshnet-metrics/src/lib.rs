@@ -309,6 +309,8 @@ impl Metrics {
 pub struct LiveSample {
     /// Sessions running here: generations on the entry, KV sessions on any span.
     pub active_sessions: u64,
+    /// Requests waiting for a generation slot (the tracker's line; 0 elsewhere).
+    pub queued_sessions: u64,
     /// KV cache bytes held by sessions.
     pub kv_used_bytes: u64,
     /// KV cache bytes the current span can still give out.
@@ -348,11 +350,16 @@ impl<S: LiveSource> LiveCollector<S> {
 impl<S: LiveSource> Collector for LiveCollector<S> {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let sample = self.source.sample();
-        let gauges: [(&str, &str, f64); 5] = [
+        let gauges: [(&str, &str, f64); 6] = [
             (
                 "active_sessions",
                 "Sessions running here now",
                 sample.active_sessions as f64,
+            ),
+            (
+                "queued_sessions",
+                "Requests waiting for a generation slot now",
+                sample.queued_sessions as f64,
             ),
             (
                 "kv_cache_used_bytes",
@@ -498,6 +505,7 @@ mod tests {
             &mut registry,
             Fixed(LiveSample {
                 active_sessions: 3,
+                queued_sessions: 2,
                 kv_used_bytes: 4096,
                 kv_free_bytes: 1 << 20,
                 load_progress: 0.5,
@@ -506,6 +514,7 @@ mod tests {
         );
         let text = encode(&registry);
         assert_eq!(value_of(&text, "meshnet_active_sessions"), Some(3.0));
+        assert_eq!(value_of(&text, "meshnet_queued_sessions"), Some(2.0));
         assert_eq!(value_of(&text, "meshnet_kv_cache_used_bytes"), Some(4096.0));
         assert_eq!(
             value_of(&text, "meshnet_kv_cache_free_bytes"),

@@ -48,8 +48,12 @@ pub struct PeerConfig {
     pub announce_interval: Duration,
     /// KV-cache tokens reserved per held layer.
     pub kv_tokens: u64,
-    /// Generations the tracker runs at once before answering 429.
+    /// Generations the tracker runs at once; more wait in line.
     pub max_sessions: usize,
+    /// Requests the tracker keeps waiting for a generation slot; one more is answered 429.
+    pub max_queued_sessions: usize,
+    /// How long a request waits in line for a slot before it is answered 429.
+    pub queue_timeout: Duration,
     /// Treat listen addresses as reachable (LANs, loopback testnets, public hosts).
     pub assume_reachable: bool,
     /// Ask the gateway for a UPnP port mapping.
@@ -89,6 +93,8 @@ impl PeerConfig {
             announce_interval: Duration::from_secs(2),
             kv_tokens: 2048,
             max_sessions: 4,
+            max_queued_sessions: 32,
+            queue_timeout: Duration::from_secs(60),
             assume_reachable: false,
             upnp: false,
             pinned_tracker: None,

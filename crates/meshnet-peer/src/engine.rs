@@ -1,10 +1,11 @@
-//! The tracker's completion engine: tokenizes, reserves a session slot, chooses a route over
-//! the mesh, and runs the generation loop on a blocking thread — its own layers in process,
+//! The tracker's completion engine: tokenizes, waits for a session slot (in a bounded line),
+//! chooses a route over the mesh, and runs the generation loop on a blocking thread — its own layers in process,
 //! the rest through the remote hops — streaming text back as it is produced.
 
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use futures::future::BoxFuture;
 use meshnet_api::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
     FinishReason, ModelInfo, PromptInput,
@@ -16,8 +17,9 @@ use meshnet_model::{
 };
 use meshnet_node::{ForwardClient, HopFailure};
 use meshnet_wire::Encoding;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
+use crate::admission::{Admission, AdmissionLimits};
 use crate::remote::{Failover, RemoteStage, RouteLost};
 use crate::shard::{LoadedShard, ShardHost};
 
@@ -35,14 +37,13 @@ pub struct MeshEngine {
     failover: Failover,
     client: ForwardClient,
     encoding: Encoding,
-    sessions: Arc<Semaphore>,
-    max_sessions: usize,
+    admission: Admission,
 }
 
 impl MeshEngine {
     /// An engine generating with the entry span in `host` and remote hops from the routes of
-    /// `failover` (which also says how a failed hop is routed around), at most
-    /// `max_sessions` generations at once. Chats leave out the chat template's default system
+    /// `failover` (which also says how a failed hop is routed around), running and queueing
+    /// generations within `limits`. Chats leave out the chat template's default system
     /// prompt, as `meshnet-peer generate --chat` does.
     pub fn new(
         model_id: String,
@@ -50,7 +51,7 @@ impl MeshEngine {
         host: Arc<ShardHost>,
         failover: Failover,
         client: ForwardClient,
-        max_sessions: usize,
+        limits: AdmissionLimits,
     ) -> Self {
         let context_length = host.model().description().context_length;
         if let Some(template) = &mut text.template {
@@ -70,19 +71,23 @@ impl MeshEngine {
             failover,
             client,
             encoding: Encoding::Zstd,
-            sessions: Arc::new(Semaphore::new(max_sessions)),
-            max_sessions,
+            admission: Admission::new(limits),
         }
     }
 
     /// Generations running now.
     pub fn active_sessions(&self) -> usize {
-        self.max_sessions - self.sessions.available_permits()
+        self.admission.running()
     }
 
-    /// The most generations that may run at once.
-    pub fn max_sessions(&self) -> usize {
-        self.max_sessions
+    /// Requests waiting for a generation slot now.
+    pub fn queued_sessions(&self) -> usize {
+        self.admission.waiting()
+    }
+
+    /// How many generations run and wait.
+    pub fn limits(&self) -> AdmissionLimits {
+        self.admission.limits()
     }
 
     /// How many tokens `prompt` may be continued by: `max_tokens`, or the default, within
@@ -156,22 +161,34 @@ impl CompletionEngine for MeshEngine {
         self.info.clone()
     }
 
-    fn start(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
-        // The slot first: tokenizing is work, and only admitted requests get to do it.
-        let permit = Arc::clone(&self.sessions)
-            .try_acquire_owned()
-            .map_err(|_| EngineError::Busy {
-                retry_after_seconds: 1,
-            })?;
+    fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>> {
+        Box::pin(async move {
+            // A request that cannot be served is told so before it waits in line.
+            let (text, chat) = self.prompt_text(request.prompt.clone())?;
+            let prompt_param = if chat { "messages" } else { "prompt" };
+            let prompt = self
+                .text
+                .tokenizer
+                .encode(&text)
+                .map_err(|e| EngineError::Internal(e.to_string()))?;
+            let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
+            let permit = self.admission.admit().await?;
+            self.begin(request, prompt, chat, max_tokens, permit)
+        })
+    }
+}
+
+impl MeshEngine {
+    /// Starts an admitted generation of `prompt` on the route the mesh offers now.
+    fn begin(
+        &self,
+        request: EngineRequest,
+        prompt: Vec<u32>,
+        chat: bool,
+        max_tokens: usize,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<EngineStream, EngineError> {
         let admitted = Instant::now();
-        let (text, chat) = self.prompt_text(request.prompt)?;
-        let prompt_param = if chat { "messages" } else { "prompt" };
-        let prompt = self
-            .text
-            .tokenizer
-            .encode(&text)
-            .map_err(|e| EngineError::Internal(e.to_string()))?;
-        let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
         let entry = self
             .host
             .current()

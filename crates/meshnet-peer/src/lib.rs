@@ -18,6 +18,7 @@
 //! - [`console`]: the text table of `meshnet-peer status` and the server-sent-event decoder of
 //!   `meshnet-peer chat`.
 
+pub mod admission;
 pub mod config;
 pub mod console;
 mod control;

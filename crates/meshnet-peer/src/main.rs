@@ -140,9 +140,16 @@ struct RunArgs {
     /// KV-cache tokens reserved per held layer.
     #[arg(long, default_value_t = 2048)]
     kv_tokens: u64,
-    /// Generations the tracker runs at once before answering 429.
+    /// Generations the tracker runs at once; more wait in line.
     #[arg(long, default_value_t = 4)]
     max_sessions: usize,
+    /// Requests the tracker keeps waiting for a generation slot (0: none); one more is
+    /// answered 429.
+    #[arg(long, default_value_t = 32)]
+    max_queued_sessions: usize,
+    /// Seconds a request waits in line for a generation slot before it is answered 429.
+    #[arg(long, default_value_t = 60.0)]
+    queue_timeout: f64,
     /// Treat the listen addresses as reachable by other peers (LAN, loopback, public host)
     /// instead of waiting for AutoNAT to confirm it.
     #[arg(long)]
@@ -455,6 +462,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     for (flag, seconds) in [
         ("--recover-timeout", args.recover_timeout),
         ("--leave-timeout", args.leave_timeout),
+        ("--queue-timeout", args.queue_timeout),
     ] {
         if !(seconds.is_finite() && (0.0..=86_400.0).contains(&seconds)) {
             bail!("{flag} must be between 0 and 86400 seconds, got {seconds}");
@@ -488,6 +496,8 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     config.announce_interval = Duration::from_secs_f64(args.announce_interval);
     config.kv_tokens = args.kv_tokens;
     config.max_sessions = args.max_sessions;
+    config.max_queued_sessions = args.max_queued_sessions;
+    config.queue_timeout = Duration::from_secs_f64(args.queue_timeout);
     config.assume_reachable = args.reachable;
     config.upnp = args.upnp;
     config.pinned_tracker = args.tracker_id;

@@ -205,7 +205,11 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         .with_metrics(metrics.clone());
     let settings = Settings {
         announce_interval: config.announce_interval,
-        max_sessions: config.max_sessions,
+        admission: crate::admission::AdmissionLimits {
+            max_running: config.max_sessions,
+            max_waiting: config.max_queued_sessions,
+            max_wait: config.queue_timeout,
+        },
         failover: config.failover.clone(),
         tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
         client: client.clone(),
@@ -323,7 +327,7 @@ pub(crate) async fn build_tracker_parts(
         Arc::clone(host),
         failover,
         settings.client.clone(),
-        settings.max_sessions,
+        settings.admission,
     ));
     let api = meshnet_api::openai_router(Arc::clone(&engine) as _);
     Ok(TrackerParts { book, engine, api })

@@ -60,6 +60,9 @@ pub struct StatusReport {
     /// Peers kept off routes after failing a generation (tracker only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub banned: Option<Vec<BanReport>>,
+    /// Generation slots and the line for them (tracker only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub admission: Option<AdmissionReport>,
     /// The coverage map (the tracker's own; on other peers, the last one received).
     pub coverage: Option<CoverageReport>,
     /// The peers the tracker knows (tracker only).
@@ -72,6 +75,21 @@ pub struct StatusReport {
     /// `meshnet-peer generate --boundaries` takes them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub route_boundaries: Option<Vec<u32>>,
+}
+
+/// The tracker's generation slots and the line for them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct AdmissionReport {
+    /// Generations that run at once.
+    pub max_sessions: usize,
+    /// Generations running now.
+    pub running: usize,
+    /// Requests waiting for a slot now.
+    pub queued: usize,
+    /// Requests that may wait; one more is answered 429.
+    pub max_queued: usize,
+    /// How long a request may wait before it is answered 429, in milliseconds.
+    pub queue_timeout_ms: u64,
 }
 
 /// A peer kept off routes.
@@ -225,6 +243,16 @@ impl StatusReport {
                 })
                 .collect()
         });
+        let admission = tracker.as_ref().map(|parts| {
+            let limits = parts.engine.limits();
+            AdmissionReport {
+                max_sessions: limits.max_running,
+                running: parts.engine.active_sessions(),
+                queued: parts.engine.queued_sessions(),
+                max_queued: limits.max_waiting,
+                queue_timeout_ms: limits.max_wait.as_millis() as u64,
+            }
+        });
         let mut following = lock(&member.following).clone();
         if let Some(parts) = &tracker {
             let book = lock(&parts.book);
@@ -260,6 +288,7 @@ impl StatusReport {
             forward_latency_ms: host.forward_latency_ms(),
             gossip: member.p2p.gossip_traffic(),
             banned,
+            admission,
             coverage: lock(&member.coverage)
                 .as_ref()
                 .map(CoverageReport::from_message),
@@ -284,6 +313,9 @@ impl meshnet_metrics::LiveSource for MemberGauges {
         };
         meshnet_metrics::LiveSample {
             active_sessions: member.active_sessions() as u64,
+            queued_sessions: member
+                .tracker_parts()
+                .map_or(0, |parts| parts.engine.queued_sessions() as u64),
             kv_used_bytes,
             kv_free_bytes,
             load_progress,

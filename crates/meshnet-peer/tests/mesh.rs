@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use common::{ANNOUNCE, converged, peer, tracker, wait_for};
 use meshnet_p2p::{DirectiveMessage, SpanStatus};
@@ -191,10 +191,11 @@ async fn a_peer_knowing_only_a_non_tracker_member_finds_the_tracker_and_gets_a_s
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn generations_run_side_by_side_up_to_the_bound_and_one_more_gets_429() {
+async fn generations_run_side_by_side_up_to_the_bound_then_wait_in_line_then_get_429() {
     // A tracker holding the whole model: a mesh of one, covered at once.
     let mut config = common::config(true, 30, vec![]);
     config.max_sessions = 2;
+    config.max_queued_sessions = 1;
     let tracker = meshnet_peer::start(config).await.unwrap();
     wait_for("the tracker's span", &tracker, |s| {
         s.route_boundaries.is_some()
@@ -213,6 +214,11 @@ async fn generations_run_side_by_side_up_to_the_bound_and_one_more_gets_429() {
             "stream": true,
         })
     };
+    let short = serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+    });
     let mut streams = Vec::new();
     for seed in [1, 2] {
         let mut response = http
@@ -230,30 +236,53 @@ async fn generations_run_side_by_side_up_to_the_bound_and_one_more_gets_429() {
         }
         streams.push(response);
     }
-    let third = http
-        .post(format!("{base}/chat/completions"))
-        .json(&request(3))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(third.status().as_u16(), 429);
-    assert!(third.headers().contains_key("retry-after"));
-    let body: serde_json::Value = third.json().await.unwrap();
-    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
-    // Once the clients leave, their slots are free again.
-    drop(streams);
-    wait_for("the slots to free", &tracker, |s| s.active_sessions == 0).await;
+    // A third waits in line for a slot.
+    let waiting = tokio::spawn({
+        let http = http.clone();
+        let url = format!("{base}/chat/completions");
+        let body = short.clone();
+        async move {
+            let response = http.post(url).json(&body).send().await.unwrap();
+            let status = response.status().as_u16();
+            (status, response.json::<serde_json::Value>().await.unwrap())
+        }
+    });
+    let status = wait_for("a request in line", &tracker, |s| {
+        s.admission.as_ref().is_some_and(|a| a.queued == 1)
+    })
+    .await;
+    let admission = status.admission.unwrap();
+    assert_eq!((admission.running, admission.max_sessions), (2, 2));
+    assert_eq!(admission.max_queued, 1);
+    assert!(
+        !waiting.is_finished(),
+        "the third was answered while both slots ran"
+    );
+    // The line is full: a fourth is refused at once, and told why.
     let fourth = http
         .post(format!("{base}/chat/completions"))
-        .json(&serde_json::json!({
-            "model": model,
-            "messages": [{"role": "user", "content": "Hi"}],
-            "max_tokens": 4,
-        }))
+        .json(&request(4))
         .send()
         .await
         .unwrap();
-    assert_eq!(fourth.status().as_u16(), 200);
+    assert_eq!(fourth.status().as_u16(), 429);
+    assert!(fourth.headers().contains_key("retry-after"));
+    let body: serde_json::Value = fourth.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("1 are waiting"), "{message}");
+    // Once a client leaves, the one in line gets its slot and is served.
+    drop(streams);
+    let (status, answer) = tokio::time::timeout(Duration::from_secs(120), waiting)
+        .await
+        .expect("the request in line was served")
+        .unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer["choices"][0]["message"]["content"].is_string());
+    wait_for("the slots and the line to empty", &tracker, |s| {
+        s.active_sessions == 0 && s.admission.as_ref().is_some_and(|a| a.queued == 0)
+    })
+    .await;
     tracker.shutdown().await;
 }
 

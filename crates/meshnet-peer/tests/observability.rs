@@ -62,7 +62,7 @@ async fn scrape(base: &str) -> Scrape {
 }
 
 /// Families every member exports, with their kinds.
-const FAMILIES: [(&str, &str); 16] = [
+const FAMILIES: [(&str, &str); 17] = [
     ("meshnet_tokens_generated", "counter"),
     ("meshnet_time_to_first_token_seconds", "histogram"),
     ("meshnet_inter_token_latency_seconds", "histogram"),
@@ -75,6 +75,7 @@ const FAMILIES: [(&str, &str); 16] = [
     ("meshnet_gossip_rejected", "counter"),
     ("meshnet_failovers", "counter"),
     ("meshnet_active_sessions", "gauge"),
+    ("meshnet_queued_sessions", "gauge"),
     ("meshnet_kv_cache_used_bytes", "gauge"),
     ("meshnet_kv_cache_free_bytes", "gauge"),
     ("meshnet_load_progress_ratio", "gauge"),

@@ -9,6 +9,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::{HeaderMap, Request, StatusCode};
+use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use meshnet_api::{
     CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream, FinishReason,
@@ -109,6 +110,10 @@ impl ScriptedEngine {
 }
 
 impl CompletionEngine for ScriptedEngine {
+    fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>> {
+        Box::pin(std::future::ready(self.begin(request)))
+    }
+
     fn model_info(&self) -> ModelInfo {
         ModelInfo {
             id: MODEL.to_owned(),
@@ -117,8 +122,11 @@ impl CompletionEngine for ScriptedEngine {
             context_length: 1024,
         }
     }
+}
 
-    fn start(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+impl ScriptedEngine {
+    /// Starts the scripted generation at once.
+    fn begin(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
         self.requests.lock().unwrap().push(request);
         let (prompt_tokens, deltas, end) = match &self.script {
             Script::Refuse(error) => return Err(error()),
