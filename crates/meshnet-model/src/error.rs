@@ -150,6 +150,9 @@ pub enum ModelError {
     /// A tensor operation failed while computing.
     #[error("tensor computation failed: {0}")]
     Compute(#[from] candle_core::Error),
+    /// A quantized kernel refused its operands.
+    #[error("quantized kernel: {0}")]
+    Kernel(#[from] meshnet_kernels::KernelError),
 }
 
 /// The crate's result type.

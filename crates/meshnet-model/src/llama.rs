@@ -7,8 +7,9 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, IndexOp, Module, Tensor};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, IndexOp, Tensor};
+use meshnet_kernels::QuantizedMatrix;
 
 use crate::attention::{causal_mask, check_sub_span, check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
@@ -17,6 +18,7 @@ use meshnet_types::{LayerSpan, Quantization};
 
 use crate::gguf::{GgufModel, ModelDescription, TensorReader};
 use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
+use crate::linear::{Projections, kernel_matrix};
 
 /// Which parts of the model a span holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -79,21 +81,28 @@ struct Hyper {
 #[derive(Debug)]
 struct Layer {
     attention_norm: Tensor,
-    query: QMatMul,
-    key: QMatMul,
-    value: QMatMul,
-    attention_output: QMatMul,
+    /// Query, key and value, in that order.
+    query_key_value: Projections,
+    attention_output: Projections,
     ffn_norm: Tensor,
-    gate: QMatMul,
-    up: QMatMul,
-    down: QMatMul,
+    /// Gate and up, in that order.
+    gate_up: Projections,
+    down: Projections,
 }
 
 /// The final norm and the LM head.
 #[derive(Debug)]
 struct Head {
     norm: Tensor,
-    output: QMatMul,
+    output: Projections,
+}
+
+/// The token embedding table: a kernel matrix (whose rows are dequantized on lookup, and
+/// which a tied LM head shares), or candle's tensor for other formats.
+#[derive(Debug, Clone)]
+enum Embedding {
+    Kernel(Arc<QuantizedMatrix>),
+    Candle(Arc<QTensor>),
 }
 
 /// A contiguous span of a Llama-family model, loaded from a GGUF file.
@@ -102,7 +111,7 @@ pub struct LlamaSpan {
     hyper: Hyper,
     layer_range: LayerSpan,
     vocab_size: usize,
-    embedding: Option<Arc<QTensor>>,
+    embedding: Option<Embedding>,
     layers: Vec<Layer>,
     head: Option<Head>,
     cache: KvStore,
@@ -142,12 +151,16 @@ impl LlamaSpan {
         let span_layers = spec.layers.len() as usize;
 
         let embedding = if spec.embedding || (spec.head && description.tied_embeddings) {
-            Some(Arc::new(load_matrix(
+            let table = load_matrix(
                 &mut reader,
                 "token_embd.weight",
                 &[vocab, hidden],
                 requantise,
-            )?))
+            )?;
+            Some(match kernel_matrix(&table)? {
+                Some(matrix) => Embedding::Kernel(Arc::new(matrix)),
+                None => Embedding::Candle(Arc::new(table)),
+            })
         } else {
             None
         };
@@ -159,32 +172,34 @@ impl LlamaSpan {
                 progress(layers.len(), span_layers);
             }
             let name = |suffix: &str| format!("blk.{index}.{suffix}");
-            let matrix = |reader: &mut TensorReader<'_>, suffix: &str, dims: &[usize]| {
-                load_matrix(reader, &name(suffix), dims, requantise)
-                    .and_then(|tensor| qmatmul(tensor, &name(suffix), model))
+            let intermediate = description.intermediate;
+            // Each group of projections that reads one input becomes one matmul.
+            let mut projections = |parts: &[(&str, [usize; 2])]| -> Result<Projections> {
+                let tensors = parts
+                    .iter()
+                    .map(|(suffix, dims)| load_matrix(&mut reader, &name(suffix), dims, requantise))
+                    .collect::<Result<Vec<_>>>()?;
+                Projections::new(tensors)
+                    .map_err(|error| model_error(model, &name(parts[0].0), error))
             };
+            let query_key_value = projections(&[
+                ("attn_q.weight", [hidden, hidden]),
+                ("attn_k.weight", [kv_width, hidden]),
+                ("attn_v.weight", [kv_width, hidden]),
+            ])?;
+            let attention_output = projections(&[("attn_output.weight", [hidden, hidden])])?;
+            let gate_up = projections(&[
+                ("ffn_gate.weight", [intermediate, hidden]),
+                ("ffn_up.weight", [intermediate, hidden]),
+            ])?;
+            let down = projections(&[("ffn_down.weight", [hidden, intermediate])])?;
             layers.push(Layer {
                 attention_norm: load_vector(&mut reader, &name("attn_norm.weight"), hidden)?,
-                query: matrix(&mut reader, "attn_q.weight", &[hidden, hidden])?,
-                key: matrix(&mut reader, "attn_k.weight", &[kv_width, hidden])?,
-                value: matrix(&mut reader, "attn_v.weight", &[kv_width, hidden])?,
-                attention_output: matrix(&mut reader, "attn_output.weight", &[hidden, hidden])?,
+                query_key_value,
+                attention_output,
                 ffn_norm: load_vector(&mut reader, &name("ffn_norm.weight"), hidden)?,
-                gate: matrix(
-                    &mut reader,
-                    "ffn_gate.weight",
-                    &[description.intermediate, hidden],
-                )?,
-                up: matrix(
-                    &mut reader,
-                    "ffn_up.weight",
-                    &[description.intermediate, hidden],
-                )?,
-                down: matrix(
-                    &mut reader,
-                    "ffn_down.weight",
-                    &[hidden, description.intermediate],
-                )?,
+                gate_up,
+                down,
             });
         }
 
@@ -192,15 +207,19 @@ impl LlamaSpan {
         let head = if spec.head {
             let norm = load_vector(&mut reader, "output_norm.weight", hidden)?;
             let output = match (&embedding, description.tied_embeddings) {
-                (Some(shared), true) => QMatMul::from_arc(Arc::clone(shared)),
-                _ => QMatMul::from_qtensor(load_matrix(
+                (Some(Embedding::Kernel(shared)), true) => Projections::shared(Arc::clone(shared)),
+                (Some(Embedding::Candle(shared)), true) => {
+                    Projections::candle_shared(Arc::clone(shared))
+                        .map_err(|error| model_error(model, "token_embd.weight", error))?
+                }
+                _ => Projections::new(vec![load_matrix(
                     &mut reader,
                     "output.weight",
                     &[vocab, hidden],
                     requantise,
-                )?),
-            }
-            .map_err(|error| tensor_error(model, "output.weight", error))?;
+                )?])
+                .map_err(|error| model_error(model, "output.weight", error))?,
+            };
             Some(Head { norm, output })
         } else {
             None
@@ -300,8 +319,10 @@ impl LlamaSpan {
         let selected = &self.layers[first..first + layers.len() as usize];
         let (cos, sin) = self.rope_tables(position, tokens)?;
         let mask = causal_mask(position, tokens)?;
-        self.cache
-            .with_session(session, position, tokens, |cache| {
+        // The layers run on a thread of the compute pool, so the matmuls' own splits are
+        // cheap forks there rather than a hand-off from this thread and back each time.
+        meshnet_kernels::on_compute_pool(|| {
+            self.cache.with_session(session, position, tokens, |cache| {
                 for (offset, layer) in selected.iter().enumerate() {
                     let index = first + offset;
                     hidden = self.layer_forward(
@@ -315,7 +336,8 @@ impl LlamaSpan {
                     )?;
                 }
                 Ok(())
-            })?;
+            })
+        })?;
         Ok(hidden)
     }
 
@@ -333,15 +355,21 @@ impl LlamaSpan {
         let hyper = &self.hyper;
         let (_, tokens, _) = input.dims3()?;
         let normed = candle_nn::ops::rms_norm(input, &layer.attention_norm, hyper.rms_eps)?;
-        let heads_first = |projection: Tensor, heads: usize| -> Result<Tensor> {
-            Ok(projection
-                .reshape((1, tokens, heads, hyper.head_dim))?
-                .transpose(1, 2)?
-                .contiguous()?)
+        let heads_first = |projection: Vec<f32>, heads: usize| -> Result<Tensor> {
+            Ok(
+                Tensor::from_vec(projection, (1, tokens, heads, hyper.head_dim), &Device::Cpu)?
+                    .transpose(1, 2)?
+                    .contiguous()?,
+            )
         };
-        let query = heads_first(layer.query.forward(&normed)?, hyper.heads)?;
-        let key = heads_first(layer.key.forward(&normed)?, hyper.kv_heads)?;
-        let value = heads_first(layer.value.forward(&normed)?, hyper.kv_heads)?;
+        let [query, key, value] = take_parts(
+            layer
+                .query_key_value
+                .forward_values(&values(&normed)?, tokens)?,
+        )?;
+        let query = heads_first(query, hyper.heads)?;
+        let key = heads_first(key, hyper.kv_heads)?;
+        let value = heads_first(value, hyper.kv_heads)?;
         let query = candle_nn::rotary_emb::rope_i(&query, cos, sin)?;
         let key = candle_nn::rotary_emb::rope_i(&key, cos, sin)?;
         let (keys, values) = cache.append(index, key, value)?;
@@ -349,27 +377,33 @@ impl LlamaSpan {
         // Grouped-query attention: each KV head serves `group` adjacent query heads, so its
         // keys and values are repeated that many times, head by head.
         let group = hyper.heads / hyper.kv_heads;
+        let scale = 1.0 / (hyper.head_dim as f64).sqrt();
         let keys = repeat_heads(&keys, group)?;
         let values = repeat_heads(&values, group)?;
-        let scale = 1.0 / (hyper.head_dim as f64).sqrt();
         let scores = (query.matmul(&keys.t()?)? * scale)?;
         let scores = match mask {
             Some(mask) => scores.broadcast_add(mask)?,
             None => scores,
         };
         let weights = candle_nn::ops::softmax_last_dim(&scores)?;
-        let attended =
-            weights
-                .matmul(&values)?
-                .transpose(1, 2)?
-                .reshape((1, tokens, hyper.hidden))?;
-        let residual = (input + layer.attention_output.forward(&attended)?)?;
+        let attended = self::values(&weights.matmul(&values)?.transpose(1, 2)?)?;
+        let [projected] = take_parts(layer.attention_output.forward_values(&attended, tokens)?)?;
+        let residual = (input + hidden_tensor(projected, tokens, hyper.hidden)?)?;
 
         let normed = candle_nn::ops::rms_norm(&residual, &layer.ffn_norm, hyper.rms_eps)?;
-        let gate = candle_nn::ops::silu(&layer.gate.forward(&normed)?)?;
-        let up = layer.up.forward(&normed)?;
-        let down = layer.down.forward(&(gate * up)?)?;
-        Ok((residual + down)?)
+        let [gate, up] = take_parts(
+            layer
+                .gate_up
+                .forward_values(&self::values(&normed)?, tokens)?,
+        )?;
+        // SwiGLU as candle computes it: silu(gate) · up, silu(x) = x / (1 + e^-x).
+        let activated: Vec<f32> = gate
+            .iter()
+            .zip(&up)
+            .map(|(gate, up)| gate / (1.0 + (-gate).exp()) * up)
+            .collect();
+        let [down] = take_parts(layer.down.forward_values(&activated, tokens)?)?;
+        Ok((residual + hidden_tensor(down, tokens, hyper.hidden)?)?)
     }
 
     /// cos and sin of each rotated pair's angle at positions `position..position + tokens`,
@@ -393,6 +427,24 @@ impl LlamaSpan {
     }
 }
 
+/// A tensor's values in row-major order, as f32.
+fn values(tensor: &Tensor) -> Result<Vec<f32>> {
+    Ok(tensor.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// `[1, tokens, width]` from row-major values.
+fn hidden_tensor(values: Vec<f32>, tokens: usize, width: usize) -> Result<Tensor> {
+    Ok(Tensor::from_vec(values, (1, tokens, width), &Device::Cpu)?)
+}
+
+/// The `N` outputs of a group of projections.
+fn take_parts<const N: usize>(parts: Vec<Vec<f32>>) -> Result<[Vec<f32>; N]> {
+    let count = parts.len();
+    parts.try_into().map_err(|_| {
+        ModelError::InvalidSpan(format!("expected {N} projection outputs, got {count}"))
+    })
+}
+
 /// Repeats each head of `[1, kv_heads, positions, head_dim]` `times` times in place:
 /// `[1, kv_heads * times, positions, head_dim]` with copies of a head adjacent.
 fn repeat_heads(tensor: &Tensor, times: usize) -> Result<Tensor> {
@@ -411,9 +463,21 @@ impl TokenEmbedder for LlamaSpan {
             .as_ref()
             .ok_or(ModelError::PartNotLoaded("token embedding"))?;
         check_token_ids(tokens, self.vocab_size)?;
-        let ids = Tensor::new(tokens, &Device::Cpu)?;
-        let rows = table.embedding(&ids)?.to_dtype(DType::F32)?;
-        Ok(rows.reshape((1, tokens.len(), self.hyper.hidden))?)
+        let hidden = self.hyper.hidden;
+        match table {
+            Embedding::Kernel(matrix) => {
+                let mut rows = vec![0f32; tokens.len() * hidden];
+                for (token, row) in tokens.iter().zip(rows.chunks_exact_mut(hidden)) {
+                    matrix.dequantize_row(*token as usize, row)?;
+                }
+                hidden_tensor(rows, tokens.len(), hidden)
+            }
+            Embedding::Candle(table) => {
+                let ids = Tensor::new(tokens, &Device::Cpu)?;
+                let rows = table.embedding(&ids)?.to_dtype(DType::F32)?;
+                Ok(rows.reshape((1, tokens.len(), hidden))?)
+            }
+        }
     }
 }
 
@@ -429,8 +493,11 @@ impl LogitsHead for LlamaSpan {
             .i((.., tokens - 1..tokens, ..))?
             .contiguous()?;
         let normed = candle_nn::ops::rms_norm(&last, &head.norm, self.hyper.rms_eps)?;
-        let logits = head.output.forward(&normed)?;
-        Ok(logits.flatten_all()?.to_vec1::<f32>()?)
+        let normed = values(&normed)?;
+        let [logits] = take_parts(meshnet_kernels::on_compute_pool(|| {
+            head.output.forward_values(&normed, 1)
+        })?)?;
+        Ok(logits)
     }
 }
 
@@ -448,16 +515,13 @@ impl Stage for LlamaSpan {
     }
 }
 
-fn tensor_error(model: &GgufModel, tensor: &str, error: candle_core::Error) -> ModelError {
+/// A tensor that loaded but could not become a matmul, named with its file.
+fn model_error(model: &GgufModel, tensor: &str, error: ModelError) -> ModelError {
     ModelError::TensorData {
         path: model.path().to_path_buf(),
         tensor: tensor.to_owned(),
         reason: error.to_string(),
     }
-}
-
-fn qmatmul(tensor: QTensor, name: &str, model: &GgufModel) -> Result<QMatMul> {
-    QMatMul::from_qtensor(tensor).map_err(|error| tensor_error(model, name, error))
 }
 
 /// Loads a matrix, requantising it to Q8_0 when asked (and when its rows allow it).

@@ -1,0 +1,279 @@
+//! AVX2 kernels, the only `unsafe` code of meshnet.
+//!
+//! Every function here reproduces the scalar reference (`scalar.rs`) bit for bit: the integer
+//! dot product of each block is computed with `maddubs`/`madd` (exact: no intermediate can
+//! saturate, see below), eight blocks' sums are reduced together with `hadd`, and the float part
+//! is computed lane-wise with separate multiplies and adds (never fused) and then added to the
+//! running sum one block at a time, in block order, exactly as the scalar loop does.
+//!
+//! Saturation: `maddubs` adds two products of an unsigned and a signed byte into an i16. For
+//! Q4_1 the unsigned side is a nibble (≤ 15) and the signed side an activation (|a| ≤ 128):
+//! at most 2 · 15 · 128 = 3840. For Q8_0 the unsigned side is `|w|` (≤ 128) and the signed side
+//! `±a` with |a| ≤ 127 (activations are rounded `x / (max|x| / 127)`): at most 2 · 128 · 127 =
+//! 32512 < 32767.
+//!
+//! Safety: the kernels are reachable only through [`Avx2`], which exists only when the running
+//! CPU reports AVX2; every pointer read is inside a slice whose length is checked first.
+#![allow(unsafe_code)]
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use crate::BLOCK;
+use crate::activations::ActivationRow;
+use crate::matrix::WeightRow;
+use crate::scalar::Q4_1_QUANT_BYTES;
+
+/// Blocks reduced together.
+const GROUP: usize = 8;
+
+/// Proof that the running CPU has AVX2: the only way to reach the kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Avx2(());
+
+impl Avx2 {
+    /// `Some` when the CPU this process runs on has AVX2.
+    pub(crate) fn detect() -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return Some(Self(()));
+        }
+        None
+    }
+
+    /// One Q4_1 weight row against one activation row (equal to `scalar::dot_q4_1`).
+    pub(crate) fn dot_q4_1(self, weights: WeightRow<'_>, activations: ActivationRow<'_>) -> f32 {
+        let blocks = checked_blocks(weights, activations, Q4_1_QUANT_BYTES);
+        // SAFETY: `self` exists only when the CPU has AVX2 (`detect`), and `checked_blocks`
+        // checked that every slice holds `blocks` blocks.
+        unsafe { q4_1_groups(weights, activations, blocks) }
+    }
+
+    /// One Q8_0 weight row against one activation row (equal to `scalar::dot_q8_0`).
+    pub(crate) fn dot_q8_0(self, weights: WeightRow<'_>, activations: ActivationRow<'_>) -> f32 {
+        let blocks = checked_blocks(weights, activations, BLOCK);
+        // SAFETY: as in `dot_q4_1`.
+        unsafe { q8_0_groups(weights, activations, blocks) }
+    }
+}
+
+/// The number of blocks of the row, after checking that every slice holds that many.
+fn checked_blocks(
+    weights: WeightRow<'_>,
+    activations: ActivationRow<'_>,
+    quant_bytes: usize,
+) -> usize {
+    let blocks = weights.scales.len();
+    assert!(
+        activations.scales.len() == blocks
+            && activations.sums.len() == blocks
+            && activations.quants.len() == blocks * BLOCK
+            && weights.quants.len() == blocks * quant_bytes
+            && (weights.mins.is_empty() || weights.mins.len() == blocks),
+        "kernel operands of unequal length"
+    );
+    blocks
+}
+
+/// Adds the float terms of eight blocks to `sum` in block order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_in_order(mut sum: f32, terms: __m256) -> f32 {
+    let mut lanes = [0f32; GROUP];
+    // SAFETY: `lanes` holds eight f32, what an unaligned 256-bit store writes.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), terms) };
+    for term in lanes {
+        sum += term;
+    }
+    sum
+}
+
+/// The sums of the eight i32 lanes of each of eight vectors, as one vector in input order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn reduce_eight(sums: [__m256i; GROUP]) -> __m256i {
+    let pairs01 = _mm256_hadd_epi32(sums[0], sums[1]);
+    let pairs23 = _mm256_hadd_epi32(sums[2], sums[3]);
+    let pairs45 = _mm256_hadd_epi32(sums[4], sums[5]);
+    let pairs67 = _mm256_hadd_epi32(sums[6], sums[7]);
+    let quads0123 = _mm256_hadd_epi32(pairs01, pairs23);
+    let quads4567 = _mm256_hadd_epi32(pairs45, pairs67);
+    let low_halves = _mm256_permute2x128_si256(quads0123, quads4567, 0x20);
+    let high_halves = _mm256_permute2x128_si256(quads0123, quads4567, 0x31);
+    _mm256_add_epi32(low_halves, high_halves)
+}
+
+/// The integer dot product of one Q4_1 block with its activations, spread over eight lanes.
+///
+/// # Safety
+/// `quants` must point at 16 readable bytes and `activations` at 32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q4_1_block(quants: *const u8, activations: *const i8) -> __m256i {
+    let low_nibbles = _mm_set1_epi8(0x0F);
+    // SAFETY: the caller guarantees 16 readable bytes at `quants`.
+    let packed = unsafe { _mm_loadu_si128(quants.cast()) };
+    let low = _mm_and_si128(packed, low_nibbles);
+    let high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
+    let weights = _mm256_set_m128i(high, low);
+    // SAFETY: the caller guarantees 32 readable bytes at `activations`.
+    let activations = unsafe { _mm256_loadu_si256(activations.cast()) };
+    let pairs = _mm256_maddubs_epi16(weights, activations);
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+}
+
+/// The integer dot product of one block of 32 signed weight bytes with its activations.
+///
+/// # Safety
+/// `quants` and `activations` must each point at 32 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_block(quants: *const u8, activations: *const i8) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes at each pointer.
+    let (weights, activations) = unsafe {
+        (
+            _mm256_loadu_si256(quants.cast()),
+            _mm256_loadu_si256(activations.cast()),
+        )
+    };
+    let magnitudes = _mm256_sign_epi8(weights, weights);
+    let signed = _mm256_sign_epi8(activations, weights);
+    let pairs = _mm256_maddubs_epi16(magnitudes, signed);
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+}
+
+/// The dot products of blocks `first..first + count` (`count` < 8) as f32, the rest zero.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn tail_dots(count: usize, block_dot: impl Fn(usize) -> __m256i) -> [f32; GROUP] {
+    let mut dots = [_mm256_setzero_si256(); GROUP];
+    for (offset, dot) in dots.iter_mut().take(count).enumerate() {
+        *dot = block_dot(offset);
+    }
+    let mut lanes = [0i32; GROUP];
+    // SAFETY: `lanes` holds eight i32, what an unaligned 256-bit store writes.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), reduce_eight(dots)) };
+    lanes.map(|lane| lane as f32)
+}
+
+/// The dot product of a whole Q4_1 row.
+///
+/// # Safety
+/// The CPU must have AVX2, and every slice must hold at least `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q4_1_groups(
+    weights: WeightRow<'_>,
+    activations: ActivationRow<'_>,
+    blocks: usize,
+) -> f32 {
+    let mut sum = 0f32;
+    let whole = blocks / GROUP * GROUP;
+    for first in (0..whole).step_by(GROUP) {
+        let mut dots = [_mm256_setzero_si256(); GROUP];
+        for (offset, dot) in dots.iter_mut().enumerate() {
+            let block = first + offset;
+            // SAFETY: `block < blocks`, so 16 quant bytes and 32 activation bytes are in range.
+            *dot = unsafe {
+                q4_1_block(
+                    weights.quants.as_ptr().add(block * Q4_1_QUANT_BYTES),
+                    activations.quants.as_ptr().add(block * BLOCK),
+                )
+            };
+        }
+        let dots = _mm256_cvtepi32_ps(reduce_eight(dots));
+        // SAFETY: blocks `first..first + 8` are in range of every per-block slice.
+        let (scales, activation_scales, mins, activation_sums) = unsafe {
+            (
+                _mm256_loadu_ps(weights.scales.as_ptr().add(first)),
+                _mm256_loadu_ps(activations.scales.as_ptr().add(first)),
+                _mm256_loadu_ps(weights.mins.as_ptr().add(first)),
+                _mm256_loadu_ps(activations.sums.as_ptr().add(first)),
+            )
+        };
+        let scaled = _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales);
+        let terms = _mm256_add_ps(scaled, _mm256_mul_ps(mins, activation_sums));
+        sum = add_in_order(sum, terms);
+    }
+    let dots = tail_dots(blocks - whole, |offset| {
+        let block = whole + offset;
+        // SAFETY: `block < blocks`, so 16 quant bytes and 32 activation bytes are in range.
+        unsafe {
+            q4_1_block(
+                weights.quants.as_ptr().add(block * Q4_1_QUANT_BYTES),
+                activations.quants.as_ptr().add(block * BLOCK),
+            )
+        }
+    });
+    for (block, dot) in (whole..blocks).zip(dots) {
+        sum += dot * weights.scales[block] * activations.scales[block]
+            + weights.mins[block] * activations.sums[block];
+    }
+    sum
+}
+
+/// The dot product of a whole Q8_0 row.
+///
+/// # Safety
+/// The CPU must have AVX2, and every slice must hold at least `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_groups(
+    weights: WeightRow<'_>,
+    activations: ActivationRow<'_>,
+    blocks: usize,
+) -> f32 {
+    let mut sum = 0f32;
+    let whole = blocks / GROUP * GROUP;
+    for first in (0..whole).step_by(GROUP) {
+        let mut dots = [_mm256_setzero_si256(); GROUP];
+        for (offset, dot) in dots.iter_mut().enumerate() {
+            let block = first + offset;
+            // SAFETY: `block < blocks`, so 32 bytes of each are in range.
+            *dot = unsafe {
+                q8_block(
+                    weights.quants.as_ptr().add(block * BLOCK),
+                    activations.quants.as_ptr().add(block * BLOCK),
+                )
+            };
+        }
+        let dots = _mm256_cvtepi32_ps(reduce_eight(dots));
+        // SAFETY: blocks `first..first + 8` are in range of both scale slices.
+        let (scales, activation_scales) = unsafe {
+            (
+                _mm256_loadu_ps(weights.scales.as_ptr().add(first)),
+                _mm256_loadu_ps(activations.scales.as_ptr().add(first)),
+            )
+        };
+        sum = add_in_order(
+            sum,
+            _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales),
+        );
+    }
+    let dots = tail_dots(blocks - whole, |offset| {
+        let block = whole + offset;
+        // SAFETY: `block < blocks`, so 32 bytes of each are in range.
+        unsafe {
+            q8_block(
+                weights.quants.as_ptr().add(block * BLOCK),
+                activations.quants.as_ptr().add(block * BLOCK),
+            )
+        }
+    });
+    for (block, dot) in (whole..blocks).zip(dots) {
+        sum += dot * weights.scales[block] * activations.scales[block];
+    }
+    sum
+}
+
+/// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn q4_1_groups(_: WeightRow<'_>, _: ActivationRow<'_>, _: usize) -> f32 {
+    unreachable!("no AVX2 outside x86_64")
+}
+
+/// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn q8_0_groups(_: WeightRow<'_>, _: ActivationRow<'_>, _: usize) -> f32 {
+    unreachable!("no AVX2 outside x86_64")
+}

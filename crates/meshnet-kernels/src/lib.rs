@@ -1,0 +1,109 @@
+//! meshnet-kernels: the quantized matrix products that dominate a transformer layer on a CPU.
+//!
+//! A [`QuantizedMatrix`] holds a linear layer's weights in a ggml block format (Q4_1 or Q8_0),
+//! parsed once from the file's bytes. [`QuantizedMatrix::matmul`] quantizes the f32 input rows
+//! once (32-value blocks of signed bytes with a scale and a sum, ggml's Q8_1), then computes
+//! every output as per-block integer dot products scaled in f32, with the weight rows split
+//! over rayon's pool (one pool per process, sized to the cores).
+//!
+//! Two kernels compute the same bits: a scalar reference that runs everywhere and an AVX2
+//! kernel chosen at run time when the CPU has it ([`Kernel::best`]). The arithmetic is ggml's
+//! as candle 0.11 writes it, block after block in order, so results equal candle's own
+//! quantized matmul exactly. `MESHNET_KERNEL=scalar` forces the reference path.
+//!
+//! This is the only meshnet crate with `unsafe` code, confined to the `avx2` module.
+
+mod activations;
+mod avx2;
+mod error;
+mod matrix;
+mod scalar;
+
+pub use error::{KernelError, Result};
+pub use matrix::{QuantizedMatrix, WeightFormat};
+
+use std::sync::OnceLock;
+
+use activations::ActivationRow;
+use matrix::WeightRow;
+
+/// Runs `work` on a thread of the compute pool (rayon's global pool, one per process, sized
+/// to the cores) and waits for it; runs it in place when already on a pool thread. Work that
+/// makes many matmuls in a row should run here: each matmul then splits its rows with cheap
+/// forks on the pool instead of handing its work to the pool and back.
+pub fn on_compute_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        return work();
+    }
+    rayon::join(work, || ()).0
+}
+
+/// Values per quantization block in every format here.
+pub const BLOCK: usize = 32;
+
+/// The environment variable that forces a kernel (`scalar` or `avx2`).
+pub const KERNEL_VARIABLE: &str = "MESHNET_KERNEL";
+
+/// Which implementation computes the dot products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// Plain Rust, every CPU: the reference.
+    Scalar,
+    /// AVX2 integer dot products (x86_64 CPUs that have AVX2).
+    Avx2(Avx2Kernel),
+}
+
+/// The AVX2 kernel; holding one proves the CPU has AVX2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Avx2Kernel(avx2::Avx2);
+
+impl Kernel {
+    /// The fastest kernel this CPU has, unless `MESHNET_KERNEL=scalar` asks for the
+    /// reference; decided once per process.
+    pub fn best() -> Self {
+        static BEST: OnceLock<Kernel> = OnceLock::new();
+        *BEST.get_or_init(|| {
+            let forced = std::env::var(KERNEL_VARIABLE).unwrap_or_default();
+            match (forced.as_str(), Self::avx2()) {
+                ("scalar", _) | (_, None) => Self::Scalar,
+                (_, Some(fast)) => fast,
+            }
+        })
+    }
+
+    /// The AVX2 kernel, when the CPU has AVX2.
+    pub fn avx2() -> Option<Self> {
+        avx2::Avx2::detect().map(|token| Self::Avx2(Avx2Kernel(token)))
+    }
+
+    /// Every kernel this CPU can run, the reference first.
+    pub fn available() -> Vec<Self> {
+        std::iter::once(Self::Scalar).chain(Self::avx2()).collect()
+    }
+
+    /// The kernel's name (`scalar`, `avx2`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2(_) => "avx2",
+        }
+    }
+
+    fn dot(
+        self,
+        format: WeightFormat,
+        weights: WeightRow<'_>,
+        activations: ActivationRow<'_>,
+    ) -> f32 {
+        match (self, format) {
+            (Self::Scalar, WeightFormat::Q4_1) => scalar::dot_q4_1(weights, activations),
+            (Self::Scalar, WeightFormat::Q8_0) => scalar::dot_q8_0(weights, activations),
+            (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q4_1) => {
+                token.dot_q4_1(weights, activations)
+            }
+            (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q8_0) => {
+                token.dot_q8_0(weights, activations)
+            }
+        }
+    }
+}

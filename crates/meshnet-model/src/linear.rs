@@ -1,0 +1,191 @@
+//! Linear layers of a Llama span: Q4_1 and Q8_0 weights run on `meshnet-kernels` (activations
+//! quantized once per matmul, SIMD when the CPU has it, the same bits as candle's own path);
+//! any other ggml format falls back to candle's `QMatMul`.
+//!
+//! Projections that read the same input are stacked into one matrix (query, key and value;
+//! gate and up), so one matmul and one activation quantization serve them all.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use meshnet_kernels::{QuantizedMatrix, WeightFormat};
+
+use crate::error::{ModelError, Result};
+
+/// Whether `MESHNET_KERNEL=candle` asks for candle's own quantized matmul everywhere (to
+/// compare against it); decided once per process.
+fn candle_requested() -> bool {
+    static CANDLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CANDLE.get_or_init(|| {
+        std::env::var(meshnet_kernels::KERNEL_VARIABLE).is_ok_and(|value| value == "candle")
+    })
+}
+
+/// The kernel format of a ggml type, when the kernels run it.
+fn kernel_format(dtype: GgmlDType) -> Option<WeightFormat> {
+    if candle_requested() {
+        return None;
+    }
+    match dtype {
+        GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
+        GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
+        _ => None,
+    }
+}
+
+/// A quantized tensor as a kernel matrix, when its format is one the kernels run.
+pub(crate) fn kernel_matrix(tensor: &QTensor) -> Result<Option<QuantizedMatrix>> {
+    let Some(format) = kernel_format(tensor.dtype()) else {
+        return Ok(None);
+    };
+    let (rows, cols) = tensor.shape().dims2()?;
+    let bytes = tensor.data()?;
+    Ok(Some(QuantizedMatrix::from_ggml_bytes(
+        format, rows, cols, &bytes,
+    )?))
+}
+
+/// One or more projections of the same input: `[tokens, in]` → one `[tokens, out_i]` each.
+#[derive(Debug)]
+pub(crate) enum Projections {
+    /// Stacked into one kernel matrix; `widths` are the parts' output sizes in order.
+    Stacked {
+        /// The parts' rows, one under the other.
+        matrix: Arc<QuantizedMatrix>,
+        /// Each part's number of outputs.
+        widths: Vec<usize>,
+    },
+    /// Separate candle matmuls (a format the kernels do not run).
+    Separate(Vec<QMatMul>),
+}
+
+impl Projections {
+    /// Stacks `parts` when the kernels run all of them in one format, else keeps candle's.
+    pub(crate) fn new(parts: Vec<QTensor>) -> Result<Self> {
+        let matrices = parts
+            .iter()
+            .map(kernel_matrix)
+            .collect::<Result<Option<Vec<_>>>>()?;
+        if let Some(matrices) = matrices {
+            let references: Vec<&QuantizedMatrix> = matrices.iter().collect();
+            if let Ok(stacked) = QuantizedMatrix::stack(&references) {
+                return Ok(Self::Stacked {
+                    widths: matrices.iter().map(QuantizedMatrix::rows).collect(),
+                    matrix: Arc::new(stacked),
+                });
+            }
+        }
+        parts
+            .into_iter()
+            .map(|tensor| QMatMul::from_qtensor(tensor).map_err(ModelError::from))
+            .collect::<Result<Vec<_>>>()
+            .map(Self::Separate)
+    }
+
+    /// One candle projection over a shared tensor (a tied LM head in a format the kernels do
+    /// not run).
+    pub(crate) fn candle_shared(tensor: Arc<QTensor>) -> Result<Self> {
+        Ok(Self::Separate(vec![QMatMul::from_arc(tensor)?]))
+    }
+
+    /// One projection over a shared kernel matrix (the LM head on a tied embedding table).
+    pub(crate) fn shared(matrix: Arc<QuantizedMatrix>) -> Self {
+        Self::Stacked {
+            widths: vec![matrix.rows()],
+            matrix,
+        }
+    }
+
+    /// The projections of `input` (`[tokens, in]` f32, row-major) as f32 rows, one vector
+    /// per part, each `[tokens, out_i]` row-major.
+    pub(crate) fn forward_values(&self, input: &[f32], tokens: usize) -> Result<Vec<Vec<f32>>> {
+        match self {
+            Self::Stacked { matrix, widths } => {
+                let total = matrix.rows();
+                let mut output = vec![0f32; tokens * total];
+                matrix.matmul(input, &mut output)?;
+                if widths.len() == 1 {
+                    return Ok(vec![output]);
+                }
+                let mut parts: Vec<Vec<f32>> = widths
+                    .iter()
+                    .map(|width| Vec::with_capacity(tokens * width))
+                    .collect();
+                for row in output.chunks_exact(total) {
+                    let mut start = 0;
+                    for (part, width) in parts.iter_mut().zip(widths) {
+                        part.extend_from_slice(&row[start..start + width]);
+                        start += width;
+                    }
+                }
+                Ok(parts)
+            }
+            Self::Separate(matmuls) => {
+                let columns = input.len() / tokens.max(1);
+                let input = Tensor::from_slice(input, (tokens, columns), &Device::Cpu)?;
+                matmuls
+                    .iter()
+                    .map(|matmul| Ok(matmul.forward(&input)?.flatten_all()?.to_vec1::<f32>()?))
+                    .collect()
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Our kernels give candle's quantized matmul bit for bit, so switching changes no text.
+    #[test]
+    fn the_kernels_give_candles_bits() {
+        let rows = 40;
+        let cols = 576;
+        let weights: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let weights =
+            Tensor::from_vec(weights, (rows, cols), &Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let quantized = QTensor::quantize(&weights, dtype).unwrap_or_else(|e| panic!("{e}"));
+            let ours = kernel_matrix(&quantized)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .unwrap_or_else(|| panic!("{dtype:?} runs on the kernels"));
+            let candle = QMatMul::from_qtensor(quantized).unwrap_or_else(|e| panic!("{e}"));
+            for tokens in [1, 3] {
+                // Outliers as real activations have them.
+                let input: Vec<f32> = (0..tokens * cols)
+                    .map(|i| {
+                        if i % 97 == 5 {
+                            3000.0
+                        } else {
+                            ((i * 31) % 200) as f32 / 17.0 - 6.0
+                        }
+                    })
+                    .collect();
+                let tensor = Tensor::from_slice(&input, (tokens, cols), &Device::Cpu)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let expected = candle
+                    .forward(&tensor)
+                    .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let mut output = vec![0f32; tokens * rows];
+                ours.matmul(&input, &mut output)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                if dtype == GgmlDType::Q4_1 {
+                    // candle's Q4_1 path is ggml's reference arithmetic: equal bits.
+                    assert_eq!(output, expected, "{dtype:?}, {tokens} tokens");
+                } else {
+                    // candle's Q8_0 path sums the blocks in its own SIMD order.
+                    for (ours, theirs) in output.iter().zip(&expected) {
+                        assert!(
+                            (ours - theirs).abs() <= theirs.abs() * 1e-5 + 1e-3,
+                            "{ours} {theirs}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
