@@ -1,10 +1,15 @@
 //! Tokens per second of the default model (SmolLM2-135M-Instruct) in one process: prefill and
-//! decode, 1 and 2 threads, weights as shipped (Q4_1) and requantised to Q8_0 on load, our
-//! spans beside candle-transformers' `quantized_llama::ModelWeights` in the same run; and the
-//! resident memory of a peer holding layers 10..20 against the whole model.
+//! decode, 1 and 2 threads, weights as shipped (Q4_1) and requantised to Q8_0 on load. Our
+//! spans run on `meshnet-kernels` (the default), and again on candle's own quantized matmul
+//! (`MESHNET_KERNEL=candle`), beside candle-transformers' `quantized_llama::ModelWeights` and,
+//! when `benches/anchors/llamacpp.sh` has built it, llama.cpp's `llama-bench` on the same file,
+//! all in the same run. Then one synthetic Llama-7B-shaped layer (hidden 4096, intermediate
+//! 11008, random weights written as GGUF by this bench) in Q4_1 and Q8_0: a 128-token prefill
+//! chunk and a decode step through our span, with our kernels and with candle's matmul. Last,
+//! the resident memory of a peer holding layers 10..20 against the whole model.
 //!
-//! candle reads its thread count once per process, so every measurement runs in a child
-//! process of this binary with `RAYON_NUM_THREADS` set. Prints a table. Run with
+//! Thread counts are read once per process, so every measurement runs in a child process of
+//! this binary with `RAYON_NUM_THREADS` set. Prints tables. Run with
 //! `cargo bench -p meshnet-benches --bench model`.
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
@@ -17,7 +22,7 @@ use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use meshnet_model::{
-    BoundaryPolicy, GgufModel, LlamaSpan, ModelTokenizer, Route, SessionId, SpanSpec,
+    BoundaryPolicy, GgufModel, LlamaSpan, ModelTokenizer, Route, SessionId, SpanSpec, Stage,
 };
 use meshnet_types::{LayerSpan, Quantization};
 
@@ -204,7 +209,164 @@ fn measure_memory(which: &str, quantization: Option<Quantization>) -> (u64, u64)
     (after, after.saturating_sub(before))
 }
 
+/// The synthetic layer's shape: one Llama-7B block.
+const LAYER_HIDDEN: usize = 4096;
+const LAYER_INTERMEDIATE: usize = 11008;
+const LAYER_HEADS: usize = 32;
+const LAYER_VOCAB: usize = 32;
+const LAYER_DECODE_STEPS: usize = 8;
+
+fn synthetic_layer_path(dtype: GgmlDType) -> PathBuf {
+    std::env::temp_dir().join(format!("meshnet-bench-llama7b-layer.{dtype:?}.gguf"))
+}
+
+/// Writes a one-layer Llama-7B-shaped model with random weights in `dtype` (norms f32).
+fn write_synthetic_layer(dtype: GgmlDType, target: &Path) {
+    use gguf_file::Value;
+    let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ dtype as u64;
+    let mut random = |len: usize, scale: f32| -> Vec<f32> {
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+            })
+            .collect()
+    };
+    let mut matrix = |rows: usize, cols: usize| {
+        let values =
+            Tensor::from_vec(random(rows * cols, 0.04), (rows, cols), &Device::Cpu).unwrap();
+        QTensor::quantize(&values, dtype).unwrap()
+    };
+    let h = LAYER_HIDDEN;
+    let i = LAYER_INTERMEDIATE;
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        ("token_embd.weight".into(), matrix(LAYER_VOCAB, h)),
+        ("blk.0.attn_q.weight".into(), matrix(h, h)),
+        ("blk.0.attn_k.weight".into(), matrix(h, h)),
+        ("blk.0.attn_v.weight".into(), matrix(h, h)),
+        ("blk.0.attn_output.weight".into(), matrix(h, h)),
+        ("blk.0.ffn_gate.weight".into(), matrix(i, h)),
+        ("blk.0.ffn_up.weight".into(), matrix(i, h)),
+        ("blk.0.ffn_down.weight".into(), matrix(h, i)),
+    ];
+    for name in [
+        "blk.0.attn_norm.weight",
+        "blk.0.ffn_norm.weight",
+        "output_norm.weight",
+    ] {
+        let ones = Tensor::ones(h, candle_core::DType::F32, &Device::Cpu).unwrap();
+        tensors.push((
+            name.into(),
+            QTensor::quantize(&ones, GgmlDType::F32).unwrap(),
+        ));
+    }
+    let tokens = Value::Array(
+        (0..LAYER_VOCAB)
+            .map(|t| Value::String(format!("t{t}")))
+            .collect(),
+    );
+    let metadata = [
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.block_count", Value::U32(1)),
+        ("llama.embedding_length", Value::U32(h as u32)),
+        ("llama.feed_forward_length", Value::U32(i as u32)),
+        ("llama.attention.head_count", Value::U32(LAYER_HEADS as u32)),
+        (
+            "llama.attention.head_count_kv",
+            Value::U32(LAYER_HEADS as u32),
+        ),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.context_length", Value::U32(4096)),
+        ("tokenizer.ggml.tokens", tokens),
+    ];
+    let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> =
+        tensors.iter().map(|(name, t)| (name.as_str(), t)).collect();
+    let partial = target.with_extension("partial");
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&partial).unwrap());
+    gguf_file::write(&mut out, &metadata, &tensor_refs).unwrap();
+    std::io::Write::flush(&mut out).unwrap();
+    drop(out);
+    std::fs::rename(&partial, target).unwrap();
+}
+
+/// Milliseconds for a 128-token prefill chunk and for one decode step (the mean of a few,
+/// after the chunk) through the synthetic layer.
+fn measure_layer(path: &Path) -> (f64, f64) {
+    let model = GgufModel::open(path).unwrap();
+    let span = LlamaSpan::load(&model, &SpanSpec::layers(LayerSpan::new(0, 1))).unwrap();
+    let hidden =
+        |tokens: usize| Tensor::randn(0f32, 1.0, (1, tokens, LAYER_HIDDEN), &Device::Cpu).unwrap();
+    // Warm-up.
+    let warm = SessionId::new_v4();
+    span.forward_layers(warm, 0, &hidden(8)).unwrap();
+    span.end_session(warm);
+
+    let session = SessionId::new_v4();
+    let chunk = hidden(PREFILL_TOKENS);
+    let start = Instant::now();
+    span.forward_layers(session, 0, &chunk).unwrap();
+    let prefill = start.elapsed().as_secs_f64() * 1e3;
+    let step = hidden(1);
+    let start = Instant::now();
+    for offset in 0..LAYER_DECODE_STEPS {
+        span.forward_layers(session, PREFILL_TOKENS + offset, &step)
+            .unwrap();
+    }
+    let decode = start.elapsed().as_secs_f64() * 1e3 / LAYER_DECODE_STEPS as f64;
+    (prefill, decode)
+}
+
+/// Prefill and decode tokens/s of llama.cpp's `llama-bench` on `path` with `threads`, when
+/// `benches/anchors/llamacpp.sh` has built it.
+fn measure_llamacpp(path: &Path, threads: usize) -> Option<(f64, f64)> {
+    let anchors = std::env::var_os("MESHNET_ANCHORS").map_or_else(
+        || meshnet_model::models_dir().join("anchors"),
+        PathBuf::from,
+    );
+    let binary = anchors.join("llama.cpp/build/bin/llama-bench");
+    if !binary.is_file() {
+        return None;
+    }
+    let output = Command::new(&binary)
+        .arg("-m")
+        .arg(path)
+        .args(["-t", &threads.to_string()])
+        .args([
+            "-p",
+            &PREFILL_TOKENS.to_string(),
+            "-n",
+            &DECODE_TOKENS.to_string(),
+        ])
+        .args(["-r", "3", "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "llama-bench failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let results: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let rate = |prompt: usize, generated: usize| {
+        results
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|run| run["n_prompt"] == prompt && run["n_gen"] == generated)
+            .and_then(|run| run["avg_ts"].as_f64())
+            .unwrap()
+    };
+    Some((rate(PREFILL_TOKENS, 0), rate(0, DECODE_TOKENS)))
+}
+
 fn worker(args: &[String]) {
+    if args[1] == "layer" {
+        let (prefill, decode) = measure_layer(Path::new(&args[2]));
+        println!("{prefill} {decode}");
+        return;
+    }
     let quantization = match args[2].as_str() {
         "q8_0" => Some(Quantization::Q8_0),
         _ => None,
@@ -229,21 +391,38 @@ fn worker(args: &[String]) {
     }
 }
 
-fn run_worker(threads: usize, kind: &str, quantization: &str) -> (f64, f64) {
-    let output = Command::new(std::env::current_exe().unwrap())
-        .args([WORKER, kind, quantization])
+/// Runs a measurement in a child process with `threads` threads and `MESHNET_KERNEL=kernel`
+/// (the default kernel when `None`); returns the two numbers it prints.
+fn run_worker_with(threads: usize, kernel: Option<&str>, args: &[&str]) -> (f64, f64) {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    command
+        .arg(WORKER)
+        .args(args)
         .env("RAYON_NUM_THREADS", threads.to_string())
-        .output()
-        .unwrap();
+        .env("CANDLE_NUM_THREADS", threads.to_string())
+        .env_remove(meshnet_kernels_variable());
+    if let Some(kernel) = kernel {
+        command.env(meshnet_kernels_variable(), kernel);
+    }
+    let output = command.output().unwrap();
     assert!(
         output.status.success(),
-        "worker {kind} {quantization} failed: {}",
+        "worker {args:?} failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
     let text = String::from_utf8_lossy(&output.stdout);
     let line = text.lines().last().unwrap_or_default();
     let mut numbers = line.split_whitespace().map(|n| n.parse::<f64>().unwrap());
     (numbers.next().unwrap(), numbers.next().unwrap())
+}
+
+fn run_worker(threads: usize, kind: &str, quantization: &str) -> (f64, f64) {
+    run_worker_with(threads, None, &[kind, quantization])
+}
+
+/// The variable that picks the kernel (`candle` runs candle's own quantized matmul).
+fn meshnet_kernels_variable() -> &'static str {
+    "MESHNET_KERNEL"
 }
 
 fn main() {
@@ -261,30 +440,75 @@ fn main() {
     if !requantised.is_file() {
         write_requantised(&path, &requantised);
     }
-
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
     println!(
         "SmolLM2-135M-Instruct, prefill {PREFILL_TOKENS} tokens in one chunk, decode \
-         {DECODE_TOKENS} tokens (tokens/s; ratio = ours / candle-transformers)"
+         {DECODE_TOKENS} tokens, tokens/s ({cores} cores). ours: our spans on meshnet-kernels; \
+         ours/candle: our spans on candle's quantized matmul; c-t: candle-transformers; \
+         llama.cpp: llama-bench on the same file (absent until benches/anchors/llamacpp.sh \
+         has built it); ratio: ours / llama.cpp"
     );
     println!(
-        "| weights | threads | prefill ours | prefill candle-transformers | ratio | decode ours | decode candle-transformers | ratio |"
+        "| weights | threads | prefill ours | ours/candle | c-t | llama.cpp | ratio | decode ours | ours/candle | c-t | llama.cpp | ratio |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for quantization in ["as-shipped", "q8_0"] {
         for threads in [1, 2] {
             let (ours_prefill, ours_decode) = run_worker(threads, "ours", quantization);
+            let (candle_prefill, candle_decode) =
+                run_worker_with(threads, Some("candle"), &["ours", quantization]);
             let (ref_prefill, ref_decode) = run_worker(threads, "reference", quantization);
+            let file = if quantization == "q8_0" {
+                &requantised
+            } else {
+                &path
+            };
+            let anchor = measure_llamacpp(file, threads);
             let label = if quantization == "q8_0" {
                 "Q8_0 (requantised)"
             } else {
                 "Q4_1 (as shipped)"
             };
+            let (anchor_prefill, anchor_decode, prefill_ratio, decode_ratio) = match anchor {
+                Some((prefill, decode)) => (
+                    format!("{prefill:.1}"),
+                    format!("{decode:.1}"),
+                    format!("{:.2}", ours_prefill / prefill),
+                    format!("{:.2}", ours_decode / decode),
+                ),
+                None => ("-".into(), "-".into(), "-".into(), "-".into()),
+            };
             println!(
-                "| {label} | {threads} | {ours_prefill:.1} | {ref_prefill:.1} | {:.2} | {ours_decode:.1} | {ref_decode:.1} | {:.2} |",
-                ours_prefill / ref_prefill,
-                ours_decode / ref_decode
+                "| {label} | {threads} | {ours_prefill:.1} | {candle_prefill:.1} | {ref_prefill:.1} | {anchor_prefill} | {prefill_ratio} | {ours_decode:.1} | {candle_decode:.1} | {ref_decode:.1} | {anchor_decode} | {decode_ratio} |"
             );
         }
+    }
+
+    println!();
+    println!(
+        "One synthetic Llama-7B-shaped layer (hidden {LAYER_HIDDEN}, intermediate \
+         {LAYER_INTERMEDIATE}, {LAYER_HEADS} heads, random weights), {cores} threads, \
+         milliseconds: a {PREFILL_TOKENS}-token prefill chunk, then one decode step (mean of \
+         {LAYER_DECODE_STEPS}); ratio: candle / ours (above 1: ours is faster)"
+    );
+    println!(
+        "| weights | prefill ours | prefill candle | ratio | decode ours | decode candle | ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        let layer = synthetic_layer_path(dtype);
+        if !layer.is_file() {
+            write_synthetic_layer(dtype, &layer);
+        }
+        let layer_arg = layer.to_string_lossy().into_owned();
+        let (ours_prefill, ours_decode) = run_worker_with(cores, None, &["layer", &layer_arg]);
+        let (candle_prefill, candle_decode) =
+            run_worker_with(cores, Some("candle"), &["layer", &layer_arg]);
+        println!(
+            "| {dtype:?} | {ours_prefill:.1} | {candle_prefill:.1} | {:.2} | {ours_decode:.2} | {candle_decode:.2} | {:.2} |",
+            candle_prefill / ours_prefill,
+            candle_decode / ours_decode
+        );
     }
 
     println!();
