@@ -89,15 +89,20 @@ impl Kernel {
         }
     }
 
-    fn dot(
+    /// `R` weight rows against one activation row.
+    fn dot_rows<const R: usize>(
         self,
         format: WeightFormat,
-        weights: WeightRow<'_>,
+        weights: [WeightRow<'_>; R],
         activations: ActivationRow<'_>,
-    ) -> f32 {
+    ) -> [f32; R] {
         match (self, format) {
-            (Self::Scalar, WeightFormat::Q4_1) => scalar::dot_q4_1(weights, activations),
-            (Self::Scalar, WeightFormat::Q8_0) => scalar::dot_q8_0(weights, activations),
+            (Self::Scalar, WeightFormat::Q4_1) => {
+                weights.map(|row| scalar::dot_q4_1(row, activations))
+            }
+            (Self::Scalar, WeightFormat::Q8_0) => {
+                weights.map(|row| scalar::dot_q8_0(row, activations))
+            }
             (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q4_1) => {
                 token.dot_q4_1(weights, activations)
             }
