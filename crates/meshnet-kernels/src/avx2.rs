@@ -41,33 +41,19 @@ impl Avx2 {
         None
     }
 
-    /// `R` Q4_1 weight rows against one activation row (each equal to `scalar::dot_q4_1`).
-    pub(crate) fn dot_q4_1<const R: usize>(
-        self,
-        weights: [WeightRow<'_>; R],
-        activations: ActivationRow<'_>,
-    ) -> [f32; R] {
-        let blocks = activations.scales.len();
-        for row in weights {
-            checked_blocks(row, activations, Q4_1_QUANT_BYTES);
-        }
+    /// One Q4_1 weight row against one activation row (equal to `scalar::dot_q4_1`).
+    pub(crate) fn dot_q4_1(self, weights: WeightRow<'_>, activations: ActivationRow<'_>) -> f32 {
+        let blocks = checked_blocks(weights, activations, Q4_1_QUANT_BYTES);
         // SAFETY: `self` exists only when the CPU has AVX2 (`detect`), and `checked_blocks`
         // checked that every slice holds `blocks` blocks.
-        unsafe { q4_1_rows(weights, activations, blocks) }
+        unsafe { q4_1_groups(weights, activations, blocks) }
     }
 
-    /// `R` Q8_0 weight rows against one activation row (each equal to `scalar::dot_q8_0`).
-    pub(crate) fn dot_q8_0<const R: usize>(
-        self,
-        weights: [WeightRow<'_>; R],
-        activations: ActivationRow<'_>,
-    ) -> [f32; R] {
-        let blocks = activations.scales.len();
-        for row in weights {
-            checked_blocks(row, activations, BLOCK);
-        }
+    /// One Q8_0 weight row against one activation row (equal to `scalar::dot_q8_0`).
+    pub(crate) fn dot_q8_0(self, weights: WeightRow<'_>, activations: ActivationRow<'_>) -> f32 {
+        let blocks = checked_blocks(weights, activations, BLOCK);
         // SAFETY: as in `dot_q4_1`.
-        unsafe { q8_0_rows(weights, activations, blocks) }
+        unsafe { q8_0_groups(weights, activations, blocks) }
     }
 }
 
@@ -77,9 +63,9 @@ fn checked_blocks(
     activations: ActivationRow<'_>,
     quant_bytes: usize,
 ) -> usize {
-    let blocks = activations.scales.len();
+    let blocks = weights.scales.len();
     assert!(
-        weights.scales.len() == blocks
+        activations.scales.len() == blocks
             && activations.sums.len() == blocks
             && activations.quants.len() == blocks * BLOCK
             && weights.quants.len() == blocks * quant_bytes
@@ -89,21 +75,17 @@ fn checked_blocks(
     blocks
 }
 
-/// Adds each row's float terms of eight blocks to its sum, in block order; the rows' chains
-/// of additions are independent, so they overlap.
+/// Adds the float terms of eight blocks to `sum` in block order.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn add_in_order<const R: usize>(sums: &mut [f32; R], terms: [__m256; R]) {
-    let mut lanes = [[0f32; GROUP]; R];
-    for (lanes, terms) in lanes.iter_mut().zip(terms) {
-        // SAFETY: `lanes` holds eight f32, what an unaligned 256-bit store writes.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), terms) };
+fn add_in_order(mut sum: f32, terms: __m256) -> f32 {
+    let mut lanes = [0f32; GROUP];
+    // SAFETY: `lanes` holds eight f32, what an unaligned 256-bit store writes.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), terms) };
+    for term in lanes {
+        sum += term;
     }
-    for lane in 0..GROUP {
-        for (sum, lanes) in sums.iter_mut().zip(&lanes) {
-            *sum += lanes[lane];
-        }
-    }
+    sum
 }
 
 /// The sums of the eight i32 lanes of each of eight vectors, as one vector in input order.
@@ -174,140 +156,124 @@ fn tail_dots(count: usize, block_dot: impl Fn(usize) -> __m256i) -> [f32; GROUP]
     lanes.map(|lane| lane as f32)
 }
 
-/// The dot products of `R` whole Q4_1 rows with one activation row.
+/// The dot product of a whole Q4_1 row.
 ///
 /// # Safety
 /// The CPU must have AVX2, and every slice must hold at least `blocks` blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn q4_1_rows<const R: usize>(
-    weights: [WeightRow<'_>; R],
+unsafe fn q4_1_groups(
+    weights: WeightRow<'_>,
     activations: ActivationRow<'_>,
     blocks: usize,
-) -> [f32; R] {
-    let mut sums = [0f32; R];
+) -> f32 {
+    let mut sum = 0f32;
     let whole = blocks / GROUP * GROUP;
     for first in (0..whole).step_by(GROUP) {
+        let mut dots = [_mm256_setzero_si256(); GROUP];
+        for (offset, dot) in dots.iter_mut().enumerate() {
+            let block = first + offset;
+            // SAFETY: `block < blocks`, so 16 quant bytes and 32 activation bytes are in range.
+            *dot = unsafe {
+                q4_1_block(
+                    weights.quants.as_ptr().add(block * Q4_1_QUANT_BYTES),
+                    activations.quants.as_ptr().add(block * BLOCK),
+                )
+            };
+        }
+        let dots = _mm256_cvtepi32_ps(reduce_eight(dots));
         // SAFETY: blocks `first..first + 8` are in range of every per-block slice.
-        let (activation_scales, activation_sums) = unsafe {
+        let (scales, activation_scales, mins, activation_sums) = unsafe {
             (
+                _mm256_loadu_ps(weights.scales.as_ptr().add(first)),
                 _mm256_loadu_ps(activations.scales.as_ptr().add(first)),
+                _mm256_loadu_ps(weights.mins.as_ptr().add(first)),
                 _mm256_loadu_ps(activations.sums.as_ptr().add(first)),
             )
         };
-        let terms = weights.map(|row| {
-            let mut dots = [_mm256_setzero_si256(); GROUP];
-            for (offset, dot) in dots.iter_mut().enumerate() {
-                let block = first + offset;
-                // SAFETY: `block < blocks`: 16 quant bytes and 32 activation bytes in range.
-                *dot = unsafe {
-                    q4_1_block(
-                        row.quants.as_ptr().add(block * Q4_1_QUANT_BYTES),
-                        activations.quants.as_ptr().add(block * BLOCK),
-                    )
-                };
-            }
-            let dots = _mm256_cvtepi32_ps(reduce_eight(dots));
-            // SAFETY: as above.
-            let (scales, mins) = unsafe {
-                (
-                    _mm256_loadu_ps(row.scales.as_ptr().add(first)),
-                    _mm256_loadu_ps(row.mins.as_ptr().add(first)),
-                )
-            };
-            let scaled = _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales);
-            _mm256_add_ps(scaled, _mm256_mul_ps(mins, activation_sums))
-        });
-        add_in_order(&mut sums, terms);
+        let scaled = _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales);
+        let terms = _mm256_add_ps(scaled, _mm256_mul_ps(mins, activation_sums));
+        sum = add_in_order(sum, terms);
     }
-    for (sum, row) in sums.iter_mut().zip(weights) {
-        let dots = tail_dots(blocks - whole, |offset| {
-            let block = whole + offset;
-            // SAFETY: `block < blocks`: 16 quant bytes and 32 activation bytes in range.
-            unsafe {
-                q4_1_block(
-                    row.quants.as_ptr().add(block * Q4_1_QUANT_BYTES),
-                    activations.quants.as_ptr().add(block * BLOCK),
-                )
-            }
-        });
-        for (block, dot) in (whole..blocks).zip(dots) {
-            *sum += dot * row.scales[block] * activations.scales[block]
-                + row.mins[block] * activations.sums[block];
+    let dots = tail_dots(blocks - whole, |offset| {
+        let block = whole + offset;
+        // SAFETY: `block < blocks`, so 16 quant bytes and 32 activation bytes are in range.
+        unsafe {
+            q4_1_block(
+                weights.quants.as_ptr().add(block * Q4_1_QUANT_BYTES),
+                activations.quants.as_ptr().add(block * BLOCK),
+            )
         }
+    });
+    for (block, dot) in (whole..blocks).zip(dots) {
+        sum += dot * weights.scales[block] * activations.scales[block]
+            + weights.mins[block] * activations.sums[block];
     }
-    sums
+    sum
 }
 
-/// The dot products of `R` whole Q8_0 rows with one activation row.
+/// The dot product of a whole Q8_0 row.
 ///
 /// # Safety
 /// The CPU must have AVX2, and every slice must hold at least `blocks` blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn q8_0_rows<const R: usize>(
-    weights: [WeightRow<'_>; R],
+unsafe fn q8_0_groups(
+    weights: WeightRow<'_>,
     activations: ActivationRow<'_>,
     blocks: usize,
-) -> [f32; R] {
-    let mut sums = [0f32; R];
+) -> f32 {
+    let mut sum = 0f32;
     let whole = blocks / GROUP * GROUP;
     for first in (0..whole).step_by(GROUP) {
-        // SAFETY: blocks `first..first + 8` are in range of the activation scales.
-        let activation_scales = unsafe { _mm256_loadu_ps(activations.scales.as_ptr().add(first)) };
-        let terms = weights.map(|row| {
-            let mut dots = [_mm256_setzero_si256(); GROUP];
-            for (offset, dot) in dots.iter_mut().enumerate() {
-                let block = first + offset;
-                // SAFETY: `block < blocks`, so 32 bytes of each are in range.
-                *dot = unsafe {
-                    q8_block(
-                        row.quants.as_ptr().add(block * BLOCK),
-                        activations.quants.as_ptr().add(block * BLOCK),
-                    )
-                };
-            }
-            let dots = _mm256_cvtepi32_ps(reduce_eight(dots));
-            // SAFETY: blocks `first..first + 8` are in range of the row's scales.
-            let scales = unsafe { _mm256_loadu_ps(row.scales.as_ptr().add(first)) };
-            _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales)
-        });
-        add_in_order(&mut sums, terms);
-    }
-    for (sum, row) in sums.iter_mut().zip(weights) {
-        let dots = tail_dots(blocks - whole, |offset| {
-            let block = whole + offset;
+        let mut dots = [_mm256_setzero_si256(); GROUP];
+        for (offset, dot) in dots.iter_mut().enumerate() {
+            let block = first + offset;
             // SAFETY: `block < blocks`, so 32 bytes of each are in range.
-            unsafe {
+            *dot = unsafe {
                 q8_block(
-                    row.quants.as_ptr().add(block * BLOCK),
+                    weights.quants.as_ptr().add(block * BLOCK),
                     activations.quants.as_ptr().add(block * BLOCK),
                 )
-            }
-        });
-        for (block, dot) in (whole..blocks).zip(dots) {
-            *sum += dot * row.scales[block] * activations.scales[block];
+            };
         }
+        let dots = _mm256_cvtepi32_ps(reduce_eight(dots));
+        // SAFETY: blocks `first..first + 8` are in range of both scale slices.
+        let (scales, activation_scales) = unsafe {
+            (
+                _mm256_loadu_ps(weights.scales.as_ptr().add(first)),
+                _mm256_loadu_ps(activations.scales.as_ptr().add(first)),
+            )
+        };
+        sum = add_in_order(
+            sum,
+            _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales),
+        );
     }
-    sums
+    let dots = tail_dots(blocks - whole, |offset| {
+        let block = whole + offset;
+        // SAFETY: `block < blocks`, so 32 bytes of each are in range.
+        unsafe {
+            q8_block(
+                weights.quants.as_ptr().add(block * BLOCK),
+                activations.quants.as_ptr().add(block * BLOCK),
+            )
+        }
+    });
+    for (block, dot) in (whole..blocks).zip(dots) {
+        sum += dot * weights.scales[block] * activations.scales[block];
+    }
+    sum
 }
 
 /// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn q4_1_rows<const R: usize>(
-    _: [WeightRow<'_>; R],
-    _: ActivationRow<'_>,
-    _: usize,
-) -> [f32; R] {
+unsafe fn q4_1_groups(_: WeightRow<'_>, _: ActivationRow<'_>, _: usize) -> f32 {
     unreachable!("no AVX2 outside x86_64")
 }
 
 /// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn q8_0_rows<const R: usize>(
-    _: [WeightRow<'_>; R],
-    _: ActivationRow<'_>,
-    _: usize,
-) -> [f32; R] {
+unsafe fn q8_0_groups(_: WeightRow<'_>, _: ActivationRow<'_>, _: usize) -> f32 {
     unreachable!("no AVX2 outside x86_64")
 }

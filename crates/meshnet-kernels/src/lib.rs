@@ -89,20 +89,15 @@ impl Kernel {
         }
     }
 
-    /// `R` weight rows against one activation row.
-    fn dot_rows<const R: usize>(
+    fn dot(
         self,
         format: WeightFormat,
-        weights: [WeightRow<'_>; R],
+        weights: WeightRow<'_>,
         activations: ActivationRow<'_>,
-    ) -> [f32; R] {
+    ) -> f32 {
         match (self, format) {
-            (Self::Scalar, WeightFormat::Q4_1) => {
-                weights.map(|row| scalar::dot_q4_1(row, activations))
-            }
-            (Self::Scalar, WeightFormat::Q8_0) => {
-                weights.map(|row| scalar::dot_q8_0(row, activations))
-            }
+            (Self::Scalar, WeightFormat::Q4_1) => scalar::dot_q4_1(weights, activations),
+            (Self::Scalar, WeightFormat::Q8_0) => scalar::dot_q8_0(weights, activations),
             (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q4_1) => {
                 token.dot_q4_1(weights, activations)
             }

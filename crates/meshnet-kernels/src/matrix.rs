@@ -255,8 +255,13 @@ impl QuantizedMatrix {
             return Ok(());
         }
         let activations = quantize_rows(input, m, self.cols);
+        let dot = |row: usize, activation: usize| {
+            kernel.dot(self.format, self.row(row), activations.row(activation))
+        };
         if m == 1 && self.rows * self.blocks_per_row() < PARALLEL_BLOCKS {
-            self.band(kernel, &activations, 0, output, 1);
+            for (row, value) in output.iter_mut().enumerate() {
+                *value = dot(row, 0);
+            }
             return Ok(());
         }
         let chunk_rows = chunk_rows(self.rows, m);
@@ -265,7 +270,9 @@ impl QuantizedMatrix {
                 .par_chunks_mut(chunk_rows)
                 .enumerate()
                 .for_each(|(chunk, values)| {
-                    self.band(kernel, &activations, chunk * chunk_rows, values, 1);
+                    for (offset, value) in values.iter_mut().enumerate() {
+                        *value = dot(chunk * chunk_rows + offset, 0);
+                    }
                 });
             return Ok(());
         }
@@ -276,7 +283,12 @@ impl QuantizedMatrix {
             .par_chunks_mut(chunk_rows * m)
             .enumerate()
             .for_each(|(chunk, values)| {
-                self.band(kernel, &activations, chunk * chunk_rows, values, m);
+                for (offset, column) in values.chunks_exact_mut(m).enumerate() {
+                    let row = chunk * chunk_rows + offset;
+                    for (activation, value) in column.iter_mut().enumerate() {
+                        *value = dot(row, activation);
+                    }
+                }
             });
         for (row, column) in transposed.chunks_exact(m).enumerate() {
             for (activation, value) in column.iter().enumerate() {
@@ -285,47 +297,7 @@ impl QuantizedMatrix {
         }
         Ok(())
     }
-
-    /// Computes weight rows `first..first + values.len() / m` against all `m` activation rows
-    /// into `values` (`[rows, m]`: a row's outputs for every activation together), four
-    /// weight rows at a time.
-    fn band(
-        &self,
-        kernel: Kernel,
-        activations: &QuantizedRows,
-        first: usize,
-        values: &mut [f32],
-        m: usize,
-    ) {
-        let mut quads = values.chunks_exact_mut(ROWS_AT_ONCE * m);
-        let mut row = first;
-        for quad in &mut quads {
-            let weights = std::array::from_fn(|offset| self.row(row + offset));
-            for activation in 0..m {
-                let results = kernel.dot_rows::<ROWS_AT_ONCE>(
-                    self.format,
-                    weights,
-                    activations.row(activation),
-                );
-                for (offset, result) in results.into_iter().enumerate() {
-                    quad[offset * m + activation] = result;
-                }
-            }
-            row += ROWS_AT_ONCE;
-        }
-        for single in quads.into_remainder().chunks_exact_mut(m) {
-            for (activation, value) in single.iter_mut().enumerate() {
-                let [result] =
-                    kernel.dot_rows::<1>(self.format, [self.row(row)], activations.row(activation));
-                *value = result;
-            }
-            row += 1;
-        }
-    }
 }
-
-/// Weight rows the kernels take together: their sums are independent chains that overlap.
-const ROWS_AT_ONCE: usize = 4;
 
 /// Below this many blocks a one-row product runs on the calling thread: handing work to the
 /// pool and waking its threads costs more than the work (measured on the default model).
