@@ -21,6 +21,7 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
+use meshnet_kernels::KERNEL_VARIABLE;
 use meshnet_model::{
     BoundaryPolicy, GgufModel, LlamaSpan, ModelTokenizer, Route, SessionId, SpanSpec, Stage,
 };
@@ -71,13 +72,21 @@ fn write_requantised(source: &Path, target: &Path) {
         .iter()
         .map(|(k, v)| (k.as_str(), v))
         .collect();
+    write_gguf(target, &metadata, &tensors);
+}
+
+/// Writes a GGUF file beside `target` and renames it, so an interrupted run never leaves a
+/// partial file that a later run would reuse.
+fn write_gguf(
+    target: &Path,
+    metadata: &[(&str, &gguf_file::Value)],
+    tensors: &[(String, QTensor)],
+) {
     let tensor_refs: Vec<(&str, &QTensor)> =
         tensors.iter().map(|(name, t)| (name.as_str(), t)).collect();
-    // Written beside the target and renamed, so an interrupted run never leaves a partial file
-    // that a later run would reuse.
     let partial = target.with_extension("partial");
     let mut out = std::io::BufWriter::new(std::fs::File::create(&partial).unwrap());
-    gguf_file::write(&mut out, &metadata, &tensor_refs).unwrap();
+    gguf_file::write(&mut out, metadata, &tensor_refs).unwrap();
     std::io::Write::flush(&mut out).unwrap();
     drop(out);
     std::fs::rename(&partial, target).unwrap();
@@ -282,14 +291,7 @@ fn write_synthetic_layer(dtype: GgmlDType, target: &Path) {
         ("tokenizer.ggml.tokens", tokens),
     ];
     let metadata: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (*k, v)).collect();
-    let tensor_refs: Vec<(&str, &QTensor)> =
-        tensors.iter().map(|(name, t)| (name.as_str(), t)).collect();
-    let partial = target.with_extension("partial");
-    let mut out = std::io::BufWriter::new(std::fs::File::create(&partial).unwrap());
-    gguf_file::write(&mut out, &metadata, &tensor_refs).unwrap();
-    std::io::Write::flush(&mut out).unwrap();
-    drop(out);
-    std::fs::rename(&partial, target).unwrap();
+    write_gguf(target, &metadata, &tensors);
 }
 
 /// Milliseconds for a 128-token prefill chunk and for one decode step (the mean of a few,
@@ -400,9 +402,9 @@ fn run_worker_with(threads: usize, kernel: Option<&str>, args: &[&str]) -> (f64,
         .args(args)
         .env("RAYON_NUM_THREADS", threads.to_string())
         .env("CANDLE_NUM_THREADS", threads.to_string())
-        .env_remove(meshnet_kernels_variable());
+        .env_remove(KERNEL_VARIABLE);
     if let Some(kernel) = kernel {
-        command.env(meshnet_kernels_variable(), kernel);
+        command.env(KERNEL_VARIABLE, kernel);
     }
     let output = command.output().unwrap();
     assert!(
@@ -418,11 +420,6 @@ fn run_worker_with(threads: usize, kernel: Option<&str>, args: &[&str]) -> (f64,
 
 fn run_worker(threads: usize, kind: &str, quantization: &str) -> (f64, f64) {
     run_worker_with(threads, None, &[kind, quantization])
-}
-
-/// The variable that picks the kernel (`candle` runs candle's own quantized matmul).
-fn meshnet_kernels_variable() -> &'static str {
-    "MESHNET_KERNEL"
 }
 
 fn main() {

@@ -174,11 +174,6 @@ impl QuantizedMatrix {
         self.cols
     }
 
-    /// Bytes the matrix holds in memory.
-    pub fn memory_bytes(&self) -> usize {
-        (self.scales.len() + self.mins.len()) * std::mem::size_of::<f32>() + self.quants.len()
-    }
-
     fn blocks_per_row(&self) -> usize {
         self.cols / BLOCK
     }
