@@ -1,11 +1,12 @@
-//! Key/value caches kept apart from the weights: one per session, one pair of tensors per
-//! layer, indexed by absolute position and bounded by a byte budget shared by all sessions.
+//! Key/value caches kept apart from the weights: one per session, one pair of growing f32
+//! buffers per layer (position after position), indexed by absolute position and bounded by a
+//! byte budget shared by all sessions.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Instant;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::error::{ModelError, Result};
 
@@ -15,14 +16,37 @@ pub type SessionId = uuid::Uuid;
 /// The default budget of a [`KvStore`]: 256 MiB.
 pub const DEFAULT_KV_BUDGET_BYTES: usize = 256 * 1024 * 1024;
 
+/// One layer's cached keys and values, position after position: each is `[positions, width]`
+/// row-major, `width` being the key/value heads times the head size. Appending a chunk only
+/// extends the buffers (no copy of what is cached, beyond a buffer's occasional growth). A
+/// buffer grows by doubling, so it may reserve up to twice what its positions take; the
+/// store's budget counts positions.
+#[derive(Debug, Clone, Default)]
+pub struct LayerCache {
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+impl LayerCache {
+    /// The cached keys, `[positions, width]` row-major.
+    pub fn keys(&self) -> &[f32] {
+        &self.keys
+    }
+
+    /// The cached values, `[positions, width]` row-major.
+    pub fn values(&self) -> &[f32] {
+        &self.values
+    }
+}
+
 /// The cached keys and values of one session in one span.
 #[derive(Debug)]
 pub struct SessionCache {
-    /// Per layer of the span, `(keys, values)` of shape `[1, kv_heads, positions, head_dim]`.
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Per layer of the span.
+    layers: Vec<LayerCache>,
     /// How many positions (0..len) the cache holds.
     len: usize,
-    /// Bytes held by the tensors.
+    /// Bytes held by the cached values.
     bytes: usize,
     /// When a chunk last finished on this session.
     last_used: Instant,
@@ -31,7 +55,7 @@ pub struct SessionCache {
 impl SessionCache {
     fn new(layer_count: usize) -> Self {
         Self {
-            layers: vec![None; layer_count],
+            layers: vec![LayerCache::default(); layer_count],
             len: 0,
             bytes: 0,
             last_used: Instant::now(),
@@ -48,34 +72,72 @@ impl SessionCache {
         self.len == 0
     }
 
-    /// The cached keys and values of a layer (index within the span), if any.
-    pub fn layer(&self, index: usize) -> Option<&(Tensor, Tensor)> {
-        self.layers.get(index).and_then(Option::as_ref)
+    /// The cached keys and values of a layer (index within the span).
+    pub fn layer(&self, index: usize) -> Option<&LayerCache> {
+        self.layers.get(index)
     }
 
-    /// Appends one chunk's keys and values for a layer, returning the full keys and values.
-    /// Byte accounting and position checks are the store's job ([`KvStore::with_session`]).
+    /// Appends one chunk's keys and values for a layer (`[tokens, width]` row-major each),
+    /// returning everything the layer now holds. Byte accounting and position checks are the
+    /// store's job ([`KvStore::with_session`]).
+    pub(crate) fn append_rows(
+        &mut self,
+        index: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<&LayerCache> {
+        if keys.len() != values.len() {
+            return Err(ModelError::InvalidSpan(format!(
+                "{} keys and {} values for one chunk",
+                keys.len(),
+                values.len()
+            )));
+        }
+        let slot = self
+            .layers
+            .get_mut(index)
+            .ok_or_else(|| ModelError::InvalidSpan(format!("no cache slot for layer {index}")))?;
+        slot.keys.extend_from_slice(keys);
+        slot.values.extend_from_slice(values);
+        self.bytes += 2 * keys.len() * std::mem::size_of::<f32>();
+        Ok(slot)
+    }
+
+    /// Appends one chunk's keys and values for a layer as tensors `[1, heads, tokens,
+    /// head_dim]`, returning the layer's full keys and values in the same layout.
     pub(crate) fn append(
         &mut self,
         index: usize,
         keys: Tensor,
         values: Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let slot = self
-            .layers
-            .get_mut(index)
-            .ok_or_else(|| ModelError::InvalidSpan(format!("no cache slot for layer {index}")))?;
-        let added = (keys.elem_count() + values.elem_count()) * keys.dtype().size_in_bytes();
-        let joined = match slot.take() {
-            None => (keys, values),
-            Some((cached_keys, cached_values)) => (
-                Tensor::cat(&[&cached_keys, &keys], 2)?,
-                Tensor::cat(&[&cached_values, &values], 2)?,
-            ),
+        let (_, heads, _, head_dim) = keys.dims4()?;
+        let rows = |tensor: &Tensor| -> Result<Vec<f32>> {
+            Ok(tensor
+                .transpose(1, 2)?
+                .flatten_all()?
+                .to_dtype(candle_core::DType::F32)?
+                .to_vec1::<f32>()?)
         };
-        *slot = Some(joined.clone());
-        self.bytes += added;
-        Ok(joined)
+        let (keys, values) = (rows(&keys)?, rows(&values)?);
+        let layer = self.append_rows(index, &keys, &values)?;
+        let positions = layer.keys.len() / (heads * head_dim);
+        let heads_first = |rows: &[f32]| -> Result<Tensor> {
+            Ok(
+                Tensor::from_slice(rows, (1, positions, heads, head_dim), &Device::Cpu)?
+                    .transpose(1, 2)?
+                    .contiguous()?,
+            )
+        };
+        Ok((heads_first(&layer.keys)?, heads_first(&layer.values)?))
+    }
+
+    /// Cuts every layer back to its first `lengths[i]` values (a failed chunk's rollback).
+    fn truncate(&mut self, lengths: &[usize]) {
+        for (layer, &length) in self.layers.iter_mut().zip(lengths) {
+            layer.keys.truncate(length);
+            layer.values.truncate(length);
+        }
     }
 }
 
@@ -230,7 +292,7 @@ impl KvStore {
             session,
             released: needed + before_bytes,
         };
-        let snapshot: Vec<Option<(Tensor, Tensor)>> = cache.layers.clone();
+        let lengths: Vec<usize> = cache.layers.iter().map(|layer| layer.keys.len()).collect();
         let outcome = compute(&mut cache);
         let mut state = checked_out.finish();
         let ended = state.ended_while_computing.remove(&session);
@@ -245,7 +307,7 @@ impl KvStore {
                 Ok(value)
             }
             Err(error) => {
-                cache.layers = snapshot;
+                cache.truncate(&lengths);
                 cache.bytes = before_bytes;
                 if cache.len > 0 && !ended {
                     state.used_bytes += cache.bytes;
@@ -307,7 +369,6 @@ fn release(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
 
     fn chunk(tokens: usize) -> (Tensor, Tensor) {
         let keys = Tensor::zeros((1, 2, tokens, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
@@ -350,6 +411,70 @@ mod tests {
         store.end_session(session);
         assert_eq!(store.session_len(session), 0);
         assert_eq!(store.used_bytes(), 0);
+    }
+
+    #[test]
+    fn tensor_chunks_come_back_joined_in_position_order() {
+        let store = KvStore::new(1, 2 * 2 * 3 * 4, 1 << 20);
+        let session = SessionId::new_v4();
+        // `[1, heads = 2, tokens, head_dim = 3]`, each value naming its head, position, index.
+        let chunk = |first: usize, tokens: usize| {
+            let values: Vec<f32> = (0..2)
+                .flat_map(|head| {
+                    (first..first + tokens)
+                        .flat_map(move |at| (0..3).map(move |i| (head * 100 + at * 10 + i) as f32))
+                })
+                .collect();
+            Tensor::from_vec(values, (1, 2, tokens, 3), &Device::Cpu).unwrap()
+        };
+        let mut joined = None;
+        for (first, tokens) in [(0, 2), (2, 1), (3, 2)] {
+            joined = Some(
+                store
+                    .with_session(session, first, tokens, |cache| {
+                        cache.append(0, chunk(first, tokens), chunk(first, tokens))
+                    })
+                    .unwrap(),
+            );
+        }
+        let (keys, values) = joined.unwrap();
+        let expected = chunk(0, 5).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(
+            keys.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            expected
+        );
+        assert_eq!(
+            values.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            expected
+        );
+    }
+
+    #[test]
+    fn a_failed_chunk_leaves_the_cached_rows_as_they_were() {
+        let store = KvStore::new(2, 2 * 2 * 4, 1 << 20);
+        let session = SessionId::new_v4();
+        let rows = |value: f32, tokens: usize| vec![value; tokens * 2];
+        store
+            .with_session(session, 0, 2, |cache| {
+                cache.append_rows(0, &rows(1.0, 2), &rows(2.0, 2))?;
+                cache.append_rows(1, &rows(3.0, 2), &rows(4.0, 2))?;
+                Ok(())
+            })
+            .unwrap();
+        let failed: Result<()> = store.with_session(session, 2, 1, |cache| {
+            cache.append_rows(0, &rows(9.0, 1), &rows(9.0, 1))?;
+            Err(ModelError::InvalidSpan("boom".into()))
+        });
+        assert!(failed.is_err());
+        store
+            .with_session(session, 2, 1, |cache| {
+                let layer = cache.append_rows(0, &rows(5.0, 1), &rows(6.0, 1))?;
+                assert_eq!(layer.keys(), [1.0, 1.0, 1.0, 1.0, 5.0, 5.0]);
+                assert_eq!(layer.values(), [2.0, 2.0, 2.0, 2.0, 6.0, 6.0]);
+                assert_eq!(cache.layer(1).unwrap().keys(), [3.0; 4]);
+                Ok(())
+            })
+            .unwrap();
     }
 
     #[test]

@@ -23,6 +23,7 @@ mod generation;
 mod gguf;
 mod gpt2;
 mod kv_cache;
+mod layer_math;
 mod linear;
 mod llama;
 mod model;

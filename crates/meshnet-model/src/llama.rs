@@ -11,13 +11,14 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use meshnet_kernels::QuantizedMatrix;
 
-use crate::attention::{causal_mask, check_sub_span, check_token_ids, hidden_tokens};
+use crate::attention::{check_sub_span, check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use meshnet_types::{LayerSpan, Quantization};
 
 use crate::gguf::{GgufModel, ModelDescription, TensorReader};
 use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
+use crate::layer_math::{Heads, Rotary, add_in_place, attend, rms_norm, swiglu};
 use crate::linear::{Projections, kernel_matrix};
 
 /// Which parts of the model a span holds.
@@ -80,11 +81,11 @@ struct Hyper {
 /// One transformer block's weights.
 #[derive(Debug)]
 struct Layer {
-    attention_norm: Tensor,
+    attention_norm: Vec<f32>,
     /// Query, key and value, in that order.
     query_key_value: Projections,
     attention_output: Projections,
-    ffn_norm: Tensor,
+    ffn_norm: Vec<f32>,
     /// Gate and up, in that order.
     gate_up: Projections,
     down: Projections,
@@ -93,7 +94,7 @@ struct Layer {
 /// The final norm and the LM head.
 #[derive(Debug)]
 struct Head {
-    norm: Tensor,
+    norm: Vec<f32>,
     output: Projections,
 }
 
@@ -311,119 +312,67 @@ impl LlamaSpan {
                 kind: if position > cached { "gap" } else { "overlap" },
             });
         }
-        let mut hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
+        let hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
         if layers.is_empty() {
             return Ok(hidden);
         }
+        let mut rows = values(&hidden)?;
         let first = (layers.start - self.layer_range.start) as usize;
         let selected = &self.layers[first..first + layers.len() as usize];
-        let (cos, sin) = self.rope_tables(position, tokens)?;
-        let mask = causal_mask(position, tokens)?;
+        let rotary = Rotary::new(&self.hyper.inverse_frequencies, position, tokens);
         // The layers run on a thread of the compute pool, so the matmuls' own splits are
         // cheap forks there rather than a hand-off from this thread and back each time.
         meshnet_kernels::on_compute_pool(|| {
             self.cache.with_session(session, position, tokens, |cache| {
                 for (offset, layer) in selected.iter().enumerate() {
-                    let index = first + offset;
-                    hidden = self.layer_forward(
+                    rows = self.layer_forward(
                         layer,
-                        index,
+                        first + offset,
                         cache,
-                        &hidden,
-                        &cos,
-                        &sin,
-                        mask.as_ref(),
+                        std::mem::take(&mut rows),
+                        position,
+                        &rotary,
                     )?;
                 }
                 Ok(())
             })
         })?;
-        Ok(hidden)
+        hidden_tensor(rows, tokens, self.hyper.hidden)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// One block over a chunk's hidden rows (`[tokens, hidden]`) starting at `position`.
     fn layer_forward(
         &self,
         layer: &Layer,
         index: usize,
         cache: &mut SessionCache,
-        input: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
+        mut hidden: Vec<f32>,
+        position: usize,
+        rotary: &Rotary,
+    ) -> Result<Vec<f32>> {
         let hyper = &self.hyper;
-        let (_, tokens, _) = input.dims3()?;
-        let normed = candle_nn::ops::rms_norm(input, &layer.attention_norm, hyper.rms_eps)?;
-        let heads_first = |projection: Vec<f32>, heads: usize| -> Result<Tensor> {
-            Ok(
-                Tensor::from_vec(projection, (1, tokens, heads, hyper.head_dim), &Device::Cpu)?
-                    .transpose(1, 2)?
-                    .contiguous()?,
-            )
+        let tokens = hidden.len() / hyper.hidden;
+        let normed = rms_norm(&hidden, &layer.attention_norm, hyper.rms_eps);
+        let [mut query, mut key, value] =
+            take_parts(layer.query_key_value.forward_values(&normed, tokens)?)?;
+        rotary.rotate(&mut query);
+        rotary.rotate(&mut key);
+        let cached = cache.append_rows(index, &key, &value)?;
+        let heads = Heads {
+            heads: hyper.heads,
+            kv_heads: hyper.kv_heads,
+            head_dim: hyper.head_dim,
         };
-        let [query, key, value] = take_parts(
-            layer
-                .query_key_value
-                .forward_values(&values(&normed)?, tokens)?,
-        )?;
-        let query = heads_first(query, hyper.heads)?;
-        let key = heads_first(key, hyper.kv_heads)?;
-        let value = heads_first(value, hyper.kv_heads)?;
-        let query = candle_nn::rotary_emb::rope_i(&query, cos, sin)?;
-        let key = candle_nn::rotary_emb::rope_i(&key, cos, sin)?;
-        let (keys, values) = cache.append(index, key, value)?;
-
-        // Grouped-query attention: each KV head serves `group` adjacent query heads, so its
-        // keys and values are repeated that many times, head by head.
-        let group = hyper.heads / hyper.kv_heads;
-        let scale = 1.0 / (hyper.head_dim as f64).sqrt();
-        let keys = repeat_heads(&keys, group)?;
-        let values = repeat_heads(&values, group)?;
-        let scores = (query.matmul(&keys.t()?)? * scale)?;
-        let scores = match mask {
-            Some(mask) => scores.broadcast_add(mask)?,
-            None => scores,
-        };
-        let weights = candle_nn::ops::softmax_last_dim(&scores)?;
-        let attended = self::values(&weights.matmul(&values)?.transpose(1, 2)?)?;
+        let attended = attend(heads, &query, cached.keys(), cached.values(), position);
         let [projected] = take_parts(layer.attention_output.forward_values(&attended, tokens)?)?;
-        let residual = (input + hidden_tensor(projected, tokens, hyper.hidden)?)?;
+        add_in_place(&mut hidden, &projected);
 
-        let normed = candle_nn::ops::rms_norm(&residual, &layer.ffn_norm, hyper.rms_eps)?;
-        let [gate, up] = take_parts(
-            layer
-                .gate_up
-                .forward_values(&self::values(&normed)?, tokens)?,
-        )?;
-        // SwiGLU as candle computes it: silu(gate) · up, silu(x) = x / (1 + e^-x).
-        let activated: Vec<f32> = gate
-            .iter()
-            .zip(&up)
-            .map(|(gate, up)| gate / (1.0 + (-gate).exp()) * up)
-            .collect();
+        let normed = rms_norm(&hidden, &layer.ffn_norm, hyper.rms_eps);
+        let [gate, up] = take_parts(layer.gate_up.forward_values(&normed, tokens)?)?;
+        let activated = swiglu(&gate, &up);
         let [down] = take_parts(layer.down.forward_values(&activated, tokens)?)?;
-        Ok((residual + hidden_tensor(down, tokens, hyper.hidden)?)?)
-    }
-
-    /// cos and sin of each rotated pair's angle at positions `position..position + tokens`,
-    /// shaped `[tokens, head_dim / 2]`.
-    fn rope_tables(&self, position: usize, tokens: usize) -> Result<(Tensor, Tensor)> {
-        let pairs = self.hyper.inverse_frequencies.len();
-        let mut cos = Vec::with_capacity(tokens * pairs);
-        let mut sin = Vec::with_capacity(tokens * pairs);
-        for offset in 0..tokens {
-            let at = (position + offset) as f32;
-            for &frequency in &self.hyper.inverse_frequencies {
-                let angle = at * frequency;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
-        Ok((
-            Tensor::from_vec(cos, (tokens, pairs), &Device::Cpu)?,
-            Tensor::from_vec(sin, (tokens, pairs), &Device::Cpu)?,
-        ))
+        add_in_place(&mut hidden, &down);
+        Ok(hidden)
     }
 }
 
@@ -443,17 +392,6 @@ fn take_parts<const N: usize>(parts: Vec<Vec<f32>>) -> Result<[Vec<f32>; N]> {
     parts.try_into().map_err(|_| {
         ModelError::InvalidSpan(format!("expected {N} projection outputs, got {count}"))
     })
-}
-
-/// Repeats each head of `[1, kv_heads, positions, head_dim]` `times` times in place:
-/// `[1, kv_heads * times, positions, head_dim]` with copies of a head adjacent.
-fn repeat_heads(tensor: &Tensor, times: usize) -> Result<Tensor> {
-    if times == 1 {
-        return Ok(tensor.clone());
-    }
-    let (batch, heads, positions, head_dim) = tensor.dims4()?;
-    let copies = vec![tensor; times];
-    Ok(Tensor::cat(&copies, 2)?.reshape((batch, heads * times, positions, head_dim))?)
 }
 
 impl TokenEmbedder for LlamaSpan {
@@ -488,12 +426,12 @@ impl LogitsHead for LlamaSpan {
             .as_ref()
             .ok_or(ModelError::PartNotLoaded("LM head"))?;
         let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
-        let last = hidden
-            .to_dtype(DType::F32)?
-            .i((.., tokens - 1..tokens, ..))?
-            .contiguous()?;
-        let normed = candle_nn::ops::rms_norm(&last, &head.norm, self.hyper.rms_eps)?;
-        let normed = values(&normed)?;
+        let last = values(
+            &hidden
+                .to_dtype(DType::F32)?
+                .i((.., tokens - 1..tokens, ..))?,
+        )?;
+        let normed = rms_norm(&last, &head.norm, self.hyper.rms_eps);
         let [logits] = take_parts(meshnet_kernels::on_compute_pool(|| {
             head.output.forward_values(&normed, 1)
         })?)?;
@@ -546,11 +484,12 @@ fn load_matrix(
 }
 
 /// Loads a vector (a norm's weight) as f32.
-fn load_vector(reader: &mut TensorReader<'_>, name: &str, len: usize) -> Result<Tensor> {
+fn load_vector(reader: &mut TensorReader<'_>, name: &str, len: usize) -> Result<Vec<f32>> {
     let tensor = reader.load(name, &[len])?;
     tensor
         .dequantize(&Device::Cpu)
         .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.to_vec1::<f32>())
         .map_err(|error| reader.data_error(name, error))
 }
 

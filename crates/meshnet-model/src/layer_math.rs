@@ -1,0 +1,368 @@
+//! The arithmetic of a Llama block on plain row-major `f32` buffers: RMSNorm, interleaved
+//! rotary embeddings and grouped-query attention over a session's cached keys and values,
+//! read where they lie (no head repetition, no concatenation, no tensor per step).
+//!
+//! Norm and rotation compute exactly what candle's `rms_norm` and `rope_i` compute. Attention
+//! sums in its own order, so its results differ from candle's matmul by float rounding
+//! (the model tests state the bound on the logits).
+
+use rayon::prelude::*;
+
+/// RMSNorm of each `weight.len()`-wide row of `input`: `x / sqrt(mean(x²) + eps) · weight`,
+/// the sum of squares taken left to right as candle does.
+pub(crate) fn rms_norm(input: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let width = weight.len();
+    let mut output = vec![0f32; input.len()];
+    for (row, normed) in input
+        .chunks_exact(width)
+        .zip(output.chunks_exact_mut(width))
+    {
+        let squares: f32 = row.iter().map(|value| value * value).sum();
+        let root = (squares / width as f32 + eps).sqrt();
+        for ((normed, value), weight) in normed.iter_mut().zip(row).zip(weight) {
+            *normed = *value / root * *weight;
+        }
+    }
+    output
+}
+
+/// Adds `addend` to `target` element by element.
+pub(crate) fn add_in_place(target: &mut [f32], addend: &[f32]) {
+    for (target, addend) in target.iter_mut().zip(addend) {
+        *target += *addend;
+    }
+}
+
+/// Below this many values SwiGLU runs on the calling thread (a decode step's 1,536 do).
+const PARALLEL_ACTIVATIONS: usize = 16 * 1024;
+
+/// SwiGLU as candle computes it, `silu(gate) · up` with `silu(x) = x / (1 + e^-x)`; a
+/// prefill chunk's values are split over the pool.
+pub(crate) fn swiglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    let mut activated = vec![0f32; gate.len()];
+    let apply = |activated: &mut [f32], gate: &[f32], up: &[f32]| {
+        for ((activated, gate), up) in activated.iter_mut().zip(gate).zip(up) {
+            *activated = gate / (1.0 + (-gate).exp()) * up;
+        }
+    };
+    if gate.len() < PARALLEL_ACTIVATIONS {
+        apply(&mut activated, gate, up);
+    } else {
+        let chunk = 4096;
+        activated
+            .par_chunks_mut(chunk)
+            .zip(gate.par_chunks(chunk).zip(up.par_chunks(chunk)))
+            .for_each(|(activated, (gate, up))| apply(activated, gate, up));
+    }
+    activated
+}
+
+/// cos and sin of every rotated pair's angle for the positions of one chunk.
+pub(crate) struct Rotary {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    pairs: usize,
+}
+
+impl Rotary {
+    /// The tables for positions `position..position + tokens`, one angle per entry of
+    /// `inverse_frequencies` (`1 / base^(2i/d)`).
+    pub(crate) fn new(inverse_frequencies: &[f32], position: usize, tokens: usize) -> Self {
+        let pairs = inverse_frequencies.len();
+        let mut cos = Vec::with_capacity(tokens * pairs);
+        let mut sin = Vec::with_capacity(tokens * pairs);
+        for offset in 0..tokens {
+            let at = (position + offset) as f32;
+            for &frequency in inverse_frequencies {
+                let angle = at * frequency;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
+            }
+        }
+        Self { cos, sin, pairs }
+    }
+
+    /// Rotates, in place, the adjacent pairs `(x[2i], x[2i+1])` of every head of every token
+    /// row of `rows` (`[tokens, heads · 2 · pairs]`), each token by its own position's angles.
+    pub(crate) fn rotate(&self, rows: &mut [f32]) {
+        let head_dim = 2 * self.pairs;
+        let tokens = self.cos.len() / self.pairs.max(1);
+        let width = rows.len() / tokens.max(1);
+        for (token, row) in rows.chunks_exact_mut(width).enumerate() {
+            let cos = &self.cos[token * self.pairs..(token + 1) * self.pairs];
+            let sin = &self.sin[token * self.pairs..(token + 1) * self.pairs];
+            for head in row.chunks_exact_mut(head_dim) {
+                for ((pair, cos), sin) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
+                    let (first, second) = (pair[0], pair[1]);
+                    pair[0] = first * cos - second * sin;
+                    pair[1] = first * sin + second * cos;
+                }
+            }
+        }
+    }
+}
+
+/// The head layout of a grouped-query attention.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Heads {
+    /// Query heads.
+    pub(crate) heads: usize,
+    /// Key/value heads; each serves `heads / kv_heads` adjacent query heads.
+    pub(crate) kv_heads: usize,
+    /// Values per head.
+    pub(crate) head_dim: usize,
+}
+
+/// Below this many multiply-adds an attention runs on the calling thread.
+const PARALLEL_WORK: usize = 64 * 1024;
+
+/// Causal attention of a chunk's queries (`[tokens, heads · head_dim]`, the chunk starting at
+/// absolute `position`) over `keys` and `values` (`[position + tokens, kv_heads · head_dim]`,
+/// the cache including this chunk). Query `t` sees positions `0..=position + t`. Returns
+/// `[tokens, heads · head_dim]`.
+///
+/// The query heads that share a key/value head are computed together, so each cached key and
+/// value is read once per group rather than once per head.
+pub(crate) fn attend(
+    shape: Heads,
+    queries: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    position: usize,
+) -> Vec<f32> {
+    let Heads {
+        heads,
+        kv_heads,
+        head_dim,
+    } = shape;
+    let kv_width = kv_heads * head_dim;
+    let known = keys.len() / kv_width;
+    let tokens = queries.len() / (heads * head_dim);
+    let group = heads / kv_heads;
+    let group_width = group * head_dim;
+    let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
+    let mut output = vec![0f32; queries.len()];
+    // One task per (token, key/value head): the scores of its query heads, their softmax, and
+    // their weighted sums of values. `weights` holds `group` rows of `visible` scores.
+    let one_group = |task: usize, attended: &mut [f32], weights: &mut Vec<f32>| {
+        let (token, kv_head) = (task / kv_heads, task % kv_heads);
+        let group_queries = &queries[task * group_width..(task + 1) * group_width];
+        let offset = kv_head * head_dim;
+        let visible = (position + token + 1).min(known);
+        weights.clear();
+        weights.resize(group * visible, 0.0);
+        for (at, key) in keys.chunks_exact(kv_width).take(visible).enumerate() {
+            let key = &key[offset..offset + head_dim];
+            for (member, query) in group_queries.chunks_exact(head_dim).enumerate() {
+                weights[member * visible + at] = dot(query, key) * scale;
+            }
+        }
+        for row in weights.chunks_exact_mut(visible) {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut total = 0f32;
+            for weight in row.iter_mut() {
+                *weight = (*weight - max).exp();
+                total += *weight;
+            }
+            for weight in row.iter_mut() {
+                *weight /= total;
+            }
+        }
+        attended.fill(0.0);
+        for (at, value) in values.chunks_exact(kv_width).take(visible).enumerate() {
+            let value = &value[offset..offset + head_dim];
+            for (member, sums) in attended.chunks_exact_mut(head_dim).enumerate() {
+                let weight = weights[member * visible + at];
+                for (sum, value) in sums.iter_mut().zip(value) {
+                    *sum += weight * value;
+                }
+            }
+        }
+    };
+    let work = tokens * heads * known * head_dim;
+    if work < PARALLEL_WORK {
+        let mut weights = Vec::new();
+        for (task, attended) in output.chunks_exact_mut(group_width).enumerate() {
+            one_group(task, attended, &mut weights);
+        }
+    } else {
+        output
+            .par_chunks_exact_mut(group_width)
+            .enumerate()
+            .for_each_init(Vec::new, |weights, (task, attended)| {
+                one_group(task, attended, weights)
+            });
+    }
+    output
+}
+
+/// `Σ a·b` in eight interleaved partial sums (two SSE registers; the compiler keeps them in
+/// vector registers), then the rest.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; 8];
+    let (a_blocks, b_blocks) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (a_rest, b_rest) = (a_blocks.remainder(), b_blocks.remainder());
+    for (a, b) in a_blocks.zip(b_blocks) {
+        for lane in 0..8 {
+            lanes[lane] += a[lane] * b[lane];
+        }
+    }
+    let mut sum = lanes.iter().sum::<f32>();
+    for (a, b) in a_rest.iter().zip(b_rest) {
+        sum += a * b;
+    }
+    sum
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Attention written out in f64 the textbook way, keys and values repeated per group.
+    fn reference_attention(
+        shape: Heads,
+        queries: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        position: usize,
+    ) -> Vec<f64> {
+        let Heads {
+            heads,
+            kv_heads,
+            head_dim,
+        } = shape;
+        let tokens = queries.len() / (heads * head_dim);
+        let mut output = vec![0f64; queries.len()];
+        for token in 0..tokens {
+            for head in 0..heads {
+                let kv = head / (heads / kv_heads);
+                let query = &queries[(token * heads + head) * head_dim..][..head_dim];
+                let visible = position + token + 1;
+                let scores: Vec<f64> = (0..visible)
+                    .map(|at| {
+                        let key = &keys[(at * kv_heads + kv) * head_dim..][..head_dim];
+                        query
+                            .iter()
+                            .zip(key)
+                            .map(|(q, k)| f64::from(*q) * f64::from(*k))
+                            .sum::<f64>()
+                            / (head_dim as f64).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                let total: f64 = exps.iter().sum();
+                for (at, weight) in exps.iter().enumerate() {
+                    let value = &values[(at * kv_heads + kv) * head_dim..][..head_dim];
+                    for (i, v) in value.iter().enumerate() {
+                        output[(token * heads + head) * head_dim + i] +=
+                            weight / total * f64::from(*v);
+                    }
+                }
+            }
+        }
+        output
+    }
+
+    /// Deterministic values in about [-2, 2].
+    fn filler(count: usize, seed: u32) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..count)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 17;
+                state ^= state << 5;
+                (state % 4001) as f32 / 1000.0 - 2.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn attention_matches_the_textbook_in_f64_for_prefill_and_decode() {
+        let shape = Heads {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 12,
+        };
+        // A decode step at position 9, a chunk of 5 after 4 cached, a large chunk that takes
+        // the parallel path.
+        for (position, tokens) in [(9, 1), (4, 5), (0, 1), (30, 70)] {
+            let known = position + tokens;
+            let queries = filler(tokens * 6 * 12, 1);
+            let keys = filler(known * 2 * 12, 2);
+            let values = filler(known * 2 * 12, 3);
+            let ours = attend(shape, &queries, &keys, &values, position);
+            let reference = reference_attention(shape, &queries, &keys, &values, position);
+            for (index, (ours, reference)) in ours.iter().zip(&reference).enumerate() {
+                assert!(
+                    (f64::from(*ours) - reference).abs() < 1e-4,
+                    "position {position} tokens {tokens} value {index}: {ours} vs {reference}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_query_ignores_keys_after_its_position() {
+        let shape = Heads {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+        };
+        let queries = filler(2 * 2 * 4, 4);
+        let keys = filler(5 * 4, 5);
+        let values = filler(5 * 4, 6);
+        let before = attend(shape, &queries, &keys, &values, 3);
+        // Changing the last position's key and value moves only the last token's output.
+        let (mut keys, mut values) = (keys, values);
+        keys[16..].iter_mut().for_each(|k| *k += 1.0);
+        values[16..].iter_mut().for_each(|v| *v -= 3.0);
+        let after = attend(shape, &queries, &keys, &values, 3);
+        assert_eq!(before[..8], after[..8], "token 0 (position 3) moved");
+        assert_ne!(before[8..], after[8..], "token 1 (position 4) did not move");
+    }
+
+    #[test]
+    fn norm_and_rotation_match_candle() {
+        use candle_core::{Device, Tensor};
+        let (tokens, heads, head_dim) = (3, 2, 8);
+        let input = filler(tokens * heads * head_dim, 7);
+        let weight = filler(heads * head_dim, 8);
+        let ours = rms_norm(&input, &weight, 1e-5);
+        let theirs = candle_nn::ops::rms_norm(
+            &Tensor::from_slice(&input, (1, tokens, heads * head_dim), &Device::Cpu).unwrap(),
+            &Tensor::from_slice(&weight, heads * head_dim, &Device::Cpu).unwrap(),
+            1e-5,
+        )
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+        assert_eq!(ours, theirs, "RMSNorm");
+
+        let frequencies: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / head_dim as f32))
+            .collect();
+        let rotary = Rotary::new(&frequencies, 5, tokens);
+        let mut ours = input.clone();
+        rotary.rotate(&mut ours);
+        let heads_first = Tensor::from_slice(&input, (1, tokens, heads, head_dim), &Device::Cpu)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap();
+        let cos = Tensor::from_slice(&rotary.cos, (tokens, head_dim / 2), &Device::Cpu).unwrap();
+        let sin = Tensor::from_slice(&rotary.sin, (tokens, head_dim / 2), &Device::Cpu).unwrap();
+        let theirs = candle_nn::rotary_emb::rope_i(&heads_first, &cos, &sin)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(ours, theirs, "interleaved rotation");
+    }
+}
