@@ -70,9 +70,8 @@ impl SpanSpec {
 #[derive(Clone, Debug)]
 struct Hyper {
     hidden: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    /// Query heads, key/value heads and head size, as attention takes them.
+    heads: Heads,
     rms_eps: f32,
     /// `1 / base^(2i/d)` for each rotated pair.
     inverse_frequencies: Vec<f32>,
@@ -236,9 +235,11 @@ impl LlamaSpan {
         Ok(Self {
             hyper: Hyper {
                 hidden,
-                heads: description.heads,
-                kv_heads: description.kv_heads,
-                head_dim,
+                heads: Heads {
+                    heads: description.heads,
+                    kv_heads: description.kv_heads,
+                    head_dim,
+                },
                 rms_eps: description.rms_eps as f32,
                 inverse_frequencies,
             },
@@ -358,12 +359,13 @@ impl LlamaSpan {
         rotary.rotate(&mut query);
         rotary.rotate(&mut key);
         let cached = cache.append_rows(index, &key, &value)?;
-        let heads = Heads {
-            heads: hyper.heads,
-            kv_heads: hyper.kv_heads,
-            head_dim: hyper.head_dim,
-        };
-        let attended = attend(heads, &query, cached.keys(), cached.values(), position);
+        let attended = attend(
+            hyper.heads,
+            &query,
+            cached.keys(),
+            cached.values(),
+            position,
+        );
         let [projected] = take_parts(layer.attention_output.forward_values(&attended, tokens)?)?;
         add_in_place(&mut hidden, &projected);
 
