@@ -322,11 +322,7 @@ async fn a_frame_travels_the_whole_route_and_back() {
 
 #[tokio::test]
 async fn failures_down_the_route_come_back_as_502_with_the_reason() {
-    // A port that nothing listens on.
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let (_held, closed) = refusing_endpoint();
     let wrong_span = serve(AddOnePerLayer::new(40, 50)).await;
     let entry = serve(AddOnePerLayer::new(0, 10)).await;
     let cases = [
@@ -357,10 +353,14 @@ async fn failures_down_the_route_come_back_as_502_with_the_reason() {
     }
 }
 
-/// A loopback URL that nothing listens on.
-fn closed_port() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("http://{}", listener.local_addr().unwrap())
+/// A loopback URL that refuses connections for as long as the returned socket lives: its port is
+/// bound, so no other test's server can be given it, but never listened on. (A port bound and then
+/// freed can be handed to a server of a test running alongside, which then answers in its place.)
+fn refusing_endpoint() -> (tokio::net::TcpSocket, String) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = format!("http://{}", socket.local_addr().unwrap());
+    (socket, url)
 }
 
 /// The route `10-20@second, 20-30@third` after a first hop running 0..10.
@@ -375,7 +375,7 @@ fn two_more_hops(second: &str, third: &str) -> Vec<Hop> {
 async fn a_dead_last_hop_is_named_at_the_entry_and_is_retryable() {
     let first = serve(AddOnePerLayer::new(0, 10)).await;
     let second = serve(AddOnePerLayer::new(10, 20)).await;
-    let third = closed_port();
+    let (_held, third) = refusing_endpoint();
     let sent = frame((0, 10), two_more_hops(&second, &third), 2);
     let err = client()
         .forward(&first, sent.clone(), Encoding::Zstd)
@@ -483,10 +483,7 @@ async fn an_overloaded_last_hop_is_named_with_its_code_and_is_retryable() {
 
 #[tokio::test]
 async fn the_client_reports_a_dead_peer_and_a_bad_endpoint() {
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let (_held, closed) = refusing_endpoint();
     let err = client()
         .forward(&closed, frame((0, 1), vec![], 1), Encoding::Raw)
         .await

@@ -367,11 +367,9 @@ fn health_exits_zero_only_on_a_200_and_names_what_failed() {
     assert_eq!(output.status.code(), Some(1), "{output:?}");
     assert!(String::from_utf8_lossy(&output.stderr).contains("answered 503"));
 
-    // Nothing listens on a port just freed; a URL that is none; a scheme that is not HTTP.
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}/health", listener.local_addr().unwrap())
-    };
+    // A port that refuses connections; a URL that is none; a scheme that is not HTTP.
+    let (_held, closed) = common::refusing_endpoint();
+    let closed = format!("{closed}/health");
     for (url, named) in [
         (closed.as_str(), "GET http://127.0.0.1"),
         ("not a url", "is not a URL"),
@@ -387,10 +385,7 @@ fn health_exits_zero_only_on_a_200_and_names_what_failed() {
 
 #[test]
 fn status_and_chat_name_a_bad_member_url_or_an_unreachable_member() {
-    let closed = {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", listener.local_addr().unwrap())
-    };
+    let (_held, closed) = common::refusing_endpoint();
     let refusing = answering(
         "503 Service Unavailable",
         r#"{"error":{"message":"the mesh does not cover the model yet"}}"#,

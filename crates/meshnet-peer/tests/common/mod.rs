@@ -23,6 +23,16 @@ pub const KV_TOKENS: u64 = 1024;
 /// How long any condition may take to come true.
 pub const DEADLINE: Duration = Duration::from_secs(90);
 
+/// A loopback URL that refuses connections for as long as the returned socket lives: its port is
+/// bound, so no server started alongside can be given it, but never listened on. (A port bound and
+/// then freed can be handed to another test's server, which then answers in its place.)
+pub fn refusing_endpoint() -> (tokio::net::TcpSocket, String) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = format!("http://{}", socket.local_addr().unwrap());
+    (socket, url)
+}
+
 /// The default model, which `scripts/fetch-model.sh` puts in place.
 pub fn model_path() -> PathBuf {
     let path = meshnet_model::default_model_path();
