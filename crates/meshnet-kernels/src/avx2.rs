@@ -27,6 +27,9 @@ use crate::scalar::Q4_1_QUANT_BYTES;
 /// Blocks reduced together.
 const GROUP: usize = 8;
 
+/// Activation rows that [`Avx2::dot_q4_1_four`] computes against one weight row at once.
+pub(crate) const TOGETHER: usize = 4;
+
 /// Proof that the running CPU has AVX2: the only way to reach the kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Avx2(());
@@ -47,6 +50,23 @@ impl Avx2 {
         // SAFETY: `self` exists only when the CPU has AVX2 (`detect`), and `checked_blocks`
         // checked that every slice holds `blocks` blocks.
         unsafe { q4_1_groups(weights, activations, blocks) }
+    }
+
+    /// One Q4_1 weight row against four activation rows: the bits of four `dot_q4_1` calls.
+    /// Each weight block is unpacked once for the four, and the four running sums advance side
+    /// by side in one vector, so their block-by-block additions overlap instead of waiting on
+    /// each other.
+    pub(crate) fn dot_q4_1_four(
+        self,
+        weights: WeightRow<'_>,
+        activations: [ActivationRow<'_>; TOGETHER],
+    ) -> [f32; TOGETHER] {
+        let blocks = checked_blocks(weights, activations[0], Q4_1_QUANT_BYTES);
+        for row in &activations[1..] {
+            checked_blocks(weights, *row, Q4_1_QUANT_BYTES);
+        }
+        // SAFETY: as in `dot_q4_1`, for each of the four activation rows.
+        unsafe { q4_1_four(weights, activations, blocks) }
     }
 
     /// One Q8_0 weight row against one activation row (equal to `scalar::dot_q8_0`).
@@ -110,15 +130,36 @@ fn reduce_eight(sums: [__m256i; GROUP]) -> __m256i {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn q4_1_block(quants: *const u8, activations: *const i8) -> __m256i {
+    // SAFETY: passed on from the caller.
+    unsafe { nibble_block_dot(q4_1_nibbles(quants), activations) }
+}
+
+/// One Q4_1 block's 32 quants as bytes in value order: the 16 low nibbles (values 0..16), then
+/// the 16 high nibbles (values 16..32).
+///
+/// # Safety
+/// `quants` must point at 16 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q4_1_nibbles(quants: *const u8) -> __m256i {
     let low_nibbles = _mm_set1_epi8(0x0F);
     // SAFETY: the caller guarantees 16 readable bytes at `quants`.
     let packed = unsafe { _mm_loadu_si128(quants.cast()) };
     let low = _mm_and_si128(packed, low_nibbles);
     let high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
-    let weights = _mm256_set_m128i(high, low);
+    _mm256_set_m128i(high, low)
+}
+
+/// The integer dot product of 32 unpacked nibbles with 32 activations, spread over eight lanes.
+///
+/// # Safety
+/// `activations` must point at 32 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn nibble_block_dot(nibbles: __m256i, activations: *const i8) -> __m256i {
     // SAFETY: the caller guarantees 32 readable bytes at `activations`.
     let activations = unsafe { _mm256_loadu_si256(activations.cast()) };
-    let pairs = _mm256_maddubs_epi16(weights, activations);
+    let pairs = _mm256_maddubs_epi16(nibbles, activations);
     _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
 }
 
@@ -195,9 +236,28 @@ unsafe fn q4_1_groups(
         let terms = _mm256_add_ps(scaled, _mm256_mul_ps(mins, activation_sums));
         sum = add_in_order(sum, terms);
     }
-    let dots = tail_dots(blocks - whole, |offset| {
-        let block = whole + offset;
-        // SAFETY: `block < blocks`, so 16 quant bytes and 32 activation bytes are in range.
+    // SAFETY: passed on from the caller.
+    unsafe { q4_1_tail(weights, activations, whole..blocks, sum) }
+}
+
+/// Adds the terms of the last blocks of a Q4_1 row (fewer than eight) to `sum`, in order.
+///
+/// # Safety
+/// The CPU must have AVX2, and every slice must hold at least `tail.end` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q4_1_tail(
+    weights: WeightRow<'_>,
+    activations: ActivationRow<'_>,
+    tail: std::ops::Range<usize>,
+    mut sum: f32,
+) -> f32 {
+    if tail.is_empty() {
+        return sum;
+    }
+    let dots = tail_dots(tail.len(), |offset| {
+        let block = tail.start + offset;
+        // SAFETY: `block < tail.end`, so 16 quant bytes and 32 activation bytes are in range.
         unsafe {
             q4_1_block(
                 weights.quants.as_ptr().add(block * Q4_1_QUANT_BYTES),
@@ -205,11 +265,110 @@ unsafe fn q4_1_groups(
             )
         }
     });
-    for (block, dot) in (whole..blocks).zip(dots) {
+    for (block, dot) in tail.zip(dots) {
         sum += dot * weights.scales[block] * activations.scales[block]
             + weights.mins[block] * activations.sums[block];
     }
     sum
+}
+
+/// Adds four running sums' next eight terms to them, block by block in order: lane `k` of
+/// `sums` is row `k`'s sum and `terms[k]` holds its terms for eight blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_columns_in_order(mut sums: __m128, terms: [__m256; TOGETHER]) -> __m128 {
+    // Turn the 4 × 8 terms around into eight columns of four (block b, and b + 4 above it).
+    let rows01_low = _mm256_unpacklo_ps(terms[0], terms[1]);
+    let rows01_high = _mm256_unpackhi_ps(terms[0], terms[1]);
+    let rows23_low = _mm256_unpacklo_ps(terms[2], terms[3]);
+    let rows23_high = _mm256_unpackhi_ps(terms[2], terms[3]);
+    let join = |low: __m256, high: __m256, upper: bool| {
+        let (low, high) = (_mm256_castps_pd(low), _mm256_castps_pd(high));
+        _mm256_castpd_ps(if upper {
+            _mm256_unpackhi_pd(low, high)
+        } else {
+            _mm256_unpacklo_pd(low, high)
+        })
+    };
+    let columns = [
+        join(rows01_low, rows23_low, false),
+        join(rows01_low, rows23_low, true),
+        join(rows01_high, rows23_high, false),
+        join(rows01_high, rows23_high, true),
+    ];
+    for column in columns {
+        sums = _mm_add_ps(sums, _mm256_castps256_ps128(column));
+    }
+    for column in columns {
+        sums = _mm_add_ps(sums, _mm256_extractf128_ps(column, 1));
+    }
+    sums
+}
+
+/// One Q4_1 weight row against four activation rows.
+///
+/// Each group of eight blocks is unpacked once into registers and used by the four rows in
+/// turn; the last blocks (fewer than eight) are added row by row exactly as `q4_1_groups` adds
+/// them. A group with a run-time block count kept its 32 partial dots in memory and ran slower
+/// than one row at a time.
+///
+/// # Safety
+/// The CPU must have AVX2, and every slice must hold at least `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q4_1_four(
+    weights: WeightRow<'_>,
+    activations: [ActivationRow<'_>; TOGETHER],
+    blocks: usize,
+) -> [f32; TOGETHER] {
+    let mut sums = _mm_setzero_ps();
+    let whole = blocks / GROUP * GROUP;
+    for first in (0..whole).step_by(GROUP) {
+        let mut nibbles = [_mm256_setzero_si256(); GROUP];
+        for (offset, nibbles) in nibbles.iter_mut().enumerate() {
+            let block = first + offset;
+            // SAFETY: `block < blocks`, so 16 quant bytes are in range.
+            *nibbles =
+                unsafe { q4_1_nibbles(weights.quants.as_ptr().add(block * Q4_1_QUANT_BYTES)) };
+        }
+        // SAFETY: blocks `first..first + 8` are in range of every per-block slice.
+        let (scales, mins) = unsafe {
+            (
+                _mm256_loadu_ps(weights.scales.as_ptr().add(first)),
+                _mm256_loadu_ps(weights.mins.as_ptr().add(first)),
+            )
+        };
+        let mut terms = [_mm256_setzero_ps(); TOGETHER];
+        for (terms, row) in terms.iter_mut().zip(&activations) {
+            let mut dots = [_mm256_setzero_si256(); GROUP];
+            for (offset, dot) in dots.iter_mut().enumerate() {
+                let block = first + offset;
+                // SAFETY: `block < blocks`, so 32 activation bytes are in range.
+                *dot = unsafe {
+                    nibble_block_dot(nibbles[offset], row.quants.as_ptr().add(block * BLOCK))
+                };
+            }
+            let dots = _mm256_cvtepi32_ps(reduce_eight(dots));
+            // SAFETY: as above.
+            let (activation_scales, activation_sums) = unsafe {
+                (
+                    _mm256_loadu_ps(row.scales.as_ptr().add(first)),
+                    _mm256_loadu_ps(row.sums.as_ptr().add(first)),
+                )
+            };
+            let scaled = _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales);
+            *terms = _mm256_add_ps(scaled, _mm256_mul_ps(mins, activation_sums));
+        }
+        sums = add_columns_in_order(sums, terms);
+    }
+    let mut results = [0f32; TOGETHER];
+    // SAFETY: `results` holds four f32, what an unaligned 128-bit store writes.
+    unsafe { _mm_storeu_ps(results.as_mut_ptr(), sums) };
+    for (result, row) in results.iter_mut().zip(activations) {
+        // SAFETY: passed on from the caller.
+        *result = unsafe { q4_1_tail(weights, row, whole..blocks, *result) };
+    }
+    results
 }
 
 /// The dot product of a whole Q8_0 row.
@@ -269,6 +428,16 @@ unsafe fn q8_0_groups(
 /// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn q4_1_groups(_: WeightRow<'_>, _: ActivationRow<'_>, _: usize) -> f32 {
+    unreachable!("no AVX2 outside x86_64")
+}
+
+/// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn q4_1_four(
+    _: WeightRow<'_>,
+    _: [ActivationRow<'_>; TOGETHER],
+    _: usize,
+) -> [f32; TOGETHER] {
     unreachable!("no AVX2 outside x86_64")
 }
 

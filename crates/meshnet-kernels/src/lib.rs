@@ -25,6 +25,7 @@ pub use matrix::{QuantizedMatrix, WeightFormat};
 use std::sync::OnceLock;
 
 use activations::ActivationRow;
+use avx2::TOGETHER;
 use matrix::WeightRow;
 
 /// Runs `work` on a thread of the compute pool (rayon's global pool, one per process, sized
@@ -104,6 +105,22 @@ impl Kernel {
             (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q8_0) => {
                 token.dot_q8_0(weights, activations)
             }
+        }
+    }
+
+    /// One weight row against [`TOGETHER`] activation rows: the bits of as many [`Self::dot`]
+    /// calls, computed together where the kernel has a way to.
+    fn dot_together(
+        self,
+        format: WeightFormat,
+        weights: WeightRow<'_>,
+        activations: [ActivationRow<'_>; TOGETHER],
+    ) -> [f32; TOGETHER] {
+        match (self, format) {
+            (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q4_1) => {
+                token.dot_q4_1_four(weights, activations)
+            }
+            _ => activations.map(|row| self.dot(format, weights, row)),
         }
     }
 }

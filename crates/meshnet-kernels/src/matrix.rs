@@ -8,7 +8,7 @@ use rayon::prelude::*;
 use crate::activations::QuantizedRows;
 use crate::error::{KernelError, Result};
 use crate::scalar::Q4_1_QUANT_BYTES;
-use crate::{BLOCK, Kernel};
+use crate::{BLOCK, Kernel, TOGETHER};
 
 /// The ggml block formats the kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -280,8 +280,19 @@ impl QuantizedMatrix {
             .for_each(|(chunk, values)| {
                 for (offset, column) in values.chunks_exact_mut(m).enumerate() {
                     let row = chunk * chunk_rows + offset;
-                    for (activation, value) in column.iter_mut().enumerate() {
-                        *value = dot(row, activation);
+                    let mut groups = column.chunks_exact_mut(TOGETHER);
+                    for (group, values) in groups.by_ref().enumerate() {
+                        let first = group * TOGETHER;
+                        let rows = std::array::from_fn(|k| activations.row(first + k));
+                        values.copy_from_slice(&kernel.dot_together(
+                            self.format,
+                            self.row(row),
+                            rows,
+                        ));
+                    }
+                    let done = m - m % TOGETHER;
+                    for (offset, value) in groups.into_remainder().iter_mut().enumerate() {
+                        *value = dot(row, done + offset);
                     }
                 }
             });

@@ -70,7 +70,7 @@ proptest! {
         format in format_strategy(),
         rows in 1usize..40,
         blocks_per_row in 1usize..30,
-        m in 1usize..5,
+        m in 1usize..11,
         seed in proptest::collection::vec(any::<u8>(), 1..64),
         scales in proptest::collection::vec(1e-4f32..2.0, 1..8),
         input_scale in prop_oneof![Just(1.0f32), Just(300.0), Just(1e-3)],
