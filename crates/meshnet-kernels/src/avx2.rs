@@ -27,7 +27,8 @@ use crate::scalar::Q4_1_QUANT_BYTES;
 /// Blocks reduced together.
 const GROUP: usize = 8;
 
-/// Activation rows that [`Avx2::dot_q4_1_four`] computes against one weight row at once.
+/// Activation rows that [`Avx2::dot_q4_1_four`] and [`Avx2::dot_q8_0_four`] compute against one
+/// weight row at once.
 pub(crate) const TOGETHER: usize = 4;
 
 /// Proof that the running CPU has AVX2: the only way to reach the kernels.
@@ -67,6 +68,20 @@ impl Avx2 {
         }
         // SAFETY: as in `dot_q4_1`, for each of the four activation rows.
         unsafe { q4_1_four(weights, activations, blocks) }
+    }
+
+    /// One Q8_0 weight row against four activation rows: the bits of four `dot_q8_0` calls.
+    pub(crate) fn dot_q8_0_four(
+        self,
+        weights: WeightRow<'_>,
+        activations: [ActivationRow<'_>; TOGETHER],
+    ) -> [f32; TOGETHER] {
+        let blocks = checked_blocks(weights, activations[0], BLOCK);
+        for row in &activations[1..] {
+            checked_blocks(weights, *row, BLOCK);
+        }
+        // SAFETY: as in `dot_q8_0`, for each of the four activation rows.
+        unsafe { q8_0_four(weights, activations, blocks) }
     }
 
     /// One Q8_0 weight row against one activation row (equal to `scalar::dot_q8_0`).
@@ -409,9 +424,28 @@ unsafe fn q8_0_groups(
             _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales),
         );
     }
-    let dots = tail_dots(blocks - whole, |offset| {
-        let block = whole + offset;
-        // SAFETY: `block < blocks`, so 32 bytes of each are in range.
+    // SAFETY: passed on from the caller.
+    unsafe { q8_0_tail(weights, activations, whole..blocks, sum) }
+}
+
+/// Adds the terms of the last blocks of a Q8_0 row (fewer than eight) to `sum`, in order.
+///
+/// # Safety
+/// The CPU must have AVX2, and every slice must hold at least `tail.end` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_tail(
+    weights: WeightRow<'_>,
+    activations: ActivationRow<'_>,
+    tail: std::ops::Range<usize>,
+    mut sum: f32,
+) -> f32 {
+    if tail.is_empty() {
+        return sum;
+    }
+    let dots = tail_dots(tail.len(), |offset| {
+        let block = tail.start + offset;
+        // SAFETY: `block < tail.end`, so 32 bytes of each are in range.
         unsafe {
             q8_block(
                 weights.quants.as_ptr().add(block * BLOCK),
@@ -419,10 +453,58 @@ unsafe fn q8_0_groups(
             )
         }
     });
-    for (block, dot) in (whole..blocks).zip(dots) {
+    for (block, dot) in tail.zip(dots) {
         sum += dot * weights.scales[block] * activations.scales[block];
     }
     sum
+}
+
+/// One Q8_0 weight row against four activation rows, built as `q4_1_four`: the four running sums
+/// advance side by side in one vector, and the last blocks are added row by row as
+/// `q8_0_groups` adds them. The weight blocks are read again for each row (from L1).
+///
+/// # Safety
+/// The CPU must have AVX2, and every slice must hold at least `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_four(
+    weights: WeightRow<'_>,
+    activations: [ActivationRow<'_>; TOGETHER],
+    blocks: usize,
+) -> [f32; TOGETHER] {
+    let mut sums = _mm_setzero_ps();
+    let whole = blocks / GROUP * GROUP;
+    for first in (0..whole).step_by(GROUP) {
+        // SAFETY: blocks `first..first + 8` are in range of every per-block slice.
+        let scales = unsafe { _mm256_loadu_ps(weights.scales.as_ptr().add(first)) };
+        let mut terms = [_mm256_setzero_ps(); TOGETHER];
+        for (terms, row) in terms.iter_mut().zip(&activations) {
+            let mut dots = [_mm256_setzero_si256(); GROUP];
+            for (offset, dot) in dots.iter_mut().enumerate() {
+                let block = first + offset;
+                // SAFETY: `block < blocks`, so 32 bytes of each are in range.
+                *dot = unsafe {
+                    q8_block(
+                        weights.quants.as_ptr().add(block * BLOCK),
+                        row.quants.as_ptr().add(block * BLOCK),
+                    )
+                };
+            }
+            let dots = _mm256_cvtepi32_ps(reduce_eight(dots));
+            // SAFETY: as above.
+            let activation_scales = unsafe { _mm256_loadu_ps(row.scales.as_ptr().add(first)) };
+            *terms = _mm256_mul_ps(_mm256_mul_ps(dots, scales), activation_scales);
+        }
+        sums = add_columns_in_order(sums, terms);
+    }
+    let mut results = [0f32; TOGETHER];
+    // SAFETY: `results` holds four f32, what an unaligned 128-bit store writes.
+    unsafe { _mm_storeu_ps(results.as_mut_ptr(), sums) };
+    for (result, row) in results.iter_mut().zip(activations) {
+        // SAFETY: passed on from the caller.
+        *result = unsafe { q8_0_tail(weights, row, whole..blocks, *result) };
+    }
+    results
 }
 
 /// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
@@ -434,6 +516,16 @@ unsafe fn q4_1_groups(_: WeightRow<'_>, _: ActivationRow<'_>, _: usize) -> f32 {
 /// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn q4_1_four(
+    _: WeightRow<'_>,
+    _: [ActivationRow<'_>; TOGETHER],
+    _: usize,
+) -> [f32; TOGETHER] {
+    unreachable!("no AVX2 outside x86_64")
+}
+
+/// Stand-ins where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn q8_0_four(
     _: WeightRow<'_>,
     _: [ActivationRow<'_>; TOGETHER],
     _: usize,

@@ -120,6 +120,9 @@ impl Kernel {
             (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q4_1) => {
                 token.dot_q4_1_four(weights, activations)
             }
+            (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q8_0) => {
+                token.dot_q8_0_four(weights, activations)
+            }
             _ => activations.map(|row| self.dot(format, weights, row)),
         }
     }
