@@ -62,10 +62,7 @@ impl Avx2 {
         weights: WeightRow<'_>,
         activations: [ActivationRow<'_>; TOGETHER],
     ) -> [f32; TOGETHER] {
-        let blocks = checked_blocks(weights, activations[0], Q4_1_QUANT_BYTES);
-        for row in &activations[1..] {
-            checked_blocks(weights, *row, Q4_1_QUANT_BYTES);
-        }
+        let blocks = checked_rows(weights, &activations, Q4_1_QUANT_BYTES);
         // SAFETY: as in `dot_q4_1`, for each of the four activation rows.
         unsafe { q4_1_four(weights, activations, blocks) }
     }
@@ -76,10 +73,7 @@ impl Avx2 {
         weights: WeightRow<'_>,
         activations: [ActivationRow<'_>; TOGETHER],
     ) -> [f32; TOGETHER] {
-        let blocks = checked_blocks(weights, activations[0], BLOCK);
-        for row in &activations[1..] {
-            checked_blocks(weights, *row, BLOCK);
-        }
+        let blocks = checked_rows(weights, &activations, BLOCK);
         // SAFETY: as in `dot_q8_0`, for each of the four activation rows.
         unsafe { q8_0_four(weights, activations, blocks) }
     }
@@ -107,6 +101,19 @@ fn checked_blocks(
             && (weights.mins.is_empty() || weights.mins.len() == blocks),
         "kernel operands of unequal length"
     );
+    blocks
+}
+
+/// [`checked_blocks`] for every one of several activation rows against one weight row.
+fn checked_rows(
+    weights: WeightRow<'_>,
+    activations: &[ActivationRow<'_>],
+    quant_bytes: usize,
+) -> usize {
+    let mut blocks = weights.scales.len();
+    for row in activations {
+        blocks = checked_blocks(weights, *row, quant_bytes);
+    }
     blocks
 }
 
