@@ -251,8 +251,25 @@ impl KvStore {
         tokens: usize,
         compute: impl FnOnce(&mut SessionCache) -> Result<T>,
     ) -> Result<T> {
+        let mut lease = self.check_out(session, position, tokens)?;
+        let outcome = compute(lease.cache());
+        lease.finish(outcome.is_ok());
+        outcome
+    }
+
+    /// Takes the session's cache out of the store for a chunk of `tokens` positions starting at
+    /// `position` (which must be exactly where the cache ends), reserving the chunk's bytes.
+    /// Several sessions can be checked out at once, so one pass can compute them together;
+    /// [`SessionLease::finish`] puts each back. A lease dropped unfinished (a panic) drops the
+    /// session's cache and frees its bytes.
+    pub(crate) fn check_out(
+        &self,
+        session: SessionId,
+        position: usize,
+        tokens: usize,
+    ) -> Result<SessionLease<'_>> {
         let needed = tokens * self.bytes_per_position;
-        let mut cache = {
+        let cache = {
             let mut state = self.lock();
             let cached = state.sessions.get(&session).map_or(0, SessionCache::len);
             if state.computing.contains(&session) {
@@ -285,37 +302,17 @@ impl KvStore {
                 .remove(&session)
                 .unwrap_or_else(|| SessionCache::new(self.layer_count))
         };
-        // Puts the session's bookkeeping right even if `compute` panics.
-        let before_bytes = cache.bytes;
-        let checked_out = CheckedOut {
-            store: self,
-            session,
-            released: needed + before_bytes,
-        };
-        let lengths: Vec<usize> = cache.layers.iter().map(|layer| layer.keys.len()).collect();
-        let outcome = compute(&mut cache);
-        let mut state = checked_out.finish();
-        let ended = state.ended_while_computing.remove(&session);
-        match outcome {
-            Ok(value) => {
-                cache.len = position + tokens;
-                cache.last_used = Instant::now();
-                if !ended {
-                    state.used_bytes += cache.bytes;
-                    state.sessions.insert(session, cache);
-                }
-                Ok(value)
-            }
-            Err(error) => {
-                cache.truncate(&lengths);
-                cache.bytes = before_bytes;
-                if cache.len > 0 && !ended {
-                    state.used_bytes += cache.bytes;
-                    state.sessions.insert(session, cache);
-                }
-                Err(error)
-            }
-        }
+        Ok(SessionLease {
+            checked_out: CheckedOut {
+                store: self,
+                session,
+                released: needed + cache.bytes,
+            },
+            lengths: cache.layers.iter().map(|layer| layer.keys.len()).collect(),
+            before_bytes: cache.bytes,
+            cache,
+            end: position + tokens,
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, StoreState> {
@@ -352,6 +349,50 @@ impl Drop for CheckedOut<'_> {
     fn drop(&mut self) {
         let mut state = release(self.store, self.session, self.released);
         state.ended_while_computing.remove(&self.session);
+    }
+}
+
+/// A session's cache checked out of its [`KvStore`] for one chunk.
+pub(crate) struct SessionLease<'a> {
+    checked_out: CheckedOut<'a>,
+    cache: SessionCache,
+    /// Each layer's key count before the chunk, to undo a failed chunk.
+    lengths: Vec<usize>,
+    before_bytes: usize,
+    /// The session's length once the chunk is in.
+    end: usize,
+}
+
+impl SessionLease<'_> {
+    /// The cache the chunk appends to.
+    pub(crate) fn cache(&mut self) -> &mut SessionCache {
+        &mut self.cache
+    }
+
+    /// Puts the cache back: with the chunk when it `succeeded`, else as it was before (a
+    /// session with nothing cached is dropped). A session ended meanwhile is dropped.
+    pub(crate) fn finish(self, succeeded: bool) {
+        let SessionLease {
+            checked_out,
+            mut cache,
+            lengths,
+            before_bytes,
+            end,
+        } = self;
+        let session = checked_out.session;
+        let mut state = checked_out.finish();
+        let ended = state.ended_while_computing.remove(&session);
+        if succeeded {
+            cache.len = end;
+            cache.last_used = Instant::now();
+        } else {
+            cache.truncate(&lengths);
+            cache.bytes = before_bytes;
+        }
+        if !ended && (succeeded || cache.len > 0) {
+            state.used_bytes += cache.bytes;
+            state.sessions.insert(session, cache);
+        }
     }
 }
 

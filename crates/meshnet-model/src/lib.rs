@@ -16,6 +16,7 @@
 //! It is synchronous and does no I/O besides reading model files.
 
 mod attention;
+mod batch;
 mod chat;
 mod detokenizer;
 mod error;
@@ -30,6 +31,7 @@ mod model;
 mod sampling;
 mod tokenizer;
 
+pub use batch::BatchItem;
 pub use chat::{ChatMessage, ChatTemplate, IM_END, IM_START};
 pub use detokenizer::IncrementalDecoder;
 pub use error::{ModelError, Result};

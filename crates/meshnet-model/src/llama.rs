@@ -11,13 +11,14 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use meshnet_kernels::QuantizedMatrix;
 
-use crate::attention::{check_sub_span, check_token_ids, hidden_tokens};
+use crate::attention::{check_token_ids, hidden_tokens};
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use meshnet_types::{LayerSpan, Quantization};
 
+use crate::batch::BatchItem;
 use crate::gguf::{GgufModel, ModelDescription, TensorReader};
-use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
+use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionId, SessionLease};
 use crate::layer_math::{Heads, Rotary, add_in_place, attend, rms_norm, swiglu};
 use crate::linear::{Projections, kernel_matrix};
 
@@ -300,72 +301,150 @@ impl LlamaSpan {
         hidden: &Tensor,
         layers: LayerSpan,
     ) -> Result<Tensor> {
-        check_sub_span(self.layer_range, layers)?;
-        let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
-        // Checked before the rotary tables and the mask are built: their size grows with the
-        // position, which a frame from the network declares.
-        let cached = self.cache.session_len(session);
-        if position != cached && !layers.is_empty() {
-            return Err(ModelError::PositionMismatch {
-                session: session.to_string(),
-                position,
-                cached,
-                kind: if position > cached { "gap" } else { "overlap" },
+        let item = BatchItem {
+            session,
+            position,
+            hidden: hidden.clone(),
+        };
+        self.forward_batch(layers, vec![item])
+            .pop()
+            .unwrap_or_else(|| {
+                Err(ModelError::InvalidSpan(
+                    "a batch of one gave nothing".into(),
+                ))
+            })
+    }
+
+    /// Runs `layers` (as in [`Self::forward_range`]) over several sessions' chunks in one pass:
+    /// every matmul takes all their rows at once, while rotation, the KV cache and attention
+    /// stay each session's own. Each chunk's result has the bits it would have alone, and one
+    /// refused chunk (a wrong shape or position, no room in the cache) does not hold up the
+    /// others. Results come in the order of `items`. A session may appear only once.
+    pub fn forward_batch(&self, layers: LayerSpan, items: Vec<BatchItem>) -> Vec<Result<Tensor>> {
+        let width = self.hyper.hidden;
+        if !self.layer_range.covers(layers) {
+            let span = self.layer_range;
+            return items
+                .iter()
+                .map(|_| {
+                    Err(ModelError::InvalidSpan(format!(
+                        "layers {layers} are not within this span's {span}"
+                    )))
+                })
+                .collect();
+        }
+        let mut results: Vec<Option<Result<Tensor>>> = items.iter().map(|_| None).collect();
+        let mut parts = Vec::with_capacity(items.len());
+        let mut rows = Vec::new();
+        for (index, item) in items.into_iter().enumerate() {
+            let prepared = hidden_tokens(&item.hidden, width).and_then(|tokens| {
+                Ok((
+                    tokens,
+                    values(&item.hidden.to_dtype(DType::F32)?.contiguous()?)?,
+                ))
             });
+            let (tokens, chunk) = match prepared {
+                Ok(prepared) => prepared,
+                Err(error) => {
+                    results[index] = Some(Err(error));
+                    continue;
+                }
+            };
+            if layers.is_empty() {
+                results[index] = Some(hidden_tensor(chunk, tokens, width));
+                continue;
+            }
+            // Checked before the rotary tables are built: their size grows with the
+            // position, which a frame from the network declares.
+            match self.cache.check_out(item.session, item.position, tokens) {
+                Ok(lease) => {
+                    rows.extend_from_slice(&chunk);
+                    parts.push(BatchPart {
+                        index,
+                        tokens,
+                        position: item.position,
+                        rotary: Rotary::new(&self.hyper.inverse_frequencies, item.position, tokens),
+                        lease,
+                    });
+                }
+                Err(error) => results[index] = Some(Err(error)),
+            }
         }
-        let hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
-        if layers.is_empty() {
-            return Ok(hidden);
-        }
-        let mut rows = values(&hidden)?;
-        let first = (layers.start - self.layer_range.start) as usize;
-        let selected = &self.layers[first..first + layers.len() as usize];
-        let rotary = Rotary::new(&self.hyper.inverse_frequencies, position, tokens);
-        // The layers run on a thread of the compute pool, so the matmuls' own splits are
-        // cheap forks there rather than a hand-off from this thread and back each time.
-        meshnet_kernels::on_compute_pool(|| {
-            self.cache.with_session(session, position, tokens, |cache| {
+        if !parts.is_empty() {
+            let first = (layers.start - self.layer_range.start) as usize;
+            let selected = &self.layers[first..first + layers.len() as usize];
+            // The layers run on a thread of the compute pool, so the matmuls' own splits are
+            // cheap forks there rather than a hand-off from this thread and back each time.
+            let outcome = meshnet_kernels::on_compute_pool(|| {
                 for (offset, layer) in selected.iter().enumerate() {
                     rows = self.layer_forward(
                         layer,
                         first + offset,
-                        cache,
+                        &mut parts,
                         std::mem::take(&mut rows),
-                        position,
-                        &rotary,
                     )?;
                 }
                 Ok(())
+            });
+            let succeeded = outcome.is_ok();
+            let mut failure = outcome.err();
+            let mut rest = rows.as_slice();
+            for part in parts {
+                let (own, after) = rest.split_at(part.tokens * width);
+                rest = after;
+                results[part.index] = Some(match failure.take() {
+                    None if succeeded => hidden_tensor(own.to_vec(), part.tokens, width),
+                    Some(error) => Err(error),
+                    None => Err(ModelError::InvalidSpan(
+                        "another chunk of the same batch failed".into(),
+                    )),
+                });
+                part.lease.finish(succeeded);
+            }
+        }
+        results
+            .into_iter()
+            .map(|result| {
+                result.unwrap_or_else(|| Err(ModelError::InvalidSpan("no result".into())))
             })
-        })?;
-        hidden_tensor(rows, tokens, self.hyper.hidden)
+            .collect()
     }
 
-    /// One block over a chunk's hidden rows (`[tokens, hidden]`) starting at `position`.
+    /// One block over the hidden rows of a batch (`[tokens, hidden]`, the parts' chunks one
+    /// after another).
     fn layer_forward(
         &self,
         layer: &Layer,
         index: usize,
-        cache: &mut SessionCache,
+        parts: &mut [BatchPart<'_>],
         mut hidden: Vec<f32>,
-        position: usize,
-        rotary: &Rotary,
     ) -> Result<Vec<f32>> {
         let hyper = &self.hyper;
         let tokens = hidden.len() / hyper.hidden;
         let normed = rms_norm(&hidden, &layer.attention_norm, hyper.rms_eps);
         let [mut query, mut key, value] =
             take_parts(layer.query_key_value.forward_values(&normed, tokens)?)?;
-        rotary.rotate(&mut query);
-        rotary.rotate(&mut key);
-        let cached = cache.append_rows(index, &key, &value)?;
-        let attended = attend(
-            hyper.heads,
-            &query,
-            cached.keys(),
-            cached.values(),
-            position,
-        );
+        let query_width = query.len() / tokens;
+        let key_width = key.len() / tokens;
+        let mut attended = Vec::with_capacity(query.len());
+        let mut row = 0;
+        for part in parts.iter_mut() {
+            let rows = row..row + part.tokens;
+            row = rows.end;
+            let query = &mut query[rows.start * query_width..rows.end * query_width];
+            let key = &mut key[rows.start * key_width..rows.end * key_width];
+            let value = &value[rows.start * key_width..rows.end * key_width];
+            part.rotary.rotate(query);
+            part.rotary.rotate(key);
+            let cached = part.lease.cache().append_rows(index, key, value)?;
+            attended.extend(attend(
+                hyper.heads,
+                query,
+                cached.keys(),
+                cached.values(),
+                part.position,
+            ));
+        }
         let [projected] = take_parts(layer.attention_output.forward_values(&attended, tokens)?)?;
         add_in_place(&mut hidden, &projected);
 
@@ -376,6 +455,77 @@ impl LlamaSpan {
         add_in_place(&mut hidden, &down);
         Ok(hidden)
     }
+
+    /// The next-token logits of several sessions at once, one per hidden state of `hiddens`
+    /// (each `[1, tokens, hidden]`, its last position used): one matmul of the LM head for
+    /// all, each result with the bits of [`LogitsHead::logits`] alone.
+    pub fn logits_batch(&self, hiddens: &[Tensor]) -> Vec<Result<Vec<f32>>> {
+        let Some(head) = self.head.as_ref() else {
+            return hiddens
+                .iter()
+                .map(|_| Err(ModelError::PartNotLoaded("LM head")))
+                .collect();
+        };
+        let width = self.hyper.hidden;
+        let mut results: Vec<Option<Result<Vec<f32>>>> = hiddens.iter().map(|_| None).collect();
+        let mut rows = Vec::new();
+        let mut taken = Vec::new();
+        for (index, hidden) in hiddens.iter().enumerate() {
+            match last_row(hidden, width) {
+                Ok(last) => {
+                    rows.extend(rms_norm(&last, &head.norm, self.hyper.rms_eps));
+                    taken.push(index);
+                }
+                Err(error) => results[index] = Some(Err(error)),
+            }
+        }
+        if !taken.is_empty() {
+            let computed =
+                meshnet_kernels::on_compute_pool(|| head.output.forward_values(&rows, taken.len()))
+                    .and_then(take_parts::<1>);
+            match computed {
+                Ok([logits]) => {
+                    let vocab = logits.len() / taken.len();
+                    for (index, own) in taken.iter().zip(logits.chunks_exact(vocab)) {
+                        results[*index] = Some(Ok(own.to_vec()));
+                    }
+                }
+                Err(error) => {
+                    let reason = error.to_string();
+                    for index in taken {
+                        results[index] = Some(Err(ModelError::InvalidSpan(reason.clone())));
+                    }
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|result| {
+                result.unwrap_or_else(|| Err(ModelError::InvalidSpan("no result".into())))
+            })
+            .collect()
+    }
+}
+
+/// One session's chunk inside a running batch: where its rows sit and what it needs of its
+/// own.
+struct BatchPart<'a> {
+    /// Its place in the batch's inputs.
+    index: usize,
+    tokens: usize,
+    position: usize,
+    rotary: Rotary,
+    lease: SessionLease<'a>,
+}
+
+/// The last position's hidden values of `[1, tokens, width]`, as f32.
+fn last_row(hidden: &Tensor, width: usize) -> Result<Vec<f32>> {
+    let tokens = hidden_tokens(hidden, width)?;
+    values(
+        &hidden
+            .to_dtype(DType::F32)?
+            .i((.., tokens - 1..tokens, ..))?,
+    )
 }
 
 /// A tensor's values in row-major order, as f32.
@@ -423,21 +573,13 @@ impl TokenEmbedder for LlamaSpan {
 
 impl LogitsHead for LlamaSpan {
     fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>> {
-        let head = self
-            .head
-            .as_ref()
-            .ok_or(ModelError::PartNotLoaded("LM head"))?;
-        let tokens = hidden_tokens(hidden, self.hyper.hidden)?;
-        let last = values(
-            &hidden
-                .to_dtype(DType::F32)?
-                .i((.., tokens - 1..tokens, ..))?,
-        )?;
-        let normed = rms_norm(&last, &head.norm, self.hyper.rms_eps);
-        let [logits] = take_parts(meshnet_kernels::on_compute_pool(|| {
-            head.output.forward_values(&normed, 1)
-        })?)?;
-        Ok(logits)
+        self.logits_batch(std::slice::from_ref(hidden))
+            .pop()
+            .unwrap_or_else(|| {
+                Err(ModelError::InvalidSpan(
+                    "a batch of one gave nothing".into(),
+                ))
+            })
     }
 }
 

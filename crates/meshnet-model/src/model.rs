@@ -8,6 +8,7 @@ use std::path::Path;
 use candle_core::Tensor;
 use meshnet_types::LayerSpan;
 
+use crate::batch::BatchItem;
 use crate::error::{ModelError, Result};
 use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use crate::gguf::{GgufModel, ModelDescription};
@@ -129,6 +130,28 @@ impl ModelSpan {
         match self {
             ModelSpan::Llama(span) => span.forward_range(session, position, hidden, layers),
             ModelSpan::Gpt2(span) => span.forward_range(session, position, hidden, layers),
+        }
+    }
+
+    /// Runs `layers` over several sessions' chunks, results in the order of `items`, each with
+    /// the bits it would have alone. Llama spans share every matmul among the chunks; GPT-2
+    /// spans run them one after another.
+    pub fn forward_batch(&self, layers: LayerSpan, items: Vec<BatchItem>) -> Vec<Result<Tensor>> {
+        match self {
+            ModelSpan::Llama(span) => span.forward_batch(layers, items),
+            ModelSpan::Gpt2(span) => items
+                .into_iter()
+                .map(|item| span.forward_range(item.session, item.position, &item.hidden, layers))
+                .collect(),
+        }
+    }
+
+    /// The next-token logits for each hidden state of `hiddens`, as [`LogitsHead::logits`]
+    /// gives them one by one. Llama spans run one LM-head matmul for all.
+    pub fn logits_batch(&self, hiddens: &[Tensor]) -> Vec<Result<Vec<f32>>> {
+        match self {
+            ModelSpan::Llama(span) => span.logits_batch(hiddens),
+            ModelSpan::Gpt2(span) => hiddens.iter().map(|hidden| span.logits(hidden)).collect(),
         }
     }
 }

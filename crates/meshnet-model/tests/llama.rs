@@ -9,8 +9,8 @@ use std::sync::OnceLock;
 
 use candle_core::{Device, Tensor};
 use meshnet_model::{
-    BoundaryPolicy, GenerationRequest, LlamaSpan, Route, SessionId, SpanSpec, Stage, argmax,
-    generate,
+    BoundaryPolicy, GenerationRequest, LlamaSpan, Route, SessionId, SpanSpec, Stage, TokenEmbedder,
+    argmax, generate,
 };
 use meshnet_types::{LayerSpan, Quantization};
 
@@ -326,4 +326,89 @@ fn matches_candle_transformers_quantized_llama() {
         "the same greedy choice in only {same_choices} of {} steps",
         gaps.len()
     );
+}
+
+/// One session of [`batched_sessions_give_the_bits_of_each_alone`]: its prompt, the step at
+/// which it joins the batch, how many steps it runs, and the logits it got.
+struct Scheduled<'a> {
+    prompt: &'a [u32],
+    joins_at: usize,
+    steps: usize,
+    session: SessionId,
+    logits: Vec<Vec<f32>>,
+}
+
+#[test]
+fn batched_sessions_give_the_bits_of_each_alone() {
+    let span = whole();
+    let route = whole_route();
+    let prompts = common::prompts();
+    let alone: Vec<Vec<Vec<f32>>> = prompts
+        .iter()
+        .map(|prompt| {
+            let (session, logits) = decode_in_turn(&route, &[prompt], 6).remove(0);
+            span.end_session(session);
+            logits
+        })
+        .collect();
+    // The first two start together; the third joins a running batch at its third step (its
+    // prefill chunk rides with the others' decode rows); the first leaves after four steps.
+    let mut sessions: Vec<Scheduled<'_>> = prompts
+        .iter()
+        .zip([(0, 4), (0, 6), (2, 4)])
+        .map(|(prompt, (joins_at, steps))| Scheduled {
+            prompt,
+            joins_at,
+            steps,
+            session: SessionId::new_v4(),
+            logits: Vec::new(),
+        })
+        .collect();
+    let intruder = SessionId::new_v4();
+    for step in 0..8 {
+        let running: Vec<usize> = (0..sessions.len())
+            .filter(|&i| {
+                let s = &sessions[i];
+                step >= s.joins_at && s.logits.len() < s.steps
+            })
+            .collect();
+        let mut items = Vec::new();
+        for &i in &running {
+            let s = &sessions[i];
+            let (position, tokens) = match s.logits.last() {
+                None => (0, s.prompt.to_vec()),
+                Some(last) => (s.prompt.len() + s.logits.len() - 1, vec![argmax(last)]),
+            };
+            items.push(meshnet_model::BatchItem {
+                session: s.session,
+                position,
+                hidden: span.embed(&tokens).unwrap(),
+            });
+        }
+        // A chunk that does not continue its session rides along and is refused alone.
+        items.push(meshnet_model::BatchItem {
+            session: intruder,
+            position: 7,
+            hidden: span.embed(&[1]).unwrap(),
+        });
+        let mut outputs = span.forward_batch(span.layers(), items);
+        let refused = outputs.pop().unwrap().unwrap_err();
+        assert!(refused.to_string().contains("gap"), "{refused}");
+        let hiddens: Vec<Tensor> = outputs.into_iter().map(Result::unwrap).collect();
+        let logits = span.logits_batch(&hiddens);
+        for (&i, logits) in running.iter().zip(logits) {
+            sessions[i].logits.push(logits.unwrap());
+        }
+    }
+    for (index, (s, alone)) in sessions.iter().zip(&alone).enumerate() {
+        assert_eq!(s.logits.len(), s.steps, "session {index} ran every step");
+        for (step, (batched, alone)) in s.logits.iter().zip(alone).enumerate() {
+            assert!(
+                batched == alone,
+                "session {index}, step {step}: batched logits differ from the session alone"
+            );
+        }
+        span.end_session(s.session);
+    }
+    assert!(!span.kv_store().has_session(intruder));
 }
