@@ -21,10 +21,10 @@ use meshnet_types::LayerSpan;
 use meshnet_wire::header::{Encoding, check_wire_version};
 use meshnet_wire::{ActivationFrame, Limits};
 
-use crate::blocking;
 use crate::client::ForwardClient;
 use crate::error::NodeError;
 use crate::executor::{ExecutorError, SpanExecutor};
+use crate::{blocking, codec, decode_bytes};
 
 /// What `POST /forward` needs: the layers to run, the limits to enforce and a client for the
 /// next hop.
@@ -129,7 +129,7 @@ async fn forward(
     let body = read_limited(body, plane.limits.max_body_bytes()).await?;
     let limits = plane.limits;
     let encoded_received = body.len();
-    let (frame, encoding) = blocking(move || {
+    let (frame, encoding) = codec(decode_bytes(&headers, encoded_received), move || {
         let frame = ActivationFrame::decode(&headers, &body, &limits)?;
         let encoding = Encoding::from_headers(&headers)?;
         Ok::<_, NodeError>((frame, encoding))
@@ -148,7 +148,7 @@ async fn forward(
         tracing::debug!(%session, error = %e, "forward failed");
     })?;
     let raw_sent = answer.activations.raw_len();
-    let encoded = blocking(move || answer.into_encoded(encoding))
+    let encoded = codec(raw_sent, move || answer.into_encoded(encoding))
         .await
         .map_err(NodeError::Internal)?;
     metrics.count_wire_bytes(Direction::Sent, raw_sent, encoded.body.len());

@@ -6,9 +6,9 @@ use meshnet_metrics::{Direction, HopPath, Metrics};
 use meshnet_wire::header::WIRE_VERSION_HEADER;
 use meshnet_wire::{ActivationFrame, Encoding, Limits, WireError};
 
-use crate::blocking;
 use crate::error::ErrorBody;
 use crate::hop::{HopFailure, HopFailureKind};
+use crate::{codec, decode_bytes};
 
 /// How long a hop may take, end to end, before the sender gives up.
 pub const DEFAULT_HOP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -208,7 +208,7 @@ impl ForwardClient {
         let started = Instant::now();
         let sent_meta = frame.meta.clone();
         let raw_sent = frame.activations.raw_len();
-        let encoded = blocking(move || frame.into_encoded(encoding))
+        let encoded = codec(raw_sent, move || frame.into_encoded(encoding))
             .await
             .map_err(|reason| ClientError::Unreachable {
                 endpoint: endpoint.to_owned(),
@@ -241,16 +241,18 @@ impl ForwardClient {
         }
         let limits = self.limits;
         let encoded_received = body.len();
-        let answer = blocking(move || ActivationFrame::decode(&headers, &body, &limits))
-            .await
-            .map_err(|reason| ClientError::Unreachable {
-                endpoint: endpoint.to_owned(),
-                reason,
-            })?
-            .map_err(|source| ClientError::BadResponse {
-                endpoint: endpoint.to_owned(),
-                source,
-            })?;
+        let answer = codec(decode_bytes(&headers, encoded_received), move || {
+            ActivationFrame::decode(&headers, &body, &limits)
+        })
+        .await
+        .map_err(|reason| ClientError::Unreachable {
+            endpoint: endpoint.to_owned(),
+            reason,
+        })?
+        .map_err(|source| ClientError::BadResponse {
+            endpoint: endpoint.to_owned(),
+            source,
+        })?;
         self.metrics.count_wire_bytes(
             Direction::Received,
             answer.activations.raw_len(),

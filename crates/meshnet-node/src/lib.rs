@@ -21,6 +21,32 @@ pub use error::{ErrorBody, ErrorDetail, NodeError};
 pub use executor::{ExecutorError, SpanExecutor};
 pub use hop::{HopFailure, HopFailureKind};
 
+/// Frames up to this many bytes (raw or encoded) are encoded and decoded on the async worker
+/// that handles them: a decode step's frame (one token, a few KiB) takes microseconds, less than
+/// the hand-off to the blocking pool and back, which a hop would otherwise pay four times.
+pub(crate) const INLINE_CODEC_BYTES: usize = 32 * 1024;
+
+/// Runs codec work on `bytes` bytes: inline when small ([`INLINE_CODEC_BYTES`]), else on the
+/// blocking pool as [`blocking`] does.
+pub(crate) async fn codec<T, F>(bytes: usize, work: F) -> Result<T, String>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    if bytes <= INLINE_CODEC_BYTES {
+        Ok(work())
+    } else {
+        blocking(work).await
+    }
+}
+
+/// The work decoding a received frame takes, in bytes: its body, or the raw size its
+/// `X-Meshnet-Shape` declares when larger (a small compressed body may unpack to much more).
+pub(crate) fn decode_bytes(headers: &axum::http::HeaderMap, body_len: usize) -> usize {
+    meshnet_wire::header::read_meta(headers)
+        .map_or(body_len, |(shape, _)| shape.byte_len().max(body_len))
+}
+
 /// Runs CPU-bound work (decoding, compression, layer compute) on tokio's blocking pool, off the
 /// async workers. A panic in `work` comes back as an error message.
 pub(crate) async fn blocking<T, F>(work: F) -> Result<T, String>
