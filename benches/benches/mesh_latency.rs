@@ -375,14 +375,14 @@ async fn burst(root: &str, size: usize) -> Burst {
 }
 
 impl Burst {
-    fn print(&self) {
+    fn print(&self, setup: &str) {
         let rate = |tokens: u64, wall: Duration| tokens as f64 / wall.as_secs_f64();
         let at_once = rate(self.at_once_tokens, self.at_once_wall);
         let in_turn = rate(self.in_turn_tokens, self.in_turn_wall);
         println!();
         println!(
-            "## A burst of {} greedy {BURST_MAX_TOKENS}-token chats at once through the mesh \
-             (default flags)",
+            "## A burst of {} greedy {BURST_MAX_TOKENS}-token chats at once, {setup} (default \
+             flags)",
             self.sent
         );
         println!();
@@ -659,6 +659,7 @@ fn main() {
         started.elapsed().as_secs_f64()
     );
     let single_measured = runtime.block_on(measure(&single.root, runs, "single"));
+    let single_burst = runtime.block_on(burst(&single.root, burst_size()));
     drop(single);
 
     eprintln!("mesh_latency: starting a {MESH_PROCESSES}-process mesh with testnet/local.sh");
@@ -745,5 +746,6 @@ fn main() {
             1
         )
     );
-    burst_measured.print();
+    single_burst.print("single process");
+    burst_measured.print(&format!("through the {MESH_PROCESSES}-process mesh"));
 }
