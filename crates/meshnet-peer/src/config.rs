@@ -50,6 +50,9 @@ pub struct PeerConfig {
     pub kv_tokens: u64,
     /// Generations the tracker runs at once; more wait in line.
     pub max_sessions: usize,
+    /// The most rows (tokens over all sessions) one pass over a span's weights takes; 1 runs
+    /// each session's chunk alone.
+    pub max_batch_tokens: usize,
     /// Requests the tracker keeps waiting for a generation slot; one more is answered 429.
     pub max_queued_sessions: usize,
     /// How long a request waits in line for a slot before it is answered 429.
@@ -75,7 +78,7 @@ pub struct PeerConfig {
 impl PeerConfig {
     /// Defaults a user would expect for `model_path`: a peer (not tracker) on HTTP port 0 and
     /// TCP/QUIC port 0, 1 GiB of memory, announcements every 2 s, 2048 KV tokens per layer,
-    /// 4 concurrent generations.
+    /// 8 concurrent generations batched in passes of up to 256 rows.
     pub fn new(model_path: PathBuf, data_dir: PathBuf) -> Self {
         PeerConfig {
             model_path,
@@ -92,7 +95,8 @@ impl PeerConfig {
             transport: TransportChoice::Network,
             announce_interval: Duration::from_secs(2),
             kv_tokens: 2048,
-            max_sessions: 4,
+            max_sessions: 8,
+            max_batch_tokens: crate::batcher::DEFAULT_MAX_BATCH_TOKENS,
             max_queued_sessions: 32,
             queue_timeout: Duration::from_secs(60),
             assume_reachable: false,

@@ -284,7 +284,7 @@ impl GenerationJob {
     fn run(self) {
         let started = Instant::now();
         let session = self.request.session;
-        let span = &self.entry.span;
+        let span: &LoadedShard = &self.entry;
         let mut stages: Vec<&dyn Stage> = vec![span];
         if let Some(remote) = &self.remote {
             stages.push(remote);

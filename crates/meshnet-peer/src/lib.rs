@@ -19,6 +19,7 @@
 //!   `meshnet-peer chat`.
 
 pub mod admission;
+pub mod batcher;
 pub mod config;
 pub mod console;
 mod control;

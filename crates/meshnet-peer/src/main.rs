@@ -141,8 +141,13 @@ struct RunArgs {
     #[arg(long, default_value_t = 2048)]
     kv_tokens: u64,
     /// Generations the tracker runs at once; more wait in line.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 8)]
     max_sessions: usize,
+    /// The most rows (tokens over all sessions) one pass over this peer's layers takes:
+    /// concurrent sessions' decode steps and prefill chunks share each pass. 1 runs every
+    /// chunk alone.
+    #[arg(long, default_value_t = meshnet_peer::batcher::DEFAULT_MAX_BATCH_TOKENS)]
+    max_batch_tokens: usize,
     /// Requests the tracker keeps waiting for a generation slot (0: none); one more is
     /// answered 429.
     #[arg(long, default_value_t = 32)]
@@ -456,6 +461,9 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     if args.max_sessions == 0 {
         bail!("--max-sessions must be at least 1");
     }
+    if args.max_batch_tokens == 0 {
+        bail!("--max-batch-tokens must be at least 1");
+    }
     if args.failover_attempts == 0 {
         bail!("--failover-attempts must be at least 1");
     }
@@ -496,6 +504,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     config.announce_interval = Duration::from_secs_f64(args.announce_interval);
     config.kv_tokens = args.kv_tokens;
     config.max_sessions = args.max_sessions;
+    config.max_batch_tokens = args.max_batch_tokens;
     config.max_queued_sessions = args.max_queued_sessions;
     config.queue_timeout = Duration::from_secs_f64(args.queue_timeout);
     config.assume_reachable = args.reachable;

@@ -193,11 +193,10 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         .advertise_http
         .clone()
         .unwrap_or_else(|| crate::http::default_url(http_addr));
-    let host = Arc::new(ShardHost::new(
-        Arc::clone(&model),
-        config.kv_tokens,
-        config.drain_timeout,
-    ));
+    let host = Arc::new(
+        ShardHost::new(Arc::clone(&model), config.kv_tokens, config.drain_timeout)
+            .with_max_batch_tokens(config.max_batch_tokens),
+    );
     let mut registry = Registry::default();
     let metrics = Metrics::register(&mut registry);
     let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)

@@ -11,13 +11,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use candle_core::Tensor;
 use candle_core::{DType, Device};
-use meshnet_model::{ModelError, ModelSpan, SessionId, SpanSpec};
+use meshnet_model::{
+    BatchItem, LogitsHead, ModelError, ModelSpan, SessionId, SpanSpec, Stage, TokenEmbedder,
+};
 use meshnet_node::{ExecutorError, SpanExecutor};
 use meshnet_types::{LayerSpan, Quantization, SpanState};
 use meshnet_wire::{Activations, FrameMeta, PREFILL_CHUNK_TOKENS};
 use serde::Serialize;
 
+use crate::batcher::{BatchingReport, DEFAULT_MAX_BATCH_TOKENS, SpanBatcher};
 use crate::error::PeerError;
 use crate::mesh_model::MeshModel;
 
@@ -44,16 +48,54 @@ impl ShardTarget {
     }
 }
 
-/// A span in memory.
+/// A span in memory, with the compute thread that batches its sessions' work.
 #[derive(Debug)]
 pub struct LoadedShard {
     /// What was loaded.
     pub target: ShardTarget,
     /// The weights and the KV caches.
-    pub span: ModelSpan,
+    pub span: Arc<ModelSpan>,
+    batcher: SpanBatcher,
 }
 
 impl LoadedShard {
+    /// Holds `span` as `target` and starts its compute thread, whose passes take at most
+    /// `max_batch_tokens` rows.
+    pub fn new(
+        target: ShardTarget,
+        span: ModelSpan,
+        max_batch_tokens: usize,
+    ) -> std::io::Result<Self> {
+        let span = Arc::new(span);
+        Ok(LoadedShard {
+            target,
+            batcher: SpanBatcher::start(Arc::clone(&span), max_batch_tokens)?,
+            span,
+        })
+    }
+
+    /// Runs `layers` over a session's chunk, in one pass with whatever other sessions have
+    /// waiting on this span (see [`crate::batcher`]). Blocking.
+    pub fn forward_range(
+        &self,
+        session: SessionId,
+        position: usize,
+        hidden: Tensor,
+        layers: LayerSpan,
+    ) -> Result<Tensor, ModelError> {
+        let item = BatchItem {
+            session,
+            position,
+            hidden,
+        };
+        self.batcher.forward(layers, item)
+    }
+
+    /// What the span's compute thread has done so far.
+    pub fn batching(&self) -> BatchingReport {
+        self.batcher.report()
+    }
+
     fn covers(&self, layers: LayerSpan) -> bool {
         self.target.layers.covers(layers)
     }
@@ -69,15 +111,46 @@ impl LoadedShard {
         };
         let session = SessionId::new_v4();
         let started = Instant::now();
-        let ran = self
-            .span
-            .forward_range(session, 0, &input, self.span.layers());
+        let ran = self.forward_range(session, 0, input, self.span.layers());
         let elapsed = started.elapsed().as_secs_f64();
         self.span.kv_store().end_session(session);
         match ran {
             Ok(_) if elapsed > 0.0 => tokens as f64 / elapsed,
             _ => 1.0,
         }
+    }
+}
+
+/// The span as a stage of a generation's route at the entry: its layers and its LM head go
+/// through the span's compute thread, batched with the other sessions'.
+impl Stage for LoadedShard {
+    fn forward(
+        &self,
+        session: SessionId,
+        position: usize,
+        hidden: Tensor,
+    ) -> Result<Tensor, ModelError> {
+        self.forward_range(session, position, hidden, self.target.layers)
+    }
+
+    fn end_session(&self, session: SessionId) {
+        self.span.kv_store().end_session(session);
+    }
+
+    fn name(&self) -> String {
+        self.span.name()
+    }
+}
+
+impl TokenEmbedder for LoadedShard {
+    fn embed(&self, tokens: &[u32]) -> Result<Tensor, ModelError> {
+        self.span.embed(tokens)
+    }
+}
+
+impl LogitsHead for LoadedShard {
+    fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>, ModelError> {
+        self.batcher.logits(hidden.clone())
     }
 }
 
@@ -118,6 +191,7 @@ pub struct ShardHost {
     /// Smoothed milliseconds per decode-sized `/forward` call (at most
     /// [`LATENCY_SAMPLE_TOKENS`] tokens), once one has run.
     decode_latency_ms: Mutex<Option<f64>>,
+    max_batch_tokens: usize,
 }
 
 /// Calls of at most this many tokens are decode steps, timed for [`ShardHost::forward_latency_ms`].
@@ -137,7 +211,14 @@ impl ShardHost {
             state: Mutex::new(HostState::default()),
             progress: LoadProgress::default(),
             decode_latency_ms: Mutex::new(None),
+            max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
         }
+    }
+
+    /// The most rows one pass of a span's compute thread takes (see [`crate::batcher`]).
+    pub fn with_max_batch_tokens(mut self, max_batch_tokens: usize) -> Self {
+        self.max_batch_tokens = max_batch_tokens.max(1);
+        self
     }
 
     /// Smoothed milliseconds this peer spends on a decode step of its layers (0 before the
@@ -241,7 +322,14 @@ impl ShardHost {
         let mut state = self.lock();
         state.loading = None;
         let span = loaded?;
-        let shard = Arc::new(LoadedShard { target, span });
+        let shard = Arc::new(
+            LoadedShard::new(target, span, self.max_batch_tokens).map_err(|source| {
+                PeerError::Io {
+                    what: format!("starting the compute thread of layers {layers}"),
+                    source,
+                }
+            })?,
+        );
         if let Some(previous) = state.current.replace(Arc::clone(&shard)) {
             state.draining.push((previous, Instant::now()));
         }
@@ -404,8 +492,7 @@ impl SpanExecutor for ShardHost {
             .map_err(|_| ExecutorError::BadActivations("position too large".into()))?;
         let started = Instant::now();
         let output = shard
-            .span
-            .forward_range(meta.session, position, &hidden, meta.layers)
+            .forward_range(meta.session, position, hidden, meta.layers)
             .map_err(executor_error)?;
         self.record_latency(tokens, started.elapsed());
         Activations::from_tensor(&output).map_err(|e| ExecutorError::Compute(e.to_string()))
@@ -469,8 +556,7 @@ mod tests {
         let input = candle_core::Tensor::zeros((1, 4, hidden), DType::F32, &Device::Cpu).unwrap();
         let session = SessionId::new_v4();
         shard
-            .span
-            .forward_range(session, 0, &input, shard.target.layers)
+            .forward_range(session, 0, input, shard.target.layers)
             .unwrap();
         session
     }

@@ -60,6 +60,9 @@ pub struct StatusReport {
     /// Peers kept off routes after failing a generation (tracker only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub banned: Option<Vec<BanReport>>,
+    /// What the current span's compute thread has done: passes over the weights and the
+    /// sessions' requests they answered together.
+    pub batching: Option<crate::batcher::BatchingReport>,
     /// Generation slots and the line for them (tracker only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub admission: Option<AdmissionReport>,
@@ -286,6 +289,7 @@ impl StatusReport {
             failovers: member.metrics.failovers(),
             leaving: member.leaving.load(Ordering::Relaxed),
             forward_latency_ms: host.forward_latency_ms(),
+            batching: host.current().map(|shard| shard.batching()),
             gossip: member.p2p.gossip_traffic(),
             banned,
             admission,

@@ -559,3 +559,64 @@ async fn oversized_bodies_get_413_with_a_json_reason_even_when_the_client_writes
     }
     tracker.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_chats_are_batched_and_each_gets_the_text_it_gets_alone() {
+    let tracker = tracker(10).await;
+    let peer = meshnet_peer::start(common::config(
+        false,
+        20,
+        tracker.p2p_addrs().await.unwrap(),
+    ))
+    .await
+    .unwrap();
+    wait_for("coverage", &tracker, |s| converged(s, &[&peer])).await;
+    let base = tracker.openai_base_url().unwrap();
+    let model = tracker.model_id().to_owned();
+    // Different prompts and lengths, so the sessions sit at different positions and leave the
+    // batch at different steps.
+    let chats = [
+        ("What is the capital of France?", 24),
+        ("Name three primary colors.", 10),
+        ("Write one sentence about the sea.", 32),
+        ("Count from one to ten.", 16),
+    ];
+    let mut alone = Vec::new();
+    for (prompt, max_tokens) in chats {
+        alone.push(greedy_chat(&base, &model, prompt, max_tokens, &[], false).await);
+    }
+    let started =
+        |status: &meshnet_peer::status::StatusReport| status.batching.map_or(0, |b| b.requests);
+    let before = started(&peer.status());
+    let mut together = tokio::task::JoinSet::new();
+    for (index, (prompt, max_tokens)) in chats.into_iter().enumerate() {
+        if index == chats.len() - 1 {
+            // The last joins a batch that is already running.
+            wait_for("the first chats to reach the peer", &peer, |s| {
+                started(s) > before + 3
+            })
+            .await;
+        }
+        let (base, model) = (base.clone(), model.clone());
+        together.spawn(async move {
+            let answer = greedy_chat(&base, &model, prompt, max_tokens, &[], true).await;
+            (index, answer)
+        });
+    }
+    while let Some(outcome) = together.join_next().await {
+        let (index, answer) = outcome.unwrap();
+        assert_eq!(
+            answer, alone[index],
+            "chat {index} batched differs from alone"
+        );
+    }
+    for member in [&tracker, &peer] {
+        let batching = member.status().batching.unwrap();
+        assert!(
+            batching.largest_pass >= 2,
+            "no pass took two sessions at once: {batching:?}"
+        );
+    }
+    peer.shutdown().await;
+    tracker.shutdown().await;
+}
