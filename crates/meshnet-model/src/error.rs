@@ -153,6 +153,9 @@ pub enum ModelError {
     /// A quantized kernel refused its operands.
     #[error("quantized kernel: {0}")]
     Kernel(#[from] meshnet_kernels::KernelError),
+    /// A chunk was fine but the pass it was computed in (with other sessions' chunks) failed.
+    #[error("the pass this chunk ran in failed: {0}")]
+    PassFailed(String),
 }
 
 /// The crate's result type.

@@ -395,8 +395,8 @@ impl LlamaSpan {
                 results[part.index] = Some(match failure.take() {
                     None if succeeded => hidden_tensor(own.to_vec(), part.tokens, width),
                     Some(error) => Err(error),
-                    None => Err(ModelError::InvalidSpan(
-                        "another chunk of the same batch failed".into(),
+                    None => Err(ModelError::PassFailed(
+                        "another session's chunk in the same pass failed".into(),
                     )),
                 });
                 part.lease.finish(succeeded);
@@ -404,9 +404,7 @@ impl LlamaSpan {
         }
         results
             .into_iter()
-            .map(|result| {
-                result.unwrap_or_else(|| Err(ModelError::InvalidSpan("no result".into())))
-            })
+            .map(|result| result.unwrap_or_else(|| Err(ModelError::PassFailed("no result".into()))))
             .collect()
     }
 
@@ -493,16 +491,14 @@ impl LlamaSpan {
                 Err(error) => {
                     let reason = error.to_string();
                     for index in taken {
-                        results[index] = Some(Err(ModelError::InvalidSpan(reason.clone())));
+                        results[index] = Some(Err(ModelError::PassFailed(reason.clone())));
                     }
                 }
             }
         }
         results
             .into_iter()
-            .map(|result| {
-                result.unwrap_or_else(|| Err(ModelError::InvalidSpan("no result".into())))
-            })
+            .map(|result| result.unwrap_or_else(|| Err(ModelError::PassFailed("no result".into()))))
             .collect()
     }
 }

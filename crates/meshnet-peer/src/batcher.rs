@@ -153,13 +153,13 @@ impl SpanBatcher {
 
     fn ask<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, ModelError> {
         let (reply, answer) = sync_channel(1);
-        self.jobs.send(job(reply)).map_err(|_| stopped())?;
-        answer.recv().map_err(|_| stopped())?
+        self.jobs
+            .send(job(reply))
+            .map_err(|_| ModelError::PassFailed("the span's compute thread has stopped".into()))?;
+        answer.recv().map_err(|_| {
+            ModelError::PassFailed("the computation panicked; see the peer's log".into())
+        })?
     }
-}
-
-fn stopped() -> ModelError {
-    ModelError::InvalidSpan("the span's compute thread has stopped".into())
 }
 
 /// The compute thread: waits for work, then runs everything waiting in passes until the
@@ -181,7 +181,14 @@ fn run(span: &ModelSpan, queue: &Receiver<Job>, counters: &Counters, max_batch_t
         counters.count(batch.len());
         // A panic in the model fails this pass's requests (their reply channels close), not
         // the thread.
-        let _ = catch_unwind(AssertUnwindSafe(|| run_batch(span, batch)));
+        let requests = batch.len();
+        if catch_unwind(AssertUnwindSafe(|| run_batch(span, batch))).is_err() {
+            tracing::error!(
+                layers = %span.layers(),
+                requests,
+                "a pass over the span panicked; its requests failed"
+            );
+        }
     }
 }
 
