@@ -4,9 +4,9 @@
 //! Each caller (a generation at the entry, a `/forward` request at a peer) hands its chunk to
 //! the span's thread and waits for the answer. The thread takes whatever has arrived since its
 //! last pass — decode steps and prefill chunks of different sessions, up to
-//! `--max-batch-tokens` rows ([`DEFAULT_MAX_BATCH_TOKENS`]) — and runs them as one pass over the weights, each session with its
-//! own KV cache and position ([`ModelSpan::forward_batch`]); LM-head requests are batched the
-//! same way. Sessions join and leave between any two passes, and a batched session's result has
+//! `--max-batch-tokens` rows ([`DEFAULT_MAX_BATCH_TOKENS`]) — and runs them as one pass over
+//! the weights, each session with its own KV cache and position
+//! ([`ModelSpan::forward_batch`]); LM-head requests are batched the same way. Sessions join and leave between any two passes, and a batched session's result has
 //! the bits it would have alone. All passes run on the process's one compute pool, so however
 //! many sessions there are, the cores are never oversubscribed.
 
@@ -175,7 +175,7 @@ fn run(span: &ModelSpan, queue: &Receiver<Job>, counters: &Counters, max_batch_t
             }
         }
         waiting.extend(queue.try_iter());
-        gather(queue, &mut waiting, &mut company);
+        gather(queue, &mut waiting, &mut company, max_batch_tokens);
         let batch = next_batch(&mut waiting, max_batch_tokens);
         company.ran(&batch);
         counters.count(batch.len());
@@ -242,14 +242,23 @@ impl Company {
 /// started on the first of them would split them into groups that each read all the weights. A
 /// session running alone never waits, nor does a pass while another kind of request waits
 /// behind it.
-fn gather(queue: &Receiver<Job>, waiting: &mut VecDeque<Job>, company: &mut Company) {
+fn gather(
+    queue: &Receiver<Job>,
+    waiting: &mut VecDeque<Job>,
+    company: &mut Company,
+    max_rows: usize,
+) {
     let Some(kind) = next_kind(waiting) else {
         return;
     };
     let expected = company.expected(kind);
     let deadline = Instant::now() + GATHER_WAIT;
     // A request of another kind waiting means some session is held up by this pass: run it.
-    while waiting.iter().all(|job| job.kind() == kind) && waiting.len() < expected {
+    // A full pass has nothing to wait for.
+    while waiting.iter().all(|job| job.kind() == kind)
+        && waiting.len() < expected
+        && waiting.iter().map(Job::rows).sum::<usize>() < max_rows
+    {
         let left = deadline.saturating_duration_since(Instant::now());
         match queue.recv_timeout(left) {
             Ok(job) => waiting.push_back(job),
@@ -374,9 +383,9 @@ mod tests {
         }
     }
 
-    fn describe(batch: &[Job]) -> Vec<String> {
+    fn describe<'a>(batch: impl IntoIterator<Item = &'a Job>) -> Vec<String> {
         batch
-            .iter()
+            .into_iter()
             .map(|job| match job {
                 Job::Layers { layers, item, .. } => {
                     format!("{}@{layers}x{}", item.session.as_u128(), job.rows())
@@ -425,5 +434,37 @@ mod tests {
         let mut waiting = VecDeque::from([layer_job(5, whole, 300), layer_job(6, whole, 1)]);
         assert_eq!(describe(&next_batch(&mut waiting, 256)), ["5@0..10x300"]);
         assert_eq!(describe(&next_batch(&mut waiting, 256)), ["6@0..10x1"]);
+    }
+
+    #[test]
+    fn a_pass_gathers_the_sessions_that_ran_with_it_unless_another_kind_waits() {
+        let whole = layers(0, 10);
+        let mut company = Company::default();
+        company.ran(&[layer_job(1, whole, 1), layer_job(2, whole, 1)]);
+        let (jobs, queue) = sync_channel(8);
+
+        // The second session's step is on its way: the pass takes it in.
+        jobs.send(layer_job(2, whole, 1)).unwrap();
+        let mut waiting = VecDeque::from([layer_job(1, whole, 1)]);
+        gather(&queue, &mut waiting, &mut company, 256);
+        assert_eq!(describe(&waiting), ["1@0..10x1", "2@0..10x1"]);
+
+        // It does not come (it ended): the pass goes ahead after the short wait.
+        let started = Instant::now();
+        let mut waiting = VecDeque::from([layer_job(1, whole, 1)]);
+        gather(&queue, &mut waiting, &mut company, 256);
+        assert_eq!(describe(&waiting), ["1@0..10x1"]);
+        assert!(started.elapsed() >= GATHER_WAIT);
+
+        // A session waits for the LM head: no waiting for the others at all.
+        jobs.send(layer_job(2, whole, 1)).unwrap();
+        let mut waiting = VecDeque::from([layer_job(1, whole, 1), logits_job()]);
+        gather(&queue, &mut waiting, &mut company, 256);
+        assert_eq!(describe(&waiting), ["1@0..10x1", "logits"]);
+
+        // Nor when the pass is already full.
+        let mut waiting = VecDeque::from([layer_job(1, whole, 1)]);
+        gather(&queue, &mut waiting, &mut company, 1);
+        assert_eq!(describe(&waiting), ["1@0..10x1"]);
     }
 }
