@@ -12,9 +12,9 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
@@ -106,6 +106,7 @@ impl Counters {
 pub struct SpanBatcher {
     jobs: SyncSender<Job>,
     counters: Arc<Counters>,
+    ended: Arc<Mutex<Vec<SessionId>>>,
     max_batch_tokens: usize,
 }
 
@@ -116,14 +117,22 @@ impl SpanBatcher {
         let (jobs, queue) = sync_channel(QUEUE_DEPTH);
         let counters = Arc::new(Counters::default());
         let counted = Arc::clone(&counters);
+        let company = Company::default();
+        let ended = Arc::clone(&company.ended);
         std::thread::Builder::new()
             .name(format!("meshnet-span-{}", span.layers()))
-            .spawn(move || run(&span, &queue, &counted, max_batch_tokens))?;
+            .spawn(move || run(&span, &queue, &counted, company, max_batch_tokens))?;
         Ok(SpanBatcher {
             jobs,
             counters,
+            ended,
             max_batch_tokens,
         })
+    }
+
+    /// Tells the compute thread that `session` has ended, so no pass waits for it.
+    pub fn forget(&self, session: SessionId) {
+        lock(&self.ended).push(session);
     }
 
     /// What the compute thread has done so far.
@@ -164,9 +173,14 @@ impl SpanBatcher {
 
 /// The compute thread: waits for work, then runs everything waiting in passes until the
 /// queue is empty, and again, until every handle is gone.
-fn run(span: &ModelSpan, queue: &Receiver<Job>, counters: &Counters, max_batch_tokens: usize) {
+fn run(
+    span: &ModelSpan,
+    queue: &Receiver<Job>,
+    counters: &Counters,
+    mut company: Company,
+    max_batch_tokens: usize,
+) {
     let mut waiting = VecDeque::new();
-    let mut company = Company::default();
     loop {
         if waiting.is_empty() {
             match queue.recv() {
@@ -197,43 +211,51 @@ fn run(span: &ModelSpan, queue: &Receiver<Job>, counters: &Counters, max_batch_t
 struct Company {
     /// For each range of layers, the sessions of its passes and when they last ran.
     sessions: HashMap<LayerSpan, HashMap<SessionId, Instant>>,
-    /// How many requests the last LM-head pass took.
-    last_logits_pass: usize,
+    /// Sessions whose end was announced ([`SpanBatcher::forget`]), not yet struck off.
+    ended: Arc<Mutex<Vec<SessionId>>>,
 }
 
 impl Company {
     fn ran(&mut self, batch: &[Job]) {
         let now = Instant::now();
         for job in batch {
-            match job {
-                Job::Layers { layers, item, .. } => {
-                    self.sessions
-                        .entry(*layers)
-                        .or_default()
-                        .insert(item.session, now);
-                }
-                Job::Logits { .. } => {}
+            if let Job::Layers { layers, item, .. } = job {
+                self.sessions
+                    .entry(*layers)
+                    .or_default()
+                    .insert(item.session, now);
             }
-        }
-        if matches!(batch.first(), Some(Job::Logits { .. })) {
-            self.last_logits_pass = batch.len();
         }
     }
 
-    /// How many requests a pass of `kind` should wait for: the sessions that ran it within
-    /// [`RECENT`] (a session that ended is forgotten after that), or the size of the last
-    /// LM-head pass.
+    /// How many requests a pass of `kind` should wait for: the sessions that ran its layers
+    /// within [`RECENT`] and have not ended; for the LM head, the sessions that ran any layers
+    /// here (at the entry, every running generation).
     fn expected(&mut self, kind: PassKind) -> usize {
-        let Some(layers) = kind else {
-            return self.last_logits_pass.max(1);
-        };
-        let Some(sessions) = self.sessions.get_mut(&layers) else {
-            return 1;
-        };
+        let ended: Vec<SessionId> = std::mem::take(&mut *lock(&self.ended));
         let now = Instant::now();
-        sessions.retain(|_, last| now.duration_since(*last) < RECENT);
-        sessions.len().max(1)
+        for sessions in self.sessions.values_mut() {
+            sessions.retain(|session, last| {
+                now.duration_since(*last) < RECENT && !ended.contains(session)
+            });
+        }
+        let count = match kind {
+            Some(layers) => self.sessions.get(&layers).map_or(0, HashMap::len),
+            None => self
+                .sessions
+                .values()
+                .flat_map(HashMap::keys)
+                .collect::<HashSet<_>>()
+                .len(),
+        };
+        count.max(1)
     }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Waits, at most [`GATHER_WAIT`], until as many requests of the next pass's kind are waiting
@@ -455,6 +477,14 @@ mod tests {
         gather(&queue, &mut waiting, &mut company, 256);
         assert_eq!(describe(&waiting), ["1@0..10x1"]);
         assert!(started.elapsed() >= GATHER_WAIT);
+
+        // A session whose end was announced is not waited for at all.
+        let ended = Arc::clone(&company.ended);
+        assert_eq!(company.expected(Some(whole)), 2);
+        lock(&ended).push(uuid::Uuid::from_u128(2));
+        assert_eq!(company.expected(Some(whole)), 1);
+        assert_eq!(company.expected(None), 1);
+        company.ran(&[layer_job(2, whole, 1)]);
 
         // A session waits for the LM head: no waiting for the others at all.
         jobs.send(layer_job(2, whole, 1)).unwrap();

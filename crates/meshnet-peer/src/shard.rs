@@ -91,6 +91,12 @@ impl LoadedShard {
         self.batcher.forward(layers, item)
     }
 
+    /// Frees the session's KV cache and tells the compute thread it has ended.
+    pub fn end_session(&self, session: SessionId) {
+        self.span.kv_store().end_session(session);
+        self.batcher.forget(session);
+    }
+
     /// What the span's compute thread has done so far.
     pub fn batching(&self) -> BatchingReport {
         self.batcher.report()
@@ -134,7 +140,7 @@ impl Stage for LoadedShard {
     }
 
     fn end_session(&self, session: SessionId) {
-        self.span.kv_store().end_session(session);
+        LoadedShard::end_session(self, session);
     }
 
     fn name(&self) -> String {
@@ -501,7 +507,7 @@ impl SpanExecutor for ShardHost {
     fn end_session(&self, session: SessionId) {
         let state = self.lock();
         for shard in all_shards(&state) {
-            shard.span.kv_store().end_session(session);
+            shard.end_session(session);
         }
     }
 }
