@@ -29,6 +29,26 @@ pub trait Stage {
 
     /// A short description for error messages ("layers 10..20", a peer's address).
     fn name(&self) -> String;
+
+    /// Starts a prefill chunk like [`Stage::forward`] does, but a stage that can overlap
+    /// chunks (a route over other peers) may send it on its way and return `None` at once;
+    /// [`Stage::finish_chunks`] then waits for what it sent. Chunks come in order. The default
+    /// runs the chunk to the end.
+    fn start_chunk(
+        &self,
+        session: SessionId,
+        position: usize,
+        hidden: Tensor,
+    ) -> Result<Option<Tensor>> {
+        self.forward(session, position, hidden).map(Some)
+    }
+
+    /// Waits for every chunk [`Stage::start_chunk`] left running and returns the output of the
+    /// last of them (`None` when none was left running).
+    fn finish_chunks(&self, session: SessionId) -> Result<Option<Tensor>> {
+        let _ = session;
+        Ok(None)
+    }
 }
 
 /// Turns token ids into the first hidden states.
@@ -101,6 +121,52 @@ impl Route<'_> {
         }
         if self.stages.len() > 1 {
             hidden = self.boundary.cross(hidden)?;
+        }
+        Ok(hidden)
+    }
+
+    /// Runs the whole prompt through every stage in chunks of at most `chunk_tokens` and
+    /// returns the last chunk's hidden states. The last stage may overlap the chunks
+    /// ([`Stage::start_chunk`]): while it works on one, the stages before it compute the next
+    /// (pipelined prefill, ADR-0021). The other stages run each chunk to the end.
+    pub fn prefill(
+        &self,
+        session: SessionId,
+        prompt: &[u32],
+        chunk_tokens: usize,
+    ) -> Result<Tensor> {
+        let Some((last_stage, first_stages)) = self.stages.split_last() else {
+            return Err(ModelError::InvalidSpan("the route has no stage".into()));
+        };
+        if chunk_tokens == 0 {
+            return Err(ModelError::InvalidSpan(
+                "prefill chunks need at least one token".into(),
+            ));
+        }
+        let mut last_hidden = None;
+        for range in chunk_ranges(prompt.len(), chunk_tokens) {
+            let position = range.start;
+            let mut hidden = self.embedder.embed(&prompt[range])?;
+            for (index, stage) in first_stages.iter().enumerate() {
+                if index > 0 {
+                    hidden = self.boundary.cross(hidden)?;
+                }
+                hidden = stage.forward(session, position, hidden)?;
+            }
+            if !first_stages.is_empty() {
+                hidden = self.boundary.cross(hidden)?;
+            }
+            if let Some(output) = last_stage.start_chunk(session, position, hidden)? {
+                last_hidden = Some(output);
+            }
+        }
+        if let Some(output) = last_stage.finish_chunks(session)? {
+            last_hidden = Some(output);
+        }
+        let hidden = last_hidden
+            .ok_or_else(|| ModelError::InvalidSpan("the prompt has no tokens".into()))?;
+        if self.stages.len() > 1 {
+            return self.boundary.cross(hidden);
         }
         Ok(hidden)
     }
@@ -223,13 +289,7 @@ fn run(
     let mut sampler = Sampler::new(request.sampling.clone())?;
     let mut recorded = Vec::new();
 
-    let mut last_hidden = None;
-    for range in chunk_ranges(request.prompt.len(), request.chunk_tokens) {
-        last_hidden = Some(route.forward_hidden(session, range.start, &request.prompt[range])?);
-    }
-    let Some(last_hidden) = last_hidden else {
-        return Err(ModelError::InvalidSpan("the prompt has no tokens".into()));
-    };
+    let last_hidden = route.prefill(session, &request.prompt, request.chunk_tokens)?;
     let mut logits = route.head.logits(&last_hidden)?;
 
     let mut generated = Vec::with_capacity(request.max_tokens);
