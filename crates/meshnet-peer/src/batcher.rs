@@ -147,7 +147,14 @@ impl SpanBatcher {
 
     /// Runs `layers` over `item` together with whatever else is waiting; blocks until done.
     pub fn forward(&self, layers: LayerSpan, item: BatchItem) -> Result<Tensor, ModelError> {
-        self.ask(|reply| Job::Layers {
+        self.submit(layers, item)?.wait()
+    }
+
+    /// Hands `item` to the compute thread, behind every request handed over before it (a
+    /// session's chunks run in the order they were submitted); blocks only while the queue is
+    /// full. The answer comes with [`Answer::wait`].
+    pub fn submit(&self, layers: LayerSpan, item: BatchItem) -> Result<Answer<Tensor>, ModelError> {
+        self.hand_over(|reply| Job::Layers {
             layers,
             item,
             reply,
@@ -161,11 +168,26 @@ impl SpanBatcher {
     }
 
     fn ask<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, ModelError> {
+        self.hand_over(job)?.wait()
+    }
+
+    fn hand_over<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<Answer<T>, ModelError> {
         let (reply, answer) = sync_channel(1);
         self.jobs
             .send(job(reply))
             .map_err(|_| ModelError::PassFailed("the span's compute thread has stopped".into()))?;
-        answer.recv().map_err(|_| {
+        Ok(Answer(answer))
+    }
+}
+
+/// The coming answer to a request handed to a span's compute thread.
+#[derive(Debug)]
+pub struct Answer<T>(Receiver<Result<T, ModelError>>);
+
+impl<T> Answer<T> {
+    /// Blocks until the pass that took the request has run.
+    pub fn wait(self) -> Result<T, ModelError> {
+        self.0.recv().map_err(|_| {
             ModelError::PassFailed("the computation panicked; see the peer's log".into())
         })?
     }

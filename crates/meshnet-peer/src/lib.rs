@@ -10,6 +10,8 @@
 //!   shape for the planner.
 //! - [`shard`]: the span slot — load, drop with draining, and the activation plane's
 //!   executor.
+//! - [`batcher`]: the compute thread that runs every session's work on a span in shared passes.
+//! - [`chunk_order`]: a session's chunks enter a span in position order.
 //! - [`tracker`]: the tracker's book of peers, planning rounds, coverage map and directives.
 //! - [`routing`]: choosing the hops of a generation over ready peers.
 //! - [`remote`]: the remote part of a route as one stage of the generation loop.
@@ -20,6 +22,7 @@
 
 pub mod admission;
 pub mod batcher;
+pub mod chunk_order;
 pub mod config;
 pub mod console;
 mod control;

@@ -22,6 +22,7 @@ use meshnet_wire::{Activations, FrameMeta, PREFILL_CHUNK_TOKENS};
 use serde::Serialize;
 
 use crate::batcher::{BatchingReport, DEFAULT_MAX_BATCH_TOKENS, SpanBatcher};
+use crate::chunk_order::{CHUNK_TURN_WAIT, ChunkOrder};
 use crate::error::PeerError;
 use crate::mesh_model::MeshModel;
 
@@ -56,6 +57,7 @@ pub struct LoadedShard {
     /// The weights and the KV caches.
     pub span: Arc<ModelSpan>,
     batcher: SpanBatcher,
+    order: ChunkOrder,
 }
 
 impl LoadedShard {
@@ -71,11 +73,13 @@ impl LoadedShard {
             target,
             batcher: SpanBatcher::start(Arc::clone(&span), max_batch_tokens)?,
             span,
+            order: ChunkOrder::default(),
         })
     }
 
     /// Runs `layers` over a session's chunk, in one pass with whatever other sessions have
-    /// waiting on this span (see [`crate::batcher`]). Blocking.
+    /// waiting on this span (see [`crate::batcher`]). A chunk that arrives before the one
+    /// ahead of it waits its turn (see [`crate::chunk_order`]). Blocking.
     pub fn forward_range(
         &self,
         session: SessionId,
@@ -83,18 +87,25 @@ impl LoadedShard {
         hidden: Tensor,
         layers: LayerSpan,
     ) -> Result<Tensor, ModelError> {
+        let tokens = hidden.dim(1)?;
+        if !self.order.wait_turn(session, position, CHUNK_TURN_WAIT) {
+            tracing::debug!(%session, position, "the chunks before this one never came");
+        }
         let item = BatchItem {
             session,
             position,
             hidden,
         };
-        self.batcher.forward(layers, item)
+        let answer = self.batcher.submit(layers, item)?;
+        self.order.entered(session, position + tokens);
+        answer.wait()
     }
 
     /// Frees the session's KV cache and tells the compute thread it has ended.
     pub fn end_session(&self, session: SessionId) {
         self.span.kv_store().end_session(session);
         self.batcher.forget(session);
+        self.order.forget(session);
     }
 
     /// What the span's compute thread has done so far.
