@@ -53,6 +53,9 @@ pub struct PeerConfig {
     /// The most rows (tokens over all sessions) one pass over a span's weights takes; 1 runs
     /// each session's chunk alone.
     pub max_batch_tokens: usize,
+    /// Chunks of one prompt the tracker keeps travelling through the other peers at once
+    /// (pipelined prefill); 1 sends the next only when the last is answered.
+    pub prefill_in_flight: usize,
     /// Requests the tracker keeps waiting for a generation slot; one more is answered 429.
     pub max_queued_sessions: usize,
     /// How long a request waits in line for a slot before it is answered 429.
@@ -97,6 +100,7 @@ impl PeerConfig {
             kv_tokens: 2048,
             max_sessions: 8,
             max_batch_tokens: crate::batcher::DEFAULT_MAX_BATCH_TOKENS,
+            prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
             max_queued_sessions: 32,
             queue_timeout: Duration::from_secs(60),
             assume_reachable: false,

@@ -38,6 +38,7 @@ pub struct MeshEngine {
     client: ForwardClient,
     encoding: Encoding,
     admission: Admission,
+    prefill_in_flight: usize,
 }
 
 impl MeshEngine {
@@ -72,7 +73,15 @@ impl MeshEngine {
             client,
             encoding: Encoding::Zstd,
             admission: Admission::new(limits),
+            prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
         }
+    }
+
+    /// Keeps up to `chunks` of a prompt travelling through the remote hops at once (1: each
+    /// chunk is answered before the next is computed).
+    pub fn with_prefill_in_flight(mut self, chunks: usize) -> Self {
+        self.prefill_in_flight = chunks.max(1);
+        self
     }
 
     /// Generations running now.
@@ -244,7 +253,8 @@ impl MeshEngine {
                         self.encoding,
                         self.failover.clone(),
                     )
-                    .map_err(|e| EngineError::Internal(e.to_string()))?,
+                    .map_err(|e| EngineError::Internal(e.to_string()))?
+                    .with_prefill_in_flight(self.prefill_in_flight),
                 )
             },
             request: generation,

@@ -148,6 +148,11 @@ struct RunArgs {
     /// chunk alone.
     #[arg(long, default_value_t = meshnet_peer::batcher::DEFAULT_MAX_BATCH_TOKENS)]
     max_batch_tokens: usize,
+    /// Chunks of one prompt the tracker keeps travelling through the other peers at once: the
+    /// next chunk is computed while the hops work on the last (pipelined prefill). 1 waits for
+    /// each chunk's answer.
+    #[arg(long, default_value_t = meshnet_peer::remote::DEFAULT_PREFILL_IN_FLIGHT)]
+    prefill_chunks_in_flight: usize,
     /// Requests the tracker keeps waiting for a generation slot (0: none); one more is
     /// answered 429.
     #[arg(long, default_value_t = 32)]
@@ -464,6 +469,9 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     if args.max_batch_tokens == 0 {
         bail!("--max-batch-tokens must be at least 1");
     }
+    if args.prefill_chunks_in_flight == 0 {
+        bail!("--prefill-chunks-in-flight must be at least 1");
+    }
     if args.failover_attempts == 0 {
         bail!("--failover-attempts must be at least 1");
     }
@@ -505,6 +513,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     config.kv_tokens = args.kv_tokens;
     config.max_sessions = args.max_sessions;
     config.max_batch_tokens = args.max_batch_tokens;
+    config.prefill_in_flight = args.prefill_chunks_in_flight;
     config.max_queued_sessions = args.max_queued_sessions;
     config.queue_timeout = Duration::from_secs_f64(args.queue_timeout);
     config.assume_reachable = args.reachable;

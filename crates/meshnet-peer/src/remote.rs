@@ -15,7 +15,14 @@
 //! the KV caches, ends the old session on the hops that survived, and sends the step that
 //! failed again. The generation loop never notices beyond the
 //! pause (ADR-0018).
+//!
+//! A prompt's chunks are pipelined (ADR-0021): the stage sends a chunk on its way and returns
+//! at once, so the entry computes the next chunk while the hops work on this one, keeping up
+//! to `--prefill-chunks-in-flight` chunks travelling. A failure of any of them is handled as
+//! above once every chunk still travelling has landed: the replay sends them all again.
 
+use std::collections::VecDeque;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -25,6 +32,7 @@ use meshnet_node::{ClientError, ForwardClient, HopFailure, HopFailureKind};
 use meshnet_types::{LayerSpan, PeerId};
 use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Route};
 use tokio::runtime::Handle;
+use tokio::task::JoinHandle;
 
 use crate::member::lock;
 use crate::routing::{MeshRoutes, PlannedHop};
@@ -37,6 +45,10 @@ const RECOVERY_POLL: Duration = Duration::from_millis(200);
 
 /// How often a send waiting for its answer checks that the route's hops still announce.
 const SILENCE_POLL: Duration = Duration::from_millis(200);
+
+/// Chunks of one prompt a route keeps travelling at once unless told otherwise
+/// (`--prefill-chunks-in-flight`): one at each of a few hops.
+pub const DEFAULT_PREFILL_IN_FLIGHT: usize = 4;
 
 /// How a generation gets past a failed hop.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -97,6 +109,10 @@ struct RouteState {
     history_tokens: usize,
     /// Peers this generation no longer uses.
     avoid: Avoid,
+    /// Prompt chunks sent and not yet answered, oldest first (all of them in `history`).
+    in_flight: VecDeque<JoinHandle<Result<Activations, SendError>>>,
+    /// The answer to the newest chunk landed, until the prefill collects it.
+    landed: Option<Tensor>,
 }
 
 /// Peers one generation no longer uses.
@@ -122,6 +138,7 @@ pub struct RemoteStage {
     runtime: Handle,
     encoding: Encoding,
     failover: Failover,
+    prefill_in_flight: usize,
     state: Mutex<RouteState>,
 }
 
@@ -152,8 +169,16 @@ impl RemoteStage {
             runtime,
             encoding,
             failover,
+            prefill_in_flight: DEFAULT_PREFILL_IN_FLIGHT,
             state: Mutex::new(state),
         })
+    }
+
+    /// Keeps up to `chunks` of a prompt travelling at once (at least 1: each chunk waits for
+    /// its answer before the next is computed).
+    pub fn with_prefill_in_flight(mut self, chunks: usize) -> Self {
+        self.prefill_in_flight = chunks.max(1);
+        self
     }
 
     /// Sends `hidden` at `position` of `session` through the current route.
@@ -164,6 +189,23 @@ impl RemoteStage {
         position: usize,
         hidden: &Tensor,
     ) -> Result<Tensor, SendError> {
+        let answer = self
+            .runtime
+            .block_on(self.post(state, session, position, hidden)?)?;
+        to_hidden(answer)
+    }
+
+    /// The send of `hidden` at `position` of `session` through the current route, as a future
+    /// that owns what it needs (so it can run on a task of its own): the answer of the last
+    /// hop, or the failure of the hop that failed or went silent.
+    fn post(
+        &self,
+        state: &RouteState,
+        session: SessionId,
+        position: usize,
+        hidden: &Tensor,
+    ) -> Result<impl Future<Output = Result<Activations, SendError>> + Send + 'static, SendError>
+    {
         let first = state
             .hops
             .first()
@@ -181,44 +223,62 @@ impl RemoteStage {
             },
             activations,
         };
-        let answer = self.runtime.block_on(async {
+        let endpoint = first.endpoint.clone();
+        let client = self.client.clone();
+        let routes = Arc::clone(&self.failover.routes);
+        let hops = state.hops.clone();
+        let encoding = self.encoding;
+        Ok(async move {
             tokio::select! {
-                answer = self.client.forward(&first.endpoint, frame, self.encoding) => {
-                    answer.map_err(|error| hop_error(state, error))
+                answer = client.forward(&endpoint, frame, encoding) => {
+                    answer.map(|answer| answer.activations).map_err(|error| hop_error(&hops, error))
                 }
-                silent = self.first_silent_hop(state) => Err(silent),
+                silent = first_silent_hop(routes.as_ref(), &hops) => Err(silent),
             }
-        })?;
-        answer
-            .activations
-            .into_tensor(&Device::Cpu)
-            .and_then(|t| Ok(t.to_dtype(DType::F32)?))
-            .map_err(|e| SendError::Other(e.into()))
+        })
     }
 
-    /// Resolves once a hop of the route stops announcing itself (stopped, cut off, or dead
-    /// without closing its connections), with that hop's failure; the answer it holds up may
-    /// otherwise only end with the hop timeout.
-    async fn first_silent_hop(&self, state: &RouteState) -> SendError {
-        let peers: Vec<PeerId> = state.hops.iter().map(|hop| hop.peer.clone()).collect();
-        loop {
-            tokio::time::sleep(SILENCE_POLL).await;
-            let Some(peer) = self.failover.routes.first_silent(&peers) else {
-                continue;
-            };
-            let endpoint = state
-                .hops
-                .iter()
-                .find(|hop| hop.peer == peer)
-                .map_or_else(String::new, |hop| hop.endpoint.clone());
-            let mut failure = HopFailure::new(
-                endpoint,
-                HopFailureKind::Silent,
-                "the tracker stopped hearing its announcements while waiting for the answer",
-            );
-            failure.peer = Some(peer);
-            return SendError::Hop(Box::new(failure));
+    /// Waits for the oldest chunk travelling. Its answer becomes `state.landed`; when it
+    /// failed, the rest land first (so nothing of the old session still travels) and the
+    /// generation fails over, the replay sending every chunk again and its last answer
+    /// becoming `state.landed`.
+    fn land_oldest(&self, state: &mut RouteState, generation: SessionId) -> Result<(), ModelError> {
+        let Some(oldest) = state.in_flight.pop_front() else {
+            return Ok(());
+        };
+        let failure = match self.runtime.block_on(oldest) {
+            Ok(Ok(answer)) => match to_hidden(answer) {
+                Ok(hidden) => {
+                    state.landed = Some(hidden);
+                    return Ok(());
+                }
+                Err(error) => error,
+            },
+            Ok(Err(error)) => error,
+            Err(join) => SendError::Other(stage_error(
+                state,
+                format!("the task sending a chunk failed: {join}"),
+            )),
+        };
+        self.land_all(state);
+        match failure {
+            SendError::Hop(failure) if reroutable(&failure) => {
+                let mut attempts = 0;
+                state.landed = self.fail_over(state, generation, *failure, &mut attempts)?;
+                Ok(())
+            }
+            SendError::Hop(failure) => Err(hop_model_error(state, *failure)),
+            SendError::Other(error) => Err(error),
         }
+    }
+
+    /// Waits for every chunk still travelling, whatever its answer.
+    fn land_all(&self, state: &mut RouteState) {
+        let travelling: Vec<_> = state.in_flight.drain(..).collect();
+        if !travelling.is_empty() {
+            self.runtime.block_on(futures::future::join_all(travelling));
+        }
+        state.landed = None;
     }
 
     /// Gets the generation past `failure`: a new route, the history replayed through it under
@@ -229,7 +289,7 @@ impl RemoteStage {
         generation: SessionId,
         mut failure: HopFailure,
         attempts: &mut u32,
-    ) -> Result<(), ModelError> {
+    ) -> Result<Option<Tensor>, ModelError> {
         let started = Instant::now();
         let policy = &self.failover.policy;
         while *attempts < policy.attempts {
@@ -270,7 +330,7 @@ impl RemoteStage {
             // until the first failover).
             self.end_in_background(&old.hops, &culprit, old.session.unwrap_or(generation));
             match self.replay(state) {
-                Ok(replayed) => {
+                Ok((replayed, last_answer)) => {
                     self.failover.metrics.count_failover();
                     tracing::info!(
                         attempt,
@@ -280,7 +340,7 @@ impl RemoteStage {
                         pause_ms = started.elapsed().as_millis() as u64,
                         "failover: the generation continues on a new route"
                     );
-                    return Ok(());
+                    return Ok(last_answer);
                 }
                 Err(SendError::Hop(next)) if reroutable(&next) => failure = *next,
                 Err(SendError::Hop(next)) => return Err(hop_model_error(state, *next)),
@@ -334,19 +394,20 @@ impl RemoteStage {
 
     /// Sends the recorded history through the current route frame by frame, as it was first
     /// sent (the prompt's prefill chunks of at most 128 tokens, then one frame per decode
-    /// step); returns the tokens replayed.
+    /// step); returns the tokens replayed and the answer to the last frame.
     ///
     /// The frames keep their first shapes because attention over a chunk does not give
     /// bit-identical values to the same tokens decoded one by one: replaying the decode
     /// steps as one chunk changed the greedy text in 5 of 20 chaos runs (ADR-0018).
-    fn replay(&self, state: &RouteState) -> Result<usize, SendError> {
+    fn replay(&self, state: &RouteState) -> Result<(usize, Option<Tensor>), SendError> {
         let session = state.session.unwrap_or_else(SessionId::new_v4);
         let mut position = 0;
+        let mut last_answer = None;
         for frame in &state.history {
-            self.send(state, session, position, frame)?;
+            last_answer = Some(self.send(state, session, position, frame)?);
             position += frame.dim(1).map_err(|e| SendError::Other(e.into()))?;
         }
-        Ok(position)
+        Ok((position, last_answer))
     }
 
     /// Asks every hop of `hops` but `failed` to free `session`, without waiting.
@@ -396,7 +457,41 @@ fn route_state(hops: Vec<PlannedHop>, avoid: Avoid) -> Result<RouteState, ModelE
         history: Vec::new(),
         history_tokens: 0,
         avoid,
+        in_flight: VecDeque::new(),
+        landed: None,
     })
+}
+
+/// A hop's answer as the `f32` hidden states the generation continues with.
+fn to_hidden(answer: Activations) -> Result<Tensor, SendError> {
+    answer
+        .into_tensor(&Device::Cpu)
+        .and_then(|t| Ok(t.to_dtype(DType::F32)?))
+        .map_err(|e| SendError::Other(e.into()))
+}
+
+/// Resolves once a hop of `hops` stops announcing itself (stopped, cut off, or dead without
+/// closing its connections), with that hop's failure; the answer it holds up may otherwise
+/// only end with the hop timeout.
+async fn first_silent_hop(routes: &dyn MeshRoutes, hops: &[PlannedHop]) -> SendError {
+    let peers: Vec<PeerId> = hops.iter().map(|hop| hop.peer.clone()).collect();
+    loop {
+        tokio::time::sleep(SILENCE_POLL).await;
+        let Some(peer) = routes.first_silent(&peers) else {
+            continue;
+        };
+        let endpoint = hops
+            .iter()
+            .find(|hop| hop.peer == peer)
+            .map_or_else(String::new, |hop| hop.endpoint.clone());
+        let mut failure = HopFailure::new(
+            endpoint,
+            HopFailureKind::Silent,
+            "the tracker stopped hearing its announcements while waiting for the answer",
+        );
+        failure.peer = Some(peer);
+        return SendError::Hop(Box::new(failure));
+    }
 }
 
 /// The hops as `endpoint (layers a..b) -> ...`.
@@ -415,19 +510,18 @@ fn stage_error(state: &RouteState, reason: impl std::fmt::Display) -> ModelError
 }
 
 /// A failed send: the [`HopFailure`] of the hop that actually failed, named by its peer id
-/// when it is one of this route's hops.
-fn hop_error(state: &RouteState, error: ClientError) -> SendError {
+/// when it is one of the route's `hops`.
+fn hop_error(hops: &[PlannedHop], error: ClientError) -> SendError {
     match error.hop_failure() {
         Some(mut failure) => {
-            failure.peer = state
-                .hops
+            failure.peer = hops
                 .iter()
                 .find(|hop| hop.endpoint == failure.endpoint)
                 .map(|hop| hop.peer.clone());
             SendError::Hop(Box::new(failure))
         }
         None => SendError::Other(ModelError::Stage {
-            stage: describe(&state.hops),
+            stage: describe(hops),
             source: Box::new(error),
         }),
     }
@@ -485,6 +579,10 @@ impl Stage for RemoteStage {
         let input = hidden.to_dtype(DType::BF16)?;
         let tokens = input.dim(1)?;
         let mut state = lock(&self.state);
+        while !state.in_flight.is_empty() {
+            self.land_oldest(&mut state, session)?;
+        }
+        state.landed = None;
         if position != state.history_tokens {
             return Err(stage_error(
                 &state,
@@ -513,9 +611,55 @@ impl Stage for RemoteStage {
         }
     }
 
+    fn start_chunk(
+        &self,
+        session: SessionId,
+        position: usize,
+        hidden: Tensor,
+    ) -> meshnet_model::Result<Option<Tensor>> {
+        if self.prefill_in_flight <= 1 {
+            return self.forward(session, position, hidden).map(Some);
+        }
+        let input = hidden.to_dtype(DType::BF16)?;
+        let tokens = input.dim(1)?;
+        let mut state = lock(&self.state);
+        if position != state.history_tokens {
+            return Err(stage_error(
+                &state,
+                format!(
+                    "position {position} does not follow the {} tokens sent",
+                    state.history_tokens
+                ),
+            ));
+        }
+        while state.in_flight.len() >= self.prefill_in_flight {
+            self.land_oldest(&mut state, session)?;
+        }
+        let on_hops = state.session.unwrap_or(session);
+        let post = match self.post(&state, on_hops, position, &input) {
+            Ok(post) => post,
+            Err(SendError::Hop(failure)) => return Err(hop_model_error(&state, *failure)),
+            Err(SendError::Other(error)) => return Err(error),
+        };
+        state.history.push(input);
+        state.history_tokens += tokens;
+        let sending = self.runtime.spawn(post);
+        state.in_flight.push_back(sending);
+        Ok(None)
+    }
+
+    fn finish_chunks(&self, session: SessionId) -> meshnet_model::Result<Option<Tensor>> {
+        let mut state = lock(&self.state);
+        while !state.in_flight.is_empty() {
+            self.land_oldest(&mut state, session)?;
+        }
+        Ok(state.landed.take())
+    }
+
     fn end_session(&self, session: SessionId) {
         let (hops, on_hops) = {
-            let state = lock(&self.state);
+            let mut state = lock(&self.state);
+            self.land_all(&mut state);
             (state.hops.clone(), state.session.unwrap_or(session))
         };
         // All hops at once, each given a few seconds: a dead hop must not hold up the others
@@ -704,5 +848,209 @@ mod tests {
             .unwrap();
         assert_eq!(next.dims(), &[1, 1, 4]);
         assert!(stage.name().contains("layers 10..30"));
+    }
+
+    /// Stand-in layers that add 1 per layer, record the position of every chunk they get and,
+    /// while closed, hold every chunk until they are opened.
+    #[derive(Default)]
+    struct Gate {
+        open: Mutex<bool>,
+        opened: std::sync::Condvar,
+        positions: Mutex<Vec<u64>>,
+    }
+
+    impl Gate {
+        fn open(&self) {
+            *lock(&self.open) = true;
+            self.opened.notify_all();
+        }
+
+        fn arrived(&self) -> usize {
+            lock(&self.positions).len()
+        }
+    }
+
+    impl SpanExecutor for Gate {
+        fn served_layers(&self) -> Option<LayerSpan> {
+            Some(LayerSpan::new(10, 30))
+        }
+
+        fn forward(
+            &self,
+            meta: &FrameMeta,
+            input: Activations,
+        ) -> Result<Activations, ExecutorError> {
+            lock(&self.positions).push(meta.position);
+            let mut open = lock(&self.open);
+            while !*open {
+                open = self
+                    .opened
+                    .wait(open)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            drop(open);
+            AddOnePerLayer.forward(meta, input)
+        }
+    }
+
+    /// Serves `executor`'s activation plane on a loopback port; returns its URL.
+    async fn serve(executor: Arc<dyn SpanExecutor>, client: &ForwardClient) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let router = ActivationPlane::new(executor, Limits::default(), client.clone()).router();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        url
+    }
+
+    /// Waits, at most 30 s, until `condition` holds.
+    async fn until(what: &str, condition: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !condition() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// A two-token chunk whose values are all `value`.
+    fn chunk(value: f32) -> Tensor {
+        (Tensor::ones((1, 2, 4), DType::F32, &Device::Cpu).unwrap() * f64::from(value)).unwrap()
+    }
+
+    fn values(tensor: &Tensor) -> Vec<f32> {
+        tensor.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// One holder of 10..30, never silent.
+    struct OneHolder(PlannedHop);
+
+    impl MeshRoutes for OneHolder {
+        fn route(&self, _start: u32, _avoid: &[PeerId]) -> Result<Vec<PlannedHop>, Uncovered> {
+            Ok(vec![self.0.clone()])
+        }
+
+        fn ban(&self, _peer: &PeerId, _cause: &str) {}
+
+        fn first_silent(&self, _peers: &[PeerId]) -> Option<PeerId> {
+            None
+        }
+    }
+
+    /// Pipelined prefill: the stage hands each chunk on and returns at once, so all three are
+    /// at the hop together; the last one's answer comes back once they land, and a decode step
+    /// follows at the next position.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn prompt_chunks_travel_together_and_the_last_answer_comes_back() {
+        let client = ForwardClient::new(Limits::default(), Duration::from_secs(60)).unwrap();
+        let gate = Arc::new(Gate::default());
+        let url = serve(Arc::clone(&gate) as _, &client).await;
+        let failover = Failover {
+            routes: Arc::new(OneHolder(hop("gated", url))),
+            policy: FailoverPolicy::default(),
+            metrics: meshnet_metrics::Metrics::detached(),
+        };
+        let hops = failover.routes.route(10, &[]).unwrap();
+        let stage = RemoteStage::new(10, hops, client, Handle::current(), Encoding::Raw, failover)
+            .unwrap()
+            .with_prefill_in_flight(4);
+        let stage = Arc::new(stage);
+        let session = SessionId::new_v4();
+
+        let sending = Arc::clone(&stage);
+        let started = tokio::task::spawn_blocking(move || {
+            (0..3)
+                .map(|k| {
+                    sending
+                        .start_chunk(session, 2 * k, chunk(k as f32))
+                        .unwrap()
+                })
+                .collect::<Vec<_>>()
+        })
+        .await
+        .unwrap();
+        assert!(
+            started.iter().all(Option::is_none),
+            "a chunk was waited for"
+        );
+        // All three are held at the hop at once: none was answered before the next was sent.
+        until("three chunks at the hop", || gate.arrived() == 3).await;
+        gate.open();
+        let landing = Arc::clone(&stage);
+        let last = tokio::task::spawn_blocking(move || landing.finish_chunks(session))
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(values(&last).iter().all(|v| *v == 22.0), "{last}");
+        let mut positions = lock(&gate.positions).clone();
+        positions.sort_unstable();
+        assert_eq!(positions, [0, 2, 4]);
+
+        let stepping = Arc::clone(&stage);
+        let next = tokio::task::spawn_blocking(move || {
+            let early = stepping.forward(session, 5, chunk(1.0));
+            let step = stepping.forward(session, 6, chunk(1.0));
+            (early, step)
+        })
+        .await
+        .unwrap();
+        assert!(next.0.is_err(), "a step at the wrong position was sent");
+        assert!(values(&next.1.unwrap()).iter().all(|v| *v == 21.0));
+    }
+
+    /// A hop that stops while holding pipelined chunks: once every chunk has landed the
+    /// generation fails over and the replay sends all of them, in order, to the other holder,
+    /// whose answer to the last is the prefill's result.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hop_failing_under_pipelined_chunks_is_replaced_and_every_chunk_replayed() {
+        let client = ForwardClient::new(Limits::default(), Duration::from_secs(60)).unwrap();
+        let healthy = Arc::new(Gate::default());
+        healthy.open();
+        let healthy_url = serve(Arc::clone(&healthy) as _, &client).await;
+        let stopped = Arc::new(Gate::default());
+        let stopped_url = serve(Arc::clone(&stopped) as _, &client).await;
+        let routes = Arc::new(TwoHolders {
+            stopped: hop("stopped", stopped_url),
+            healthy: hop("healthy", healthy_url),
+            silent: AtomicBool::new(false),
+            banned: Mutex::new(Vec::new()),
+        });
+        let failover = Failover {
+            routes: Arc::clone(&routes) as Arc<dyn MeshRoutes>,
+            policy: FailoverPolicy::default(),
+            metrics: meshnet_metrics::Metrics::detached(),
+        };
+        let hops = routes.route(10, &[]).unwrap();
+        let stage = RemoteStage::new(
+            10,
+            hops,
+            client,
+            Handle::current(),
+            Encoding::Raw,
+            failover.clone(),
+        )
+        .unwrap()
+        .with_prefill_in_flight(2);
+        let stage = Arc::new(stage);
+        let session = SessionId::new_v4();
+
+        // Two chunks are held at the stopped holder; the third waits for room, so the stage
+        // blocks until the failover.
+        let sending = Arc::clone(&stage);
+        let prefill = tokio::task::spawn_blocking(move || {
+            for k in 0..3 {
+                sending.start_chunk(session, 2 * k, chunk(k as f32))?;
+            }
+            sending.finish_chunks(session)
+        });
+        until("two chunks at the stopped holder", || {
+            stopped.arrived() == 2
+        })
+        .await;
+        routes.silent.store(true, Ordering::Relaxed);
+        let last = prefill.await.unwrap().unwrap().unwrap();
+        assert!(values(&last).iter().all(|v| *v == 22.0), "{last}");
+        assert_eq!(*lock(&healthy.positions), [0, 2, 4]);
+        assert_eq!(failover.metrics.failovers(), 1);
+        stopped.open();
     }
 }

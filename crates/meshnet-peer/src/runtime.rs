@@ -210,6 +210,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
             max_wait: config.queue_timeout,
         },
         failover: config.failover.clone(),
+        prefill_in_flight: config.prefill_in_flight,
         tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
         client: client.clone(),
     };
@@ -320,14 +321,17 @@ pub(crate) async fn build_tracker_parts(
         policy: settings.failover.clone(),
         metrics: settings.client.metrics().clone(),
     };
-    let engine = Arc::new(MeshEngine::new(
-        model.id().to_owned(),
-        text,
-        Arc::clone(host),
-        failover,
-        settings.client.clone(),
-        settings.admission,
-    ));
+    let engine = Arc::new(
+        MeshEngine::new(
+            model.id().to_owned(),
+            text,
+            Arc::clone(host),
+            failover,
+            settings.client.clone(),
+            settings.admission,
+        )
+        .with_prefill_in_flight(settings.prefill_in_flight),
+    );
     let api = meshnet_api::openai_router(Arc::clone(&engine) as _);
     Ok(TrackerParts { book, engine, api })
 }

@@ -620,3 +620,37 @@ async fn concurrent_chats_are_batched_and_each_gets_the_text_it_gets_alone() {
     peer.shutdown().await;
     tracker.shutdown().await;
 }
+
+/// A prompt of several chunks, prefilled with up to four chunks travelling through two peers
+/// at once, gives the text it gets when each chunk is answered before the next is computed,
+/// and every hop frees the session afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_prompt_pipelined_through_two_peers_gives_the_text_of_one_chunk_at_a_time() {
+    let prompt = format!(
+        "{}Which animal did the sentence above name?",
+        "The quick brown fox jumps over the lazy dog near the river bank. ".repeat(30)
+    );
+    let mut answers = Vec::new();
+    for in_flight in [1, 4] {
+        let mut config = common::config(true, 10, vec![]);
+        config.prefill_in_flight = in_flight;
+        let tracker = meshnet_peer::start(config).await.unwrap();
+        let first = peer(10, &tracker).await;
+        let second = peer(10, &tracker).await;
+        wait_for("coverage", &tracker, |s| converged(s, &[&first, &second])).await;
+        let base = tracker.openai_base_url().unwrap();
+        let model = tracker.model_id().to_owned();
+        answers.push(greedy_chat(&base, &model, &prompt, 12, &[], false).await);
+        for member in [&first, &second] {
+            wait_for("the hops to free the session", member, |s| {
+                s.active_sessions == 0
+            })
+            .await;
+        }
+        for member in [second, first, tracker] {
+            member.shutdown().await;
+        }
+    }
+    assert_eq!(answers[0], answers[1]);
+    assert!(!answers[0].0.is_empty());
+}
