@@ -14,6 +14,12 @@
 //! how many were served and how many refused (429), the aggregate tokens/s of each, the
 //! longest wait for a first token, and whether every text equals the one-at-a-time text.
 //!
+//! Last, pipelined prefill: two more 3-process meshes, one with the default
+//! `--prefill-chunks-in-flight` and one with `--prefill-chunks-in-flight 1` (each chunk answered
+//! before the next is computed), answer a prompt of `PIPELINE_PREFILL_CHUNKS` chunks (about
+//! 1,024 tokens) in turn, `MESHNET_BENCH_RUNS` times each; the table gives the time to the
+//! first token of each.
+//!
 //! Needs a release `meshnet-peer` (or `MESHNET_BIN`) and the default model
 //! (`scripts/fetch-model.sh`). Run with
 //! `cargo build --release -p meshnet-peer && cargo bench -p meshnet-benches --bench mesh_latency`.
@@ -37,6 +43,10 @@ const LONG_MAX_TOKENS: u32 = 8;
 const LONG_PREFILL_CHUNKS: u64 = 4;
 const PREFILL_CHUNK_TOKENS: u64 = 128;
 const MESH_PROCESSES: u32 = 3;
+/// The prompt of the pipelined-prefill comparison spans this many prefill chunks.
+const PIPELINE_PREFILL_CHUNKS: u64 = 8;
+/// Notes in that prompt (each about 110 tokens).
+const PIPELINE_NOTES: usize = 9;
 /// Tokens each chat of the burst generates.
 const BURST_MAX_TOKENS: u32 = 48;
 const STARTUP_TIMEOUT: Duration = Duration::from_secs(180);
@@ -91,6 +101,11 @@ fn free_port() -> u16 {
 /// A paragraph repeated until the chat prompt spans `LONG_PREFILL_CHUNKS` prefill chunks; the
 /// run checks the token count the server reports.
 fn long_prompt() -> String {
+    prompt_of_notes(4)
+}
+
+/// `notes` numbered copies of a paragraph and a question about them.
+fn prompt_of_notes(notes: usize) -> String {
     let paragraph = "Sunlight looks white but is a mixture of every visible colour. When it \
         enters the atmosphere it meets nitrogen and oxygen molecules that are much smaller than \
         its wavelengths, and they scatter short wavelengths far more strongly than long ones. \
@@ -98,7 +113,7 @@ fn long_prompt() -> String {
         yellow light mostly travels straight on. Our eyes are less sensitive to violet, and \
         some of it is absorbed high up, so the scattered light we see overhead looks blue. ";
     let mut prompt = String::from("Read the following notes carefully.\n\n");
-    for i in 1..=4 {
+    for i in 1..=notes {
         write!(prompt, "Note {i}: {paragraph}\n\n").unwrap();
     }
     prompt.push_str("Summarise the notes above in one sentence.");
@@ -310,6 +325,83 @@ async fn measure(root: &str, runs: usize, label: &str) -> Measured {
         );
     }
     measured
+}
+
+/// Time to first token of the long pipelined prompt, chunks travelling together and one at a
+/// time, measured in turn so that both see the same machine.
+struct Pipelining {
+    prompt_tokens: u64,
+    pipelined: Vec<Sample>,
+    one_at_a_time: Vec<Sample>,
+}
+
+async fn pipelining(pipelined_root: &str, one_at_a_time_root: &str, runs: usize) -> Pipelining {
+    let pipelined_api = Api::connect(pipelined_root).await;
+    let one_at_a_time_api = Api::connect(one_at_a_time_root).await;
+    let prompt = prompt_of_notes(PIPELINE_NOTES);
+    let warm = pipelined_api.stream(&prompt, LONG_MAX_TOKENS).await;
+    one_at_a_time_api.stream(&prompt, LONG_MAX_TOKENS).await;
+    let min = (PIPELINE_PREFILL_CHUNKS - 1) * PREFILL_CHUNK_TOKENS + 1;
+    let max = PIPELINE_PREFILL_CHUNKS * PREFILL_CHUNK_TOKENS;
+    assert!(
+        (min..=max).contains(&warm.prompt_tokens),
+        "the pipelined prompt is {} tokens, not {min}..={max}: adjust PIPELINE_NOTES",
+        warm.prompt_tokens
+    );
+    let mut measured = Pipelining {
+        prompt_tokens: warm.prompt_tokens,
+        pipelined: Vec::new(),
+        one_at_a_time: Vec::new(),
+    };
+    for run in 1..=runs {
+        let pipelined = pipelined_api.stream(&prompt, LONG_MAX_TOKENS).await;
+        let one_at_a_time = one_at_a_time_api.stream(&prompt, LONG_MAX_TOKENS).await;
+        eprintln!(
+            "mesh_latency: pipelined prefill run {run}/{runs}: TTFT {:.1} ms pipelined, {:.1} ms \
+             one chunk at a time",
+            ms(pipelined.ttft),
+            ms(one_at_a_time.ttft)
+        );
+        measured.pipelined.push(pipelined);
+        measured.one_at_a_time.push(one_at_a_time);
+    }
+    measured
+}
+
+impl Pipelining {
+    fn print(&self) {
+        let ttft = |samples: &[Sample]| samples.iter().map(|s| ms(s.ttft)).collect::<Vec<_>>();
+        let same = self
+            .pipelined
+            .iter()
+            .chain(&self.one_at_a_time)
+            .all(|s| s.text == self.pipelined[0].text);
+        println!();
+        println!(
+            "## Pipelined prefill: a {}-token prompt through {MESH_PROCESSES}-process meshes",
+            self.prompt_tokens
+        );
+        println!();
+        println!(
+            "| metric | one chunk at a time (--prefill-chunks-in-flight 1) | pipelined \
+             (default) | pipelined/one at a time |"
+        );
+        println!("|---|---|---|---|");
+        println!(
+            "{}",
+            row(
+                "TTFT (ms)",
+                ttft(&self.one_at_a_time),
+                ttft(&self.pipelined),
+                1
+            )
+        );
+        println!();
+        println!(
+            "- greedy output identical in both: {}",
+            if same { "yes" } else { "no" }
+        );
+    }
 }
 
 /// `MESHNET_BENCH_BURST`: chats sent at once (default 8).
@@ -546,6 +638,11 @@ impl Testnet {
     }
 
     fn up(bin: &Path, dir: &Path, processes: u32) -> Self {
+        Self::up_with(bin, dir, processes, &[])
+    }
+
+    /// Like [`Testnet::up`], passing `args` to every `meshnet-peer`.
+    fn up_with(bin: &Path, dir: &Path, processes: u32, args: &[&str]) -> Self {
         let script = workspace_root().join("testnet").join("local.sh");
         // The guard exists before `up` so that a half-started mesh is stopped too.
         let mut testnet = Self {
@@ -556,6 +653,12 @@ impl Testnet {
         };
         let output = Self::command(&testnet.script, bin, dir)
             .args(["up", &processes.to_string()])
+            .args(if args.is_empty() {
+                &[][..]
+            } else {
+                &["--"][..]
+            })
+            .args(args)
             .env("MESHNET_HTTP_PORT", free_port().to_string())
             .output()
             .unwrap();
@@ -673,6 +776,22 @@ fn main() {
     let burst_measured = runtime.block_on(burst(&mesh.root, burst_size()));
     drop(mesh);
 
+    eprintln!(
+        "mesh_latency: starting two {MESH_PROCESSES}-process meshes, pipelined and one chunk at \
+         a time"
+    );
+    let pipelined = Testnet::up(&bin, &dir.0.join("pipelined"), MESH_PROCESSES);
+    let one_at_a_time = Testnet::up_with(
+        &bin,
+        &dir.0.join("one-at-a-time"),
+        MESH_PROCESSES,
+        &["--prefill-chunks-in-flight", "1"],
+    );
+    let pipelining_measured =
+        runtime.block_on(pipelining(&pipelined.root, &one_at_a_time.root, runs));
+    drop(pipelined);
+    drop(one_at_a_time);
+
     let short_prompt_tokens = single_measured.short[0].prompt_tokens;
     let long_prompt_tokens = single_measured.long[0].prompt_tokens;
     let completion: Vec<u64> = single_measured
@@ -748,4 +867,5 @@ fn main() {
     );
     single_burst.print("single process");
     burst_measured.print(&format!("through the {MESH_PROCESSES}-process mesh"));
+    pipelining_measured.print();
 }
