@@ -281,11 +281,6 @@ fn run(
     if request.prompt.is_empty() {
         return Err(ModelError::InvalidSpan("the prompt has no tokens".into()));
     }
-    if request.chunk_tokens == 0 {
-        return Err(ModelError::InvalidSpan(
-            "prefill chunks need at least one token".into(),
-        ));
-    }
     let mut sampler = Sampler::new(request.sampling.clone())?;
     let mut recorded = Vec::new();
 

@@ -306,13 +306,7 @@ impl LlamaSpan {
             position,
             hidden: hidden.clone(),
         };
-        self.forward_batch(layers, vec![item])
-            .pop()
-            .unwrap_or_else(|| {
-                Err(ModelError::InvalidSpan(
-                    "a batch of one gave nothing".into(),
-                ))
-            })
+        only_result(self.forward_batch(layers, vec![item]))
     }
 
     /// Runs `layers` (as in [`Self::forward_range`]) over several sessions' chunks in one pass:
@@ -402,10 +396,7 @@ impl LlamaSpan {
                 part.lease.finish(succeeded);
             }
         }
-        results
-            .into_iter()
-            .map(|result| result.unwrap_or_else(|| Err(ModelError::PassFailed("no result".into()))))
-            .collect()
+        every_result(results)
     }
 
     /// One block over the hidden rows of a batch (`[tokens, hidden]`, the parts' chunks one
@@ -496,10 +487,7 @@ impl LlamaSpan {
                 }
             }
         }
-        results
-            .into_iter()
-            .map(|result| result.unwrap_or_else(|| Err(ModelError::PassFailed("no result".into()))))
-            .collect()
+        every_result(results)
     }
 }
 
@@ -512,6 +500,23 @@ struct BatchPart<'a> {
     position: usize,
     rotary: Rotary,
     lease: SessionLease<'a>,
+}
+
+/// The one result of a batch of one.
+fn only_result<T>(mut results: Vec<Result<T>>) -> Result<T> {
+    results.pop().unwrap_or_else(|| {
+        Err(ModelError::InvalidSpan(
+            "a batch of one gave nothing".into(),
+        ))
+    })
+}
+
+/// A batch's results, in order, once every slot has been filled (an empty one is a failure).
+fn every_result<T>(results: Vec<Option<Result<T>>>) -> Vec<Result<T>> {
+    results
+        .into_iter()
+        .map(|result| result.unwrap_or_else(|| Err(ModelError::PassFailed("no result".into()))))
+        .collect()
 }
 
 /// The last position's hidden values of `[1, tokens, width]`, as f32.
@@ -569,13 +574,7 @@ impl TokenEmbedder for LlamaSpan {
 
 impl LogitsHead for LlamaSpan {
     fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>> {
-        self.logits_batch(std::slice::from_ref(hidden))
-            .pop()
-            .unwrap_or_else(|| {
-                Err(ModelError::InvalidSpan(
-                    "a batch of one gave nothing".into(),
-                ))
-            })
+        only_result(self.logits_batch(std::slice::from_ref(hidden)))
     }
 }
 

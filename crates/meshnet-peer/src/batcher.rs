@@ -145,11 +145,6 @@ impl SpanBatcher {
         }
     }
 
-    /// Runs `layers` over `item` together with whatever else is waiting; blocks until done.
-    pub fn forward(&self, layers: LayerSpan, item: BatchItem) -> Result<Tensor, ModelError> {
-        self.submit(layers, item)?.wait()
-    }
-
     /// Hands `item` to the compute thread, behind every request handed over before it (a
     /// session's chunks run in the order they were submitted); blocks only while the queue is
     /// full. The answer comes with [`Answer::wait`].
@@ -164,11 +159,8 @@ impl SpanBatcher {
     /// The next-token logits of `hidden`'s last position, computed together with other
     /// sessions' waiting requests; blocks until done.
     pub fn logits(&self, hidden: Tensor) -> Result<Vec<f32>, ModelError> {
-        self.ask(|reply| Job::Logits { hidden, reply })
-    }
-
-    fn ask<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<T, ModelError> {
-        self.hand_over(job)?.wait()
+        self.hand_over(|reply| Job::Logits { hidden, reply })?
+            .wait()
     }
 
     fn hand_over<T>(&self, job: impl FnOnce(Reply<T>) -> Job) -> Result<Answer<T>, ModelError> {

@@ -73,14 +73,9 @@ impl ChunkOrder {
         self.lock().remove(&session);
     }
 
-    /// Sessions remembered.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn remembered(&self) -> usize {
         self.lock().len()
-    }
-
-    /// Whether no session is remembered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<SessionId, (usize, Instant)>> {
@@ -138,9 +133,9 @@ mod tests {
     fn an_ended_session_is_forgotten() {
         let order = ChunkOrder::default();
         order.entered(session(4), 64);
-        assert_eq!(order.len(), 1);
+        assert_eq!(order.remembered(), 1);
         order.forget(session(4));
-        assert!(order.is_empty());
+        assert_eq!(order.remembered(), 0);
         assert!(!order.wait_turn(session(4), 64, Duration::ZERO));
     }
 }

@@ -97,7 +97,7 @@ pub struct RouteLost {
 
 /// The route one generation currently takes, and what it has sent through it.
 struct RouteState {
-    hops: Vec<PlannedHop>,
+    hops: Arc<[PlannedHop]>,
     /// The first hop's layers and the route after it, built once for every frame.
     first_layers: LayerSpan,
     onward: Route,
@@ -206,10 +206,9 @@ impl RemoteStage {
         hidden: &Tensor,
     ) -> Result<impl Future<Output = Result<Activations, SendError>> + Send + 'static, SendError>
     {
-        let first = state
-            .hops
-            .first()
-            .ok_or_else(|| SendError::Other(stage_error(state, "the route has no hop")))?;
+        if state.hops.is_empty() {
+            return Err(SendError::Other(stage_error(state, "the route has no hop")));
+        }
         let activations =
             Activations::from_tensor(hidden).map_err(|e| SendError::Other(e.into()))?;
         let frame = ActivationFrame {
@@ -223,14 +222,13 @@ impl RemoteStage {
             },
             activations,
         };
-        let endpoint = first.endpoint.clone();
         let client = self.client.clone();
         let routes = Arc::clone(&self.failover.routes);
-        let hops = state.hops.clone();
+        let hops = Arc::clone(&state.hops);
         let encoding = self.encoding;
         Ok(async move {
             tokio::select! {
-                answer = client.forward(&endpoint, frame, encoding) => {
+                answer = client.forward(&hops[0].endpoint, frame, encoding) => {
                     answer.map(|answer| answer.activations).map_err(|error| hop_error(&hops, error))
                 }
                 silent = first_silent_hop(routes.as_ref(), &hops) => Err(silent),
@@ -450,7 +448,7 @@ fn route_state(hops: Vec<PlannedHop>, avoid: Avoid) -> Result<RouteState, ModelE
         .map_err(invalid)?;
     let onward = Route::new(onward)?;
     Ok(RouteState {
-        hops,
+        hops: hops.into(),
         first_layers,
         onward,
         session: None,
@@ -660,7 +658,7 @@ impl Stage for RemoteStage {
         let (hops, on_hops) = {
             let mut state = lock(&self.state);
             self.land_all(&mut state);
-            (state.hops.clone(), state.session.unwrap_or(session))
+            (Arc::clone(&state.hops), state.session.unwrap_or(session))
         };
         // All hops at once, each given a few seconds: a dead hop must not hold up the others
         // (peers also drop sessions left idle).
@@ -765,18 +763,44 @@ mod tests {
         }
     }
 
+    /// Two holders of 10..30 at these URLs, neither silent nor banned yet.
+    fn two_holders(stopped_url: String, healthy_url: String) -> Arc<TwoHolders> {
+        Arc::new(TwoHolders {
+            stopped: hop("stopped", stopped_url),
+            healthy: hop("healthy", healthy_url),
+            silent: AtomicBool::new(false),
+            banned: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A stage over the first route `routes` gives from layer 10, sending raw frames with
+    /// `client`, and the failover it counts its failovers in.
+    fn stage_over(routes: Arc<dyn MeshRoutes>, client: ForwardClient) -> (RemoteStage, Failover) {
+        let failover = Failover {
+            routes,
+            policy: FailoverPolicy::default(),
+            metrics: meshnet_metrics::Metrics::detached(),
+        };
+        let hops = failover.routes.route(10, &[]).unwrap();
+        let stage = RemoteStage::new(
+            10,
+            hops,
+            client,
+            Handle::current(),
+            Encoding::Raw,
+            failover.clone(),
+        )
+        .unwrap();
+        (stage, failover)
+    }
+
     /// A hop that is stopped (it holds connections open and never answers) is given up on
     /// once it stops announcing, long before the hop timeout, and the step goes to the other
     /// holder with the history replayed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_hop_that_stops_announcing_is_routed_around_before_its_timeout() {
-        let limits = Limits::default();
-        let client = ForwardClient::new(limits, Duration::from_secs(60)).unwrap();
-        let healthy_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let healthy_url = format!("http://{}", healthy_listener.local_addr().unwrap());
-        let router =
-            ActivationPlane::new(Arc::new(AddOnePerLayer), limits, client.clone()).router();
-        tokio::spawn(async move { axum::serve(healthy_listener, router).await });
+        let client = ForwardClient::new(Limits::default(), Duration::from_secs(60)).unwrap();
+        let healthy_url = serve(Arc::new(AddOnePerLayer), &client).await;
         // Accepts connections and keeps them, answering nothing: a stopped process.
         let stopped_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let stopped_url = format!("http://{}", stopped_listener.local_addr().unwrap());
@@ -787,27 +811,8 @@ mod tests {
             }
         });
 
-        let routes = Arc::new(TwoHolders {
-            stopped: hop("stopped", stopped_url),
-            healthy: hop("healthy", healthy_url),
-            silent: AtomicBool::new(false),
-            banned: Mutex::new(Vec::new()),
-        });
-        let failover = Failover {
-            routes: Arc::clone(&routes) as Arc<dyn MeshRoutes>,
-            policy: FailoverPolicy::default(),
-            metrics: meshnet_metrics::Metrics::detached(),
-        };
-        let first = routes.route(10, &[]).unwrap();
-        let stage = RemoteStage::new(
-            10,
-            first,
-            client,
-            Handle::current(),
-            Encoding::Raw,
-            failover.clone(),
-        )
-        .unwrap();
+        let routes = two_holders(stopped_url, healthy_url);
+        let (stage, failover) = stage_over(Arc::clone(&routes) as _, client);
         let stage = Arc::new(stage);
 
         // The prefill goes to the stopped hop's holder before it stops: it never answers.
@@ -943,16 +948,8 @@ mod tests {
         let client = ForwardClient::new(Limits::default(), Duration::from_secs(60)).unwrap();
         let gate = Arc::new(Gate::default());
         let url = serve(Arc::clone(&gate) as _, &client).await;
-        let failover = Failover {
-            routes: Arc::new(OneHolder(hop("gated", url))),
-            policy: FailoverPolicy::default(),
-            metrics: meshnet_metrics::Metrics::detached(),
-        };
-        let hops = failover.routes.route(10, &[]).unwrap();
-        let stage = RemoteStage::new(10, hops, client, Handle::current(), Encoding::Raw, failover)
-            .unwrap()
-            .with_prefill_in_flight(4);
-        let stage = Arc::new(stage);
+        let (stage, _) = stage_over(Arc::new(OneHolder(hop("gated", url))), client);
+        let stage = Arc::new(stage.with_prefill_in_flight(4));
         let session = SessionId::new_v4();
 
         let sending = Arc::clone(&stage);
@@ -1008,29 +1005,9 @@ mod tests {
         let healthy_url = serve(Arc::clone(&healthy) as _, &client).await;
         let stopped = Arc::new(Gate::default());
         let stopped_url = serve(Arc::clone(&stopped) as _, &client).await;
-        let routes = Arc::new(TwoHolders {
-            stopped: hop("stopped", stopped_url),
-            healthy: hop("healthy", healthy_url),
-            silent: AtomicBool::new(false),
-            banned: Mutex::new(Vec::new()),
-        });
-        let failover = Failover {
-            routes: Arc::clone(&routes) as Arc<dyn MeshRoutes>,
-            policy: FailoverPolicy::default(),
-            metrics: meshnet_metrics::Metrics::detached(),
-        };
-        let hops = routes.route(10, &[]).unwrap();
-        let stage = RemoteStage::new(
-            10,
-            hops,
-            client,
-            Handle::current(),
-            Encoding::Raw,
-            failover.clone(),
-        )
-        .unwrap()
-        .with_prefill_in_flight(2);
-        let stage = Arc::new(stage);
+        let routes = two_holders(stopped_url, healthy_url);
+        let (stage, failover) = stage_over(Arc::clone(&routes) as _, client);
+        let stage = Arc::new(stage.with_prefill_in_flight(2));
         let session = SessionId::new_v4();
 
         // Two chunks are held at the stopped holder; the third waits for room, so the stage
