@@ -1,13 +1,17 @@
 //! The sending side of the activation plane: posts a frame to a peer and reads its answer.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
+use http::{HeaderMap, Method};
 use meshnet_metrics::{Direction, HopPath, Metrics};
 use meshnet_wire::header::WIRE_VERSION_HEADER;
 use meshnet_wire::{ActivationFrame, Encoding, Limits, WireError};
 
 use crate::error::ErrorBody;
 use crate::hop::{HopFailure, HopFailureKind};
+use crate::stream::{StreamFailure, StreamOpener, endpoint_peer};
 use crate::{codec, decode_bytes};
 
 /// How long a hop may take, end to end, before the sender gives up.
@@ -153,13 +157,33 @@ impl ClientError {
     }
 }
 
-/// Sends activation frames to peers over HTTP.
-#[derive(Debug, Clone)]
+/// Sends activation frames to peers: over HTTP to a URL, or over a stream (see
+/// [`crate::stream`]) to a peer named `/p2p/<id>`.
+#[derive(Clone)]
 pub struct ForwardClient {
     http: reqwest::Client,
     limits: Limits,
     timeout: Duration,
     metrics: Metrics,
+    streams: Option<Arc<dyn StreamOpener>>,
+}
+
+impl std::fmt::Debug for ForwardClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ForwardClient")
+            .field("limits", &self.limits)
+            .field("timeout", &self.timeout)
+            .field("streams", &self.streams.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// An answer from a peer: status, headers, body, and the path it travelled.
+struct Answer {
+    status: u16,
+    headers: HeaderMap,
+    body: Bytes,
+    path: HopPath,
 }
 
 impl ForwardClient {
@@ -179,7 +203,14 @@ impl ForwardClient {
             limits,
             timeout,
             metrics: Metrics::detached(),
+            streams: None,
         })
+    }
+
+    /// The same client, reaching peers named `/p2p/<id>` over streams `opener` opens.
+    pub fn with_streams(mut self, opener: Arc<dyn StreamOpener>) -> Self {
+        self.streams = Some(opener);
+        self
     }
 
     /// The same client, counting its round trips and wire bytes (and those of the activation
@@ -204,7 +235,6 @@ impl ForwardClient {
         frame: ActivationFrame,
         encoding: Encoding,
     ) -> Result<ActivationFrame, ClientError> {
-        let url = forward_url(endpoint)?;
         let started = Instant::now();
         let sent_meta = frame.meta.clone();
         let raw_sent = frame.activations.raw_len();
@@ -216,28 +246,22 @@ impl ForwardClient {
             })?;
         self.metrics
             .count_wire_bytes(Direction::Sent, raw_sent, encoded.body.len());
-        let transport = |e: reqwest::Error| self.transport_error(endpoint, e);
-        let mut response = self
-            .http
-            .post(url)
-            .headers(encoded.headers)
-            .body(encoded.body)
-            .send()
-            .await
-            .map_err(transport)?;
-        let status = response.status();
-        let headers = response.headers().clone();
-        let body = read_bounded(&mut response, &self.limits)
-            .await
-            .map_err(|e| match e {
-                BodyError::Transport(e) => transport(e),
-                BodyError::TooLarge(source) => ClientError::BadResponse {
-                    endpoint: endpoint.to_owned(),
-                    source,
-                },
-            })?;
-        if !status.is_success() {
-            return Err(rejection(endpoint, status.as_u16(), &headers, &body));
+        let Answer {
+            status,
+            headers,
+            body,
+            path,
+        } = self
+            .send(
+                endpoint,
+                Method::POST,
+                "forward",
+                encoded.headers,
+                encoded.body,
+            )
+            .await?;
+        if !(200..300).contains(&status) {
+            return Err(rejection(endpoint, status, &headers, &body));
         }
         let limits = self.limits;
         let encoded_received = body.len();
@@ -259,7 +283,7 @@ impl ForwardClient {
             encoded_received,
         );
         self.metrics
-            .record_forward_request(endpoint, HopPath::DirectHttp, started.elapsed());
+            .record_forward_request(endpoint, path, started.elapsed());
         let m = &answer.meta;
         if m.session != sent_meta.session
             || m.chunk_index != sent_meta.chunk_index
@@ -290,23 +314,137 @@ impl ForwardClient {
         endpoint: &str,
         session: uuid::Uuid,
     ) -> Result<(), ClientError> {
-        let mut url = forward_url(endpoint)?;
-        let path = url.path().trim_end_matches("forward").to_owned();
-        url.set_path(&format!("{path}sessions/{session}"));
-        let response = self
-            .http
-            .delete(url)
-            .header(WIRE_VERSION_HEADER, meshnet_wire::WIRE_VERSION)
-            .send()
-            .await
-            .map_err(|e| self.transport_error(endpoint, e))?;
-        let status = response.status();
-        if status.is_success() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            WIRE_VERSION_HEADER,
+            http::HeaderValue::from(meshnet_wire::WIRE_VERSION),
+        );
+        let answer = self
+            .send(
+                endpoint,
+                Method::DELETE,
+                &format!("sessions/{session}"),
+                headers,
+                Bytes::new(),
+            )
+            .await?;
+        if (200..300).contains(&answer.status) {
             return Ok(());
         }
+        Err(rejection(
+            endpoint,
+            answer.status,
+            &answer.headers,
+            &answer.body,
+        ))
+    }
+
+    /// Sends one request to `endpoint` (`path` relative to its base) and reads the answer,
+    /// its body within the limits: over HTTP for a URL, over a stream for `/p2p/<id>`.
+    async fn send(
+        &self,
+        endpoint: &str,
+        method: Method,
+        path: &str,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<Answer, ClientError> {
+        match endpoint_peer(endpoint) {
+            Some(peer) => {
+                let exchange = self.send_on_stream(endpoint, peer, method, path, headers, body);
+                tokio::time::timeout(self.timeout, exchange)
+                    .await
+                    .map_err(|_| ClientError::Timeout {
+                        endpoint: endpoint.to_owned(),
+                        timeout: self.timeout,
+                    })?
+            }
+            None => self.send_http(endpoint, method, path, headers, body).await,
+        }
+    }
+
+    async fn send_http(
+        &self,
+        endpoint: &str,
+        method: Method,
+        path: &str,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<Answer, ClientError> {
+        let url = endpoint_url(endpoint, path)?;
+        let transport = |e: reqwest::Error| self.transport_error(endpoint, e);
+        let mut response = self
+            .http
+            .request(method, url)
+            .headers(headers)
+            .body(body)
+            .send()
+            .await
+            .map_err(transport)?;
+        let status = response.status().as_u16();
         let headers = response.headers().clone();
-        let body = response.bytes().await.unwrap_or_default();
-        Err(rejection(endpoint, status.as_u16(), &headers, &body))
+        let body = read_bounded(&mut response, &self.limits)
+            .await
+            .map_err(|e| match e {
+                BodyError::Transport(e) => transport(e),
+                BodyError::TooLarge(source) => ClientError::BadResponse {
+                    endpoint: endpoint.to_owned(),
+                    source,
+                },
+            })?;
+        Ok(Answer {
+            status,
+            headers,
+            body: Bytes::from(body),
+            path: HopPath::DirectHttp,
+        })
+    }
+
+    async fn send_on_stream(
+        &self,
+        endpoint: &str,
+        peer: &str,
+        method: Method,
+        path: &str,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Result<Answer, ClientError> {
+        let unreachable = |reason: String| ClientError::Unreachable {
+            endpoint: endpoint.to_owned(),
+            reason,
+        };
+        let Some(opener) = &self.streams else {
+            return Err(ClientError::InvalidEndpoint {
+                endpoint: endpoint.to_owned(),
+                reason: "this member has no libp2p node to reach peers by id".to_owned(),
+            });
+        };
+        let opened = opener.open(peer).await.map_err(unreachable)?;
+        let answer = crate::stream::exchange(
+            opened.io,
+            method,
+            &format!("/{path}"),
+            headers,
+            body,
+            self.limits.max_body_bytes(),
+        )
+        .await
+        .map_err(|failure| match failure {
+            StreamFailure::Transport(reason) => unreachable(reason),
+            StreamFailure::TooLarge(limit) => ClientError::BadResponse {
+                endpoint: endpoint.to_owned(),
+                source: WireError::BodyTooLarge {
+                    body_bytes: limit as u64 + 1,
+                    limit,
+                },
+            },
+        })?;
+        Ok(Answer {
+            status: answer.status.as_u16(),
+            headers: answer.headers,
+            body: answer.body,
+            path: opened.path,
+        })
     }
 
     fn transport_error(&self, endpoint: &str, e: reqwest::Error) -> ClientError {
@@ -337,7 +475,8 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn forward_url(endpoint: &str) -> Result<reqwest::Url, ClientError> {
+/// `{endpoint}/{path}` for an `http://` or `https://` endpoint.
+fn endpoint_url(endpoint: &str, path: &str) -> Result<reqwest::Url, ClientError> {
     let invalid = |reason: String| ClientError::InvalidEndpoint {
         endpoint: endpoint.to_owned(),
         reason,
@@ -350,7 +489,7 @@ fn forward_url(endpoint: &str) -> Result<reqwest::Url, ClientError> {
         )));
     }
     let mut url = base;
-    let path = format!("{}/forward", url.path().trim_end_matches('/'));
+    let path = format!("{}/{path}", url.path().trim_end_matches('/'));
     url.set_path(&path);
     Ok(url)
 }
@@ -384,12 +523,7 @@ async fn read_bounded(
     Ok(body)
 }
 
-fn rejection(
-    endpoint: &str,
-    status: u16,
-    headers: &reqwest::header::HeaderMap,
-    body: &[u8],
-) -> ClientError {
+fn rejection(endpoint: &str, status: u16, headers: &HeaderMap, body: &[u8]) -> ClientError {
     let (code, message, failed_hop) = match serde_json::from_slice::<ErrorBody>(body) {
         Ok(parsed) => (
             parsed.error.code,
@@ -421,15 +555,19 @@ mod tests {
     #[test]
     fn forward_url_appends_the_path() {
         assert_eq!(
-            forward_url("http://127.0.0.1:8081").unwrap().as_str(),
+            endpoint_url("http://127.0.0.1:8081", "forward")
+                .unwrap()
+                .as_str(),
             "http://127.0.0.1:8081/forward"
         );
         assert_eq!(
-            forward_url("http://h:1/mesh/").unwrap().as_str(),
+            endpoint_url("http://h:1/mesh/", "forward")
+                .unwrap()
+                .as_str(),
             "http://h:1/mesh/forward"
         );
-        assert!(forward_url("ftp://h").is_err());
-        assert!(forward_url("not a url").is_err());
+        assert!(endpoint_url("ftp://h", "forward").is_err());
+        assert!(endpoint_url("not a url", "forward").is_err());
     }
 
     fn rejected(status: u16, code: &str, failed_hop: Option<HopFailure>) -> ClientError {

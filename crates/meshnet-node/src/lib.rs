@@ -8,12 +8,17 @@
 //! hop of the route failed, the body also names that hop (`failed_hop`), and
 //! [`ClientError::hop_failure`] gives the sender a [`HopFailure`]: which hop failed, its status
 //! and code, and whether sending again may succeed.
+//!
+//! A hop may also name a peer by id (`/p2p/<peer id>`, for a peer others cannot dial): then
+//! the same requests travel over a byte stream to it ([`stream`]), opened by a
+//! [`stream::StreamOpener`] the application provides (a libp2p stream, direct or relayed).
 
 mod activation;
 mod client;
 mod error;
 mod executor;
 mod hop;
+pub mod stream;
 
 pub use activation::ActivationPlane;
 pub use client::{ClientError, DEFAULT_HOP_TIMEOUT, ForwardClient};

@@ -16,6 +16,10 @@ use libp2p::{
 use crate::P2pError;
 use crate::config::{P2pConfig, TransportChoice};
 use crate::messages::MAX_MESSAGE_BYTES;
+use crate::reach::ModelPeers;
+
+/// The protocol of the activation plane over libp2p: HTTP/1.1, one request per stream.
+pub(crate) const HTTP_PROTOCOL: StreamProtocol = StreamProtocol::new("/meshnet/http/1.1");
 
 /// Kademlia protocol of the meshnet DHT (kept apart from the public IPFS DHT).
 pub(crate) const KADEMLIA_PROTOCOL: StreamProtocol = StreamProtocol::new("/meshnet/kad/1.0.0");
@@ -39,6 +43,8 @@ pub(crate) struct MeshBehaviour {
     pub(crate) gossipsub: gossipsub::Behaviour,
     pub(crate) autonat: Toggle<autonat::Behaviour>,
     pub(crate) relay_client: relay::client::Behaviour,
+    pub(crate) relay_server: Toggle<relay::Behaviour>,
+    pub(crate) streams: libp2p_stream::Behaviour,
     pub(crate) dcutr: Toggle<dcutr::Behaviour>,
     pub(crate) upnp: Toggle<upnp::tokio::Behaviour>,
 }
@@ -56,6 +62,7 @@ impl MeshBehaviour {
         config: &P2pConfig,
         keypair: &Keypair,
         relay_client: relay::client::Behaviour,
+        model_peers: &ModelPeers,
     ) -> Result<Self, P2pError> {
         let local_peer_id = keypair.public().to_peer_id();
         let network = config.transport == TransportChoice::Network;
@@ -81,6 +88,10 @@ impl MeshBehaviour {
             kad::Behaviour::with_config(local_peer_id, MemoryStore::new(local_peer_id), kad_config);
         if config.assume_reachable {
             kademlia.set_mode(Some(kad::Mode::Server));
+        } else if config.reserve_relays {
+            // Reached only through relays: a DHT server must be dialable, and a relayed
+            // address counted as external would make it one.
+            kademlia.set_mode(Some(kad::Mode::Client));
         }
 
         let identify = identify::Behaviour::new(
@@ -100,6 +111,15 @@ impl MeshBehaviour {
             )
         });
 
+        let relay_server = config.relay_server.map(|limits| {
+            let mut server =
+                relay::Behaviour::new(local_peer_id, relay_config(limits, model_peers));
+            // Advertised from the start: whether this node is reachable is the operator's word
+            // (or AutoNAT's), not a consequence of the first observed address.
+            server.set_status(Some(relay::Status::Enable));
+            server
+        });
+
         Ok(MeshBehaviour {
             connection_limits: connection_limits::Behaviour::new(
                 connection_limits::ConnectionLimits::default()
@@ -111,10 +131,38 @@ impl MeshBehaviour {
             gossipsub,
             autonat: Toggle::from(autonat),
             relay_client,
+            relay_server: Toggle::from(relay_server),
+            streams: libp2p_stream::Behaviour::new(),
             dcutr: Toggle::from(network.then(|| dcutr::Behaviour::new(local_peer_id))),
             upnp: Toggle::from((network && config.upnp).then(upnp::tokio::Behaviour::default)),
         })
     }
+}
+
+/// The relay server's configuration: `limits`, no byte limit per circuit, and only peers that
+/// identified themselves as running this node's model may reserve or open circuits.
+fn relay_config(limits: crate::config::RelayLimits, model_peers: &ModelPeers) -> relay::Config {
+    let same_model = |peers: ModelPeers| {
+        move |peer: libp2p::PeerId, _: &libp2p::Multiaddr, _: std::time::Instant| {
+            peers.contains(&peer)
+        }
+    };
+    let mut config = relay::Config {
+        max_reservations: limits.max_reservations,
+        max_circuits: limits.max_circuits,
+        max_circuits_per_peer: limits.max_circuits_per_peer,
+        max_circuit_duration: limits.circuit_duration,
+        // Zero: no byte limit (activations of a long prompt are megabytes).
+        max_circuit_bytes: 0,
+        ..relay::Config::default()
+    };
+    config
+        .reservation_rate_limiters
+        .insert(0, Box::new(same_model(model_peers.clone())));
+    config
+        .circuit_src_rate_limiters
+        .insert(0, Box::new(same_model(model_peers.clone())));
+    config
 }
 
 /// The error shape `SwarmBuilder::with_behaviour` accepts.
@@ -125,7 +173,10 @@ fn boxed(
 }
 
 /// Builds the swarm with the transports chosen in `config`.
-pub(crate) fn build_swarm(config: &P2pConfig) -> Result<Swarm<MeshBehaviour>, P2pError> {
+pub(crate) fn build_swarm(
+    config: &P2pConfig,
+    model_peers: &ModelPeers,
+) -> Result<Swarm<MeshBehaviour>, P2pError> {
     let builder = SwarmBuilder::with_existing_identity(config.keypair.clone()).with_tokio();
     let swarm = match config.transport {
         TransportChoice::Network => builder
@@ -139,7 +190,12 @@ pub(crate) fn build_swarm(config: &P2pConfig) -> Result<Swarm<MeshBehaviour>, P2
             .with_relay_client(noise::Config::new, yamux::Config::default)
             .map_err(transport_error)?
             .with_behaviour(|keypair, relay_client| {
-                boxed(MeshBehaviour::new(config, keypair, relay_client))
+                boxed(MeshBehaviour::new(
+                    config,
+                    keypair,
+                    relay_client,
+                    model_peers,
+                ))
             })
             .map_err(behaviour_error)?
             .with_swarm_config(|swarm_config| {
@@ -159,7 +215,12 @@ pub(crate) fn build_swarm(config: &P2pConfig) -> Result<Swarm<MeshBehaviour>, P2
             .with_relay_client(noise::Config::new, yamux::Config::default)
             .map_err(transport_error)?
             .with_behaviour(|keypair, relay_client| {
-                boxed(MeshBehaviour::new(config, keypair, relay_client))
+                boxed(MeshBehaviour::new(
+                    config,
+                    keypair,
+                    relay_client,
+                    model_peers,
+                ))
             })
             .map_err(behaviour_error)?
             .with_swarm_config(|swarm_config| {

@@ -29,6 +29,34 @@ pub enum Role {
     },
 }
 
+/// The limits of this node's relay server, which carries activations for peers behind NAT.
+///
+/// libp2p's defaults (128 KiB and two minutes per circuit) would cut one prompt chunk; a
+/// circuit here is limited in time only, never in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RelayLimits {
+    /// Circuits relayed at once, in total.
+    pub max_circuits: usize,
+    /// Circuits relayed at once for one peer.
+    pub max_circuits_per_peer: usize,
+    /// How long one circuit may stay open.
+    pub circuit_duration: Duration,
+    /// Peers that may hold a reservation at once.
+    pub max_reservations: usize,
+}
+
+impl Default for RelayLimits {
+    /// 64 circuits, 16 per peer, 24 hours each, 128 reservations.
+    fn default() -> Self {
+        RelayLimits {
+            max_circuits: 64,
+            max_circuits_per_peer: 16,
+            circuit_duration: Duration::from_secs(24 * 60 * 60),
+            max_reservations: 128,
+        }
+    }
+}
+
 /// Everything [`crate::spawn`] needs to start a node.
 #[derive(Debug, Clone)]
 pub struct P2pConfig {
@@ -49,6 +77,11 @@ pub struct P2pConfig {
     /// Treat every listen address as externally reachable: it becomes an external
     /// address and Kademlia serves requests. For public hosts, LANs and loopback testnets.
     pub assume_reachable: bool,
+    /// Run a relay server with these limits for peers of the same model (`None`: no relay).
+    pub relay_server: Option<RelayLimits>,
+    /// Reserve a slot on up to two relays of the mesh (the tracker's first) and listen on
+    /// the circuit addresses: for a node others cannot dial.
+    pub reserve_relays: bool,
     /// Maximum number of established connections.
     pub max_connections: u32,
     /// How often a peer looks up the tracker record until it has found one.
@@ -70,7 +103,7 @@ pub struct P2pConfig {
 
 impl P2pConfig {
     /// A configuration with defaults: no listen or bootstrap address, network
-    /// transports, no UPnP, reachability not assumed, 256 connections, tracker
+    /// transports, no UPnP, reachability not assumed, no relay server or reservations, 256 connections, tracker
     /// lookups every 2 s (every 30 s once a tracker is known) and record republication
     /// every 30 s.
     pub fn new(keypair: Keypair, model_id: impl Into<String>, role: Role) -> Self {
@@ -83,6 +116,8 @@ impl P2pConfig {
             role,
             upnp: false,
             assume_reachable: false,
+            relay_server: None,
+            reserve_relays: false,
             max_connections: 256,
             tracker_lookup_interval: Duration::from_secs(2),
             tracker_refresh_interval: Duration::from_secs(30),

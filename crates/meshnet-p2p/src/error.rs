@@ -96,6 +96,16 @@ pub enum P2pError {
     #[error("{0:?} is not a libp2p peer id")]
     InvalidPeerId(String),
 
+    /// No stream to a peer could be opened: no connection could be made, or the peer
+    /// refused the protocol.
+    #[error("no stream to peer {peer}: {reason}")]
+    Stream {
+        /// The peer.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+
     /// The event loop has exited (after `P2pHandle::shutdown` or a fatal error).
     #[error("the p2p event loop has stopped")]
     Stopped,

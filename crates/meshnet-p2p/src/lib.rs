@@ -47,6 +47,8 @@ mod node;
 #[cfg(feature = "network")]
 mod outbox;
 #[cfg(feature = "network")]
+mod reach;
+#[cfg(feature = "network")]
 mod traffic;
 #[cfg(feature = "network")]
 mod validation;
@@ -58,6 +60,8 @@ pub use messages::{
 };
 
 #[cfg(feature = "network")]
+pub use config::RelayLimits;
+#[cfg(feature = "network")]
 pub use config::{P2pConfig, Role, TransportChoice};
 #[cfg(feature = "network")]
 pub use events::P2pEvent;
@@ -66,6 +70,8 @@ pub use identity::{IDENTITY_FILE_NAME, load_or_create_identity};
 #[cfg(feature = "network")]
 pub use ids::{libp2p_peer_id, mesh_peer_id, parse_peer_id};
 #[cfg(feature = "network")]
-pub use node::{P2pHandle, spawn, spawn_registered};
+pub use node::{IncomingHttpStreams, P2pHandle, P2pStream, spawn, spawn_registered};
+#[cfg(feature = "network")]
+pub use reach::{P2pPath, Reachability};
 #[cfg(feature = "network")]
 pub use traffic::GossipTraffic;

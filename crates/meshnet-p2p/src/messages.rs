@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::P2pError;
 
 /// Version of the control message schema; part of every envelope and topic name.
-pub const SCHEMA_VERSION: u16 = 2;
+pub const SCHEMA_VERSION: u16 = 3;
 
 /// Largest encoded control message accepted or produced, in bytes (1 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
@@ -41,8 +41,12 @@ pub struct PeerAnnouncement {
     pub software_version: String,
     /// Version of the activation wire protocol the peer speaks.
     pub wire_version: u32,
-    /// HTTP endpoints where the peer serves activations.
+    /// HTTP endpoints where the peer serves activations directly (none when others cannot
+    /// dial it: then they open libp2p streams to it).
     pub http_endpoints: Vec<String>,
+    /// libp2p addresses where the peer can be dialed: its listen addresses when it is
+    /// reachable, its relayed (`/p2p-circuit`) addresses otherwise.
+    pub p2p_addresses: Vec<String>,
     /// Memory the peer gives the mesh, in bytes (weights plus KV cache).
     pub memory_bytes: u64,
     /// Quantizations the peer can run.
@@ -253,13 +257,13 @@ mod tests {
 
     #[test]
     fn topic_names_carry_schema_version_and_model() {
-        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/2/m/announce");
-        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/2/m/coverage");
+        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/3/m/announce");
+        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/3/m/coverage");
         assert_eq!(
             topic_name("m", TopicKind::Directives),
-            "meshnet/2/m/directives"
+            "meshnet/3/m/directives"
         );
-        assert_eq!(tracker_record_key("m"), "meshnet/2/m/tracker");
+        assert_eq!(tracker_record_key("m"), "meshnet/3/m/tracker");
     }
 
     #[test]
@@ -300,13 +304,13 @@ mod tests {
             matches!(
                 error,
                 P2pError::SchemaVersion {
-                    expected: 2,
-                    found: 3
+                    expected: 3,
+                    found: 4
                 }
             ),
             "{error}"
         );
-        assert!(error.to_string().contains("version 3") && error.to_string().contains("version 2"));
+        assert!(error.to_string().contains("version 4") && error.to_string().contains("version 3"));
     }
 
     #[test]

@@ -6,18 +6,22 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use libp2p::core::transport::ListenerId;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, PublishError, TopicHash};
 use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, RecordKey};
 use libp2p::metrics::{Recorder, Registry};
 use libp2p::multiaddr::Protocol;
-use libp2p::swarm::SwarmEvent;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
-use libp2p::{Multiaddr, PeerId, Swarm, autonat, identify};
+use libp2p::swarm::{ConnectionId, SwarmEvent};
+use libp2p::{Multiaddr, PeerId, Swarm, autonat, dcutr, identify, relay};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Sleep;
+use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt};
 
 use crate::P2pError;
-use crate::behaviour::{KADEMLIA_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, build_swarm};
+use crate::behaviour::{
+    HTTP_PROTOCOL, KADEMLIA_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, build_swarm,
+};
 use crate::config::{P2pConfig, Role};
 use crate::events::P2pEvent;
 use crate::freshness::AnnouncementFreshness;
@@ -27,6 +31,7 @@ use crate::messages::{
     topic_name, tracker_record_key,
 };
 use crate::outbox::Outbox;
+use crate::reach::{ModelPeers, P2pPath, Reachability, SharedReach};
 use crate::traffic::{GossipTraffic, TrafficCounters};
 use crate::validation::{Admission, Verdict};
 
@@ -41,6 +46,22 @@ const TRACKER_RECORD_TTL: Duration = Duration::from_secs(300);
 
 /// How long [`P2pHandle::listen_addrs`] waits for the first listener.
 const LISTEN_ADDRS_DEADLINE: Duration = Duration::from_secs(5);
+
+/// How long [`P2pHandle::open_http_stream`] may take to connect and open a stream.
+const OPEN_STREAM_DEADLINE: Duration = Duration::from_secs(10);
+
+/// How long a relayed connection stays open once a direct one to the same peer exists, so
+/// that requests already on it finish.
+const RELAYED_GRACE: Duration = Duration::from_secs(5);
+
+/// How many relays a node that others cannot dial keeps a reservation on.
+const RELAY_RESERVATIONS: usize = 2;
+
+/// How long after a reservation on a relay failed or was lost it is tried again.
+const RESERVATION_RETRY: Duration = Duration::from_secs(2);
+
+/// A byte stream to a peer for the activation plane, usable with tokio's I/O traits.
+pub type P2pStream = Compat<libp2p::Stream>;
 
 type Reply<T> = oneshot::Sender<T>;
 
@@ -68,6 +89,10 @@ enum Command {
     Tracker {
         reply: Reply<Option<PeerId>>,
     },
+    Connect {
+        peer: PeerId,
+        reply: Reply<Result<(), P2pError>>,
+    },
     TakeTrackerRole {
         term: u64,
         reply: Reply<()>,
@@ -81,11 +106,33 @@ enum Command {
 ///
 /// Every method talks to the event loop over a bounded channel; once the loop
 /// has stopped they return [`P2pError::Stopped`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct P2pHandle {
     local_peer_id: PeerId,
     commands: mpsc::Sender<Command>,
     traffic: Arc<TrafficCounters>,
+    reach: SharedReach,
+    streams: libp2p_stream::Control,
+}
+
+impl std::fmt::Debug for P2pHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("P2pHandle")
+            .field("local_peer_id", &self.local_peer_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Activation-plane streams other peers open to this node, with who opened each (the peer
+/// id is authenticated by the connection's handshake).
+pub struct IncomingHttpStreams(libp2p_stream::IncomingStreams);
+
+impl IncomingHttpStreams {
+    /// The next stream and the peer that opened it; `None` once the node has stopped.
+    pub async fn next(&mut self) -> Option<(MeshPeerId, P2pStream)> {
+        let (peer, stream) = futures::StreamExt::next(&mut self.0).await?;
+        Some((mesh_peer_id(&peer), stream.compat()))
+    }
 }
 
 impl std::fmt::Debug for Command {
@@ -97,6 +144,7 @@ impl std::fmt::Debug for Command {
             Command::Dial { .. } => "Dial",
             Command::ConnectedPeers { .. } => "ConnectedPeers",
             Command::Tracker { .. } => "Tracker",
+            Command::Connect { .. } => "Connect",
             Command::TakeTrackerRole { .. } => "TakeTrackerRole",
             Command::Shutdown { .. } => "Shutdown",
         };
@@ -206,6 +254,62 @@ impl P2pHandle {
             .await
     }
 
+    /// Whether others can dial this node.
+    pub fn reachability(&self) -> Reachability {
+        self.reach.lock().reachability
+    }
+
+    /// How this node is connected to `peer` over libp2p right now (`None`: not connected).
+    pub fn path_to(&self, peer: &MeshPeerId) -> Option<P2pPath> {
+        let peer = libp2p_peer_id(peer).ok()?;
+        self.reach.lock().path_to(&peer)
+    }
+
+    /// This node's relayed (`/p2p-circuit`) addresses, where peers reach it when they cannot
+    /// dial it: one per relay that holds a reservation for it.
+    pub fn circuit_addresses(&self) -> Vec<Multiaddr> {
+        self.reach.lock().circuit_addresses().to_vec()
+    }
+
+    /// Opens an activation-plane stream to `peer`: over a connection that is already up,
+    /// else after dialing the addresses it announced (directly, or through its relays).
+    pub async fn open_http_stream(&self, peer: &MeshPeerId) -> Result<P2pStream, P2pError> {
+        let target = libp2p_peer_id(peer)?;
+        let stream_error = |reason: String| P2pError::Stream {
+            peer: peer.to_string(),
+            reason,
+        };
+        let opening = async {
+            self.request(|reply| Command::Connect {
+                peer: target,
+                reply,
+            })
+            .await??;
+            let mut control = self.streams.clone();
+            control
+                .open_stream(target, HTTP_PROTOCOL)
+                .await
+                .map_err(|error| stream_error(error.to_string()))
+        };
+        match tokio::time::timeout(OPEN_STREAM_DEADLINE, opening).await {
+            Ok(stream) => Ok(stream?.compat()),
+            Err(_) => Err(stream_error(format!(
+                "not open after {} s",
+                OPEN_STREAM_DEADLINE.as_secs()
+            ))),
+        }
+    }
+
+    /// The activation-plane streams other peers open to this node. There is one such
+    /// listener per node: a second call fails.
+    pub fn accept_http_streams(&self) -> Result<IncomingHttpStreams, P2pError> {
+        let mut control = self.streams.clone();
+        control
+            .accept(HTTP_PROTOCOL)
+            .map(IncomingHttpStreams)
+            .map_err(|_| P2pError::Behaviour(format!("{HTTP_PROTOCOL} is already accepted")))
+    }
+
     /// Stops the event loop and drops the swarm (closing every connection).
     pub async fn shutdown(&self) {
         // An error means the loop has already stopped.
@@ -236,7 +340,10 @@ async fn start(
     config: P2pConfig,
     libp2p_metrics: Option<libp2p::metrics::Metrics>,
 ) -> Result<(P2pHandle, mpsc::Receiver<P2pEvent>), P2pError> {
-    let mut swarm = build_swarm(&config)?;
+    let model_peers = ModelPeers::default();
+    let mut swarm = build_swarm(&config, &model_peers)?;
+    let streams = swarm.behaviour().streams.new_control();
+    let reach = SharedReach::new(config.assume_reachable);
     let local_peer_id = *swarm.local_peer_id();
 
     let mut listen_failures = Vec::new();
@@ -332,7 +439,13 @@ async fn start(
         listen_waiters: Vec::new(),
         bootstrapped: false,
         bootstrap: config.bootstrap.clone(),
-        same_model_peers: std::collections::HashSet::new(),
+        same_model_peers: model_peers,
+        reach: reach.clone(),
+        reserve_relays: config.reserve_relays,
+        relays: RelaySlots::default(),
+        peer_addresses: HashMap::new(),
+        connect_waiters: HashMap::new(),
+        relayed_closes: Vec::new(),
     };
     tokio::spawn(event_loop.run());
     Ok((
@@ -340,6 +453,8 @@ async fn start(
             local_peer_id,
             commands: command_sender,
             traffic,
+            reach,
+            streams,
         },
         events,
     ))
@@ -416,7 +531,69 @@ struct EventLoop {
     /// The configured bootstrap addresses, dialed again while no connection is up.
     bootstrap: Vec<Multiaddr>,
     /// Connected peers that identified themselves as running this node's model.
-    same_model_peers: std::collections::HashSet<PeerId>,
+    same_model_peers: ModelPeers,
+    /// Reachability, connections and circuit addresses, read by the handles.
+    reach: SharedReach,
+    /// Whether this node reserves slots on relays (others cannot dial it).
+    reserve_relays: bool,
+    relays: RelaySlots,
+    /// The libp2p addresses each peer announced, for dialing it on demand.
+    peer_addresses: HashMap<PeerId, Vec<Multiaddr>>,
+    /// Who waits for a connection to a peer to come up.
+    connect_waiters: HashMap<PeerId, Vec<Reply<Result<(), P2pError>>>>,
+    /// Relayed connections to close once their grace is over (a direct one supersedes them).
+    relayed_closes: Vec<(Instant, PeerId, ConnectionId)>,
+}
+
+/// The relays this node holds (or asks for) a reservation on, and the relays it could use.
+#[derive(Default)]
+struct RelaySlots {
+    /// Relay peer → the circuit listener reserving a slot there.
+    listeners: HashMap<PeerId, ListenerId>,
+    /// Connected same-model peers that run a relay server, with an address to reach them at.
+    candidates: HashMap<PeerId, Multiaddr>,
+    /// No new reservation on a relay before this instant (after a failure).
+    retry_after: HashMap<PeerId, Instant>,
+    /// The address each connected peer was dialed at (known to work from here).
+    dialed_at: HashMap<PeerId, Multiaddr>,
+}
+
+impl RelaySlots {
+    /// The next relay to reserve a slot on, `preferred` (the tracker) first; `None` when
+    /// enough slots are held or asked for, or no candidate is left.
+    fn next_relay(&self, preferred: Option<PeerId>, now: Instant) -> Option<(PeerId, Multiaddr)> {
+        if self.listeners.len() >= RELAY_RESERVATIONS {
+            return None;
+        }
+        let usable = |peer: &PeerId| {
+            !self.listeners.contains_key(peer)
+                && self.retry_after.get(peer).is_none_or(|after| now >= *after)
+        };
+        let mut candidates: Vec<(&PeerId, &Multiaddr)> = self
+            .candidates
+            .iter()
+            .filter(|(peer, _)| usable(peer))
+            .collect();
+        candidates.sort_by_key(|(peer, _)| (Some(**peer) != preferred, peer.to_bytes()));
+        candidates
+            .first()
+            .map(|(peer, address)| (**peer, (*address).clone()))
+    }
+}
+
+/// Whether `address` is a relayed (`/p2p-circuit`) address.
+fn is_circuit(address: &Multiaddr) -> bool {
+    address
+        .iter()
+        .any(|part| matches!(part, Protocol::P2pCircuit))
+}
+
+/// `address` without a trailing `/p2p/<id>`.
+fn without_peer_id(address: &Multiaddr) -> Multiaddr {
+    match split_peer_id(address) {
+        Some((_, rest)) => rest,
+        None => address.clone(),
+    }
 }
 
 impl EventLoop {
@@ -459,7 +636,13 @@ impl EventLoop {
                         permit.send(event);
                     }
                 }
-                _ = redial_timer.tick(), if redials => self.redial_bootstrap(),
+                _ = redial_timer.tick() => {
+                    if redials {
+                        self.redial_bootstrap();
+                    }
+                    self.close_superseded_relayed();
+                    self.reserve_relays();
+                }
                 _ = republish_timer.tick(), if self.own_record.is_some() => {
                     if let Err(error) = self.store_own_record() {
                         tracing::warn!(%error, "re-storing the tracker record failed");
@@ -536,6 +719,7 @@ impl EventLoop {
             Command::Tracker { reply } => {
                 let _ = reply.send(self.tracker);
             }
+            Command::Connect { peer, reply } => self.connect(peer, reply),
             Command::TakeTrackerRole { term, reply } => {
                 tracing::info!(term, "taking the tracker role");
                 self.is_tracker = true;
@@ -612,6 +796,147 @@ impl EventLoop {
 
     /// Dials the bootstrap addresses again while this node has no connection at all (for
     /// example, it started before the node it bootstraps from was listening).
+    fn on_connection_established(
+        &mut self,
+        peer: PeerId,
+        connection: ConnectionId,
+        endpoint: &libp2p::core::ConnectedPoint,
+        relayed: bool,
+    ) {
+        let superseded = {
+            let mut reach = self.reach.lock();
+            reach.connection_opened(peer, connection, relayed);
+            reach.superseded_relayed(&peer)
+        };
+        if !superseded.is_empty() {
+            tracing::info!(%peer, "direct connection up: relayed connections close after a grace period");
+            let at = Instant::now() + RELAYED_GRACE;
+            for id in superseded {
+                if !self.relayed_closes.iter().any(|(_, _, known)| *known == id) {
+                    self.relayed_closes.push((at, peer, id));
+                }
+            }
+        }
+        if let libp2p::core::ConnectedPoint::Dialer { address, .. } = endpoint
+            && !relayed
+        {
+            self.relays.dialed_at.insert(peer, without_peer_id(address));
+        }
+        self.answer_connect_waiters(peer, Ok(()));
+    }
+
+    /// Closes the relayed connections whose grace is over (a direct connection to the same
+    /// peer replaced them).
+    fn close_superseded_relayed(&mut self) {
+        let now = Instant::now();
+        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.relayed_closes)
+            .into_iter()
+            .partition(|(at, _, _)| *at <= now);
+        self.relayed_closes = waiting;
+        for (_, peer, connection) in due {
+            if self.swarm.close_connection(connection) {
+                tracing::info!(%peer, "relayed connection closed: traffic goes direct");
+            }
+        }
+    }
+
+    /// Answers whoever waits for a connection to `peer`.
+    fn answer_connect_waiters(&mut self, peer: PeerId, outcome: Result<(), String>) {
+        for waiter in self.connect_waiters.remove(&peer).unwrap_or_default() {
+            let _ = waiter.send(outcome.clone().map_err(|reason| P2pError::Stream {
+                peer: peer.to_string(),
+                reason,
+            }));
+        }
+    }
+
+    /// Answers `reply` once a connection to `peer` is up: at once if one is, else after
+    /// dialing the addresses it announced.
+    fn connect(&mut self, peer: PeerId, reply: Reply<Result<(), P2pError>>) {
+        if self.swarm.is_connected(&peer) {
+            let _ = reply.send(Ok(()));
+            return;
+        }
+        let addresses = self.peer_addresses.get(&peer).cloned().unwrap_or_default();
+        let dial = DialOpts::peer_id(peer)
+            .addresses(addresses)
+            .condition(PeerCondition::DisconnectedAndNotDialing)
+            .build();
+        match self.swarm.dial(dial) {
+            Ok(()) => self.connect_waiters.entry(peer).or_default().push(reply),
+            // Already dialing: wait for that dial.
+            Err(libp2p::swarm::DialError::DialPeerConditionFalse(_)) => {
+                self.connect_waiters.entry(peer).or_default().push(reply);
+            }
+            Err(error) => {
+                let _ = reply.send(Err(P2pError::Stream {
+                    peer: peer.to_string(),
+                    reason: error.to_string(),
+                }));
+            }
+        }
+    }
+
+    /// Asks for reservations on relays until [`RELAY_RESERVATIONS`] are held or asked for.
+    fn reserve_relays(&mut self) {
+        if !self.reserve_relays {
+            return;
+        }
+        let now = Instant::now();
+        while let Some((relay, address)) = self.relays.next_relay(self.tracker, now) {
+            let circuit = address
+                .with(Protocol::P2p(relay))
+                .with(Protocol::P2pCircuit);
+            match self.swarm.listen_on(circuit.clone()) {
+                Ok(listener) => {
+                    tracing::debug!(%relay, %circuit, "asking the relay for a reservation");
+                    self.relays.listeners.insert(relay, listener);
+                }
+                Err(error) => {
+                    tracing::warn!(%relay, %circuit, %error, "cannot listen through the relay");
+                    self.relays
+                        .retry_after
+                        .insert(relay, now + RESERVATION_RETRY);
+                }
+            }
+        }
+    }
+
+    /// A listener closed: when it held a relay reservation, another is asked for shortly.
+    fn on_listener_closed(&mut self, listener: ListenerId, reason: Result<(), std::io::Error>) {
+        let Some(relay) = self
+            .relays
+            .listeners
+            .iter()
+            .find_map(|(relay, id)| (*id == listener).then_some(*relay))
+        else {
+            return;
+        };
+        self.relays.listeners.remove(&relay);
+        self.relays
+            .retry_after
+            .insert(relay, Instant::now() + RESERVATION_RETRY);
+        match reason {
+            Ok(()) => tracing::info!(%relay, "relay reservation ended: asking again"),
+            Err(error) => {
+                tracing::info!(%relay, %error, "relay reservation failed or was lost: asking again")
+            }
+        }
+    }
+
+    /// Keeps the libp2p addresses `peer` announced, to dial it when a stream to it is wanted.
+    fn note_addresses(&mut self, peer: PeerId, announced: &[String]) {
+        let addresses: Vec<Multiaddr> = announced
+            .iter()
+            .filter_map(|address| address.parse().ok())
+            .collect();
+        if addresses.is_empty() {
+            self.peer_addresses.remove(&peer);
+        } else {
+            self.peer_addresses.insert(peer, addresses);
+        }
+    }
+
     fn redial_bootstrap(&mut self) {
         if self.swarm.connected_peers().next().is_some() {
             return;
@@ -645,6 +970,23 @@ impl EventLoop {
         }
         match event {
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
+            SwarmEvent::NewListenAddr { address, .. } if is_circuit(&address) => {
+                tracing::info!(%address, "reachable through a relay");
+                self.reach.lock().add_circuit_address(address);
+            }
+            SwarmEvent::ExpiredListenAddr { address, .. } if is_circuit(&address) => {
+                self.reach.lock().remove_circuit_address(&address);
+            }
+            SwarmEvent::ListenerClosed {
+                listener_id,
+                reason,
+                addresses,
+            } => {
+                for address in &addresses {
+                    self.reach.lock().remove_circuit_address(address);
+                }
+                self.on_listener_closed(listener_id, reason);
+            }
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::info!(%address, "listening");
                 if self.assume_reachable {
@@ -664,23 +1006,40 @@ impl EventLoop {
             }
             SwarmEvent::ConnectionEstablished {
                 peer_id,
+                connection_id,
+                endpoint,
                 num_established,
                 ..
-            } if num_established.get() == 1 => {
-                tracing::debug!(peer = %peer_id, "connected");
-                self.emit(P2pEvent::PeerConnected(mesh_peer_id(&peer_id)));
+            } => {
+                let relayed = endpoint.is_relayed();
+                self.on_connection_established(peer_id, connection_id, &endpoint, relayed);
+                if num_established.get() == 1 {
+                    tracing::debug!(peer = %peer_id, relayed, "connected");
+                    self.emit(P2pEvent::PeerConnected(mesh_peer_id(&peer_id)));
+                }
             }
             SwarmEvent::ConnectionClosed {
                 peer_id,
-                num_established: 0,
+                connection_id,
+                num_established,
                 ..
             } => {
-                tracing::debug!(peer = %peer_id, "disconnected");
-                self.same_model_peers.remove(&peer_id);
-                self.emit(P2pEvent::PeerDisconnected(mesh_peer_id(&peer_id)));
+                self.reach.lock().connection_closed(peer_id, connection_id);
+                if num_established == 0 {
+                    tracing::debug!(peer = %peer_id, "disconnected");
+                    self.same_model_peers.remove(&peer_id);
+                    self.relays.candidates.remove(&peer_id);
+                    self.relays.dialed_at.remove(&peer_id);
+                    self.emit(P2pEvent::PeerDisconnected(mesh_peer_id(&peer_id)));
+                }
             }
             SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
                 tracing::debug!(peer = ?peer_id, %error, "outgoing connection failed");
+                if let Some(peer) = peer_id
+                    && !self.swarm.is_connected(&peer)
+                {
+                    self.answer_connect_waiters(peer, Err(error.to_string()));
+                }
             }
             _ => {}
         }
@@ -720,8 +1079,48 @@ impl EventLoop {
             MeshBehaviourEvent::Autonat(autonat::Event::StatusChanged { new, .. }) => {
                 let public = matches!(new, autonat::NatStatus::Public(_));
                 tracing::info!(?new, "reachability changed");
+                if !self.assume_reachable {
+                    self.reach.lock().reachability = match new {
+                        autonat::NatStatus::Public(_) => Reachability::Public,
+                        autonat::NatStatus::Private => Reachability::Private,
+                        autonat::NatStatus::Unknown => Reachability::Unknown,
+                    };
+                }
                 self.emit(P2pEvent::Reachability { public });
             }
+            MeshBehaviourEvent::RelayClient(relay::client::Event::ReservationReqAccepted {
+                relay_peer_id,
+                renewal: false,
+                ..
+            }) => {
+                tracing::info!(relay = %relay_peer_id, "relay reservation accepted");
+            }
+            MeshBehaviourEvent::RelayServer(relay::Event::ReservationReqDenied {
+                src_peer_id,
+                ..
+            }) => {
+                tracing::info!(peer = %src_peer_id, "relay reservation refused (not a peer of this model, or no slot free)");
+            }
+            MeshBehaviourEvent::RelayServer(relay::Event::CircuitReqDenied {
+                src_peer_id,
+                dst_peer_id,
+                ..
+            }) => {
+                tracing::info!(from = %src_peer_id, to = %dst_peer_id, "relay circuit refused");
+            }
+            MeshBehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result,
+            }) => match result {
+                Ok(_) => {
+                    tracing::info!(peer = %remote_peer_id, "hole punch succeeded: direct connection")
+                }
+                Err(error) => tracing::info!(
+                    peer = %remote_peer_id,
+                    %error,
+                    "hole punch failed: traffic stays relayed"
+                ),
+            },
             _ => {}
         }
     }
@@ -730,6 +1129,18 @@ impl EventLoop {
         let agent = crate::behaviour::parse_agent_version(&info.agent_version);
         if agent.is_some_and(|(model, _)| model == self.model_id) {
             self.same_model_peers.insert(peer);
+            if self.reserve_relays && info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
+                let address = self.relays.dialed_at.get(&peer).cloned().or_else(|| {
+                    info.listen_addrs
+                        .iter()
+                        .find(|address| !is_circuit(address))
+                        .map(without_peer_id)
+                });
+                if let Some(address) = address {
+                    self.relays.candidates.entry(peer).or_insert(address);
+                    self.reserve_relays();
+                }
+            }
         }
         if let Some((model, _)) = agent
             && model != self.model_id
@@ -986,6 +1397,9 @@ impl EventLoop {
                 if let Some(event) = event {
                     if let P2pEvent::Coverage { coverage, .. } = event.as_ref() {
                         self.follow(from, coverage.term, &coverage.succession);
+                    }
+                    if let P2pEvent::Announcement { announcement, .. } = event.as_ref() {
+                        self.note_addresses(from, &announcement.p2p_addresses);
                     }
                     self.emit(*event);
                 }

@@ -92,6 +92,7 @@ mod tests {
                 software_version: "0".into(),
                 wire_version: 1,
                 http_endpoints: Vec::new(),
+                p2p_addresses: Vec::new(),
                 memory_bytes: 1,
                 quantizations: Vec::new(),
                 throughput: 1.0,

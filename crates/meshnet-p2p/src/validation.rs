@@ -250,6 +250,7 @@ mod tests {
             software_version: "0.1.0".into(),
             wire_version: 1,
             http_endpoints: vec![],
+            p2p_addresses: Vec::new(),
             memory_bytes: 1 << 30,
             quantizations: vec![Quantization::Bf16],
             throughput: 10.0,

@@ -153,6 +153,7 @@ fn announcement(peer: PeerId) -> PeerAnnouncement {
         software_version: "0.1.0".into(),
         wire_version: 1,
         http_endpoints: vec![format!("http://{peer}.invalid:8080")],
+        p2p_addresses: Vec::new(),
         memory_bytes: 8 << 30,
         quantizations: vec![Quantization::Nf4, Quantization::Bf16],
         throughput: 42.5,

@@ -108,6 +108,7 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
             any::<bool>(),
             any::<bool>(),
             prop::option::of(any::<u64>()),
+            prop::collection::vec(".{0,40}", 0..3),
         ),
     )
         .prop_map(
@@ -130,13 +131,14 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
                     is_tracker,
                     sent_at_unix_ms,
                 ),
-                (forward_latency_ms, leaving, tracker_capable, tracker_silent_ms),
+                (forward_latency_ms, leaving, tracker_capable, tracker_silent_ms, p2p_addresses),
             )| PeerAnnouncement {
                 peer: PlannerPeerId::new(peer),
                 model_id,
                 software_version,
                 wire_version,
                 http_endpoints,
+                p2p_addresses,
                 memory_bytes,
                 quantizations,
                 throughput,
