@@ -64,6 +64,8 @@ pub struct PeerConfig {
     pub assume_reachable: bool,
     /// Ask the gateway for a UPnP port mapping.
     pub upnp: bool,
+    /// The limits of the relay the tracker and reachable members run for the others.
+    pub relay_limits: meshnet_p2p::RelayLimits,
     /// Accept coverage maps and directives only from this tracker.
     pub pinned_tracker: Option<PeerId>,
     /// How long a dropped span keeps serving its running sessions.
@@ -96,6 +98,7 @@ impl PeerConfig {
             data_dir,
             keypair: None,
             transport: TransportChoice::Network,
+            relay_limits: meshnet_p2p::RelayLimits::default(),
             announce_interval: Duration::from_secs(2),
             kv_tokens: 2048,
             max_sessions: 8,

@@ -414,7 +414,7 @@ impl ControlLoop {
         let parts = crate::runtime::build_tracker_parts(
             &member.host,
             own,
-            &member.http_url,
+            &member.public_url(),
             &member.settings,
         )
         .await?;
@@ -433,7 +433,7 @@ impl ControlLoop {
         {
             let mut following = lock(&member.following);
             following.tracker = Some(member.peer_id.clone());
-            following.tracker_http = Some(member.http_url.clone());
+            following.tracker_http = Some(member.public_url());
             following.term = term;
             following.heard_at = Some(Instant::now());
         }
@@ -601,7 +601,7 @@ impl ControlLoop {
         if covered && !planning.covered {
             tracing::info!(
                 "the mesh covers the model; OpenAI base URL: {}/v1",
-                self.member.http_url
+                self.member.public_url()
             );
         } else if !covered && planning.covered {
             tracing::warn!("the mesh no longer covers the model");
@@ -623,7 +623,7 @@ impl ControlLoop {
         let record = TrackerRecord {
             peer: member.peer_id.clone(),
             addresses: lock(&member.p2p_addrs).clone(),
-            http_endpoint: member.http_url.clone(),
+            http_endpoint: member.public_url(),
             epoch,
             term,
             model_id: member.model.id().to_owned(),

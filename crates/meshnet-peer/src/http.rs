@@ -33,9 +33,7 @@ pub(crate) fn router(
     client: ForwardClient,
     registry: Arc<meshnet_metrics::Registry>,
 ) -> Router {
-    let executor: Arc<dyn SpanExecutor> = Arc::clone(&member.host) as Arc<dyn SpanExecutor>;
-    ActivationPlane::new(executor, Limits::default(), client)
-        .router()
+    activation_plane(member, client)
         .merge(
             Router::new()
                 .route("/metrics", get(metrics_handler))
@@ -52,6 +50,13 @@ pub(crate) fn router(
                 .with_state(Arc::clone(member)),
         )
         .layer(axum::middleware::from_fn(refuse_oversized_bodies))
+}
+
+/// The activation plane's routes (`/forward`, `/sessions/{id}`) over this member's spans: served
+/// on the HTTP listener and on libp2p streams.
+pub(crate) fn activation_plane(member: &Arc<Member>, client: ForwardClient) -> Router {
+    let executor: Arc<dyn SpanExecutor> = Arc::clone(&member.host) as Arc<dyn SpanExecutor>;
+    ActivationPlane::new(executor, Limits::default(), client).router()
 }
 
 /// The most of an oversized body read (and dropped) before answering 413, so that a client
@@ -256,6 +261,51 @@ pub(crate) async fn bind(address: SocketAddr) -> Result<(TcpListener, SocketAddr
         source,
     })?;
     Ok((listener, bound))
+}
+
+/// The HTTP base URL a member announces, if any:
+/// - `advertised`, when the operator gave one;
+/// - none when the member is not `reachable`: others cannot dial it, and reach it over libp2p
+///   streams instead;
+/// - the bound address, when bound to one (a loopback one means the whole mesh runs on this
+///   machine);
+/// - bound to all interfaces: an address of its libp2p listeners that is neither loopback nor
+///   unspecified (loopback only when it has no other). Never the unspecified address.
+pub(crate) fn announced_url(
+    advertised: Option<String>,
+    bound: SocketAddr,
+    reachable: bool,
+    p2p_listen: &[libp2p::Multiaddr],
+) -> Option<String> {
+    if advertised.is_some() {
+        return advertised;
+    }
+    let url = |ip: std::net::IpAddr| Some(default_url(SocketAddr::new(ip, bound.port())));
+    let ip = bound.ip();
+    if !reachable {
+        return None;
+    }
+    if !ip.is_unspecified() {
+        return url(ip);
+    }
+    let listen_ips: Vec<std::net::IpAddr> = p2p_listen
+        .iter()
+        .filter_map(|address| {
+            address.iter().find_map(|part| match part {
+                libp2p::multiaddr::Protocol::Ip4(ip) => Some(std::net::IpAddr::V4(ip)),
+                libp2p::multiaddr::Protocol::Ip6(ip) => Some(std::net::IpAddr::V6(ip)),
+                _ => None,
+            })
+        })
+        .filter(|ip| !ip.is_unspecified() && (ip.is_ipv4() || bound.is_ipv6()))
+        .collect();
+    let chosen = listen_ips
+        .iter()
+        .find(|ip| !ip.is_loopback())
+        .or_else(|| listen_ips.first())
+        .copied()
+        .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+    url(chosen)
 }
 
 /// `http://` and the bound address (127.0.0.1 when bound to all interfaces).

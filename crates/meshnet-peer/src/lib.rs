@@ -32,6 +32,7 @@ mod error;
 mod http;
 mod member;
 pub mod mesh_model;
+mod p2p_plane;
 pub mod remote;
 pub mod routing;
 pub mod runtime;

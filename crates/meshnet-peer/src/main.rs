@@ -167,6 +167,16 @@ struct RunArgs {
     /// Ask the router for a port mapping with UPnP.
     #[arg(long)]
     upnp: bool,
+    /// Circuits the relay (run by the tracker and by `--reachable` members for members behind
+    /// NAT) carries at once.
+    #[arg(long, default_value_t = 64)]
+    relay_max_circuits: usize,
+    /// Circuits the relay carries at once for one peer.
+    #[arg(long, default_value_t = 16)]
+    relay_circuits_per_peer: usize,
+    /// Hours one relayed circuit may stay open (circuits carry any number of bytes).
+    #[arg(long, default_value_t = 24.0)]
+    relay_circuit_hours: f64,
     /// Accept coverage maps and directives only from this tracker peer id.
     #[arg(long, value_name = "PEER_ID", value_parser = parse_peer_id)]
     tracker_id: Option<PeerId>,
@@ -254,6 +264,14 @@ fn main() -> ExitCode {
 
 /// Parses a byte count: plain bytes, or a number with KB, MB, GB (powers of 1000) or KiB,
 /// MiB, GiB (powers of 1024).
+/// `value` hours as a duration: more than zero and at most a year.
+fn hours(value: f64, flag: &str) -> anyhow::Result<Duration> {
+    if !(value > 0.0 && value <= 24.0 * 365.0) {
+        anyhow::bail!("{flag} must be more than 0 and at most 8760 (a year), got {value}");
+    }
+    Ok(Duration::from_secs_f64(value * 3600.0))
+}
+
 fn parse_bytes(text: &str) -> Result<u64, String> {
     let trimmed = text.trim();
     let split = trimmed
@@ -504,6 +522,12 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
         .http
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], if args.tracker { 8080 } else { 0 })));
     config.advertise_http = args.advertise_http;
+    config.relay_limits = meshnet_p2p::RelayLimits {
+        max_circuits: args.relay_max_circuits,
+        max_circuits_per_peer: args.relay_circuits_per_peer,
+        circuit_duration: hours(args.relay_circuit_hours, "--relay-circuit-hours")?,
+        ..meshnet_p2p::RelayLimits::default()
+    };
     config.p2p_listen = p2p;
     config.bootstrap = args.bootstrap;
     config.memory_bytes = args.memory;

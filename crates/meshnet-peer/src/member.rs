@@ -84,7 +84,11 @@ pub(crate) struct Member {
     pub(crate) settings: Settings,
     pub(crate) model: Arc<MeshModel>,
     pub(crate) host: Arc<ShardHost>,
-    pub(crate) http_url: String,
+    /// The HTTP base URL others reach this member at directly; `None` when they cannot dial
+    /// it (they reach it over libp2p streams).
+    pub(crate) http_url: Option<String>,
+    /// The HTTP base URL of this member's own listener, as seen from this machine.
+    pub(crate) local_url: String,
     pub(crate) offer: Offer,
     /// Tokens per second through the span held now, from the best measurement of its format.
     pub(crate) throughput: Mutex<f64>,
@@ -173,7 +177,7 @@ impl Member {
     /// followed tracker's coverage map (or record) names, else its latest announcement's.
     pub(crate) fn tracker_url(&self) -> Option<String> {
         if self.is_tracker() {
-            return Some(self.http_url.clone());
+            return Some(self.public_url());
         }
         let following = lock(&self.following).clone();
         let tracker = following.tracker?;
@@ -183,6 +187,39 @@ impl Member {
         let seen = lock(&self.seen);
         let (announcement, _) = seen.get(&tracker)?;
         announcement.http_endpoints.first().cloned()
+    }
+
+    /// Where clients and members reach this member's HTTP server: its announced URL, else its
+    /// own listener's (on a member nobody can dial, only this machine can use it).
+    pub(crate) fn public_url(&self) -> String {
+        self.http_url
+            .clone()
+            .unwrap_or_else(|| self.local_url.clone())
+    }
+
+    /// The libp2p addresses this member announces: its relayed addresses when others cannot
+    /// dial it, else where it listens.
+    pub(crate) fn p2p_addresses(&self) -> Vec<String> {
+        let circuits = self.p2p.circuit_addresses();
+        if self.p2p.reachability() != meshnet_p2p::Reachability::Public && !circuits.is_empty() {
+            return circuits.iter().map(ToString::to_string).collect();
+        }
+        lock(&self.p2p_addrs).clone()
+    }
+
+    /// Whether `peer` is a member of the mesh: this member's tracker, or a holder in the
+    /// latest coverage map. Only members may send activations over libp2p.
+    pub(crate) fn is_mesh_member(&self, peer: &PeerId) -> bool {
+        if lock(&self.following).tracker.as_ref() == Some(peer) {
+            return true;
+        }
+        lock(&self.coverage).as_ref().is_some_and(|coverage| {
+            coverage
+                .map
+                .holdings
+                .iter()
+                .any(|holding| &holding.peer == peer)
+        })
     }
 
     /// Sessions running here: generations on the tracker, KV sessions on any span.
@@ -230,7 +267,8 @@ impl Member {
             model_id: self.model.id().to_owned(),
             software_version: env!("CARGO_PKG_VERSION").to_owned(),
             wire_version: WIRE_VERSION,
-            http_endpoints: vec![self.http_url.clone()],
+            http_endpoints: self.http_url.iter().cloned().collect(),
+            p2p_addresses: self.p2p_addresses(),
             memory_bytes: self.offer.memory_bytes,
             quantizations: self.offer.quantizations.clone(),
             throughput: *lock(&self.throughput),

@@ -58,16 +58,21 @@ impl RunningPeer {
         self.http_addr
     }
 
-    /// The base URL other members reach this one at.
+    /// The base URL of this member's HTTP server as seen from this machine.
     pub fn http_url(&self) -> &str {
-        &self.member.http_url
+        &self.member.local_url
+    }
+
+    /// The base URL other members reach this one at directly, if they can dial it.
+    pub fn announced_http_url(&self) -> Option<&str> {
+        self.member.http_url.as_deref()
     }
 
     /// The OpenAI-style base URL (tracker only).
     pub fn openai_base_url(&self) -> Option<String> {
         self.member
             .is_tracker()
-            .then(|| format!("{}/v1", self.member.http_url))
+            .then(|| format!("{}/v1", self.member.public_url()))
     }
 
     /// Waits until the member cannot go on (for example, the mesh it joined runs another
@@ -189,19 +194,47 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     };
     let peer_id = meshnet_p2p::mesh_peer_id(&keypair.public().to_peer_id());
     let (listener, http_addr) = crate::http::bind(config.http_listen).await?;
-    let http_url = config
-        .advertise_http
-        .clone()
-        .unwrap_or_else(|| crate::http::default_url(http_addr));
+    let p2p_role = if config.tracker {
+        meshnet_p2p::Role::Tracker
+    } else {
+        meshnet_p2p::Role::Peer {
+            pinned_tracker: config.pinned_tracker.clone(),
+        }
+    };
+    let mut p2p_config = P2pConfig::new(keypair, model.id(), p2p_role);
+    p2p_config.listen = config.p2p_listen.clone();
+    p2p_config.bootstrap = config.bootstrap.clone();
+    p2p_config.transport = config.transport;
+    p2p_config.upnp = config.upnp;
+    p2p_config.assume_reachable = config.assume_reachable;
+    // The tracker and reachable members relay for the others; the others reserve slots.
+    p2p_config.relay_server =
+        (config.tracker || config.assume_reachable).then_some(config.relay_limits);
+    p2p_config.reserve_relays = !config.assume_reachable;
+    // Followers accept a successor once they have missed two of the tracker's maps; the
+    // successor claims after three (crate::election).
+    p2p_config.takeover_silence = config.announce_interval * 2;
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    p2p_config.metrics = metrics.clone();
+    let (p2p, events) = meshnet_p2p::spawn_registered(p2p_config, &mut registry).await?;
+    let listen_addrs = p2p.listen_addrs().await.unwrap_or_default();
+    let p2p_addrs = listen_addrs.iter().map(ToString::to_string).collect();
+    let local_url = crate::http::default_url(http_addr);
+    let http_url = crate::http::announced_url(
+        config.advertise_http.clone(),
+        http_addr,
+        config.assume_reachable || config.tracker,
+        &listen_addrs,
+    );
     let host = Arc::new(
         ShardHost::new(Arc::clone(&model), config.kv_tokens, config.drain_timeout)
             .with_max_batch_tokens(config.max_batch_tokens),
     );
-    let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry);
     let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)
         .map_err(|e| PeerError::Internal(e.to_string()))?
-        .with_metrics(metrics.clone());
+        .with_metrics(metrics.clone())
+        .with_streams(Arc::new(crate::p2p_plane::LibP2pStreams(p2p.clone())));
     let settings = Settings {
         announce_interval: config.announce_interval,
         admission: crate::admission::AdmissionLimits {
@@ -216,33 +249,11 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     };
     let role = if config.tracker {
         let own = capacity(&config, &quantizations, peer_id.clone());
-        Role::Tracker(build_tracker_parts(&host, own, &http_url, &settings).await?)
+        let tracker_url = http_url.clone().unwrap_or_else(|| local_url.clone());
+        Role::Tracker(build_tracker_parts(&host, own, &tracker_url, &settings).await?)
     } else {
         Role::Peer
     };
-    let p2p_role = if config.tracker {
-        meshnet_p2p::Role::Tracker
-    } else {
-        meshnet_p2p::Role::Peer {
-            pinned_tracker: config.pinned_tracker.clone(),
-        }
-    };
-    let mut p2p_config = P2pConfig::new(keypair, model.id(), p2p_role);
-    p2p_config.listen = config.p2p_listen.clone();
-    p2p_config.bootstrap = config.bootstrap.clone();
-    p2p_config.transport = config.transport;
-    p2p_config.upnp = config.upnp;
-    p2p_config.assume_reachable = config.assume_reachable;
-    // Followers accept a successor once they have missed two of the tracker's maps; the
-    // successor claims after three (crate::election).
-    p2p_config.takeover_silence = config.announce_interval * 2;
-    p2p_config.metrics = metrics.clone();
-    let (p2p, events) = meshnet_p2p::spawn_registered(p2p_config, &mut registry).await?;
-    let p2p_addrs = p2p
-        .listen_addrs()
-        .await
-        .map(|addrs| addrs.iter().map(ToString::to_string).collect())
-        .unwrap_or_default();
     let member = Arc::new(Member {
         following: Mutex::new(Following {
             tracker: config.tracker.then(|| peer_id.clone()),
@@ -256,6 +267,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         model,
         host,
         http_url,
+        local_url,
         offer: Offer {
             memory_bytes: config.memory_bytes,
             quantizations,
@@ -274,16 +286,18 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         p2p: p2p.clone(),
     });
     LiveCollector::register(&mut registry, MemberGauges(Arc::clone(&member)));
+    let plane = crate::http::activation_plane(&member, client.clone());
     let router = crate::http::router(&member, client, Arc::new(registry));
-    Ok(run(
+    run(
         member,
         router,
+        plane,
         listener,
         http_addr,
         p2p,
         events,
         config.announce_interval,
-    ))
+    )
 }
 
 /// What `config` offers the planner, as `peer`.
@@ -337,34 +351,37 @@ pub(crate) async fn build_tracker_parts(
 }
 
 /// Spawns the HTTP server and the control loop of a member that is set up.
+#[allow(clippy::too_many_arguments)]
 fn run(
     member: Arc<Member>,
     router: axum::Router,
+    plane: axum::Router,
     listener: TcpListener,
     http_addr: SocketAddr,
     p2p: P2pHandle,
     events: tokio::sync::mpsc::Receiver<meshnet_p2p::P2pEvent>,
     announce_interval: std::time::Duration,
-) -> RunningPeer {
+) -> Result<RunningPeer, PeerError> {
     let (stop, stop_rx) = watch::channel(false);
+    let streams = crate::p2p_plane::serve_streams(Arc::clone(&member), plane, stop_rx.clone())?;
     let server = crate::http::serve(listener, router, stop_rx.clone());
     tracing::info!(
         peer = %member.peer_id,
         role = if member.is_tracker() { "tracker" } else { "peer" },
         model = %member.model.id(),
-        http = %member.http_url,
+        http = ?member.http_url,
         p2p = ?lock(&member.p2p_addrs),
         "peer started"
     );
     let (failed, failure) = watch::channel(None);
     let control = ControlLoop::new(Arc::clone(&member), p2p.clone(), announce_interval, failed);
     let control = tokio::spawn(control.run(events, stop_rx));
-    RunningPeer {
+    Ok(RunningPeer {
         member,
         p2p,
         http_addr,
         stop,
         failure,
-        tasks: vec![control, server],
-    }
+        tasks: vec![control, server, streams],
+    })
 }

@@ -25,7 +25,7 @@ pub struct StatusReport {
     /// The model served.
     pub model: ModelReport,
     /// This peer's activation-plane base URL.
-    pub http: String,
+    pub http: Option<String>,
     /// The libp2p addresses it listens on.
     pub p2p: Vec<String>,
     /// The span serving new sessions.
@@ -57,6 +57,8 @@ pub struct StatusReport {
     pub forward_latency_ms: f64,
     /// Gossip this member published and received since it started (payload bytes).
     pub gossip: meshnet_p2p::GossipTraffic,
+    /// How this member is reached and how it reaches the others.
+    pub network: NetworkReport,
     /// Peers kept off routes after failing a generation (tracker only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub banned: Option<Vec<BanReport>>,
@@ -160,6 +162,52 @@ pub struct HolderReport {
     pub quantization: Quantization,
 }
 
+/// How a member is reached and how it reaches the members it knows.
+#[derive(Clone, Debug, Serialize)]
+pub struct NetworkReport {
+    /// Whether others can dial it: `public` (started `--reachable`, or AutoNAT says so),
+    /// `private` (AutoNAT says not) or `unknown`. Unless public, it reserves relay slots.
+    pub reachability: &'static str,
+    /// Its relayed (`/p2p-circuit`) addresses, one per relay holding a reservation for it.
+    pub relayed_addresses: Vec<String>,
+    /// Every other member it has heard from, and how activations from here reach it:
+    /// `direct-http` (its announced HTTP endpoint), `direct-p2p` (a libp2p stream over a
+    /// direct connection, dialed or punched through NATs), `relayed` (a libp2p stream through a
+    /// relay) or `not-connected` (a libp2p stream once a connection is made).
+    pub paths: std::collections::BTreeMap<PeerId, &'static str>,
+}
+
+impl NetworkReport {
+    fn of(member: &Member) -> Self {
+        let paths = lock(&member.seen)
+            .iter()
+            .filter(|(peer, _)| **peer != member.peer_id)
+            .map(|(peer, (announcement, _))| (peer.clone(), path_to(member, announcement)))
+            .collect();
+        NetworkReport {
+            reachability: member.p2p.reachability().as_str(),
+            relayed_addresses: member
+                .p2p
+                .circuit_addresses()
+                .iter()
+                .map(ToString::to_string)
+                .collect(),
+            paths,
+        }
+    }
+}
+
+/// How activations from `member` reach the sender of `announcement`.
+fn path_to(member: &Member, announcement: &meshnet_p2p::PeerAnnouncement) -> &'static str {
+    if !announcement.http_endpoints.is_empty() {
+        return HopPath::DirectHttp.as_str();
+    }
+    match member.p2p.path_to(&announcement.peer) {
+        Some(path) => crate::p2p_plane::hop_path(Some(path)).as_str(),
+        None => "not-connected",
+    }
+}
+
 /// A peer as the tracker knows it.
 #[derive(Clone, Debug, Serialize)]
 pub struct PeerReport {
@@ -167,8 +215,8 @@ pub struct PeerReport {
     pub peer: PeerId,
     /// Its activation-plane base URL.
     pub http: Option<String>,
-    /// How activations reach it: `direct-http` to its announced endpoint, or `unreachable`
-    /// when it announced none (it cannot be routed to).
+    /// How activations reach it from the tracker: `direct-http` to its announced endpoint, or
+    /// over libp2p: `direct-p2p`, `relayed` or `not-connected` (see [`NetworkReport::paths`]).
     pub path: &'static str,
     /// Its announced span.
     pub span: Option<SpanStatus>,
@@ -231,7 +279,7 @@ impl StatusReport {
             lock(&parts.book)
                 .peers()
                 .values()
-                .map(|known| PeerReport::of(known, now))
+                .map(|known| PeerReport::of(member, known, now))
                 .collect()
         });
         let banned = tracker.as_ref().map(|parts| {
@@ -291,13 +339,14 @@ impl StatusReport {
             forward_latency_ms: host.forward_latency_ms(),
             batching: host.current().map(|shard| shard.batching()),
             gossip: member.p2p.gossip_traffic(),
+            network: NetworkReport::of(member),
             banned,
             admission,
             coverage: lock(&member.coverage)
                 .as_ref()
                 .map(CoverageReport::from_message),
             peers,
-            openai_base_url: Some(format!("{}/v1", member.http_url)),
+            openai_base_url: Some(format!("{}/v1", member.public_url())),
             route_boundaries: member.route_boundaries(),
         }
     }
@@ -332,16 +381,12 @@ impl meshnet_metrics::LiveSource for MemberGauges {
 
 impl PeerReport {
     /// A known peer as of `now`.
-    fn of(known: &KnownPeer, now: Instant) -> Self {
+    fn of(member: &Member, known: &KnownPeer, now: Instant) -> Self {
         let a = &known.announcement;
         PeerReport {
             peer: a.peer.clone(),
             http: a.http_endpoints.first().cloned(),
-            path: if a.http_endpoints.is_empty() {
-                "unreachable"
-            } else {
-                HopPath::DirectHttp.as_str()
-            },
+            path: path_to(member, a),
             span: a.span.clone(),
             memory_bytes: a.memory_bytes,
             quantizations: a.quantizations.clone(),

@@ -395,13 +395,18 @@ impl TrackerBook {
             .filter_map(|known| {
                 let a = &known.announcement;
                 let span = a.span.as_ref()?;
-                let endpoint = a.http_endpoints.first()?;
+                // Direct HTTP when it announced an endpoint, else a libp2p stream to its id.
+                let endpoint = a
+                    .http_endpoints
+                    .first()
+                    .cloned()
+                    .unwrap_or_else(|| meshnet_node::stream::peer_endpoint(a.peer.as_str()));
                 let planned = self.map.holding_of(&a.peer)?;
                 let as_planned =
                     planned.layers == span.layers && planned.quantization == span.quantization;
                 (span.state == SpanState::Ready && as_planned).then(|| RouteCandidate {
                     peer: a.peer.clone(),
-                    endpoint: endpoint.clone(),
+                    endpoint,
                     layers: span.layers,
                     active_sessions: a.active_sessions,
                     free_kv_tokens: a.free_kv_tokens,
@@ -668,6 +673,7 @@ mod tests {
             software_version: "0".into(),
             wire_version: 1,
             http_endpoints: vec![format!("http://{peer}")],
+            p2p_addresses: Vec::new(),
             memory_bytes: memory(10, false),
             quantizations: vec![FORMAT],
             throughput: 100.0,
