@@ -31,6 +31,7 @@ fn normal_frame(dims: &[usize]) -> ActivationFrame {
             position: 0,
             layers: LayerSpan::new(0, 10),
             route: Route::default(),
+            grant: None,
         },
         activations: Activations::new(shape, values).unwrap(),
     }

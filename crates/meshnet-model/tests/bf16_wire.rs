@@ -36,6 +36,7 @@ impl Stage for OverTheWire<'_> {
                 position: position as u64,
                 layers,
                 route: WireRoute::default(),
+                grant: None,
             },
             activations: Activations::from_tensor(&hidden)?,
         };

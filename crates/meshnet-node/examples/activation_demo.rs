@@ -154,6 +154,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 position: chunk.token_offset as u64,
                 layers: LayerSpan::new(0, 10),
                 route: route.clone(),
+                grant: None,
             },
             activations: chunk.activations,
         };
@@ -200,6 +201,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 position: next_position + step,
                 layers: LayerSpan::new(0, 10),
                 route: route.clone(),
+                grant: None,
             },
             activations: one,
         };

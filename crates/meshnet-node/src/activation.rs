@@ -18,21 +18,30 @@ use axum::routing::{delete, post};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use meshnet_metrics::Direction;
 use meshnet_types::LayerSpan;
+use meshnet_wire::grant::GrantedFrame;
 use meshnet_wire::header::{Encoding, check_wire_version};
-use meshnet_wire::{ActivationFrame, Limits};
+use meshnet_wire::{ActivationFrame, Limits, WireError};
 
 use crate::client::ForwardClient;
 use crate::error::NodeError;
 use crate::executor::{ExecutorError, SpanExecutor};
 use crate::{blocking, codec, decode_bytes};
 
-/// What `POST /forward` needs: the layers to run, the limits to enforce and a client for the
-/// next hop.
+/// Decides from a `/forward` request's headers alone, before its body is read, whether to
+/// serve it: [`WireError::GrantMissing`] (401) or [`WireError::GrantRefused`] (403) refuse it.
+pub trait ForwardGate: Send + Sync {
+    /// `Ok` to serve the frame these headers describe.
+    fn admit(&self, frame: &GrantedFrame<'_>) -> Result<(), WireError>;
+}
+
+/// What `POST /forward` needs: the layers to run, the limits to enforce, a client for the
+/// next hop, and who may send.
 #[derive(Clone)]
 pub struct ActivationPlane {
     executor: Arc<dyn SpanExecutor>,
     limits: Limits,
     client: ForwardClient,
+    gate: Option<Arc<dyn ForwardGate>>,
 }
 
 impl ActivationPlane {
@@ -43,7 +52,14 @@ impl ActivationPlane {
             executor,
             limits,
             client,
+            gate: None,
         }
+    }
+
+    /// The same plane, serving only the requests `gate` admits (without one, anyone's).
+    pub fn with_gate(mut self, gate: Arc<dyn ForwardGate>) -> Self {
+        self.gate = Some(gate);
+        self
     }
 
     /// The routes of the activation plane: `POST /forward` and `DELETE /sessions/{id}` (frees
@@ -83,6 +99,7 @@ impl ActivationPlane {
         let Some((next, rest)) = meta.route.pop_next() else {
             let mut meta = meta;
             meta.route = Default::default();
+            meta.grant = None;
             return Ok(ActivationFrame {
                 meta,
                 activations: output,
@@ -119,6 +136,9 @@ async fn forward(
 ) -> Result<Response, NodeError> {
     // The version comes first: a peer of another version learns ours before anything else.
     check_wire_version(&headers)?;
+    if let Some(gate) = &plane.gate {
+        gate.admit(&GrantedFrame::from_headers(&headers)?)?;
+    }
     let declared_len = headers
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())

@@ -65,6 +65,8 @@ impl NodeError {
                     ErrorClass::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
                     ErrorClass::Unsupported => StatusCode::UNSUPPORTED_MEDIA_TYPE,
                     ErrorClass::LengthMismatch => StatusCode::UNPROCESSABLE_ENTITY,
+                    ErrorClass::Unauthenticated => StatusCode::UNAUTHORIZED,
+                    ErrorClass::Forbidden => StatusCode::FORBIDDEN,
                     ErrorClass::Internal => StatusCode::INTERNAL_SERVER_ERROR,
                 },
                 e.code(),

@@ -20,7 +20,7 @@ mod executor;
 mod hop;
 pub mod stream;
 
-pub use activation::ActivationPlane;
+pub use activation::{ActivationPlane, ForwardGate};
 pub use client::{ClientError, DEFAULT_HOP_TIMEOUT, ForwardClient};
 pub use error::{ErrorBody, ErrorDetail, NodeError};
 pub use executor::{ExecutorError, SpanExecutor};

@@ -85,6 +85,7 @@ fn frame(layers: (u32, u32), route: Vec<Hop>, tokens: usize) -> ActivationFrame 
             position: 128,
             layers: LayerSpan::new(layers.0, layers.1),
             route: Route::new(route).unwrap(),
+            grant: None,
         },
         activations: Activations::new(shape, values).unwrap(),
     }

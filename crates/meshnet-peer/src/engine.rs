@@ -39,6 +39,7 @@ pub struct MeshEngine {
     encoding: Encoding,
     admission: Admission,
     prefill_in_flight: usize,
+    grants: Option<Arc<crate::grants::GrantSigner>>,
 }
 
 impl MeshEngine {
@@ -74,7 +75,15 @@ impl MeshEngine {
             encoding: Encoding::Zstd,
             admission: Admission::new(limits),
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
+            grants: None,
         }
+    }
+
+    /// Every frame of its generations carries a grant `signer` signs (members serve none
+    /// without one).
+    pub fn with_grants(mut self, signer: Arc<crate::grants::GrantSigner>) -> Self {
+        self.grants = Some(signer);
+        self
     }
 
     /// Keeps up to `chunks` of a prompt travelling through the remote hops at once (1: each
@@ -253,7 +262,11 @@ impl MeshEngine {
                         self.encoding,
                         self.failover.clone(),
                     )
-                    .map_err(|e| EngineError::Internal(e.to_string()))?
+                    .map_err(|e| EngineError::Internal(e.to_string()))
+                    .map(|stage| match &self.grants {
+                        Some(signer) => stage.with_grants(Arc::clone(signer)),
+                        None => stage,
+                    })?
                     .with_prefill_in_flight(self.prefill_in_flight),
                 )
             },

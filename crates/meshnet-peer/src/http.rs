@@ -56,7 +56,9 @@ pub(crate) fn router(
 /// on the HTTP listener and on libp2p streams.
 pub(crate) fn activation_plane(member: &Arc<Member>, client: ForwardClient) -> Router {
     let executor: Arc<dyn SpanExecutor> = Arc::clone(&member.host) as Arc<dyn SpanExecutor>;
-    ActivationPlane::new(executor, Limits::default(), client).router()
+    ActivationPlane::new(executor, Limits::default(), client)
+        .with_gate(Arc::new(crate::grants::MemberGate::new(Arc::clone(member))))
+        .router()
 }
 
 /// The most of an oversized body read (and dropped) before answering 413, so that a client

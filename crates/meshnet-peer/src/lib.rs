@@ -29,6 +29,7 @@ mod control;
 pub mod election;
 pub mod engine;
 mod error;
+pub mod grants;
 mod http;
 mod member;
 pub mod mesh_model;

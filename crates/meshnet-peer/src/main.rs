@@ -66,6 +66,30 @@ enum Commands {
     /// Chat with the mesh in the terminal: each line of input is a question, answers stream
     /// as they are generated, followed by tokens/s. `/reset` forgets the conversation.
     Chat(terminal::ChatArgs),
+    /// Print an `X-Meshnet-Grant` header value signed with the tracker's identity (run it on
+    /// the tracker's machine, with its --data-dir): members serve a hand-made `/forward` only
+    /// with one.
+    Grant(GrantArgs),
+}
+
+/// What `grant` signs.
+#[derive(clap::Args)]
+struct GrantArgs {
+    /// The tracker's data directory (holding its identity key); default: the tracker's
+    /// default data directory.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// The session the grant is for (a UUID; the frame's X-Meshnet-Session).
+    #[arg(long)]
+    session: uuid::Uuid,
+    /// Every hop of the route after the tracker, first first, in X-Meshnet-Route syntax:
+    /// `start-end@endpoint,...` (a frame to the first hop names its layers in
+    /// X-Meshnet-Layers and the rest in X-Meshnet-Route).
+    #[arg(long)]
+    route: String,
+    /// Seconds the grant stays valid.
+    #[arg(long, default_value_t = 900)]
+    ttl: u64,
 }
 
 /// What `health` asks.
@@ -251,6 +275,7 @@ fn main() -> ExitCode {
         Some(Commands::Health(args)) => health(&args),
         Some(Commands::Status(args)) => terminal::status(&args),
         Some(Commands::Chat(args)) => terminal::chat(&args),
+        Some(Commands::Grant(args)) => grant(&args),
         None => run_peer(cli.run),
     };
     match outcome {
@@ -318,6 +343,32 @@ fn parse_generate_format(text: &str) -> anyhow::Result<Option<Quantization>> {
         "as-shipped" | "asshipped" | "none" => Ok(None),
         _ => Ok(Some(parse_format(text).map_err(anyhow::Error::msg)?)),
     }
+}
+
+/// `meshnet-peer grant`: prints a grant signed with the identity in the data directory.
+fn grant(args: &GrantArgs) -> anyhow::Result<()> {
+    let data_dir = args
+        .data_dir
+        .clone()
+        .unwrap_or_else(|| default_data_dir(true));
+    if !data_dir.join(meshnet_p2p::IDENTITY_FILE_NAME).exists() {
+        anyhow::bail!(
+            "no identity key in {}: give the tracker's --data-dir",
+            data_dir.display()
+        );
+    }
+    let keypair = meshnet_p2p::load_or_create_identity(&data_dir)?;
+    let route = meshnet_wire::Route::parse(&args.route)
+        .map_err(|error| anyhow::anyhow!("--route: {error}"))?;
+    if route.is_empty() {
+        anyhow::bail!("--route names no hop");
+    }
+    let signer = meshnet_peer::grants::GrantSigner::new(keypair);
+    let (value, _) = signer
+        .issue(args.session, route, Duration::from_secs(args.ttl))
+        .map_err(|reason| anyhow::anyhow!(reason))?;
+    println!("{value}");
+    Ok(())
 }
 
 fn default_data_dir(tracker: bool) -> PathBuf {

@@ -65,6 +65,8 @@ pub(crate) struct Settings {
     pub(crate) tracker_capable: bool,
     /// The activation-plane client the engine sends with.
     pub(crate) client: meshnet_node::ForwardClient,
+    /// Signs the grants of the generations it runs as tracker.
+    pub(crate) grants: Arc<crate::grants::GrantSigner>,
 }
 
 /// What this member offers the mesh, as announced.

@@ -34,6 +34,7 @@ use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Route
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
+use crate::grants::{GRANT_TTL, GrantSigner};
 use crate::member::lock;
 use crate::routing::{MeshRoutes, PlannedHop};
 
@@ -101,6 +102,8 @@ struct RouteState {
     /// The first hop's layers and the route after it, built once for every frame.
     first_layers: LayerSpan,
     onward: Route,
+    /// Every hop, first first: what a grant for this route names.
+    full_route: Route,
     /// The session id on the hops: the generation's own until the first failover.
     session: Option<SessionId>,
     /// Every hidden state sent so far, in order (bfloat16, `[1, tokens, hidden]`).
@@ -140,6 +143,18 @@ pub struct RemoteStage {
     failover: Failover,
     prefill_in_flight: usize,
     state: Mutex<RouteState>,
+    /// Signs the grant every frame carries (none: frames travel without one).
+    grants: Option<Arc<GrantSigner>>,
+    /// The grant issued last: for which session and route, and until when.
+    grant: Mutex<Option<IssuedGrant>>,
+}
+
+/// A grant issued for one session on one route.
+struct IssuedGrant {
+    session: SessionId,
+    route: Route,
+    value: Arc<str>,
+    expires_unix_ms: u64,
 }
 
 /// Why a send failed.
@@ -171,7 +186,55 @@ impl RemoteStage {
             failover,
             prefill_in_flight: DEFAULT_PREFILL_IN_FLIGHT,
             state: Mutex::new(state),
+            grants: None,
+            grant: Mutex::new(None),
         })
+    }
+
+    /// Frames carry a grant `signer` signs for their session and route (see
+    /// [`crate::grants`]); members serve no frame without one.
+    pub fn with_grants(mut self, signer: Arc<GrantSigner>) -> Self {
+        self.grants = Some(signer);
+        self
+    }
+
+    /// The grant for `session` on the route of `state`: the last one issued while it is for
+    /// them and has more than half its life left, else a new one.
+    fn grant_for(
+        &self,
+        state: &RouteState,
+        session: SessionId,
+    ) -> Result<Option<Arc<str>>, SendError> {
+        let Some(signer) = &self.grants else {
+            return Ok(None);
+        };
+        let mut issued = self
+            .grant
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_millis() as u64);
+        let half_life = GRANT_TTL.as_millis() as u64 / 2;
+        if let Some(grant) = issued.as_ref()
+            && grant.session == session
+            && grant.route == state.full_route
+            && grant.expires_unix_ms > now + half_life
+        {
+            return Ok(Some(Arc::clone(&grant.value)));
+        }
+        let (value, expires_unix_ms) =
+            signer
+                .issue(session, state.full_route.clone(), GRANT_TTL)
+                .map_err(|reason| SendError::Other(stage_error(state, reason)))?;
+        let value: Arc<str> = value.into();
+        *issued = Some(IssuedGrant {
+            session,
+            route: state.full_route.clone(),
+            value: Arc::clone(&value),
+            expires_unix_ms,
+        });
+        Ok(Some(value))
     }
 
     /// Keeps up to `chunks` of a prompt travelling at once (at least 1: each chunk waits for
@@ -219,6 +282,7 @@ impl RemoteStage {
                 position: position as u64,
                 layers: state.first_layers,
                 route: state.onward.clone(),
+                grant: self.grant_for(state, session)?,
             },
             activations,
         };
@@ -434,23 +498,25 @@ fn route_state(hops: Vec<PlannedHop>, avoid: Avoid) -> Result<RouteState, ModelE
         stage: "remote hops".to_owned(),
         source: reason.into(),
     };
-    let (first, rest) = hops
-        .split_first()
+    let first = hops
+        .first()
         .ok_or_else(|| invalid("the route has no hop".to_owned()))?;
     let first_layers = first.layers;
     if first_layers.is_empty() {
         return Err(invalid(format!("empty layer span for peer {}", first.peer)));
     }
-    let onward = rest
+    let all = hops
         .iter()
         .map(|hop| Hop::new(hop.layers, hop.endpoint.clone()).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()
         .map_err(invalid)?;
-    let onward = Route::new(onward)?;
+    let onward = Route::new(all[1..].to_vec())?;
+    let full_route = Route::new(all)?;
     Ok(RouteState {
         hops: hops.into(),
         first_layers,
         onward,
+        full_route,
         session: None,
         history: Vec::new(),
         history_tokens: 0,

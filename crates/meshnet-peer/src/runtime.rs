@@ -201,6 +201,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
             pinned_tracker: config.pinned_tracker.clone(),
         }
     };
+    let grants = Arc::new(crate::grants::GrantSigner::new(keypair.clone()));
     let mut p2p_config = P2pConfig::new(keypair, model.id(), p2p_role);
     p2p_config.listen = config.p2p_listen.clone();
     p2p_config.bootstrap = config.bootstrap.clone();
@@ -246,6 +247,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         prefill_in_flight: config.prefill_in_flight,
         tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
         client: client.clone(),
+        grants,
     };
     let role = if config.tracker {
         let own = capacity(&config, &quantizations, peer_id.clone());
@@ -344,7 +346,8 @@ pub(crate) async fn build_tracker_parts(
             settings.client.clone(),
             settings.admission,
         )
-        .with_prefill_in_flight(settings.prefill_in_flight),
+        .with_prefill_in_flight(settings.prefill_in_flight)
+        .with_grants(Arc::clone(&settings.grants)),
     );
     let api = meshnet_api::openai_router(Arc::clone(&engine) as _);
     Ok(TrackerParts { book, engine, api })

@@ -286,9 +286,12 @@ async fn generations_run_side_by_side_up_to_the_bound_then_wait_in_line_then_get
     tracker.shutdown().await;
 }
 
+/// Frames without the tracker's grant for their session and route are refused before any work
+/// (401 without one, 403 with a forged, foreign or stretched one); granted frames that would
+/// cost too much are refused too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_frames_are_refused_before_any_work() {
-    let tracker = tracker(10).await;
+    let (tracker, signer) = common::tracker_and_signer(10).await;
     let peer = peer(20, &tracker).await;
     wait_for("coverage", &tracker, |s| converged(s, &[&peer])).await;
     let span = peer.current_span().unwrap().target.layers;
@@ -298,20 +301,28 @@ async fn hostile_frames_are_refused_before_any_work() {
         std::time::Duration::from_secs(30),
     )
     .unwrap();
-    let frame = |position: u64, tokens: usize| meshnet_wire::ActivationFrame {
+    let grant_for = |signer: &meshnet_peer::grants::GrantSigner, session| {
+        common::grant_to(signer, session, span, peer.http_url())
+    };
+    let frame = |session, position: u64, tokens: usize, grant| meshnet_wire::ActivationFrame {
         meta: meshnet_wire::FrameMeta {
-            session: uuid::Uuid::new_v4(),
+            session,
             chunk_index: 0,
             chunk_total: 1,
             position,
             layers: span,
             route: meshnet_wire::Route::default(),
+            grant,
         },
         activations: meshnet_wire::Activations::new(
             meshnet_wire::Shape::new(&[tokens, hidden]).unwrap(),
             vec![half::bf16::ZERO; tokens * hidden],
         )
         .unwrap(),
+    };
+    let granted = |position: u64, tokens: usize| {
+        let session = uuid::Uuid::new_v4();
+        frame(session, position, tokens, grant_for(&signer, session))
     };
     let refused = |frame, code: &str| {
         let client = client.clone();
@@ -331,13 +342,49 @@ async fn hostile_frames_are_refused_before_any_work() {
             }
         }
     };
+    // No grant: 401.
+    refused(frame(uuid::Uuid::new_v4(), 0, 3, None), "grant_missing").await;
+    // A grant signed by a key that is not the tracker's: 403.
+    let stranger =
+        meshnet_peer::grants::GrantSigner::new(libp2p::identity::Keypair::generate_ed25519());
+    let session = uuid::Uuid::new_v4();
+    refused(
+        frame(session, 0, 3, grant_for(&stranger, session)),
+        "grant_refused",
+    )
+    .await;
+    // The tracker's grant for another session: 403.
+    let other = uuid::Uuid::new_v4();
+    refused(
+        frame(session, 0, 3, grant_for(&signer, other)),
+        "grant_refused",
+    )
+    .await;
+    // The tracker's grant with the route stretched to a listener of the sender's choosing:
+    // 403, and the listener is never contacted.
+    let bait = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let bait_url = format!("http://{}", bait.local_addr().unwrap());
+    let mut stretched = frame(session, 0, 3, grant_for(&signer, session));
+    stretched.meta.layers = meshnet_types::LayerSpan::new(span.start, span.end - 1);
+    stretched.meta.route = meshnet_wire::Route::new(vec![
+        meshnet_wire::Hop::new(
+            meshnet_types::LayerSpan::new(span.end - 1, span.end),
+            bait_url.clone(),
+        )
+        .unwrap(),
+    ])
+    .unwrap();
+    refused(stretched, "grant_refused").await;
+    let contacted =
+        tokio::time::timeout(std::time::Duration::from_millis(200), bait.accept()).await;
+    assert!(contacted.is_err(), "the peer connected to {bait_url}");
     // A position far past the session's cache (a 128 GB attention mask if it were built).
-    refused(frame(1 << 34, 2), "position_conflict").await;
+    refused(granted(1 << 34, 2), "position_conflict").await;
     // More tokens in one frame than a prefill chunk.
-    refused(frame(0, 129), "bad_activations").await;
-    // The peer still serves a proper frame.
+    refused(granted(0, 129), "bad_activations").await;
+    // The peer still serves a proper, granted frame.
     let answer = client
-        .forward(peer.http_url(), frame(0, 3), meshnet_wire::Encoding::Raw)
+        .forward(peer.http_url(), granted(0, 3), meshnet_wire::Encoding::Raw)
         .await
         .unwrap();
     assert_eq!(answer.activations.shape().dims(), &[1, 3, hidden]);
@@ -347,7 +394,7 @@ async fn hostile_frames_are_refused_before_any_work() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_gives_up_naming_it() {
-    let tracker = tracker(10).await;
+    let (tracker, signer) = common::tracker_and_signer(10).await;
     let mut config = common::config(false, 20, tracker.p2p_addrs().await.unwrap());
     // Room for 16 tokens of KV cache per layer: any longer prompt overflows it.
     config.kv_tokens = 16;
@@ -362,14 +409,16 @@ async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_gives_up_naming
         std::time::Duration::from_secs(30),
     )
     .unwrap();
+    let session = uuid::Uuid::new_v4();
     let frame = meshnet_wire::ActivationFrame {
         meta: meshnet_wire::FrameMeta {
-            session: uuid::Uuid::new_v4(),
+            session,
             chunk_index: 0,
             chunk_total: 1,
             position: 0,
             layers: span,
             route: meshnet_wire::Route::default(),
+            grant: common::grant_to(&signer, session, span, peer.http_url()),
         },
         activations: meshnet_wire::Activations::new(
             meshnet_wire::Shape::new(&[64, hidden]).unwrap(),

@@ -149,6 +149,16 @@ pub enum WireError {
         /// Elements supplied.
         got: usize,
     },
+    /// A `/forward` request carries no grant (`X-Meshnet-Grant`).
+    #[error("no grant: a /forward over HTTP needs the tracker's grant in X-Meshnet-Grant")]
+    GrantMissing,
+    /// The grant is malformed, expired, signed by another than the tracker, for another
+    /// session, or the frame is not travelling its route.
+    #[error("grant refused: {reason}")]
+    GrantRefused {
+        /// Why.
+        reason: String,
+    },
     /// A candle tensor could not be converted.
     #[cfg(feature = "candle")]
     #[error("tensor conversion failed: {0}")]
@@ -166,6 +176,10 @@ pub enum ErrorClass {
     TooLarge,
     /// Unknown encoding, dtype or content type (HTTP 415).
     Unsupported,
+    /// No credential (HTTP 401).
+    Unauthenticated,
+    /// A credential that does not permit the request (HTTP 403).
+    Forbidden,
     /// The body does not match the declared shape (HTTP 422).
     LengthMismatch,
     /// A local programming or conversion error, not the peer's fault (HTTP 500).
@@ -192,6 +206,8 @@ impl WireError {
                 ErrorClass::LengthMismatch
             }
             WireError::Reassembly { .. } | WireError::ElementCount { .. } => ErrorClass::Internal,
+            WireError::GrantMissing => ErrorClass::Unauthenticated,
+            WireError::GrantRefused { .. } => ErrorClass::Forbidden,
             #[cfg(feature = "candle")]
             WireError::Tensor(_) => ErrorClass::Internal,
         }
@@ -215,6 +231,8 @@ impl WireError {
             WireError::ChunkOutOfRange { .. } => "chunk_out_of_range",
             WireError::Reassembly { .. } => "reassembly_failed",
             WireError::ElementCount { .. } => "element_count_mismatch",
+            WireError::GrantMissing => "grant_missing",
+            WireError::GrantRefused { .. } => "grant_refused",
             #[cfg(feature = "candle")]
             WireError::Tensor(_) => "tensor_conversion_failed",
         }

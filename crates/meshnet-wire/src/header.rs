@@ -79,7 +79,7 @@ impl Encoding {
 }
 
 /// Parses a header's layer span, written `start-end`; the span must hold at least one layer.
-fn parse_layers(text: &str, field: &'static str) -> Result<LayerSpan, WireError> {
+pub(crate) fn parse_layers(text: &str, field: &'static str) -> Result<LayerSpan, WireError> {
     let invalid = || WireError::InvalidHeader {
         name: field,
         expected: "a layer range start-end with start < end",
@@ -176,7 +176,8 @@ impl Route {
         ))
     }
 
-    fn parse(text: &str) -> Result<Self, WireError> {
+    /// Parses the `X-Meshnet-Route` syntax (`start-end@endpoint`, comma-separated).
+    pub fn parse(text: &str) -> Result<Self, WireError> {
         let text = text.trim();
         if text.is_empty() {
             return Ok(Route::default());
@@ -233,6 +234,9 @@ pub struct FrameMeta {
     pub layers: LayerSpan,
     /// The hops after the receiver (empty in a response and at the last hop).
     pub route: Route,
+    /// The tracker's grant for the session and route (`X-Meshnet-Grant`, see
+    /// [`crate::grant`]), passed on unchanged from hop to hop; `None` in a response.
+    pub grant: Option<std::sync::Arc<str>>,
 }
 
 impl FrameMeta {
@@ -308,6 +312,7 @@ pub fn read_meta(headers: &HeaderMap) -> Result<(Shape, FrameMeta), WireError> {
             Some(text) => Route::parse(text)?,
             None => Route::default(),
         },
+        grant: optional_str(headers, crate::grant::GRANT_HEADER, "a grant")?.map(Into::into),
     };
     meta.validate()?;
     Ok((shape, meta))
@@ -334,6 +339,9 @@ pub fn write_headers(shape: &Shape, meta: &FrameMeta, encoding: Encoding) -> Hea
     put(LAYERS, layers_text(meta.layers));
     if !meta.route.is_empty() {
         put(ROUTE, meta.route.to_string());
+    }
+    if let Some(grant) = &meta.grant {
+        put(crate::grant::GRANT_HEADER, grant.to_string());
     }
     if let Some(value) = encoding.header_value() {
         put(ENCODING, value.to_owned());
@@ -431,6 +439,7 @@ mod tests {
                 Hop::new(LayerSpan::new(25, 30), "http://[::1]:8083").unwrap(),
             ])
             .unwrap(),
+            grant: None,
         }
     }
 

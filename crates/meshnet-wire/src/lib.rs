@@ -5,7 +5,8 @@
 //! crate is the synchronous, I/O-free part of that: the [`ActivationFrame`] and its
 //! [`FrameMeta`], the exact header mapping ([`header`]), bounded decoding that never allocates
 //! past the declared shape or the configured [`Limits`], conversions between bfloat16, bytes and
-//! candle tensors, and 128-token prefill chunking ([`chunk`]).
+//! candle tensors, 128-token prefill chunking ([`chunk`]), and the tracker's grants that admit
+//! a frame to a member ([`grant`]; parsing and route checks only, no cryptography).
 //!
 //! ```
 //! use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Limits, Route, Shape};
@@ -20,6 +21,7 @@
 //!     position: 0,
 //!     layers: LayerSpan::new(0, 10),
 //!     route: Route::default(),
+//!     grant: None,
 //! };
 //! let frame = ActivationFrame { meta, activations };
 //! let encoded = frame.encode(Encoding::Zstd);
@@ -32,6 +34,7 @@ mod activations;
 pub mod chunk;
 mod error;
 mod frame;
+pub mod grant;
 pub mod header;
 mod shape;
 #[cfg(feature = "candle")]

@@ -24,6 +24,7 @@ fn meta(route: Route) -> FrameMeta {
         position: 0,
         layers: LayerSpan::new(0, 10),
         route,
+        grant: None,
     }
 }
 
@@ -102,6 +103,7 @@ fn arb_frame() -> impl Strategy<Value = ActivationFrame> {
                         position,
                         layers: LayerSpan::new(start, start + len),
                         route,
+                        grant: (session % 2 == 0).then(|| format!("grant-{session}.sig").into()),
                     },
                     activations: Activations::new(
                         Shape::new(&dims).unwrap(),

@@ -124,6 +124,31 @@ pub async fn tracker(layers: u32) -> RunningPeer {
         .unwrap()
 }
 
+/// Starts a tracker able to hold `layers` layers, with a signer of its grants (for frames
+/// sent to its members by hand).
+pub async fn tracker_and_signer(layers: u32) -> (RunningPeer, meshnet_peer::grants::GrantSigner) {
+    let key = Keypair::generate_ed25519();
+    let mut config = config(true, layers, vec![]);
+    config.keypair = Some(key.clone());
+    let tracker = meshnet_peer::start(config).await.unwrap();
+    (tracker, meshnet_peer::grants::GrantSigner::new(key))
+}
+
+/// `signer`'s grant for `session` to a frame for `layers` at `endpoint`, the last hop.
+pub fn grant_to(
+    signer: &meshnet_peer::grants::GrantSigner,
+    session: uuid::Uuid,
+    layers: meshnet_types::LayerSpan,
+    endpoint: &str,
+) -> Option<Arc<str>> {
+    let route =
+        meshnet_wire::Route::new(vec![meshnet_wire::Hop::new(layers, endpoint).unwrap()]).unwrap();
+    let (value, _) = signer
+        .issue(session, route, Duration::from_secs(60))
+        .unwrap();
+    Some(value.into())
+}
+
 /// A bare control-plane node that joins the mesh through `via` as an ordinary member: what a
 /// hostile volunteer forging tracker messages would run. Returns its handle and events.
 pub async fn outsider(
