@@ -5,7 +5,8 @@
 #                            (scripts/fetch-model.sh); the binary is built by testnet/local.sh
 #   scripts/setup.sh --dev   also what scripts/test.sh needs: rustfmt and clippy, cargo-fuzz for
 #                            the fuzz targets, a compose tool and strip for the Docker testnet
-#                            (when a Docker engine is installed), Chromium for the coverage-page
+#                            (when a Docker engine is installed), iproute2 and iptables for the
+#                            NAT testbed (testnet/nat.sh), Chromium for the coverage-page
 #                            test, and a Python virtualenv with the `openai` and
 #                            `prometheus_client` packages for the API and /metrics checks
 #
@@ -54,6 +55,9 @@ if command -v docker >/dev/null 2>&1; then
   fi
   command -v strip >/dev/null 2>&1 || missing+=(binutils)
 fi
+# The NAT testbed (testnet/nat.sh): network namespaces, veths, bridges, and NAT rules.
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+command -v iptables >/dev/null 2>&1 || missing+=(iptables)
 # The coverage page's browser test (scripts/page_check.py).
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 # Debian's python3 without the python3-venv package has the venv module but no ensurepip.
