@@ -445,6 +445,7 @@ async fn start(
         relays: RelaySlots::default(),
         peer_addresses: HashMap::new(),
         connect_waiters: HashMap::new(),
+        connect_dials: HashMap::new(),
         relayed_closes: Vec::new(),
     };
     tokio::spawn(event_loop.run());
@@ -541,6 +542,8 @@ struct EventLoop {
     peer_addresses: HashMap<PeerId, Vec<Multiaddr>>,
     /// Who waits for a connection to a peer to come up.
     connect_waiters: HashMap<PeerId, Vec<Reply<Result<(), P2pError>>>>,
+    /// The dials made for those waiters, each with the addresses it tries.
+    connect_dials: HashMap<PeerId, Vec<(ConnectionId, Vec<Multiaddr>)>>,
     /// Relayed connections to close once their grace is over (a direct one supersedes them).
     relayed_closes: Vec<(Instant, PeerId, ConnectionId)>,
 }
@@ -822,6 +825,7 @@ impl EventLoop {
         {
             self.relays.dialed_at.insert(peer, without_peer_id(address));
         }
+        self.connect_dials.remove(&peer);
         self.answer_connect_waiters(peer, Ok(()));
     }
 
@@ -840,6 +844,23 @@ impl EventLoop {
         }
     }
 
+    /// One of the dials [`Self::connect`] made failed: its waiters hear so once no other such
+    /// dial to the peer is under way.
+    fn on_connect_dial_failed(&mut self, peer: PeerId, connection: ConnectionId, error: String) {
+        let Some(dials) = self.connect_dials.get_mut(&peer) else {
+            return;
+        };
+        let before = dials.len();
+        dials.retain(|(id, _)| *id != connection);
+        if dials.len() == before || !dials.is_empty() {
+            return;
+        }
+        self.connect_dials.remove(&peer);
+        if !self.swarm.is_connected(&peer) {
+            self.answer_connect_waiters(peer, Err(error));
+        }
+    }
+
     /// Answers whoever waits for a connection to `peer`.
     fn answer_connect_waiters(&mut self, peer: PeerId, outcome: Result<(), String>) {
         for waiter in self.connect_waiters.remove(&peer).unwrap_or_default() {
@@ -851,21 +872,34 @@ impl EventLoop {
     }
 
     /// Answers `reply` once a connection to `peer` is up: at once if one is, else after
-    /// dialing the addresses it announced.
+    /// dialing the addresses it announced. A dial already under way to the same addresses is
+    /// joined; one to addresses the peer has since replaced (say, LAN addresses before its
+    /// relay reservation came) is not waited for: the new ones are dialed alongside.
     fn connect(&mut self, peer: PeerId, reply: Reply<Result<(), P2pError>>) {
         if self.swarm.is_connected(&peer) {
             let _ = reply.send(Ok(()));
             return;
         }
         let addresses = self.peer_addresses.get(&peer).cloned().unwrap_or_default();
+        let dialing = self
+            .connect_dials
+            .get(&peer)
+            .is_some_and(|dials| dials.iter().any(|(_, dialed)| *dialed == addresses));
+        if dialing {
+            self.connect_waiters.entry(peer).or_default().push(reply);
+            return;
+        }
         let dial = DialOpts::peer_id(peer)
-            .addresses(addresses)
-            .condition(PeerCondition::DisconnectedAndNotDialing)
+            .addresses(addresses.clone())
+            .condition(PeerCondition::Disconnected)
             .build();
+        let connection = dial.connection_id();
         match self.swarm.dial(dial) {
-            Ok(()) => self.connect_waiters.entry(peer).or_default().push(reply),
-            // Already dialing: wait for that dial.
-            Err(libp2p::swarm::DialError::DialPeerConditionFalse(_)) => {
+            Ok(()) => {
+                self.connect_dials
+                    .entry(peer)
+                    .or_default()
+                    .push((connection, addresses));
                 self.connect_waiters.entry(peer).or_default().push(reply);
             }
             Err(error) => {
@@ -1033,12 +1067,14 @@ impl EventLoop {
                     self.emit(P2pEvent::PeerDisconnected(mesh_peer_id(&peer_id)));
                 }
             }
-            SwarmEvent::OutgoingConnectionError { peer_id, error, .. } => {
+            SwarmEvent::OutgoingConnectionError {
+                peer_id,
+                connection_id,
+                error,
+            } => {
                 tracing::debug!(peer = ?peer_id, %error, "outgoing connection failed");
-                if let Some(peer) = peer_id
-                    && !self.swarm.is_connected(&peer)
-                {
-                    self.answer_connect_waiters(peer, Err(error.to_string()));
+                if let Some(peer) = peer_id {
+                    self.on_connect_dial_failed(peer, connection_id, error.to_string());
                 }
             }
             _ => {}
