@@ -17,6 +17,14 @@ use crate::{codec, decode_bytes};
 /// How long a hop may take, end to end, before the sender gives up.
 pub const DEFAULT_HOP_TIMEOUT: Duration = Duration::from_secs(120);
 
+/// How many streams a request to a peer named by id is sent on before its failure counts: a
+/// receiver drops an inbound stream it has no room to accept yet, unread.
+const STREAM_ATTEMPTS: u32 = 5;
+
+/// The pause before sending on a new stream, times the attempt that failed, plus up to as much
+/// again at random (so streams dropped together are not sent together again).
+const STREAM_RETRY_PAUSE: Duration = Duration::from_millis(5);
+
 /// Why sending a frame to a peer failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -419,31 +427,49 @@ impl ForwardClient {
                 reason: "this member has no libp2p node to reach peers by id".to_owned(),
             });
         };
-        let opened = opener.open(peer).await.map_err(unreachable)?;
-        let answer = crate::stream::exchange(
-            opened.io,
-            method,
-            &format!("/{path}"),
-            headers,
-            body,
-            self.limits.max_body_bytes(),
-        )
-        .await
-        .map_err(|failure| match failure {
-            StreamFailure::Transport(reason) => unreachable(reason),
-            StreamFailure::TooLarge(limit) => ClientError::BadResponse {
-                endpoint: endpoint.to_owned(),
-                source: WireError::BodyTooLarge {
-                    body_bytes: limit as u64 + 1,
-                    limit,
-                },
-            },
-        })?;
+        let mut attempt = 1;
+        let (answer, path) = loop {
+            let opened = opener.open(peer).await.map_err(unreachable)?;
+            match crate::stream::exchange(
+                opened.io,
+                method.clone(),
+                &format!("/{path}"),
+                headers.clone(),
+                body.clone(),
+                self.limits.max_body_bytes(),
+            )
+            .await
+            {
+                Ok(answer) => break (answer, opened.path),
+                Err(StreamFailure::Unanswered(reason)) if attempt < STREAM_ATTEMPTS => {
+                    tracing::debug!(
+                        endpoint,
+                        attempt,
+                        %reason,
+                        "a stream ended before any answer: sending again on a new one"
+                    );
+                    tokio::time::sleep(retry_pause(attempt)).await;
+                    attempt += 1;
+                }
+                Err(StreamFailure::Unanswered(reason) | StreamFailure::Transport(reason)) => {
+                    return Err(unreachable(reason));
+                }
+                Err(StreamFailure::TooLarge(limit)) => {
+                    return Err(ClientError::BadResponse {
+                        endpoint: endpoint.to_owned(),
+                        source: WireError::BodyTooLarge {
+                            body_bytes: limit as u64 + 1,
+                            limit,
+                        },
+                    });
+                }
+            }
+        };
         Ok(Answer {
             status: answer.status.as_u16(),
             headers: answer.headers,
             body: answer.body,
-            path: opened.path,
+            path,
         })
     }
 
@@ -460,6 +486,17 @@ impl ForwardClient {
             }
         }
     }
+}
+
+/// The pause before the next stream after `attempt` went unanswered: [`STREAM_RETRY_PAUSE`]
+/// times `attempt`, plus a random part of as much.
+fn retry_pause(attempt: u32) -> Duration {
+    let base = STREAM_RETRY_PAUSE * attempt;
+    // The clock's nanoseconds are random enough to spread a handful of retries.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.subsec_nanos());
+    base + base.mul_f64(f64::from(nanos % 1000) / 1000.0)
 }
 
 /// The full `source()` chain of an error in one line (reqwest's top-level message alone says

@@ -74,6 +74,10 @@ pub(crate) struct StreamAnswer {
 
 /// Why a request on a stream failed.
 pub(crate) enum StreamFailure {
+    /// The stream ended before any of the answer came: the receiver may have dropped it unread
+    /// (libp2p-stream drops an inbound stream that arrives while the one before it still waits
+    /// to be accepted), so sending again on a new stream is worth a try.
+    Unanswered(String),
     /// The stream broke or the answer is not HTTP.
     Transport(String),
     /// The answer's body passed `limit` bytes.
@@ -110,7 +114,10 @@ pub(crate) async fn exchange(
         http::header::HOST,
         http::HeaderValue::from_static("meshnet"),
     );
-    let response = sender.send_request(request).await.map_err(transport)?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|error| StreamFailure::Unanswered(error.to_string()))?;
     let (parts, body) = response.into_parts();
     let body = match Limited::new(body, max_body).collect().await {
         Ok(collected) => collected.to_bytes(),

@@ -559,3 +559,74 @@ async fn a_next_hop_that_accepts_and_never_answers_times_out() {
     assert_eq!(failure.endpoint, silent);
     assert!(failure.retryable(), "{failure}");
 }
+
+/// Opens in-memory streams to a peer served by `router`; the first `drop_first` of them are
+/// dropped unread on the receiving side, as libp2p-stream drops an inbound stream it has no
+/// room for.
+struct DroppingOpener {
+    router: axum::Router,
+    drop_first: usize,
+    opened: Mutex<usize>,
+}
+
+impl meshnet_node::stream::StreamOpener for DroppingOpener {
+    fn open(&self, _peer: &str) -> meshnet_node::stream::OpenFuture {
+        let dropped = {
+            let mut opened = self.opened.lock().unwrap();
+            *opened += 1;
+            *opened <= self.drop_first
+        };
+        let (ours, theirs) = tokio::io::duplex(1 << 16);
+        if dropped {
+            drop(theirs);
+        } else {
+            tokio::spawn(meshnet_node::stream::serve_stream(
+                theirs,
+                self.router.clone(),
+            ));
+        }
+        Box::pin(async move {
+            Ok(meshnet_node::stream::OpenedStream {
+                io: Box::new(ours),
+                path: meshnet_metrics::HopPath::Relayed,
+            })
+        })
+    }
+}
+
+#[tokio::test]
+async fn a_stream_dropped_unread_is_sent_again_on_a_new_one() {
+    let peer = "12D3KooWGzsVqE4qHZPh3mU5Z7wYkqH2yZbnvQbmz1Xx8W3Jx3bC";
+    for (drop_first, answered) in [(0, true), (2, true), (4, true), (5, false)] {
+        let executor = AddOnePerLayer::new(0, 10);
+        let opener = Arc::new(DroppingOpener {
+            router: plane(executor.clone()).router(),
+            drop_first,
+            opened: Mutex::new(0),
+        });
+        let client = client().with_streams(opener.clone());
+        let sent = frame((0, 10), vec![], 3);
+        let outcome = client
+            .forward(
+                &meshnet_node::stream::peer_endpoint(peer),
+                sent.clone(),
+                Encoding::Raw,
+            )
+            .await;
+        let opened = *opener.opened.lock().unwrap();
+        if answered {
+            let answer = outcome.unwrap();
+            assert_eq!(answer.activations.values(), shifted(&sent, 10.0).as_slice());
+            assert_eq!(opened, drop_first + 1);
+            assert_eq!(executor.calls.lock().unwrap().len(), 1);
+        } else {
+            // Five streams, all dropped: the hop is unreachable, and nothing ran.
+            assert!(
+                matches!(outcome, Err(ClientError::Unreachable { .. })),
+                "{outcome:?}"
+            );
+            assert_eq!(opened, 5);
+            assert!(executor.calls.lock().unwrap().is_empty());
+        }
+    }
+}
