@@ -502,6 +502,7 @@ fn model_info(args: &ModelInfoArgs) -> anyhow::Result<()> {
         "id": model.id(),
         "path": path,
         "layers": model.num_layers(),
+        "hidden": model.description().hidden,
         "shipped_format": model.shipped_format().name(),
         "layer_bytes": layer_bytes,
         "kv_bytes_per_token_per_layer": shape.kv_bytes_per_token_per_layer,

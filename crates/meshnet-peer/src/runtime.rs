@@ -144,6 +144,30 @@ impl RunningPeer {
 /// How often a leaving member checks whether it may go.
 const LEAVE_POLL: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// How long a member bound to all interfaces waits for a non-loopback listen address.
+const INTERFACE_ADDRESS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The libp2p listen addresses, once one of them is on a non-loopback interface when
+/// `wants_interface` (at most [`INTERFACE_ADDRESS_WAIT`]: a host with only a loopback
+/// interface has no other).
+async fn announceable_listen_addrs(p2p: &P2pHandle, wants_interface: bool) -> Vec<Multiaddr> {
+    let deadline = tokio::time::Instant::now() + INTERFACE_ADDRESS_WAIT;
+    loop {
+        let addresses = p2p.listen_addrs().await.unwrap_or_default();
+        let on_an_interface = addresses.iter().any(|address| {
+            address.iter().any(|part| match part {
+                libp2p::multiaddr::Protocol::Ip4(ip) => !ip.is_loopback() && !ip.is_unspecified(),
+                libp2p::multiaddr::Protocol::Ip6(ip) => !ip.is_loopback() && !ip.is_unspecified(),
+                _ => false,
+            })
+        });
+        if !wants_interface || on_an_interface || tokio::time::Instant::now() >= deadline {
+            return addresses;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// How a graceful leave ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LeaveOutcome {
@@ -219,7 +243,12 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     let metrics = Metrics::register(&mut registry);
     p2p_config.metrics = metrics.clone();
     let (p2p, events) = meshnet_p2p::spawn_registered(p2p_config, &mut registry).await?;
-    let listen_addrs = p2p.listen_addrs().await.unwrap_or_default();
+    // A reachable member bound to all interfaces names one of them in its HTTP URL: wait for
+    // libp2p to report more than the loopback listener, which often comes first.
+    let names_an_interface = config.advertise_http.is_none()
+        && http_addr.ip().is_unspecified()
+        && (config.assume_reachable || config.tracker);
+    let listen_addrs = announceable_listen_addrs(&p2p, names_an_interface).await;
     let p2p_addrs = listen_addrs.iter().map(ToString::to_string).collect();
     let local_url = crate::http::default_url(http_addr);
     let http_url = crate::http::announced_url(
