@@ -5,9 +5,9 @@
 #                            (scripts/fetch-model.sh); the binary is built by testnet/local.sh
 #   scripts/setup.sh --dev   also what scripts/test.sh needs: rustfmt and clippy, cargo-fuzz for
 #                            the fuzz targets, a compose tool and strip for the Docker testnet
-#                            (when a Docker engine is installed), iproute2 and iptables for the
-#                            NAT testbed (testnet/nat.sh), Chromium for the coverage-page
-#                            test, and a Python virtualenv with the `openai` and
+#                            (when a Docker engine is installed), iproute2, iptables and curl
+#                            for the NAT testbed (testnet/nat.sh), Chromium for the
+#                            coverage-page test, and a Python virtualenv with the `openai` and
 #                            `prometheus_client` packages for the API and /metrics checks
 #
 #   MESHNET_VENV=DIR   the virtualenv (default .venv in the repository root)
@@ -58,6 +58,7 @@ fi
 # The NAT testbed (testnet/nat.sh): network namespaces, veths, bridges, and NAT rules.
 command -v ip >/dev/null 2>&1 || missing+=(iproute2)
 command -v iptables >/dev/null 2>&1 || missing+=(iptables)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
 # The coverage page's browser test (scripts/page_check.py).
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 # Debian's python3 without the python3-venv package has the venv module but no ensurepip.

@@ -8,6 +8,8 @@
 #                            coverage-page (headless Chromium) checks against a local 3-process
 #                            mesh, and the self-healing checks (testnet/chaos.py) on a 5-process
 #                            mesh with redundancy 2
+#   MESHNET_SKIP_NAT=1       skip the NAT testbed (testnet/nat.sh run: network namespaces, as
+#                            root; without root, ip or iptables it is skipped with a loud note)
 #   MESHNET_SKIP_DOCKER=1    skip the ten-peer Docker testnet (testnet/docker.sh smoke and
 #                            chaos); without a Docker engine they are skipped with a loud note
 #   MESHNET_VENV=DIR         virtualenv with the `openai` and `prometheus_client` packages
@@ -102,6 +104,21 @@ else
     echo "self-healing checks failed (see chaos.py's output above)" >&2
     exit 1
   fi
+fi
+
+step "behind NAT: a tracker and three peers behind NAT routers in network namespaces"
+if [ "${MESHNET_SKIP_NAT:-0}" = 1 ]; then
+  echo "skipped: MESHNET_SKIP_NAT=1"
+elif [ "$(id -u)" -ne 0 ] || ! command -v ip >/dev/null 2>&1 ||
+  ! command -v iptables >/dev/null 2>&1; then
+  # Loud, so a CI log shows it.
+  echo "##############################################################################"
+  echo "SKIPPED: the NAT testbed needs root, iproute2 and iptables (scripts/setup.sh"
+  echo "--dev installs them): testnet/nat.sh did not run"
+  echo "##############################################################################"
+else
+  # Removes its namespaces and processes on exit, also when a check fails.
+  MESHNET_BIN=$PWD/target/debug/meshnet-peer bounded 900 testnet/nat.sh run
 fi
 
 step "ten-peer Docker testnet: smoke and chaos"

@@ -12,6 +12,9 @@
 #                            (each check prints ok or FAILED), tear it down
 #   testnet/nat.sh run       (the default) build the topology, start a tracker and three peers
 #                            behind the NATs, check what the mesh does across them, tear down
+#   testnet/nat.sh speed     decode tokens/s on three meshes over the same links: the routers
+#                            forwarding ports (every hop direct HTTP), the NATs of `run` (one hop
+#                            punched, one relayed), every NAT randomising ports (relayed hops)
 #
 # Topology (every name starts with mnat-; nothing outside these namespaces is touched):
 #
@@ -33,27 +36,32 @@
 # packets for itself, so unsolicited inbound traffic gets no answer. When the kernel has netem,
 # every WAN link gets MESHNET_NAT_DELAY_MS of delay each way.
 #
-# `run` starts `meshnet-peer --tracker --reachable` in mnat-trk and peers A, B, C (in that
-# order, each once the previous one serves its span) in mnat-a, mnat-b, mnat-c without
-# --reachable, with --memory budgets that make the route tracker -> A -> B -> C, then asserts:
+# `run` starts `meshnet-peer --tracker --reachable` in mnat-trk and peers A, C, B (in that
+# order, each once the previous one serves its span) in mnat-a, mnat-c, mnat-b without
+# --reachable, with --memory budgets that make the route tracker -> A -> C -> B (the two
+# port-preserving sites next to each other), then asserts:
 #   1. a greedy chat through the tracker's OpenAI API equals `meshnet-peer generate --chat
 #      --boundaries` at the tracker's route boundaries;
 #   2. the tracker's /status has a `network` section; every hop's path is printed from the
 #      /status of the hop before it (`network.paths`: how activations from a member reach each
-#      other one): B's hop (A's path to B) is `relayed`, and A's path to C becomes
-#      `direct-p2p` within 60 s (a hole punch);
-#   3. grants (not yet checked);
-#   4. chats for MESHNET_NAT_SOAK_SECONDS all answer 200, and B receives more than
-#      MESHNET_NAT_SOAK_MIB MiB of activations over its relayed hop meanwhile;
-#   5. prints decode tokens/s.
+#      other one): C's hop (A's path to C) becomes `direct-p2p` within 60 s (a hole punch
+#      between the port-preserving NATs), B's hop (C's path to B) is `relayed`;
+#   3. grants: an anonymous /forward to the tracker (from the internet) and to A (from its own
+#      LAN) is refused 401; one signed by a member that is not the tracker is refused 403; the
+#      tracker's grant for A's hop is accepted (200) with the route it names and refused 403
+#      with the route redirected to a listener on the internet, which nobody ever connects to;
+#   4. chats for MESHNET_NAT_SOAK_SECONDS all answer 200, and B's relayed hop carries more than
+#      MESHNET_NAT_SOAK_MIB MiB of activations (frames and answers) meanwhile;
+#   5. prints decode tokens/s, one chat at a time and during the soak, and each hop's path.
 #
 # Environment:
 #   MESHNET_BIN              meshnet-peer binary for `run` (default target/debug/meshnet-peer)
 #   MESHNET_NAT_TIMEOUT      seconds to wait for a process to serve, or the mesh to cover the
 #                            model (default 180)
 #   MESHNET_NAT_SOAK_SECONDS how long `run` chats through the relayed hop (default 130)
-#   MESHNET_NAT_SOAK_MIB     MiB B must receive during it (default 10)
+#   MESHNET_NAT_SOAK_MIB     MiB B's relayed hop must carry during it (default 10)
 #   MESHNET_NAT_SOAK_CLIENTS chats running at once during it (default 1: one after another)
+#   MESHNET_NAT_SPEED_CHATS  chats (64 tokens each) per mesh in `speed` (default 5)
 #   MESHNET_NAT_DELAY_MS     netem delay on each WAN link (default 15; 0: none)
 #   MESHNET_NAT_KEEP         1: keep the run directory (logs, data dirs) even on success
 set -euo pipefail
@@ -82,10 +90,12 @@ if_host=mnat-eth
 declare -A bridge_port=([trk]=mnat-p-trk [a]=mnat-p-ra [b]=mnat-p-rb [c]=mnat-p-rc)
 
 delay_ms=${MESHNET_NAT_DELAY_MS:-15}
+# 1: the routers forward TCP 8080 and TCP/UDP 4001 on their WAN address to their host (`speed`).
+forward_ports=0
 timeout=${MESHNET_NAT_TIMEOUT:-180}
 
 usage() {
-  sed -n '2,58s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+  sed -n '2,66s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
 }
 
 say() { printf 'nat.sh: %s\n' "$*" >&2; }
@@ -178,6 +188,16 @@ router() {
   in_ns "$r" iptables -A FORWARD -i "$if_lan" -o "$if_wan" -j ACCEPT
   in_ns "$r" iptables -A FORWARD -i "$if_wan" -o "$if_lan" \
     -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+  if [ "$forward_ports" -eq 1 ]; then
+    # Port forwarding, as a volunteer may set up on a home router.
+    local forward
+    for forward in tcp/8080 tcp/4001 udp/4001; do
+      in_ns "$r" iptables -t nat -A PREROUTING -i "$if_wan" -p "${forward%/*}" \
+        --dport "${forward#*/}" -j DNAT --to-destination "$net.2"
+    done
+    in_ns "$r" iptables -A FORWARD -i "$if_wan" -o "$if_lan" -m conntrack --ctstate DNAT \
+      -j ACCEPT
+  fi
   # The router itself answers nothing unsolicited on its WAN (no TCP RST, no ICMP port
   # unreachable). Dropping here also keeps conntrack from confirming an entry for a packet
   # that arrives before the LAN host's own packet to the same peer: such an entry would take
@@ -215,8 +235,9 @@ print_topology() {
   printf '  %-9s netns %-9s %s\n' tracker "$ns_trk" "$tracker_ip"
   local site
   for site in "${sites[@]}"; do
-    printf '  %-9s netns %-9s WAN %s  LAN %s.1/24  MASQUERADE %s\n' "router $site" \
-      "${router_ns[$site]}" "${wan_ip[$site]}" "${lan_net[$site]}" "${nat_kind[$site]}"
+    printf '  %-9s netns %-9s WAN %s  LAN %s.1/24  MASQUERADE %s%s\n' "router $site" \
+      "${router_ns[$site]}" "${wan_ip[$site]}" "${lan_net[$site]}" "${nat_kind[$site]}" \
+      "$([ "$forward_ports" -eq 0 ] || echo ', forwards tcp/8080 tcp/4001 udp/4001')"
     printf '  %-9s netns %-9s %s.2 via %s.1\n' "host $site" "${host_ns[$site]}" \
       "${lan_net[$site]}" "${lan_net[$site]}"
   done
@@ -739,13 +760,14 @@ fail() {
 }
 
 declare -A proc_pid=() peer_id=()
+data_suffix=""  # `speed`: each mesh's data directories apart
 declare -A proc_ns=([tracker]=$ns_trk [a]=mnat-a [b]=mnat-b [c]=mnat-c)
 
 # start_member NAME ARGS...: meshnet-peer in NAME's namespace.
 start_member() {
   local name=$1
   shift
-  spawn "$name" "${proc_ns[$name]}" "$bin" --model "$model" --data-dir "$run_dir/data/$name" \
+  spawn "$name" "${proc_ns[$name]}" "$bin" --model "$model" --data-dir "$run_dir/data$data_suffix/$name" \
     --announce-interval 0.5 --http 0.0.0.0:8080 \
     --p2p /ip4/0.0.0.0/tcp/4001 --p2p /ip4/0.0.0.0/udp/4001/quic-v1 "$@"
   proc_pid[$name]=$spawned_pid
@@ -816,7 +838,7 @@ budget() {
 }
 
 # Who holds which layers, in route order, from the tracker's /status; fails unless the route
-# is tracker -> a -> b -> c.
+# is tracker -> a -> c -> b.
 check_route_order() {
   local report=$1 order
   order=$(python3 -c '
@@ -832,8 +854,8 @@ for layers, name in rows:
     print(f"  {name:<8} layers {layers[0]:>2}-{layers[1]:<2}", file=sys.stderr)
 print(" ".join(name for _, name in rows))' "$report" \
     a "${peer_id[a]}" b "${peer_id[b]}" c "${peer_id[c]}")
-  [ "$order" = "tracker a b c" ] ||
-    fail "route order" "the spans put the route through '$order', expected 'tracker a b c'"
+  [ "$order" = "tracker a c b" ] ||
+    fail "route order" "the spans put the route through '$order', expected 'tracker a c b'"
 }
 
 openai_url=http://$tracker_ip:8080/v1
@@ -916,27 +938,29 @@ check_paths() {
       "$(json_get "$report" 's.get("network")'))"
   json_get "$report" 's["network"]["paths"]' >/dev/null ||
     fail "2 paths" "the tracker's /status has no network.paths"
-  say "paths (each member's /status network section):"
-  print_paths
-  say "route hops: tracker -> a $(hop_path tracker a), a -> b $(hop_path a b)," \
-    "b -> c $(hop_path b c)"
-  # The chat above made A forward to B, so A knows its path to B by now; a deadline anyway.
-  wait_for "A's path to B to be known" 30 a_knows_b || true
-  local path
-  path=$(hop_path a b)
-  [ "$path" = relayed ] ||
-    fail "2 paths" "B's hop (A's path to B) is '${path:-<none>}', expected relayed"
+  # The chat above made A forward to C over the tracker's relay, which starts a hole punch
+  # (DCUtR) between them; once it succeeds the relayed connection is closed.
   if ! wait_for "A's path to C to become direct-p2p" 60 a_reaches_c_direct; then
     print_paths
     fail "2 paths" "A's /status network.paths[C] is '$(hop_path a c)' after 60 s, expected" \
       "direct-p2p (a hole punch between the two port-preserving NATs)"
   fi
-  say "2 paths ok: B's hop is relayed; A reaches C direct-p2p"
+  # C forwarded to B in the chat, so C knows its path to B by now; a deadline anyway.
+  wait_for "C's path to B to be known" 30 c_knows_b || true
+  local path
+  path=$(hop_path c b)
+  [ "$path" = relayed ] ||
+    fail "2 paths" "B's hop (C's path to B) is '${path:-<none>}', expected relayed"
+  say "paths (each member's /status network section: row from, column to):"
+  print_paths
+  say "route hops: tracker -> a $(hop_path tracker a), a -> c $(hop_path a c)," \
+    "c -> b $(hop_path c b)"
+  say "2 paths ok: A reaches C direct-p2p after a hole punch; B's hop is relayed"
 }
 
-a_knows_b() {
+c_knows_b() {
   check_alive
-  case $(hop_path a b) in "" | not-connected) return 1 ;; esac
+  case $(hop_path c b) in "" | not-connected) return 1 ;; esac
 }
 
 a_reaches_c_direct() {
@@ -944,14 +968,99 @@ a_reaches_c_direct() {
   [ "$(hop_path a c)" = direct-p2p ]
 }
 
-# (3) grants over the NAT'd hops.
-check_grants() {
-  # TODO: check the tracker's own /forward with and without a grant (`meshnet-peer grant`);
-  # a NAT'd peer's /forward cannot be reached from outside its LAN at all.
-  say "grant checks: not yet"
+# span_of NAME: NAME's span as X-Meshnet-Layers text (start-end), from its own /status.
+span_of() {
+  json_get "$(ns_get "${proc_ns[$1]}" status)" '"-".join(str(x) for x in s["span"]["layers"])'
 }
 
-# B's activation bytes received (encoded: what crossed the wire) and raw, from its /metrics.
+# forward_status NS URL SESSION LAYERS ROUTE GRANT: POSTs a one-token frame of zeros for
+# SESSION and LAYERS (route ROUTE after it, grant GRANT; either may be empty) to URL from NS;
+# prints the status code and the answer's error code (`-` when it has none).
+forward_status() {
+  local ns=$1 url=$2 session=$3 layers=$4 route=$5 grant=$6 code
+  local headers=(-H 'Content-Type: application/octet-stream' -H 'X-Meshnet-Wire-Version: 1'
+    -H 'X-Meshnet-Dtype: bfloat16' -H "X-Meshnet-Shape: 1,1,$hidden"
+    -H "X-Meshnet-Session: $session"
+    -H 'X-Meshnet-Chunk-Index: 0' -H 'X-Meshnet-Chunk-Total: 1' -H 'X-Meshnet-Position: 0'
+    -H "X-Meshnet-Layers: $layers")
+  [ -z "$route" ] || headers+=(-H "X-Meshnet-Route: $route")
+  [ -z "$grant" ] || headers+=(-H "X-Meshnet-Grant: $grant")
+  head -c $((hidden * 2)) /dev/zero >"$run_dir/frame.bin"
+  code=$(in_ns "$ns" curl -s -m 60 -o "$run_dir/forward.out" -w '%{http_code}' "${headers[@]}" \
+    --data-binary @"$run_dir/frame.bin" "$url") || code=000
+  printf '%s %s\n' "$code" \
+    "$(json_get "$(tr -d '\000' <"$run_dir/forward.out")" 's["error"]["code"]' 2>/dev/null || echo -)"
+}
+
+# expect_forward WHAT EXPECTED REASON ARGS...: forward_status ARGS must print EXPECTED, and the
+# answer's error message must contain REASON.
+expect_forward() {
+  local what=$1 expected=$2 reason=$3 got message
+  shift 3
+  got=$(forward_status "$@")
+  message=$(json_get "$(tr -d '\000' <"$run_dir/forward.out")" 's["error"]["message"]' 2>/dev/null || true)
+  if [ "$got" != "$expected" ] || [[ $message != *"$reason"* ]]; then
+    fail "3 grants" "$what: answered '$got' ($(head -c 300 "$run_dir/forward.out")), expected" \
+      "'$expected'${reason:+ saying '$reason'}"
+  fi
+  say "  $what: $got${message:+ ($message)}"
+}
+
+# grant SIGNER SESSION ROUTE: a grant signed with SIGNER's identity (its data directory).
+grant() {
+  "$bin" grant --data-dir "$run_dir/data/$1" --session "$2" --route "$3" ||
+    fail "3 grants" "meshnet-peer grant --data-dir data/$1 failed"
+}
+
+# (3) grants: /forward over HTTP is for frames the tracker allowed.
+check_grants() {
+  local a_span c_span route session genuine forged bait_port=9999
+  a_span=$(span_of a) && c_span=$(span_of c) || fail "3 grants" "no span in A's or C's /status"
+  route="$a_span@/p2p/${peer_id[a]},$c_span@/p2p/${peer_id[c]}"
+  # A listener on the internet that a redirected frame would be sent to: it logs a line for
+  # every connection it accepts.
+  spawn bait "$ns_trk" python3 -c '
+import socket, sys
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+while True:
+    connection, peer = server.accept()
+    print("accepted a connection from", peer, flush=True)
+    connection.close()' "$tracker_ip" "$bait_port"
+  local bait_pid=$spawned_pid
+  wait_for "the bait listener" 10 grep -q '^listening' "$run_dir/logs/bait.log" ||
+    fail "3 grants" "the bait listener did not start"
+  say "3 grants: /forward with and without the tracker's grant"
+  session=$(python3 -c 'import uuid; print(uuid.uuid4())')
+  local to_a=("${proc_ns[a]}" http://127.0.0.1:8080/forward "$session" "$a_span")
+  expect_forward "no grant, to the tracker from the internet (router A's WAN side)" \
+    "401 grant_missing" "" "${router_ns[a]}" "http://$tracker_ip:8080/forward" "$session" \
+    "$a_span" "" ""
+  expect_forward "no grant, to A from its own LAN" "401 grant_missing" "" "${to_a[@]}" "" ""
+  forged=$(grant c "$session" "$route")
+  expect_forward "a grant signed by C (a member, not the tracker), to A" "403 grant_refused" \
+    "signed by ${peer_id[c]}" "${to_a[@]}" "$c_span@/p2p/${peer_id[c]}" "$forged"
+  genuine=$(grant tracker "$session" "$route")
+  expect_forward "the tracker's grant, to A with C's hop redirected to the internet" \
+    "403 grant_refused" "does not cover" "${to_a[@]}" "$c_span@http://$tracker_ip:$bait_port" "$genuine"
+  expect_forward "the tracker's grant, for another session" "403 grant_refused" \
+    "does not cover" "${proc_ns[a]}" http://127.0.0.1:8080/forward "$(python3 -c 'import uuid; print(uuid.uuid4())')" \
+    "$a_span" "$c_span@/p2p/${peer_id[c]}" "$genuine"
+  expect_forward "the tracker's grant, to A with the route it names (A computes, C next)" \
+    "200 -" "" "${to_a[@]}" "$c_span@/p2p/${peer_id[c]}" "$genuine"
+  # (The log's first lines are the command itself; what the listener prints starts a line.)
+  if grep -q '^accepted' "$run_dir/logs/bait.log"; then
+    fail "3 grants" "a member connected to the bait listener: $(grep '^accepted' "$run_dir/logs/bait.log")"
+  fi
+  kill "$bait_pid" 2>/dev/null || true
+  say "3 grants ok: no grant 401, a member's forged grant 403, a redirected route 403 (the" \
+    "redirect target never contacted), another session 403, the tracker's grant with its" \
+    "route 200"
+}
+
+# B's activation bytes received and sent (encoded: what crossed the wire; and raw), from its
+# /metrics. B is the last hop: all of them travel its one relayed hop, frames from C one way,
+# answers the other.
 b_wire_bytes() {
   ns_get mnat-b metrics | python3 -c '
 import re, sys
@@ -961,7 +1070,7 @@ for line in sys.stdin:
     if not m:
         continue
     labels = dict(re.findall(r"(\w+)=\"([^\"]*)\"", m.group(1)))
-    if labels.get("direction") == "received" and labels.get("form") in totals:
+    if labels.get("form") in totals:
         totals[labels["form"]] += float(m.group(2))
 print(int(totals["encoded"]), int(totals["raw"]))'
 }
@@ -1058,34 +1167,35 @@ load() {
 }
 
 model_id=""
+hidden=""
 # (4) a relayed hop carries traffic for minutes and megabytes.
 check_soak() {
   local seconds=${MESHNET_NAT_SOAK_SECONDS:-130} mib=${MESHNET_NAT_SOAK_MIB:-10}
   local clients=${MESHNET_NAT_SOAK_CLIENTS:-1} before after summary
-  model_id=$(json_get "$(in_ns "$ns_trk" curl -sf -m 10 "$openai_url/models")" \
-    's["data"][0]["id"]') || fail "4 soak" "no model in /v1/models"
   before=$(b_wire_bytes)
   say "4 soak: chats through the tracker for ${seconds}s, $clients at a time (max_tokens 64)"
   load soak "$seconds" "$clients" 64
   after=$(b_wire_bytes)
   summary=$(<"$run_dir/soak.json")
-  local requests not200 wall received raw
+  local requests not200 wall carried raw
   requests=$(json_get "$summary" 's["requests"]')
   not200=$(json_get "$summary" 's["not_200"]')
   wall=$(json_get "$summary" 'round(s["wall_seconds"])')
-  received=$((${after% *} - ${before% *}))
+  carried=$((${after% *} - ${before% *}))
   raw=$((${after#* } - ${before#* }))
-  say "soak: $requests chats in ${wall}s; B received $received B on the wire ($raw B raw bf16)"
+  say "soak: $requests chats in ${wall}s; B's relayed hop carried $carried B on the wire" \
+    "($raw B raw bf16), both ways"
   [ "$requests" -gt 0 ] || fail "4 soak" "no chat was made"
   [ "$not200" -eq 0 ] ||
     fail "4 soak" "$not200 of $requests chats were not answered 200: $(json_get "$summary" 's["errors"]')"
   [ "$wall" -ge "$seconds" ] || fail "4 soak" "the load ran ${wall}s, less than ${seconds}s"
-  [ "$received" -gt $((mib * 1024 * 1024)) ] ||
-    fail "4 soak" "B received $received bytes during the soak, not more than $mib MiB"
+  [ "$carried" -gt $((mib * 1024 * 1024)) ] ||
+    fail "4 soak" "B's hop carried $carried bytes during the soak, not more than $mib MiB"
   local path
-  path=$(hop_path a b)
-  [ "$path" = relayed ] || fail "4 soak" "after the soak B's hop (A's path to B) is '$path', not relayed"
-  say "4 soak ok: every chat answered 200, B received $((received / 1024 / 1024)) MiB over its relayed hop"
+  path=$(hop_path c b)
+  [ "$path" = relayed ] || fail "4 soak" "after the soak B's hop (C's path to B) is '$path', not relayed"
+  say "4 soak ok: every chat answered 200; B's relayed hop carried" \
+    "$((carried / 1024 / 1024)) MiB"
 }
 
 # (5) decode speed: one chat at a time, then the soak's aggregate; and each hop's latency.
@@ -1104,7 +1214,7 @@ for name, r in [("one chat at a time", single), (f"soak, {clients} at a time", s
           f"{total:>7.1f} {per_chat:>11.1f}")
 PY
   python3 - "$(ns_get "$ns_trk" status)" a "${peer_id[a]}" "$(hop_path tracker a)" \
-    b "${peer_id[b]}" "$(hop_path a b)" c "${peer_id[c]}" "$(hop_path b c)" <<'PY'
+    c "${peer_id[c]}" "$(hop_path a c)" b "${peer_id[b]}" "$(hop_path c b)" <<'PY'
 import json, sys
 s = json.loads(sys.argv[1])
 args = sys.argv[2:]
@@ -1123,7 +1233,13 @@ for name, span, path, latency in rows:
 PY
 }
 
-run_mesh() {
+# prepare: the binary, the model, a run directory; the members' --memory budgets (as local.sh
+# sizes them for one tracker and three peers: the tracker ceil(L/4) layers with its embedding
+# and head, the peers the rest as evenly as possible, each with half a layer of slack, never room
+# for one more layer, so all four take part).
+declare -A share=() memory=()
+tracker_layers=0
+prepare() {
   preflight
   need curl
   bin=${MESHNET_BIN:-${CARGO_TARGET_DIR:-$repo/target}/debug/meshnet-peer}
@@ -1135,41 +1251,46 @@ run_mesh() {
   arm_cleanup
   new_run_dir
   write_load
-
-  # Budgets as local.sh sizes them for one tracker and three peers: the tracker ceil(L/4)
-  # layers with its embedding and head, the peers the rest as evenly as possible, each with
-  # half a layer of slack (never room for one more layer), so all four take part.
-  local info layers tracker_layers rest
+  local info layers rest name
   info=$("$bin" model-info --model "$model") || die "meshnet-peer model-info failed"
   layers=$(json_get "$info" 's["layers"]') || die "model-info printed no layer count"
+  hidden=$(json_get "$info" 's["hidden"]') || die "model-info printed no hidden size"
   [ "$layers" -ge 4 ] || die "the model has $layers layers: four members need at least 4"
   tracker_layers=$(((layers + 3) / 4))
   rest=$((layers - tracker_layers))
-  declare -A share=([a]=$((rest / 3 + (rest % 3 > 0))) [b]=$((rest / 3 + (rest % 3 > 1))) [c]=$((rest / 3)))
-  declare -A memory=()
+  share=([a]=$((rest / 3 + (rest % 3 > 0))) [c]=$((rest / 3 + (rest % 3 > 1))) [b]=$((rest / 3)))
   memory[tracker]=$(budget "$tracker_layers" --tracker)
-  local name
   for name in a b c; do memory[$name]=$(budget "${share[$name]}"); done
+}
 
+# start_mesh: the topology, then the tracker and peers A, C, B, each once the one before serves;
+# returns once the tracker's map covers the model with all three (and, behind the NATs, each
+# holds a relay reservation). With forward_ports=1 the routers forward the members' ports and
+# the peers run --reachable with their router's WAN address: every hop is direct HTTP.
+start_mesh() {
   topology_up
   print_topology
-
-  say "starting the tracker in $ns_trk ($tracker_layers of $layers layers, memory ${memory[tracker]} B)"
-  # --advertise-http: bound to all interfaces, the tracker would otherwise pick its URL from
-  # whichever listen addresses libp2p reported first (at times only the loopback one).
-  start_member tracker --tracker --reachable --advertise-http "http://$tracker_ip:8080" \
-    --memory "${memory[tracker]}"
+  say "starting the tracker in $ns_trk ($tracker_layers layers, memory ${memory[tracker]} B)"
+  start_member tracker --tracker --reachable --memory "${memory[tracker]}"
   wait_for "the tracker's /status" "$timeout" tracker_answers ||
     fail "startup" "the tracker did not answer /status within ${timeout}s"
-  local report
+  local report url
   report=$(ns_get "$ns_trk" status)
   peer_id[tracker]=$(json_get "$report" 's["peer"]') || fail "startup" "no peer id in the tracker's /status"
+  url=$(json_get "$report" 's.get("http")')
+  # Bound to all interfaces, it must name its internet address (never the loopback one).
+  [ "$url" = "http://$tracker_ip:8080" ] ||
+    fail "startup" "the tracker announces HTTP $url, expected http://$tracker_ip:8080"
   local bootstrap=/ip4/$tracker_ip/tcp/4001/p2p/${peer_id[tracker]}
-  say "tracker ${peer_id[tracker]}, HTTP $(json_get "$report" 's.get("http")'), bootstrap $bootstrap"
-
-  for name in a b c; do
+  say "tracker ${peer_id[tracker]}, HTTP $url, bootstrap $bootstrap"
+  local name extra
+  for name in a c b; do
+    extra=()
+    if [ "$forward_ports" -eq 1 ]; then
+      extra=(--reachable --advertise-http "http://${wan_ip[$name]}:8080")
+    fi
     say "starting peer $name in ${proc_ns[$name]} (${share[$name]} layers, memory ${memory[$name]} B)"
-    start_member "$name" --bootstrap "$bootstrap" --memory "${memory[$name]}"
+    start_member "$name" --bootstrap "$bootstrap" --memory "${memory[$name]}" "${extra[@]}"
     wait_for "peer $name to serve a ready span" "$timeout" serving "$name" ||
       fail "startup" "peer $name did not serve a ready span within ${timeout}s"
     peer_id[$name]=$(json_get "$(ns_get "${proc_ns[$name]}" status)" 's["peer"]') ||
@@ -1179,19 +1300,69 @@ run_mesh() {
   done
   wait_for "the tracker to see the model covered by A, B and C" "$timeout" covered ||
     fail "startup" "the tracker's map is not complete with A, B and C within ${timeout}s"
-  wait_for "A, B and C to hold relay reservations" 60 reserved ||
-    fail "startup" "no relayed address (relay reservation) in the /status of: $unreserved"
+  if [ "$forward_ports" -eq 0 ]; then
+    wait_for "A, B and C to hold relay reservations" 60 reserved ||
+      fail "startup" "no relayed address (relay reservation) in the /status of: $unreserved"
+  fi
   report=$(ns_get "$ns_trk" status)
-  say "the mesh covers the model, A, B and C hold relay reservations; route boundaries" \
-    "$(json_get "$report" 's["route_boundaries"]')"
+  say "the mesh covers the model; route boundaries $(json_get "$report" 's["route_boundaries"]')"
   check_route_order "$report"
+  model_id=$(json_get "$(in_ns "$ns_trk" curl -sf -m 10 "$openai_url/models")" \
+    's["data"][0]["id"]') || fail "startup" "no model in /v1/models"
+}
 
+run_mesh() {
+  prepare
+  start_mesh
   check_chat
   check_paths
   check_grants
   check_soak
   report_speed
   say "run: every check passed"
+  succeeded=1
+}
+
+# speed: decode tokens/s of one chat at a time on three meshes over the same links: the
+# routers forwarding the members' ports (every hop direct HTTP), the NATs as in `run` (A to C
+# punched, C to B relayed), and all three NATs randomising ports (no punch: A to C relayed too).
+speed() {
+  prepare
+  local setups=(forwarded punched relayed) setup rows=()
+  for setup in "${setups[@]}"; do
+    forward_ports=0
+    nat_kind=([a]=port-preserving [b]=random-fully [c]=port-preserving)
+    case $setup in
+      forwarded) forward_ports=1 ;;
+      relayed) nat_kind=([a]=random-fully [b]=random-fully [c]=random-fully) ;;
+    esac
+    say "speed: $setup"
+    data_suffix=-$setup
+    start_mesh
+    # A warm-up chat, which also starts the hole punch where there can be one.
+    load "warmup-$setup" 300 1 8 1
+    if [ "$setup" = punched ]; then
+      wait_for "A's path to C to become direct-p2p" 60 a_reaches_c_direct ||
+        fail "speed" "A's path to C is '$(hop_path a c)', expected direct-p2p"
+    fi
+    load "speed-$setup" 300 1 64 "${MESHNET_NAT_SPEED_CHATS:-5}"
+    rows+=("$(python3 -c '
+import json, sys
+r = json.loads(sys.argv[1])
+rate = r["completion_tokens"] / r["request_seconds"] if r["request_seconds"] else 0
+print(" ".join(sys.argv[2:]), r["requests"], r["completion_tokens"], f"{rate:.1f}")' \
+      "$(<"$run_dir/speed-$setup.json")" "$setup" "$(hop_path tracker a)" "$(hop_path a c)" \
+      "$(hop_path c b)")")
+    teardown
+    proc_pid=()
+  done
+  printf '%-10s %-13s %-13s %-13s %6s %7s %11s\n' setup "tracker->A" "A->C" "C->B" chats tokens \
+    "tok/s/chat"
+  local row
+  for row in "${rows[@]}"; do
+    # shellcheck disable=SC2086  # the row's words are the columns
+    printf '%-10s %-13s %-13s %-13s %6s %7s %11s\n' $row
+  done
   succeeded=1
 }
 
@@ -1216,6 +1387,9 @@ case ${1:-run} in
     ;;
   run)
     run_mesh
+    ;;
+  speed)
+    speed
     ;;
   -h | --help | help)
     usage
