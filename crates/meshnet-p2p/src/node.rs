@@ -1,6 +1,6 @@
 //! The swarm-owning event loop and the handle that drives it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +31,7 @@ use crate::messages::{
     topic_name, tracker_record_key,
 };
 use crate::outbox::Outbox;
-use crate::reach::{ModelPeers, P2pPath, Reachability, SharedReach};
+use crate::reach::{ActiveStreams, ModelPeers, P2pPath, Reachability, SharedReach, StreamActivity};
 use crate::traffic::{GossipTraffic, TrafficCounters};
 use crate::validation::{Admission, Verdict};
 
@@ -60,8 +60,47 @@ const RELAY_RESERVATIONS: usize = 2;
 /// How long after a reservation on a relay failed or was lost it is tried again.
 const RESERVATION_RETRY: Duration = Duration::from_secs(2);
 
-/// A byte stream to a peer for the activation plane, usable with tokio's I/O traits.
-pub type P2pStream = Compat<libp2p::Stream>;
+/// A byte stream to a peer for the activation plane, usable with tokio's I/O traits. While
+/// it lives, the relayed connections to that peer are not closed under it.
+#[derive(Debug)]
+pub struct P2pStream {
+    inner: Compat<libp2p::Stream>,
+    _activity: StreamActivity,
+}
+
+impl tokio::io::AsyncRead for P2pStream {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for P2pStream {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
 
 type Reply<T> = oneshot::Sender<T>;
 
@@ -113,6 +152,7 @@ pub struct P2pHandle {
     traffic: Arc<TrafficCounters>,
     reach: SharedReach,
     streams: libp2p_stream::Control,
+    active_streams: ActiveStreams,
 }
 
 impl std::fmt::Debug for P2pHandle {
@@ -125,13 +165,22 @@ impl std::fmt::Debug for P2pHandle {
 
 /// Activation-plane streams other peers open to this node, with who opened each (the peer
 /// id is authenticated by the connection's handshake).
-pub struct IncomingHttpStreams(libp2p_stream::IncomingStreams);
+pub struct IncomingHttpStreams {
+    incoming: libp2p_stream::IncomingStreams,
+    active: ActiveStreams,
+}
 
 impl IncomingHttpStreams {
     /// The next stream and the peer that opened it; `None` once the node has stopped.
     pub async fn next(&mut self) -> Option<(MeshPeerId, P2pStream)> {
-        let (peer, stream) = futures::StreamExt::next(&mut self.0).await?;
-        Some((mesh_peer_id(&peer), stream.compat()))
+        let (peer, stream) = futures::StreamExt::next(&mut self.incoming).await?;
+        Some((
+            mesh_peer_id(&peer),
+            P2pStream {
+                inner: stream.compat(),
+                _activity: self.active.begin(peer),
+            },
+        ))
     }
 }
 
@@ -279,6 +328,9 @@ impl P2pHandle {
             peer: peer.to_string(),
             reason,
         };
+        // Counted from before the stream exists, so a relayed connection it may land on is not
+        // closed under it.
+        let activity = self.active_streams.begin(target);
         let opening = async {
             self.request(|reply| Command::Connect {
                 peer: target,
@@ -292,7 +344,10 @@ impl P2pHandle {
                 .map_err(|error| stream_error(error.to_string()))
         };
         match tokio::time::timeout(OPEN_STREAM_DEADLINE, opening).await {
-            Ok(stream) => Ok(stream?.compat()),
+            Ok(stream) => Ok(P2pStream {
+                inner: stream?.compat(),
+                _activity: activity,
+            }),
             Err(_) => Err(stream_error(format!(
                 "not open after {} s",
                 OPEN_STREAM_DEADLINE.as_secs()
@@ -306,7 +361,10 @@ impl P2pHandle {
         let mut control = self.streams.clone();
         control
             .accept(HTTP_PROTOCOL)
-            .map(IncomingHttpStreams)
+            .map(|incoming| IncomingHttpStreams {
+                incoming,
+                active: self.active_streams.clone(),
+            })
             .map_err(|_| P2pError::Behaviour(format!("{HTTP_PROTOCOL} is already accepted")))
     }
 
@@ -344,6 +402,7 @@ async fn start(
     let mut swarm = build_swarm(&config, &model_peers)?;
     let streams = swarm.behaviour().streams.new_control();
     let reach = SharedReach::new(config.assume_reachable);
+    let active_streams = ActiveStreams::default();
     let local_peer_id = *swarm.local_peer_id();
 
     let mut listen_failures = Vec::new();
@@ -447,6 +506,8 @@ async fn start(
         connect_waiters: HashMap::new(),
         connect_dials: HashMap::new(),
         relayed_closes: Vec::new(),
+        active_streams: active_streams.clone(),
+        relayed_dialed: HashSet::new(),
     };
     tokio::spawn(event_loop.run());
     Ok((
@@ -456,6 +517,7 @@ async fn start(
             traffic,
             reach,
             streams,
+            active_streams,
         },
         events,
     ))
@@ -546,6 +608,10 @@ struct EventLoop {
     connect_dials: HashMap<PeerId, Vec<(ConnectionId, Vec<Multiaddr>)>>,
     /// Relayed connections to close once their grace is over (a direct one supersedes them).
     relayed_closes: Vec<(Instant, PeerId, ConnectionId)>,
+    /// The activation streams open with each peer (shared with the handles).
+    active_streams: ActiveStreams,
+    /// The relayed connections this node dialed (the ones it closes once superseded).
+    relayed_dialed: HashSet<ConnectionId>,
 }
 
 /// The relays this node holds (or asks for) a reservation on, and the relays it could use.
@@ -806,19 +872,33 @@ impl EventLoop {
         endpoint: &libp2p::core::ConnectedPoint,
         relayed: bool,
     ) {
+        if relayed && endpoint.is_dialer() {
+            self.relayed_dialed.insert(connection);
+        }
         let superseded = {
             let mut reach = self.reach.lock();
             reach.connection_opened(peer, connection, relayed);
             reach.superseded_relayed(&peer)
         };
         if !superseded.is_empty() {
-            tracing::info!(%peer, "direct connection up: relayed connections close after a grace period");
             let at = Instant::now() + RELAYED_GRACE;
-            for id in superseded {
-                if !self.relayed_closes.iter().any(|(_, _, known)| *known == id) {
-                    self.relayed_closes.push((at, peer, id));
-                }
+            // Only the side that dialed a relayed connection closes it: each side sees only its
+            // own streams, so two closers would double the chance of closing one under a
+            // stream the other just opened.
+            let mine: Vec<ConnectionId> = superseded
+                .into_iter()
+                .filter(|id| {
+                    self.relayed_dialed.contains(id)
+                        && !self.relayed_closes.iter().any(|(_, _, known)| known == id)
+                })
+                .collect();
+            if mine.is_empty() {
+                tracing::info!(%peer, "direct connection up: the peer that dialed the relayed one closes it");
+            } else {
+                tracing::info!(%peer, "direct connection up: relayed connections close after a grace period");
             }
+            self.relayed_closes
+                .extend(mine.into_iter().map(|id| (at, peer, id)));
         }
         if let libp2p::core::ConnectedPoint::Dialer { address, .. } = endpoint
             && !relayed
@@ -833,9 +913,11 @@ impl EventLoop {
     /// peer replaced them).
     fn close_superseded_relayed(&mut self) {
         let now = Instant::now();
+        // A peer with a stream open waits for the next check (every second): a stream on a
+        // connection closed under it would never hear of it.
         let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.relayed_closes)
             .into_iter()
-            .partition(|(at, _, _)| *at <= now);
+            .partition(|(at, peer, _)| *at <= now && !self.active_streams.any_with(peer));
         self.relayed_closes = waiting;
         for (_, peer, connection) in due {
             if self.swarm.close_connection(connection) {
@@ -1059,6 +1141,7 @@ impl EventLoop {
                 ..
             } => {
                 self.reach.lock().connection_closed(peer_id, connection_id);
+                self.relayed_dialed.remove(&connection_id);
                 if num_established == 0 {
                     tracing::debug!(peer = %peer_id, "disconnected");
                     self.same_model_peers.remove(&peer_id);

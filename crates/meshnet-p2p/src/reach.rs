@@ -164,9 +164,73 @@ impl ModelPeers {
     }
 }
 
+/// How many activation streams each peer has open with this node, in either direction. A
+/// relayed connection superseded by a direct one is closed only while none is: a stream on a
+/// connection closed under it is never told (its reads wait forever), so closing waits for a
+/// quiet moment instead.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct ActiveStreams(Arc<Mutex<HashMap<PeerId, usize>>>);
+
+impl ActiveStreams {
+    fn counts(&self) -> MutexGuard<'_, HashMap<PeerId, usize>> {
+        // Counts stay consistent whatever panicked while holding the lock.
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Counts one more stream with `peer` until the returned guard is dropped.
+    pub(crate) fn begin(&self, peer: PeerId) -> StreamActivity {
+        *self.counts().entry(peer).or_default() += 1;
+        StreamActivity {
+            streams: self.clone(),
+            peer,
+        }
+    }
+
+    /// Whether any stream with `peer` is open.
+    pub(crate) fn any_with(&self, peer: &PeerId) -> bool {
+        self.counts().get(peer).is_some_and(|count| *count > 0)
+    }
+}
+
+/// One open stream with a peer, counted in [`ActiveStreams`] while it lives.
+#[derive(Debug)]
+pub(crate) struct StreamActivity {
+    streams: ActiveStreams,
+    peer: PeerId,
+}
+
+impl Drop for StreamActivity {
+    fn drop(&mut self) {
+        let mut counts = self.streams.counts();
+        if let Some(count) = counts.get_mut(&self.peer) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                counts.remove(&self.peer);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn streams_are_counted_while_their_guards_live() {
+        let streams = ActiveStreams::default();
+        let (peer, other) = (PeerId::random(), PeerId::random());
+        assert!(!streams.any_with(&peer));
+        let first = streams.begin(peer);
+        let second = streams.begin(peer);
+        assert!(streams.any_with(&peer));
+        assert!(!streams.any_with(&other));
+        drop(first);
+        assert!(streams.any_with(&peer));
+        drop(second);
+        assert!(!streams.any_with(&peer));
+    }
 
     #[test]
     fn a_direct_connection_supersedes_the_relayed_ones() {
