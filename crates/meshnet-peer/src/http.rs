@@ -292,13 +292,7 @@ pub(crate) fn announced_url(
     }
     let listen_ips: Vec<std::net::IpAddr> = p2p_listen
         .iter()
-        .filter_map(|address| {
-            address.iter().find_map(|part| match part {
-                libp2p::multiaddr::Protocol::Ip4(ip) => Some(std::net::IpAddr::V4(ip)),
-                libp2p::multiaddr::Protocol::Ip6(ip) => Some(std::net::IpAddr::V6(ip)),
-                _ => None,
-            })
-        })
+        .filter_map(listen_ip)
         .filter(|ip| !ip.is_unspecified() && (ip.is_ipv4() || bound.is_ipv6()))
         .collect();
     let chosen = listen_ips
@@ -308,6 +302,15 @@ pub(crate) fn announced_url(
         .copied()
         .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
     url(chosen)
+}
+
+/// The IP address a libp2p listen address is on, if it names one.
+pub(crate) fn listen_ip(address: &libp2p::Multiaddr) -> Option<std::net::IpAddr> {
+    address.iter().find_map(|part| match part {
+        libp2p::multiaddr::Protocol::Ip4(ip) => Some(std::net::IpAddr::V4(ip)),
+        libp2p::multiaddr::Protocol::Ip6(ip) => Some(std::net::IpAddr::V6(ip)),
+        _ => None,
+    })
 }
 
 /// `http://` and the bound address (127.0.0.1 when bound to all interfaces).

@@ -154,13 +154,10 @@ async fn announceable_listen_addrs(p2p: &P2pHandle, wants_interface: bool) -> Ve
     let deadline = tokio::time::Instant::now() + INTERFACE_ADDRESS_WAIT;
     loop {
         let addresses = p2p.listen_addrs().await.unwrap_or_default();
-        let on_an_interface = addresses.iter().any(|address| {
-            address.iter().any(|part| match part {
-                libp2p::multiaddr::Protocol::Ip4(ip) => !ip.is_loopback() && !ip.is_unspecified(),
-                libp2p::multiaddr::Protocol::Ip6(ip) => !ip.is_loopback() && !ip.is_unspecified(),
-                _ => false,
-            })
-        });
+        let on_an_interface = addresses
+            .iter()
+            .filter_map(crate::http::listen_ip)
+            .any(|ip| !ip.is_loopback() && !ip.is_unspecified());
         if !wants_interface || on_an_interface || tokio::time::Instant::now() >= deadline {
             return addresses;
         }
