@@ -1,6 +1,6 @@
 //! The swarm-owning event loop and the handle that drives it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -507,7 +507,6 @@ async fn start(
         connect_dials: HashMap::new(),
         relayed_closes: Vec::new(),
         active_streams: active_streams.clone(),
-        relayed_dialed: HashSet::new(),
     };
     tokio::spawn(event_loop.run());
     Ok((
@@ -610,8 +609,6 @@ struct EventLoop {
     relayed_closes: Vec<(Instant, PeerId, ConnectionId)>,
     /// The activation streams open with each peer (shared with the handles).
     active_streams: ActiveStreams,
-    /// The relayed connections this node dialed (the ones it closes once superseded).
-    relayed_dialed: HashSet<ConnectionId>,
 }
 
 /// The relays this node holds (or asks for) a reservation on, and the relays it could use.
@@ -872,33 +869,19 @@ impl EventLoop {
         endpoint: &libp2p::core::ConnectedPoint,
         relayed: bool,
     ) {
-        if relayed && endpoint.is_dialer() {
-            self.relayed_dialed.insert(connection);
-        }
         let superseded = {
             let mut reach = self.reach.lock();
-            reach.connection_opened(peer, connection, relayed);
+            reach.connection_opened(peer, connection, relayed, endpoint.is_dialer());
             reach.superseded_relayed(&peer)
         };
         if !superseded.is_empty() {
+            tracing::info!(%peer, "direct connection up: relayed connections close after a grace period");
             let at = Instant::now() + RELAYED_GRACE;
-            // Only the side that dialed a relayed connection closes it: each side sees only its
-            // own streams, so two closers would double the chance of closing one under a
-            // stream the other just opened.
-            let mine: Vec<ConnectionId> = superseded
-                .into_iter()
-                .filter(|id| {
-                    self.relayed_dialed.contains(id)
-                        && !self.relayed_closes.iter().any(|(_, _, known)| known == id)
-                })
-                .collect();
-            if mine.is_empty() {
-                tracing::info!(%peer, "direct connection up: the peer that dialed the relayed one closes it");
-            } else {
-                tracing::info!(%peer, "direct connection up: relayed connections close after a grace period");
+            for id in superseded {
+                if !self.relayed_closes.iter().any(|(_, _, known)| *known == id) {
+                    self.relayed_closes.push((at, peer, id));
+                }
             }
-            self.relayed_closes
-                .extend(mine.into_iter().map(|id| (at, peer, id)));
         }
         if let libp2p::core::ConnectedPoint::Dialer { address, .. } = endpoint
             && !relayed
@@ -1141,7 +1124,6 @@ impl EventLoop {
                 ..
             } => {
                 self.reach.lock().connection_closed(peer_id, connection_id);
-                self.relayed_dialed.remove(&connection_id);
                 if num_established == 0 {
                     tracing::debug!(peer = %peer_id, "disconnected");
                     self.same_model_peers.remove(&peer_id);

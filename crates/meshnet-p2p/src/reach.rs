@@ -41,12 +41,22 @@ pub enum P2pPath {
     Relayed,
 }
 
+/// One open connection to a peer.
+#[derive(Debug, Clone, Copy)]
+struct OpenConnection {
+    id: ConnectionId,
+    /// Through a relay.
+    relayed: bool,
+    /// This node dialed it (the side that closes a relayed connection once superseded).
+    dialed: bool,
+}
+
 /// The state shared between the event loop and its handles.
 #[derive(Debug)]
 pub(crate) struct ReachState {
     pub(crate) reachability: Reachability,
-    /// Open connections per peer, and whether each goes through a relay.
-    connections: HashMap<PeerId, Vec<(ConnectionId, bool)>>,
+    /// Open connections per peer.
+    connections: HashMap<PeerId, Vec<OpenConnection>>,
     /// This node's relayed (`/p2p-circuit`) listen addresses.
     circuit_addresses: Vec<Multiaddr>,
 }
@@ -64,39 +74,52 @@ impl ReachState {
         }
     }
 
-    pub(crate) fn connection_opened(&mut self, peer: PeerId, id: ConnectionId, relayed: bool) {
+    pub(crate) fn connection_opened(
+        &mut self,
+        peer: PeerId,
+        id: ConnectionId,
+        relayed: bool,
+        dialed: bool,
+    ) {
         self.connections
             .entry(peer)
             .or_default()
-            .push((id, relayed));
+            .push(OpenConnection {
+                id,
+                relayed,
+                dialed,
+            });
     }
 
     pub(crate) fn connection_closed(&mut self, peer: PeerId, id: ConnectionId) {
         if let Some(open) = self.connections.get_mut(&peer) {
-            open.retain(|(known, _)| *known != id);
+            open.retain(|known| known.id != id);
             if open.is_empty() {
                 self.connections.remove(&peer);
             }
         }
     }
 
-    /// The relayed connections to `peer` when it also has a direct one (those can go).
+    /// The relayed connections this node dialed to `peer` when it also has a direct one (those
+    /// can go). Only the side that dialed a relayed connection closes it: each side sees only
+    /// its own streams, so two closers would double the chance of closing one under a stream
+    /// the other just opened.
     pub(crate) fn superseded_relayed(&self, peer: &PeerId) -> Vec<ConnectionId> {
         let Some(open) = self.connections.get(peer) else {
             return Vec::new();
         };
-        if !open.iter().any(|(_, relayed)| !relayed) {
+        if open.iter().all(|connection| connection.relayed) {
             return Vec::new();
         }
         open.iter()
-            .filter(|(_, relayed)| *relayed)
-            .map(|(id, _)| *id)
+            .filter(|connection| connection.relayed && connection.dialed)
+            .map(|connection| connection.id)
             .collect()
     }
 
     pub(crate) fn path_to(&self, peer: &PeerId) -> Option<P2pPath> {
         let open = self.connections.get(peer)?;
-        Some(if open.iter().any(|(_, relayed)| !relayed) {
+        Some(if open.iter().any(|connection| !connection.relayed) {
             P2pPath::Direct
         } else {
             P2pPath::Relayed
@@ -233,16 +256,26 @@ mod tests {
     }
 
     #[test]
+    fn only_the_dialer_of_a_relayed_connection_closes_it() {
+        let mut state = ReachState::new(false);
+        let peer = PeerId::random();
+        state.connection_opened(peer, ConnectionId::new_unchecked(1), true, false);
+        state.connection_opened(peer, ConnectionId::new_unchecked(2), false, true);
+        assert_eq!(state.path_to(&peer), Some(P2pPath::Direct));
+        assert!(state.superseded_relayed(&peer).is_empty());
+    }
+
+    #[test]
     fn a_direct_connection_supersedes_the_relayed_ones() {
         let mut state = ReachState::new(false);
         let peer = PeerId::random();
         let relayed = ConnectionId::new_unchecked(1);
         let direct = ConnectionId::new_unchecked(2);
         assert_eq!(state.path_to(&peer), None);
-        state.connection_opened(peer, relayed, true);
+        state.connection_opened(peer, relayed, true, true);
         assert_eq!(state.path_to(&peer), Some(P2pPath::Relayed));
         assert!(state.superseded_relayed(&peer).is_empty());
-        state.connection_opened(peer, direct, false);
+        state.connection_opened(peer, direct, false, false);
         assert_eq!(state.path_to(&peer), Some(P2pPath::Direct));
         assert_eq!(state.superseded_relayed(&peer), vec![relayed]);
         state.connection_closed(peer, relayed);
