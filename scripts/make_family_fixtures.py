@@ -187,10 +187,13 @@ def build_vocab() -> tuple[list[str], list[int], list[str], int]:
             tokens.append(a + b)
             types.append(gguf.TokenType.NORMAL)
     eos_id = len(tokens)
-    tokens.append("<|endoftext|>")
-    types.append(gguf.TokenType.CONTROL)
+    # llama.cpp looks these three up by text when general.name contains "phi3" or "phi-3"
+    # (src/llama-vocab.cpp) and fails the load if one is missing.
+    for special in ("<|endoftext|>", "<s>", "</s>", "<unk>"):
+        tokens.append(special)
+        types.append(gguf.TokenType.CONTROL)
     while len(tokens) < N_VOCAB:
-        tokens.append(f"<|extra_{len(tokens) - eos_id - 1}|>")
+        tokens.append(f"<|extra_{len(tokens) - eos_id - 4}|>")
         types.append(gguf.TokenType.CONTROL)
     return tokens, [int(t) for t in types], merges, eos_id
 
@@ -222,8 +225,12 @@ class Spec:
 
 
 def _llama3_rope_factors(head_dim: int, base: float) -> np.ndarray:
-    """The factors llama.cpp's converter writes to rope_freqs.weight for rope_type llama3."""
-    factor, low, high, old_ctx = 8.0, 1.0, 4.0, 8192.0
+    """The factors llama.cpp's converter writes to rope_freqs.weight for rope_type llama3.
+
+    Llama 3.1 uses original_max_position_embeddings 8192; the fixture uses 64 so that the
+    scaled frequencies are ones that actually turn within the 64 fed positions.
+    """
+    factor, low, high, old_ctx = 8.0, 1.0, 4.0, 64.0
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     out = []
     for i in range(0, head_dim, 2):
@@ -251,7 +258,8 @@ SPECS = [
     Spec("llama3", "llama", 2, 4, 2, 64, 1e-5, 131072, 500000.0, True,
          {"token_embd": QT.Q8_0, "attn_q": QT.Q5_0, "attn_k": QT.Q5_0, "attn_v": QT.Q5_0,
           "attn_output": QT.Q5_0, "ffn_gate": QT.Q5_0, "ffn_up": QT.Q5_0, "ffn_down": QT.Q8_0},
-         note="llama with Llama 3 rope_freqs (factor 8, low 1, high 4, original 8192), tied output"),
+         note="llama with Llama 3 rope_freqs (converter formula: factor 8, low 1, high 4, "
+              "original context 64), tied output"),
     Spec("qwen2", "qwen2", 2, 4, 2, 64, 1e-6, 32768, 1000000.0, True,
          {"token_embd": QT.F16, "attn_q": QT.Q5_0, "attn_k": QT.Q5_0, "attn_v": QT.Q5_0,
           "attn_output": QT.Q8_0, "ffn_gate": QT.Q4_K, "ffn_up": QT.Q4_K, "ffn_down": QT.Q6_K},
@@ -303,8 +311,8 @@ def _add_matrix(w: gguf.GGUFWriter, spec: Spec, name: str, kind: str, n_in: int,
         w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
 
 
-def _add_norm(w: gguf.GGUFWriter, spec: Spec, name: str, n: int) -> None:
-    w.add_tensor(name, make_vector(f"{spec.name}/{name}", n, 1.0, 0.2))
+def _add_norm(w: gguf.GGUFWriter, spec: Spec, name: str, n: int, centre: float = 1.0) -> None:
+    w.add_tensor(name, make_vector(f"{spec.name}/{name}", n, centre, 0.2))
 
 
 def _add_metadata(w: gguf.GGUFWriter, spec: Spec) -> None:
@@ -396,7 +404,10 @@ def write_gguf(spec: Spec, path: Path) -> None:
         _add_norm(w, spec, p + "attn_norm.weight", HIDDEN)
         _add_attention(w, spec, p)
         if spec.arch == "gemma3":
-            _add_norm(w, spec, p + "post_attention_norm.weight", HIDDEN)
+            # the one global layer (5) gets a larger post-attention norm so that its RoPE
+            # (base and linear scaling) weighs clearly in the logits
+            centre = 3.0 if il % 6 == 5 else 1.0
+            _add_norm(w, spec, p + "post_attention_norm.weight", HIDDEN, centre)
         _add_norm(w, spec, p + "ffn_norm.weight", HIDDEN)
         _add_ffn(w, spec, p)
         if spec.arch == "gemma3":
@@ -418,8 +429,8 @@ def check_weights_sane(path: Path) -> None:
         values = gguf.dequantize(t.data, t.tensor_type)
         if not np.all(np.isfinite(values)):
             raise ValueError(f"{path.name}: {t.name} has non-finite values")
-        if not t.name.startswith("rope_") and float(np.max(np.abs(values))) > 2.0:
-            raise ValueError(f"{path.name}: {t.name} max |w| {np.max(np.abs(values))} > 2")
+        if not t.name.startswith("rope_") and float(np.max(np.abs(values))) > 4.0:
+            raise ValueError(f"{path.name}: {t.name} max |w| {np.max(np.abs(values))} > 4")
 
 
 def cmd_write(out_dir: Path) -> None:
@@ -483,6 +494,184 @@ def cmd_reference(out_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Verify: an independent float64 forward pass written from family_fixtures.md, compared with
+# llama.cpp's logits, plus variants that each drop one family feature (each must move the
+# logits far more than the numeric gap, or the fixture would not exercise that feature)
+# ---------------------------------------------------------------------------------------------
+
+
+class GgufModel:
+    """Metadata and dequantized float64 tensors of one GGUF file."""
+
+    def __init__(self, path: Path):
+        reader = gguf.GGUFReader(str(path))
+        self.meta = {name: f.contents() for name, f in reader.fields.items()
+                     if not name.startswith("tokenizer.")}
+        self.arch = self.meta["general.architecture"]
+        self.t = {}
+        for t in reader.tensors:
+            self.t[t.name] = gguf.dequantize(t.data, t.tensor_type).astype(np.float64)
+
+    def kv(self, key: str, default=None):
+        return self.meta.get(f"{self.arch}.{key}", default)
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x: np.ndarray, pos: np.ndarray, n_rot: int, base: float, freq_scale: float,
+          factors: np.ndarray | None, mscale: float, neox: bool) -> np.ndarray:
+    """x: (T, heads, head_dim)."""
+    i = np.arange(n_rot // 2)
+    theta = pos[:, None] * freq_scale * base ** (-2.0 * i / n_rot)
+    if factors is not None:
+        theta = theta / factors[None, :]
+    cos, sin = (np.cos(theta) * mscale)[:, None, :], (np.sin(theta) * mscale)[:, None, :]
+    out = x.copy()
+    if neox:
+        a, b = x[..., : n_rot // 2], x[..., n_rot // 2: n_rot]
+        out[..., : n_rot // 2] = a * cos - b * sin
+        out[..., n_rot // 2: n_rot] = a * sin + b * cos
+    else:
+        a, b = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+        out[..., 0:n_rot:2] = a * cos - b * sin
+        out[..., 1:n_rot:2] = a * sin + b * cos
+    return out
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def numpy_forward(m: GgufModel, tokens: list[int], n_ctx: int, drop: str = "") -> np.ndarray:
+    """Logits [T, vocab]. `drop` names one feature to get wrong on purpose (a variant)."""
+    t, arch = m.t, m.arch
+    n_layer, n_head = m.kv("block_count"), m.kv("attention.head_count")
+    n_kv, eps = m.kv("attention.head_count_kv"), m.kv("attention.layer_norm_rms_epsilon")
+    n_embd = m.kv("embedding_length")
+    hd = m.kv("attention.key_length", n_embd // n_head)
+    n_rot = m.kv("rope.dimension_count", hd)
+    neox = (arch != "llama") != (drop == "rope_type")
+    n_swa = 0 if drop == "swa" else m.kv("attention.sliding_window", 0)
+    if arch != "gemma3":
+        n_swa = 0
+    pos = np.arange(len(tokens), dtype=np.float64)
+    factors = t.get("rope_freqs.weight")
+    if "rope_factors_short.weight" in t:
+        orig = m.kv("rope.scaling.original_context_length", m.kv("context_length"))
+        long = (n_ctx > orig) != (drop == "long_short")
+        factors = t["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+    if drop == "rope_factors":
+        factors = None
+    mscale = 1.0 if drop == "attn_factor" else m.kv("rope.scaling.attn_factor", 1.0)
+    linear = m.kv("rope.scaling.type", "linear") == "linear" and drop != "rope_scaling"
+    global_scale = 1.0 / m.kv("rope.scaling.factor", 1.0) if linear else 1.0
+
+    def norm(x, name):
+        w = t[name] + (1.0 if drop == "gemma_norm_plus_one" else 0.0)
+        return _rms(x, w, eps)
+
+    x = t["token_embd.weight"][tokens]
+    if arch == "gemma3" and drop != "embd_scale":
+        x = x * math.sqrt(n_embd)
+    T = len(tokens)
+    causal = np.tril(np.ones((T, T), dtype=bool))
+    for il in range(n_layer):
+        p = f"blk.{il}."
+        is_swa = n_swa > 0 and (il % 6 < 5)
+        h = norm(x, p + "attn_norm.weight")
+        if p + "attn_qkv.weight" in t:
+            qkv = h @ t[p + "attn_qkv.weight"].T
+            q, k, v = np.split(qkv, [n_head * hd, (n_head + n_kv) * hd], axis=1)
+        else:
+            q, k, v = (h @ t[p + f"attn_{n}.weight"].T for n in "qkv")
+        if p + "attn_q.bias" in t and drop != "qkv_bias":
+            q, k, v = q + t[p + "attn_q.bias"], k + t[p + "attn_k.bias"], v + t[p + "attn_v.bias"]
+        q, k, v = q.reshape(T, n_head, hd), k.reshape(T, n_kv, hd), v.reshape(T, n_kv, hd)
+        if p + "attn_q_norm.weight" in t and drop != "qk_norm":
+            q, k = norm(q, p + "attn_q_norm.weight"), norm(k, p + "attn_k_norm.weight")
+        base = m.kv("rope.freq_base", 10000.0)
+        scale = global_scale
+        if is_swa and drop != "swa_base":
+            base, scale = m.kv("rope.freq_base_swa", 10000.0), 1.0
+        q = _rope(q, pos, n_rot, base, scale, factors, mscale, neox)
+        k = _rope(k, pos, n_rot, base, scale, factors, mscale, neox)
+        mask = causal.copy()
+        if is_swa:
+            mask &= (pos[:, None] - pos[None, :]) < n_swa
+        group = n_head // n_kv
+        heads = []
+        for hh in range(n_head):
+            s = q[:, hh, :] @ k[:, hh // group, :].T / math.sqrt(hd)
+            s = np.where(mask, s, -np.inf)
+            s = np.exp(s - s.max(axis=1, keepdims=True))
+            heads.append((s / s.sum(axis=1, keepdims=True)) @ v[:, hh // group, :])
+        a = np.concatenate(heads, axis=1) @ t[p + "attn_output.weight"].T
+        if arch == "gemma3" and drop != "post_norms":
+            a = norm(a, p + "post_attention_norm.weight")
+        x = x + a
+        h = norm(x, p + "ffn_norm.weight")
+        if p + "ffn_gate.weight" in t:
+            gate, up = h @ t[p + "ffn_gate.weight"].T, h @ t[p + "ffn_up.weight"].T
+        else:
+            gate, up = np.split(h @ t[p + "ffn_up.weight"].T, 2, axis=1)
+            if drop == "gate_up_order":
+                gate, up = up, gate
+        act = _gelu_tanh(gate) if (arch == "gemma3") != (drop == "activation") else _silu(gate)
+        f = (act * up) @ t[p + "ffn_down.weight"].T
+        if arch == "gemma3" and drop != "post_norms":
+            f = norm(f, p + "post_ffw_norm.weight")
+        x = x + f
+    x = norm(x, "output_norm.weight")
+    out = t.get("output.weight", t["token_embd.weight"])
+    return x @ out.T
+
+
+VARIANTS = {
+    "llama": ["rope_type"],
+    "llama3": ["rope_type", "rope_factors"],
+    "qwen2": ["rope_type", "qkv_bias"],
+    "qwen3": ["rope_type", "qk_norm"],
+    "gemma3": ["rope_type", "embd_scale", "gemma_norm_plus_one", "post_norms", "qk_norm",
+               "activation", "swa", "swa_base", "rope_scaling"],
+    "phi3": ["rope_type", "gate_up_order", "attn_factor", "rope_factors", "long_short"],
+    "phi3_long": ["long_short"],
+}
+
+
+def cmd_verify(fixture_dir: Path) -> int:
+    by_name = {s.name: s for s in SPECS}
+    worst = 0.0
+    failures = []
+    for run_name, spec_name, n_ctx in REFERENCE_RUNS:
+        meta = json.loads((fixture_dir / f"{run_name}.json").read_text())
+        ref = np.frombuffer((fixture_dir / f"{run_name}.logits.f32").read_bytes(), dtype="<f4")
+        ref = ref.reshape(meta["n_positions"], meta["n_vocab"]).astype(np.float64)
+        model = GgufModel(fixture_dir / f"{spec_name}.gguf")
+        ours = numpy_forward(model, meta["tokens"], n_ctx)
+        gap = float(np.max(np.abs(ours - ref)))
+        worst = max(worst, gap)
+        argmax = float(np.mean(np.argmax(ours, 1) == np.argmax(ref, 1)))
+        line = f"{run_name:10s} max|numpy-llama.cpp| {gap:.4f} (logit std {np.std(ref):.3f}, " \
+               f"argmax agreement {argmax:.2f})"
+        print(line)
+        for drop in VARIANTS[run_name]:
+            moved = float(np.max(np.abs(numpy_forward(model, meta["tokens"], n_ctx, drop) - ref)))
+            verdict = "ok" if moved > 4 * gap else "TOO SMALL"
+            print(f"    without {drop:20s} max diff {moved:.4f}  {verdict}")
+            if moved <= 4 * gap:
+                failures.append(f"{run_name}: dropping {drop} moves the logits only {moved:.4f}")
+    for f in failures:
+        print("FAIL", f, file=sys.stderr)
+    return 1 if failures else 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Check
 # ---------------------------------------------------------------------------------------------
 
@@ -525,7 +714,7 @@ def cmd_check(fixture_dir: Path) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("write", "reference", "check"):
+    for name in ("write", "reference", "check", "verify"):
         sub.add_parser(name).add_argument("dir", type=Path)
     args = parser.parse_args()
     if args.command == "write":
@@ -534,6 +723,8 @@ def main() -> int:
     if args.command == "reference":
         cmd_reference(args.dir)
         return 0
+    if args.command == "verify":
+        return cmd_verify(args.dir)
     return cmd_check(args.dir)
 
 
