@@ -7,9 +7,13 @@ Subcommands:
                  <name>.logits.f32 (little-endian f32, positions x vocab) and <name>.json
   check DIR      regenerate the GGUFs into a temporary directory and compare their sha256
                  with the files in DIR (and with the sha256 recorded in each <name>.json)
+  verify DIR     run an independent float64 forward pass (written from family_fixtures.md) on
+                 each GGUF, print its gap to llama.cpp's logits, and check that getting any
+                 one family feature wrong moves the logits far more than that gap
 
-`write` and `check` need only `gguf==0.19.0` and numpy; `reference` also needs
-`llama-cpp-python==0.3.36`. The per-family facts the models exercise are in
+`write`, `check` and `verify` need only `gguf==0.19.0` and numpy; `reference` also needs
+`llama-cpp-python==0.3.36` (it builds llama.cpp from source). Use a virtual environment outside
+the repository; the fixtures' README has the commands. The per-family facts the models exercise are in
 family_fixtures.md beside this script.
 
 Weights are random but valid blocks of the stated quantization type, built directly as bytes
