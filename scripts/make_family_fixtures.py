@@ -52,9 +52,6 @@ LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 # Deterministic random numbers (splitmix64 over a counter, keyed by a string)
 # ---------------------------------------------------------------------------------------------
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
 def _splitmix64(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         z = x + np.uint64(0x9E3779B97F4A7C15)
@@ -68,11 +65,11 @@ def random_u64(key: str, n: int) -> np.ndarray:
     seed = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
     with np.errstate(over="ignore"):
         counter = np.arange(n, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(seed)
-    return _splitmix64(counter & _MASK64)
+    return _splitmix64(counter)
 
 
 def random_bytes(key: str, n: int) -> np.ndarray:
-    return random_u64(key, (n + 7) // 8).view(np.uint8)[:n].copy()
+    return random_u64(key, (n + 7) // 8).astype("<u8").view(np.uint8)[:n].copy()
 
 
 def random_uniform(key: str, n: int) -> np.ndarray:
@@ -465,6 +462,9 @@ def reference_logits(gguf_path: Path, tokens: list[int], n_ctx: int) -> np.ndarr
 def cmd_reference(out_dir: Path) -> None:
     import llama_cpp
 
+    if llama_cpp.__version__ != LLAMA_CPP_PYTHON_VERSION:
+        print(f"warning: llama-cpp-python {llama_cpp.__version__}, the fixtures were made with "
+              f"{LLAMA_CPP_PYTHON_VERSION} (llama.cpp {LLAMA_CPP_COMMIT[:9]})", file=sys.stderr)
     tokens = fixed_tokens()
     by_name = {s.name: s for s in SPECS}
     for run_name, spec_name, n_ctx in REFERENCE_RUNS:
@@ -486,7 +486,8 @@ def cmd_reference(out_dir: Path) -> None:
             "logits_layout": "little-endian f32, row-major [position][vocab]",
             "n_ctx": n_ctx,
             "llama_cpp_python": llama_cpp.__version__,
-            "llama_cpp_commit": LLAMA_CPP_COMMIT,
+            "llama_cpp_commit": LLAMA_CPP_COMMIT if llama_cpp.__version__ == LLAMA_CPP_PYTHON_VERSION
+            else "unknown",
             "llama_cpp_settings": "CPU, n_threads 2, flash attention off, f16 K/V cache, "
                                   "whole sequence in one batch, teacher-forced",
             "logits_abs_max": float(np.max(np.abs(logits))),
