@@ -26,7 +26,10 @@ pub enum ModelError {
         reason: String,
     },
     /// The model's architecture is not one this crate runs.
-    #[error("{path}: unsupported architecture {architecture:?} (supported: llama)")]
+    #[error(
+        "{path}: unsupported architecture {architecture:?} (supported: {})",
+        crate::family::Family::supported_list()
+    )]
     UnsupportedArchitecture {
         /// The file.
         path: PathBuf,

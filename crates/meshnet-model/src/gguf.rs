@@ -1,20 +1,18 @@
 //! Reading GGUF files: the model description from metadata, and single tensors on demand.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use meshnet_types::Quantization;
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
-
-/// Architectures this crate runs.
-const SUPPORTED_ARCHITECTURES: &[&str] = &["llama"];
+use crate::family::{ArchitectureConfig, Family, ShapeFacts, read_config};
 
 /// Bytes the weights of each part of the model take in memory, per quantization.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -53,7 +51,8 @@ pub struct ModelDescription {
     pub rope_dims: usize,
     /// RMSNorm epsilon.
     pub rms_eps: f64,
-    /// Training context length.
+    /// The context served: the training context length, or less when the model was opened
+    /// with a limit.
     pub context_length: usize,
     /// Vocabulary size.
     pub vocab_size: usize,
@@ -69,9 +68,11 @@ pub struct ModelDescription {
     pub chat_template: Option<String>,
     /// Whether the LM head reuses the token embedding (no `output.weight`).
     pub tied_embeddings: bool,
-    /// The format the file stores its layers' matrices in, when the project has a name for it
-    /// (`q4_1`, `q8_0`, or `bf16` for 16- and 32-bit floats).
+    /// The format the file stores its layers' matrices in, when they all share one the
+    /// project has a name for (`q4_1`, `q8_0`, or `bf16` for 16- and 32-bit floats).
     pub shipped_quantization: Option<Quantization>,
+    /// How many tensors of each GGUF type the file holds (a Q4_K_M file mixes several).
+    pub tensor_types: BTreeMap<String, usize>,
     /// Bytes of the weights as stored in the file.
     pub bytes_as_shipped: WeightBytes,
     /// Bytes of the weights after requantisation to Q8_0.
@@ -120,11 +121,19 @@ pub struct GgufModel {
     path: PathBuf,
     content: Content,
     description: ModelDescription,
+    config: ArchitectureConfig,
 }
 
 impl GgufModel {
     /// Reads the header and metadata of a GGUF file and checks it describes a supported model.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_with_context(path, None)
+    }
+
+    /// Like [`Self::open`], serving sessions of at most `context` positions when given (fewer
+    /// than the trained context: LongRoPE models then keep their short-context factors, as
+    /// llama.cpp does with a context that small).
+    pub fn open_with_context(path: impl AsRef<Path>, context: Option<usize>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         let file = File::open(&path).map_err(|source| ModelError::Io {
             path: path.clone(),
@@ -135,11 +144,12 @@ impl GgufModel {
             path: path.clone(),
             reason: error.to_string(),
         })?;
-        let description = describe(&path, &content)?;
+        let (description, config) = describe(&path, &content, context)?;
         Ok(Self {
             path,
             content,
             description,
+            config,
         })
     }
 
@@ -151,6 +161,11 @@ impl GgufModel {
     /// The model's description.
     pub fn description(&self) -> &ModelDescription {
         &self.description
+    }
+
+    /// What the model's family changes in its spans.
+    pub fn config(&self) -> &ArchitectureConfig {
+        &self.config
     }
 
     /// The parsed GGUF header (metadata and tensor directory).
@@ -228,7 +243,7 @@ impl TensorReader<'_> {
     }
 }
 
-fn metadata_error(path: &Path, key: &str, reason: impl Into<String>) -> ModelError {
+pub(crate) fn metadata_error(path: &Path, key: &str, reason: impl Into<String>) -> ModelError {
     ModelError::Metadata {
         path: path.to_path_buf(),
         key: key.to_owned(),
@@ -266,7 +281,11 @@ fn get_usize(path: &Path, content: &Content, key: &str) -> Result<usize> {
     usize::try_from(number).map_err(|_| metadata_error(path, key, "value too large"))
 }
 
-fn get_optional_usize(path: &Path, content: &Content, key: &str) -> Result<Option<usize>> {
+pub(crate) fn get_optional_usize(
+    path: &Path,
+    content: &Content,
+    key: &str,
+) -> Result<Option<usize>> {
     if content.metadata.contains_key(key) {
         get_usize(path, content, key).map(Some)
     } else {
@@ -274,7 +293,7 @@ fn get_optional_usize(path: &Path, content: &Content, key: &str) -> Result<Optio
     }
 }
 
-fn get_f32(path: &Path, content: &Content, key: &str) -> Result<f32> {
+pub(crate) fn get_f32(path: &Path, content: &Content, key: &str) -> Result<f32> {
     match get(path, content, key)? {
         Value::F32(v) => Ok(*v),
         Value::F64(v) => Ok(*v as f32),
@@ -286,7 +305,7 @@ fn get_f32(path: &Path, content: &Content, key: &str) -> Result<f32> {
     }
 }
 
-fn get_string(path: &Path, content: &Content, key: &str) -> Result<String> {
+pub(crate) fn get_string(path: &Path, content: &Content, key: &str) -> Result<String> {
     get(path, content, key)?
         .to_string()
         .cloned()
@@ -312,29 +331,63 @@ fn q8_0_bytes(dims: &[usize]) -> u64 {
     }
 }
 
-fn describe(path: &Path, content: &Content) -> Result<ModelDescription> {
-    let architecture = get_string(path, content, "general.architecture")?;
-    if !SUPPORTED_ARCHITECTURES.contains(&architecture.as_str()) {
-        return Err(ModelError::UnsupportedArchitecture {
-            path: path.to_path_buf(),
-            architecture,
-        });
-    }
-    let key = |suffix: &str| format!("{architecture}.{suffix}");
-    let layers = get_usize(path, content, &key("block_count"))?;
-    let hidden = get_usize(path, content, &key("embedding_length"))?;
-    let intermediate = get_usize(path, content, &key("feed_forward_length"))?;
+/// The most layers a model may declare (the largest models people run have a few hundred).
+const MAX_LAYERS: usize = 4096;
+
+/// The head layout read from `<architecture>.attention.*`.
+struct AttentionShape {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Heads, key/value heads and head size; the head size is `key_length` when the file gives
+/// one (Qwen 3 and Gemma 3 heads are wider than `hidden / heads`), else `hidden / heads`.
+fn read_attention(
+    path: &Path,
+    content: &Content,
+    key: &dyn Fn(&str) -> String,
+    hidden: usize,
+) -> Result<AttentionShape> {
     let heads = get_usize(path, content, &key("attention.head_count"))?;
     let kv_heads =
         get_optional_usize(path, content, &key("attention.head_count_kv"))?.unwrap_or(heads);
-    if heads == 0 || kv_heads == 0 || hidden % heads != 0 || heads % kv_heads != 0 {
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || heads > hidden {
         return Err(metadata_error(
             path,
             &key("attention.head_count"),
-            format!("{heads} heads and {kv_heads} KV heads do not divide hidden size {hidden}"),
+            format!("{heads} heads and {kv_heads} KV heads do not fit hidden size {hidden}"),
         ));
     }
-    let head_dim = hidden / heads;
+    let head_dim = match get_optional_usize(path, content, &key("attention.key_length"))? {
+        Some(length) if length > 0 && length.is_multiple_of(2) && length <= 4 * hidden => length,
+        Some(length) => {
+            return Err(metadata_error(
+                path,
+                &key("attention.key_length"),
+                format!("a head size of {length} is not usable"),
+            ));
+        }
+        None if hidden.is_multiple_of(heads) && (hidden / heads).is_multiple_of(2) => {
+            hidden / heads
+        }
+        None => {
+            return Err(metadata_error(
+                path,
+                &key("attention.head_count"),
+                format!("{heads} heads do not divide hidden size {hidden} into even heads"),
+            ));
+        }
+    };
+    let value_length =
+        get_optional_usize(path, content, &key("attention.value_length"))?.unwrap_or(head_dim);
+    if value_length != head_dim {
+        return Err(metadata_error(
+            path,
+            &key("attention.value_length"),
+            format!("value heads of {value_length} differ from key heads of {head_dim}"),
+        ));
+    }
     let rope_dims =
         get_optional_usize(path, content, &key("rope.dimension_count"))?.unwrap_or(head_dim);
     if rope_dims != head_dim {
@@ -344,17 +397,23 @@ fn describe(path: &Path, content: &Content) -> Result<ModelDescription> {
             format!("partial RoPE ({rope_dims} of {head_dim} dims) is not supported"),
         ));
     }
-    let rope_base = if content.metadata.contains_key(&key("rope.freq_base")) {
-        get_f32(path, content, &key("rope.freq_base"))?
-    } else {
-        10_000.0
-    };
-    let rms_eps = f64::from(get_f32(
-        path,
-        content,
-        &key("attention.layer_norm_rms_epsilon"),
-    )?);
-    let context_length = get_optional_usize(path, content, &key("context_length"))?.unwrap_or(2048);
+    Ok(AttentionShape {
+        heads,
+        kv_heads,
+        head_dim,
+    })
+}
+
+/// What the vocabulary says about special tokens and the chat template.
+struct TextFacts {
+    bos_token: Option<u32>,
+    eos_token: Option<u32>,
+    im_start_token: Option<u32>,
+    im_end_token: Option<u32>,
+    chat_template: Option<String>,
+}
+
+fn read_text_facts(path: &Path, content: &Content) -> Result<TextFacts> {
     let tokens = get(path, content, "tokenizer.ggml.tokens")?
         .to_vec()
         .map_err(|error| metadata_error(path, "tokenizer.ggml.tokens", error.to_string()))?;
@@ -364,22 +423,103 @@ fn describe(path: &Path, content: &Content) -> Result<ModelDescription> {
             .position(|token| token.to_string().is_ok_and(|t| t == text))
             .and_then(|index| u32::try_from(index).ok())
     };
-    let to_u32 = |value: Option<usize>| value.and_then(|v| u32::try_from(v).ok());
-    let bos_token = to_u32(get_optional_usize(
-        path,
-        content,
-        "tokenizer.ggml.bos_token_id",
-    )?);
-    let eos_token = to_u32(get_optional_usize(
-        path,
-        content,
-        "tokenizer.ggml.eos_token_id",
-    )?);
-    let chat_template = content
-        .metadata
-        .get("tokenizer.chat_template")
-        .and_then(|value| value.to_string().ok().cloned());
+    let id = |key: &str| -> Result<Option<u32>> {
+        Ok(get_optional_usize(path, content, key)?.and_then(|v| u32::try_from(v).ok()))
+    };
+    Ok(TextFacts {
+        bos_token: id("tokenizer.ggml.bos_token_id")?,
+        eos_token: id("tokenizer.ggml.eos_token_id")?,
+        im_start_token: find_token("<|im_start|>"),
+        im_end_token: find_token("<|im_end|>"),
+        chat_template: content
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|value| value.to_string().ok().cloned()),
+    })
+}
 
+/// The weight sizes per layer, embedding and head, each tensor measured by `measure`.
+fn weight_sizes(
+    content: &Content,
+    layers: usize,
+    measure: &dyn Fn(&TensorInfo) -> u64,
+) -> WeightBytes {
+    let mut sizes = WeightBytes {
+        layers: vec![0; layers],
+        embedding: 0,
+        head: 0,
+    };
+    for (name, info) in &content.tensor_infos {
+        let bytes = measure(info);
+        let layer = name
+            .strip_prefix("blk.")
+            .and_then(|rest| rest.split_once('.'))
+            .and_then(|(index, _)| index.parse::<usize>().ok());
+        if let Some(total) = layer.and_then(|layer| sizes.layers.get_mut(layer)) {
+            *total += bytes;
+        } else if name.starts_with("token_embd.") {
+            sizes.embedding += bytes;
+        } else if name.starts_with("output_norm.") || name.starts_with("output.") {
+            sizes.head += bytes;
+        }
+    }
+    sizes
+}
+
+/// How many tensors of each GGUF type the file holds (`"Q4_K": 27`, …).
+fn tensor_types(content: &Content) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for info in content.tensor_infos.values() {
+        *counts.entry(format!("{:?}", info.ggml_dtype)).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// The format of the layers' matrices, when they all share one the project names.
+fn shipped_quantization(content: &Content) -> Option<Quantization> {
+    let mut formats = content
+        .tensor_infos
+        .iter()
+        .filter(|(name, info)| name.starts_with("blk.") && info.shape.dims().len() == 2)
+        .map(|(_, info)| quantization_of(info.ggml_dtype));
+    let first = formats.next()??;
+    formats.all(|format| format == Some(first)).then_some(first)
+}
+
+fn describe(
+    path: &Path,
+    content: &Content,
+    context: Option<usize>,
+) -> Result<(ModelDescription, ArchitectureConfig)> {
+    let architecture = get_string(path, content, "general.architecture")?;
+    let family = Family::from_architecture(&architecture).ok_or_else(|| {
+        ModelError::UnsupportedArchitecture {
+            path: path.to_path_buf(),
+            architecture: architecture.clone(),
+        }
+    })?;
+    let key = |suffix: &str| format!("{architecture}.{suffix}");
+    let layers = get_usize(path, content, &key("block_count"))?;
+    // The count sizes per-layer tables: an absurd one is a corrupt file, not an allocation.
+    if layers == 0 || layers > MAX_LAYERS {
+        return Err(metadata_error(
+            path,
+            &key("block_count"),
+            format!("{layers} layers is outside 1..={MAX_LAYERS}"),
+        ));
+    }
+    let hidden = get_usize(path, content, &key("embedding_length"))?;
+    let intermediate = get_usize(path, content, &key("feed_forward_length"))?;
+    let attention = read_attention(path, content, &key, hidden)?;
+    let rms_eps = f64::from(get_f32(
+        path,
+        content,
+        &key("attention.layer_norm_rms_epsilon"),
+    )?);
+    let trained_context =
+        get_optional_usize(path, content, &key("context_length"))?.unwrap_or(2048);
+    let context_length = context.map_or(trained_context, |limit| limit.min(trained_context));
+    let text = read_text_facts(path, content)?;
     let embedding_info = content
         .tensor_infos
         .get("token_embd.weight")
@@ -388,61 +528,57 @@ fn describe(path: &Path, content: &Content) -> Result<ModelDescription> {
             tensor: "token_embd.weight".to_owned(),
         })?;
     let vocab_size = embedding_info.shape.dims().first().copied().unwrap_or(0);
-    let tied_embeddings = !content.tensor_infos.contains_key("output.weight");
-
-    let sum_bytes =
-        |prefix: &str, measure: &dyn Fn(&candle_core::quantized::gguf_file::TensorInfo) -> u64| {
-            content
-                .tensor_infos
-                .iter()
-                .filter(|(name, _)| name.starts_with(prefix))
-                .map(|(_, info)| measure(info))
-                .sum::<u64>()
-        };
-    let shipped = |info: &candle_core::quantized::gguf_file::TensorInfo| {
-        tensor_bytes(info.ggml_dtype, info.shape.elem_count())
-    };
-    let requantised =
-        |info: &candle_core::quantized::gguf_file::TensorInfo| q8_0_bytes(info.shape.dims());
-    let weight_bytes =
-        |measure: &dyn Fn(&candle_core::quantized::gguf_file::TensorInfo) -> u64| WeightBytes {
-            layers: (0..layers)
-                .map(|layer| sum_bytes(&format!("blk.{layer}."), measure))
-                .collect(),
-            embedding: sum_bytes("token_embd.", measure),
-            head: sum_bytes("output_norm.", measure) + sum_bytes("output.", measure),
-        };
-
-    Ok(ModelDescription {
+    if vocab_size == 0 {
+        return Err(ModelError::TensorShape {
+            path: path.to_path_buf(),
+            tensor: "token_embd.weight".to_owned(),
+            expected: vec![1, hidden],
+            actual: embedding_info.shape.dims().to_vec(),
+        });
+    }
+    let config = read_config(
+        path,
+        content,
+        family,
+        &ShapeFacts {
+            layers,
+            hidden,
+            heads: attention.heads,
+            head_dim: attention.head_dim,
+            context: context_length,
+        },
+    )?;
+    let shipped = |info: &TensorInfo| tensor_bytes(info.ggml_dtype, info.shape.elem_count());
+    let requantised = |info: &TensorInfo| q8_0_bytes(info.shape.dims());
+    let description = ModelDescription {
         name: content
             .metadata
             .get("general.name")
             .and_then(|value| value.to_string().ok().cloned()),
-        architecture,
         layers,
         hidden,
         intermediate,
-        heads,
-        kv_heads,
-        head_dim,
-        rope_base,
-        rope_dims,
+        heads: attention.heads,
+        kv_heads: attention.kv_heads,
+        head_dim: attention.head_dim,
+        rope_base: config.global_rope.base,
+        rope_dims: attention.head_dim,
         rms_eps,
         context_length,
         vocab_size,
-        bos_token,
-        eos_token,
-        im_start_token: find_token("<|im_start|>"),
-        im_end_token: find_token("<|im_end|>"),
-        chat_template,
-        tied_embeddings,
-        shipped_quantization: content
-            .tensor_infos
-            .get("blk.0.attn_q.weight")
-            .and_then(|info| quantization_of(info.ggml_dtype)),
-        bytes_as_shipped: weight_bytes(&shipped),
-        bytes_q8_0: weight_bytes(&requantised),
-    })
+        bos_token: text.bos_token,
+        eos_token: text.eos_token,
+        im_start_token: text.im_start_token,
+        im_end_token: text.im_end_token,
+        chat_template: text.chat_template,
+        tied_embeddings: !content.tensor_infos.contains_key("output.weight"),
+        shipped_quantization: shipped_quantization(content),
+        tensor_types: tensor_types(content),
+        bytes_as_shipped: weight_sizes(content, layers, &shipped),
+        bytes_q8_0: weight_sizes(content, layers, &requantised),
+        architecture,
+    };
+    Ok((description, config))
 }
 
 /// The project's name for a GGUF tensor type, when it has one.

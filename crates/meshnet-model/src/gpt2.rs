@@ -450,6 +450,17 @@ impl Gpt2Model {
 }
 
 impl WeightsLayout {
+    /// How many tensors of each dtype the safetensors file holds (`"F32": 148`).
+    fn tensor_types(&self) -> std::collections::BTreeMap<String, usize> {
+        let mut counts = std::collections::BTreeMap::new();
+        for entry in self.index.entries.values() {
+            *counts
+                .entry(format!("{:?}", entry.dtype).to_uppercase())
+                .or_insert(0) += 1;
+        }
+        counts
+    }
+
     fn weight_bytes(&self, dtype: GgmlDType) -> Result<WeightBytes> {
         let config = &self.config;
         let (hidden, inner) = (config.hidden, config.inner);
@@ -521,6 +532,7 @@ impl WeightsLayout {
             tied_embeddings: self.tied_embeddings,
             // Safetensors checkpoints hold float weights.
             shipped_quantization: Some(Quantization::Bf16),
+            tensor_types: self.tensor_types(),
             bytes_as_shipped,
             bytes_q8_0,
         })

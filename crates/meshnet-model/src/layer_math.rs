@@ -8,6 +8,8 @@
 
 use rayon::prelude::*;
 
+use crate::family::RopeStyle;
+
 /// RMSNorm of each `weight.len()`-wide row of `input`: `x / sqrt(mean(x²) + eps) · weight`,
 /// the sum of squares taken left to right as candle does.
 pub(crate) fn rms_norm(input: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
@@ -57,17 +59,36 @@ pub(crate) fn swiglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
     activated
 }
 
+/// GeGLU as llama.cpp computes it for Gemma: `gelu(gate) · up`, GELU in its tanh
+/// approximation `x/2 · (1 + tanh(√(2/π) · (x + 0.044715 x³)))`.
+pub(crate) fn geglu(gate: &[f32], up: &[f32]) -> Vec<f32> {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    const CUBIC: f32 = 0.044_715;
+    gate.iter()
+        .zip(up)
+        .map(|(&x, &up)| 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + CUBIC * x * x)).tanh()) * up)
+        .collect()
+}
+
 /// cos and sin of every rotated pair's angle for the positions of one chunk.
 pub(crate) struct Rotary {
     cos: Vec<f32>,
     sin: Vec<f32>,
     pairs: usize,
+    style: RopeStyle,
 }
 
 impl Rotary {
     /// The tables for positions `position..position + tokens`, one angle per entry of
-    /// `inverse_frequencies` (`1 / base^(2i/d)`).
-    pub(crate) fn new(inverse_frequencies: &[f32], position: usize, tokens: usize) -> Self {
+    /// `inverse_frequencies` (`1 / base^(2i/d)`), cos and sin multiplied by `factor` (1 but
+    /// for long-context scalings), pairing dimensions as `style` says.
+    pub(crate) fn new(
+        inverse_frequencies: &[f32],
+        position: usize,
+        tokens: usize,
+        style: RopeStyle,
+        factor: f32,
+    ) -> Self {
         let pairs = inverse_frequencies.len();
         let mut cos = Vec::with_capacity(tokens * pairs);
         let mut sin = Vec::with_capacity(tokens * pairs);
@@ -75,15 +96,21 @@ impl Rotary {
             let at = (position + offset) as f32;
             for &frequency in inverse_frequencies {
                 let angle = at * frequency;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
+                cos.push(angle.cos() * factor);
+                sin.push(angle.sin() * factor);
             }
         }
-        Self { cos, sin, pairs }
+        Self {
+            cos,
+            sin,
+            pairs,
+            style,
+        }
     }
 
-    /// Rotates, in place, the adjacent pairs `(x[2i], x[2i+1])` of every head of every token
-    /// row of `rows` (`[tokens, heads · 2 · pairs]`), each token by its own position's angles.
+    /// Rotates, in place, every head of every token row of `rows` (`[tokens, heads · 2 ·
+    /// pairs]`), each token by its own position's angles: adjacent pairs `(x[2i], x[2i+1])`
+    /// or pairs half a head apart `(x[i], x[i + pairs])`.
     pub(crate) fn rotate(&self, rows: &mut [f32]) {
         let head_dim = 2 * self.pairs;
         let tokens = self.cos.len() / self.pairs.max(1);
@@ -92,14 +119,28 @@ impl Rotary {
             let cos = &self.cos[token * self.pairs..(token + 1) * self.pairs];
             let sin = &self.sin[token * self.pairs..(token + 1) * self.pairs];
             for head in row.chunks_exact_mut(head_dim) {
-                for ((pair, cos), sin) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
-                    let (first, second) = (pair[0], pair[1]);
-                    pair[0] = first * cos - second * sin;
-                    pair[1] = first * sin + second * cos;
+                match self.style {
+                    RopeStyle::Interleaved => {
+                        for ((pair, cos), sin) in head.chunks_exact_mut(2).zip(cos).zip(sin) {
+                            (pair[0], pair[1]) = turn(pair[0], pair[1], *cos, *sin);
+                        }
+                    }
+                    RopeStyle::Halves => {
+                        let (first, second) = head.split_at_mut(self.pairs);
+                        for (pair, (cos, sin)) in cos.iter().zip(sin).enumerate() {
+                            (first[pair], second[pair]) =
+                                turn(first[pair], second[pair], *cos, *sin);
+                        }
+                    }
                 }
             }
         }
     }
+}
+
+/// `(x, y)` turned by the angle whose cos and sin are given.
+fn turn(x: f32, y: f32, cos: f32, sin: f32) -> (f32, f32) {
+    (x * cos - y * sin, x * sin + y * cos)
 }
 
 /// The head layout of a grouped-query attention.
@@ -113,18 +154,40 @@ pub(crate) struct Heads {
     pub(crate) head_dim: usize,
 }
 
+/// How scores are scaled and which earlier positions a query sees.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AttentionRule {
+    /// What each query·key product is multiplied by.
+    pub(crate) scale: f32,
+    /// When set, a query sees only the last `window` positions, its own included.
+    pub(crate) window: Option<usize>,
+}
+
+impl AttentionRule {
+    /// `1/√head_dim`, no window: the plain causal attention.
+    #[cfg(test)]
+    pub(crate) fn causal(head_dim: usize) -> Self {
+        Self {
+            scale: (1.0 / (head_dim as f64).sqrt()) as f32,
+            window: None,
+        }
+    }
+}
+
 /// Below this many multiply-adds an attention runs on the calling thread.
 const PARALLEL_WORK: usize = 64 * 1024;
 
 /// Causal attention of a chunk's queries (`[tokens, heads · head_dim]`, the chunk starting at
 /// absolute `position`) over `keys` and `values` (`[position + tokens, kv_heads · head_dim]`,
-/// the cache including this chunk). Query `t` sees positions `0..=position + t`. Returns
+/// the cache including this chunk). Query `t` sees positions `0..=position + t`, or only the
+/// last `window` of them when the rule has a window; scores are scaled by the rule's scale. Returns
 /// `[tokens, heads · head_dim]`.
 ///
 /// The query heads that share a key/value head are computed together, so each cached key and
 /// value is read once per group rather than once per head.
 pub(crate) fn attend(
     shape: Heads,
+    rule: AttentionRule,
     queries: &[f32],
     keys: &[f32],
     values: &[f32],
@@ -140,7 +203,7 @@ pub(crate) fn attend(
     let tokens = queries.len() / (heads * head_dim);
     let group = heads / kv_heads;
     let group_width = group * head_dim;
-    let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
+    let scale = rule.scale;
     let mut output = vec![0f32; queries.len()];
     // One task per (token, key/value head): the scores of its query heads, their softmax, and
     // their weighted sums of values. `weights` holds `group` rows of `visible` scores.
@@ -148,10 +211,17 @@ pub(crate) fn attend(
         let (token, kv_head) = (task / kv_heads, task % kv_heads);
         let group_queries = &queries[task * group_width..(task + 1) * group_width];
         let offset = kv_head * head_dim;
-        let visible = (position + token + 1).min(known);
+        let end = (position + token + 1).min(known);
+        let first = rule.window.map_or(0, |window| end.saturating_sub(window));
+        let visible = end - first;
         weights.clear();
         weights.resize(group * visible, 0.0);
-        for (at, key) in keys.chunks_exact(kv_width).take(visible).enumerate() {
+        for (at, key) in keys
+            .chunks_exact(kv_width)
+            .skip(first)
+            .take(visible)
+            .enumerate()
+        {
             let key = &key[offset..offset + head_dim];
             for (member, query) in group_queries.chunks_exact(head_dim).enumerate() {
                 weights[member * visible + at] = dot(query, key) * scale;
@@ -169,7 +239,12 @@ pub(crate) fn attend(
             }
         }
         attended.fill(0.0);
-        for (at, value) in values.chunks_exact(kv_width).take(visible).enumerate() {
+        for (at, value) in values
+            .chunks_exact(kv_width)
+            .skip(first)
+            .take(visible)
+            .enumerate()
+        {
             let value = &value[offset..offset + head_dim];
             for (member, sums) in attended.chunks_exact_mut(head_dim).enumerate() {
                 let weight = weights[member * visible + at];
@@ -225,6 +300,7 @@ mod tests {
         keys: &[f32],
         values: &[f32],
         position: usize,
+        window: Option<usize>,
     ) -> Vec<f64> {
         let Heads {
             heads,
@@ -238,7 +314,8 @@ mod tests {
                 let kv = head / (heads / kv_heads);
                 let query = &queries[(token * heads + head) * head_dim..][..head_dim];
                 let visible = position + token + 1;
-                let scores: Vec<f64> = (0..visible)
+                let first = window.map_or(0, |window| visible.saturating_sub(window));
+                let scores: Vec<f64> = (first..visible)
                     .map(|at| {
                         let key = &keys[(at * kv_heads + kv) * head_dim..][..head_dim];
                         query
@@ -252,7 +329,7 @@ mod tests {
                 let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                 let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                 let total: f64 = exps.iter().sum();
-                for (at, weight) in exps.iter().enumerate() {
+                for (at, weight) in (first..visible).zip(&exps) {
                     let value = &values[(at * kv_heads + kv) * head_dim..][..head_dim];
                     for (i, v) in value.iter().enumerate() {
                         output[(token * heads + head) * head_dim + i] +=
@@ -291,14 +368,106 @@ mod tests {
             let queries = filler(tokens * 6 * 12, 1);
             let keys = filler(known * 2 * 12, 2);
             let values = filler(known * 2 * 12, 3);
-            let ours = attend(shape, &queries, &keys, &values, position);
-            let reference = reference_attention(shape, &queries, &keys, &values, position);
+            let ours = attend(
+                shape,
+                AttentionRule::causal(shape.head_dim),
+                &queries,
+                &keys,
+                &values,
+                position,
+            );
+            let reference = reference_attention(shape, &queries, &keys, &values, position, None);
             for (index, (ours, reference)) in ours.iter().zip(&reference).enumerate() {
                 assert!(
                     (f64::from(*ours) - reference).abs() < 1e-4,
                     "position {position} tokens {tokens} value {index}: {ours} vs {reference}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_sliding_window_sees_only_its_last_positions() {
+        let shape = Heads {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+        };
+        let rule = AttentionRule {
+            scale: 0.25,
+            window: Some(3),
+        };
+        for (position, tokens) in [(9, 1), (0, 6), (2, 5)] {
+            let known = position + tokens;
+            let queries = filler(tokens * 4 * 8, 11);
+            let keys = filler(known * 2 * 8, 12);
+            let values = filler(known * 2 * 8, 13);
+            let ours = attend(shape, rule, &queries, &keys, &values, position);
+            // The reference scales by 1/√8; the rule's 0.25 is larger, so scale the queries.
+            let scaled: Vec<f32> = queries.iter().map(|q| q * 0.25 * 8f32.sqrt()).collect();
+            let reference = reference_attention(shape, &scaled, &keys, &values, position, Some(3));
+            for (ours, reference) in ours.iter().zip(&reference) {
+                assert!(
+                    (f64::from(*ours) - reference).abs() < 1e-4,
+                    "{ours} vs {reference}"
+                );
+            }
+            let unwindowed = reference_attention(shape, &scaled, &keys, &values, position, None);
+            if known > 3 {
+                assert!(
+                    reference
+                        .iter()
+                        .zip(&unwindowed)
+                        .any(|(a, b)| (a - b).abs() > 1e-3),
+                    "the window changed nothing at position {position}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn halves_rotation_matches_candles_rope() {
+        use candle_core::{Device, Tensor};
+        let (tokens, heads, head_dim) = (3, 2, 8);
+        let input = filler(tokens * heads * head_dim, 21);
+        let frequencies: Vec<f32> = (0..head_dim / 2)
+            .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / head_dim as f32))
+            .collect();
+        let rotary = Rotary::new(&frequencies, 7, tokens, RopeStyle::Halves, 1.0);
+        let mut ours = input.clone();
+        rotary.rotate(&mut ours);
+        let heads_first = Tensor::from_slice(&input, (1, tokens, heads, head_dim), &Device::Cpu)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .contiguous()
+            .unwrap();
+        let cos = Tensor::from_slice(&rotary.cos, (tokens, head_dim / 2), &Device::Cpu).unwrap();
+        let sin = Tensor::from_slice(&rotary.sin, (tokens, head_dim / 2), &Device::Cpu).unwrap();
+        let theirs = candle_nn::rotary_emb::rope(&heads_first, &cos, &sin)
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        assert_eq!(ours, theirs, "rotation of halves");
+    }
+
+    #[test]
+    fn geglu_follows_the_tanh_approximation() {
+        let gate = [-3.0f32, -0.5, 0.0, 0.5, 2.0];
+        let up = [1.0f32, 2.0, 3.0, -1.0, 0.5];
+        for ((ours, x), up) in geglu(&gate, &up).iter().zip(gate).zip(up) {
+            let x = f64::from(x);
+            let gelu = 0.5
+                * x
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh());
+            assert!(
+                (f64::from(*ours) - gelu * f64::from(up)).abs() < 1e-6,
+                "{x}"
+            );
         }
     }
 
@@ -312,12 +481,26 @@ mod tests {
         let queries = filler(2 * 2 * 4, 4);
         let keys = filler(5 * 4, 5);
         let values = filler(5 * 4, 6);
-        let before = attend(shape, &queries, &keys, &values, 3);
+        let before = attend(
+            shape,
+            AttentionRule::causal(shape.head_dim),
+            &queries,
+            &keys,
+            &values,
+            3,
+        );
         // Changing the last position's key and value moves only the last token's output.
         let (mut keys, mut values) = (keys, values);
         keys[16..].iter_mut().for_each(|k| *k += 1.0);
         values[16..].iter_mut().for_each(|v| *v -= 3.0);
-        let after = attend(shape, &queries, &keys, &values, 3);
+        let after = attend(
+            shape,
+            AttentionRule::causal(shape.head_dim),
+            &queries,
+            &keys,
+            &values,
+            3,
+        );
         assert_eq!(before[..8], after[..8], "token 0 (position 3) moved");
         assert_ne!(before[8..], after[8..], "token 1 (position 4) did not move");
     }
@@ -344,7 +527,7 @@ mod tests {
         let frequencies: Vec<f32> = (0..head_dim / 2)
             .map(|i| 1.0 / 10_000f32.powf(2.0 * i as f32 / head_dim as f32))
             .collect();
-        let rotary = Rotary::new(&frequencies, 5, tokens);
+        let rotary = Rotary::new(&frequencies, 5, tokens, RopeStyle::Interleaved, 1.0);
         let mut ours = input.clone();
         rotary.rotate(&mut ours);
         let heads_first = Tensor::from_slice(&input, (1, tokens, heads, head_dim), &Device::Cpu)

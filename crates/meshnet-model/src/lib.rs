@@ -20,6 +20,7 @@ mod batch;
 mod chat;
 mod detokenizer;
 mod error;
+mod family;
 mod generation;
 mod gguf;
 mod gpt2;
@@ -35,6 +36,9 @@ pub use batch::BatchItem;
 pub use chat::{ChatMessage, ChatTemplate, IM_END, IM_START};
 pub use detokenizer::IncrementalDecoder;
 pub use error::{ModelError, Result};
+pub use family::{
+    Activation, ArchitectureConfig, Family, RopeFrequencies, RopeStyle, SlidingWindow,
+};
 pub use generation::{
     BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,
     TokenEmbedder, generate, generate_observed,

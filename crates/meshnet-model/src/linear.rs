@@ -58,6 +58,13 @@ pub(crate) enum Projections {
     },
     /// Separate candle matmuls (a format the kernels do not run).
     Separate(Vec<QMatMul>),
+    /// One candle matmul over a fused matrix whose output rows are split into `widths`.
+    Split {
+        /// The fused matrix.
+        matmul: QMatMul,
+        /// Each part's number of outputs.
+        widths: Vec<usize>,
+    },
 }
 
 impl Projections {
@@ -83,6 +90,21 @@ impl Projections {
             .map(Self::Separate)
     }
 
+    /// A fused matrix (the parts' rows one under the other, as Phi-3 ships its query/key/value
+    /// and gate/up) used as one projection per entry of `widths`.
+    pub(crate) fn fused(tensor: QTensor, widths: Vec<usize>) -> Result<Self> {
+        Ok(match kernel_matrix(&tensor)? {
+            Some(matrix) => Self::Stacked {
+                matrix: Arc::new(matrix),
+                widths,
+            },
+            None => Self::Split {
+                matmul: QMatMul::from_qtensor(tensor)?,
+                widths,
+            },
+        })
+    }
+
     /// One candle projection over a shared tensor (a tied LM head in a format the kernels do
     /// not run).
     pub(crate) fn candle_shared(tensor: Arc<QTensor>) -> Result<Self> {
@@ -102,35 +124,48 @@ impl Projections {
     pub(crate) fn forward_values(&self, input: &[f32], tokens: usize) -> Result<Vec<Vec<f32>>> {
         match self {
             Self::Stacked { matrix, widths } => {
-                let total = matrix.rows();
-                let mut output = vec![0f32; tokens * total];
+                let mut output = vec![0f32; tokens * matrix.rows()];
                 matrix.matmul(input, &mut output)?;
-                if widths.len() == 1 {
-                    return Ok(vec![output]);
-                }
-                let mut parts: Vec<Vec<f32>> = widths
-                    .iter()
-                    .map(|width| Vec::with_capacity(tokens * width))
-                    .collect();
-                for row in output.chunks_exact(total) {
-                    let mut start = 0;
-                    for (part, width) in parts.iter_mut().zip(widths) {
-                        part.extend_from_slice(&row[start..start + width]);
-                        start += width;
-                    }
-                }
-                Ok(parts)
+                Ok(split_rows(output, widths))
             }
-            Self::Separate(matmuls) => {
-                let columns = input.len() / tokens.max(1);
-                let input = Tensor::from_slice(input, (tokens, columns), &Device::Cpu)?;
-                matmuls
-                    .iter()
-                    .map(|matmul| Ok(matmul.forward(&input)?.flatten_all()?.to_vec1::<f32>()?))
-                    .collect()
+            Self::Separate(matmuls) => matmuls
+                .iter()
+                .map(|matmul| candle_matmul(matmul, input, tokens))
+                .collect(),
+            Self::Split { matmul, widths } => {
+                Ok(split_rows(candle_matmul(matmul, input, tokens)?, widths))
             }
         }
     }
+}
+
+/// `input` (`[tokens, in]`) through one candle matmul, row-major.
+fn candle_matmul(matmul: &QMatMul, input: &[f32], tokens: usize) -> Result<Vec<f32>> {
+    let columns = input.len() / tokens.max(1);
+    let input = Tensor::from_slice(input, (tokens, columns), &Device::Cpu)?;
+    Ok(matmul.forward(&input)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// Rows of several parts side by side (`[tokens, Σ widths]`) as one `[tokens, width]` block
+/// per part.
+fn split_rows(output: Vec<f32>, widths: &[usize]) -> Vec<Vec<f32>> {
+    if widths.len() == 1 {
+        return vec![output];
+    }
+    let total: usize = widths.iter().sum();
+    let tokens = output.len() / total.max(1);
+    let mut parts: Vec<Vec<f32>> = widths
+        .iter()
+        .map(|width| Vec::with_capacity(tokens * width))
+        .collect();
+    for row in output.chunks_exact(total) {
+        let mut start = 0;
+        for (part, width) in parts.iter_mut().zip(widths) {
+            part.extend_from_slice(&row[start..start + width]);
+            start += width;
+        }
+    }
+    parts
 }
 
 #[cfg(test)]

@@ -17,9 +17,12 @@ use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use meshnet_types::{LayerSpan, Quantization};
 
 use crate::batch::BatchItem;
+use crate::family::{Activation, ArchitectureConfig};
 use crate::gguf::{GgufModel, ModelDescription, TensorReader};
 use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionId, SessionLease};
-use crate::layer_math::{Heads, Rotary, add_in_place, attend, rms_norm, swiglu};
+use crate::layer_math::{
+    AttentionRule, Heads, Rotary, add_in_place, attend, geglu, rms_norm, swiglu,
+};
 use crate::linear::{Projections, kernel_matrix};
 
 /// Which parts of the model a span holds.
@@ -74,21 +77,42 @@ struct Hyper {
     /// Query heads, key/value heads and head size, as attention takes them.
     heads: Heads,
     rms_eps: f32,
-    /// `1 / base^(2i/d)` for each rotated pair.
-    inverse_frequencies: Vec<f32>,
+    /// What the family changes (rotation style, activation, optional norms, windows).
+    config: ArchitectureConfig,
+    /// The rotary frequencies of the global layers (`[0]`) and, when the model has sliding
+    /// layers, of those (`[1]`): `1 / base^(2i/d)`, scaled, one per rotated pair.
+    inverse_frequencies: Vec<Vec<f32>>,
+}
+
+/// The per-head RMS norms of queries and keys (Qwen 3, Gemma 3).
+#[derive(Debug)]
+struct HeadNorms {
+    query: Vec<f32>,
+    key: Vec<f32>,
 }
 
 /// One transformer block's weights.
 #[derive(Debug)]
 struct Layer {
     attention_norm: Vec<f32>,
-    /// Query, key and value, in that order.
+    /// Query, key and value, in that order (three matrices or one fused).
     query_key_value: Projections,
+    /// Query, key and value biases one after another (Qwen 2).
+    query_key_value_bias: Option<Vec<f32>>,
+    head_norms: Option<HeadNorms>,
     attention_output: Projections,
+    /// The norm of the attention output before the residual add (Gemma 3).
+    post_attention_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
-    /// Gate and up, in that order.
+    /// Gate and up, in that order (two matrices or one fused).
     gate_up: Projections,
     down: Projections,
+    /// The norm of the feed-forward output before the residual add (Gemma 3).
+    post_ffn_norm: Option<Vec<f32>>,
+    /// Scale and window of this layer's attention.
+    attention: AttentionRule,
+    /// Which of the span's rotary tables this layer uses.
+    rope: usize,
 }
 
 /// The final norm and the LM head.
@@ -132,120 +156,38 @@ impl LlamaSpan {
         progress: &mut dyn FnMut(usize, usize),
     ) -> Result<Self> {
         let description = model.description();
-        if spec.layers.end as usize > description.layers {
-            return Err(ModelError::InvalidSpan(format!(
-                "layers {}..{} do not fit a model of {} layers",
-                spec.layers.start, spec.layers.end, description.layers
-            )));
-        }
-        if spec.layers.is_empty() && !spec.embedding && !spec.head {
-            return Err(ModelError::InvalidSpan(
-                "a span must hold at least one layer, the embedding or the head".into(),
-            ));
-        }
-        let hidden = description.hidden;
-        let head_dim = description.head_dim;
-        let kv_width = description.kv_heads * head_dim;
-        let vocab = description.vocab_size;
-        let mut reader = model.tensor_reader()?;
-        let requantise = description.requantises(spec.quantization)?;
-        let span_layers = spec.layers.len() as usize;
-
+        check_spec(description, spec)?;
+        let mut loader = SpanLoader {
+            model,
+            reader: model.tensor_reader()?,
+            requantise: description.requantises(spec.quantization)?,
+        };
         let embedding = if spec.embedding || (spec.head && description.tied_embeddings) {
-            let table = load_matrix(
-                &mut reader,
-                "token_embd.weight",
-                &[vocab, hidden],
-                requantise,
-            )?;
-            Some(match kernel_matrix(&table)? {
-                Some(matrix) => Embedding::Kernel(Arc::new(matrix)),
-                None => Embedding::Candle(Arc::new(table)),
-            })
+            Some(loader.embedding()?)
         } else {
             None
         };
-
+        let span_layers = spec.layers.len() as usize;
         let mut layers = Vec::with_capacity(span_layers);
-        progress(0, span_layers);
         for index in spec.layers.as_range() {
-            if !layers.is_empty() {
-                progress(layers.len(), span_layers);
-            }
-            let name = |suffix: &str| format!("blk.{index}.{suffix}");
-            let intermediate = description.intermediate;
-            // Each group of projections that reads one input becomes one matmul.
-            let mut projections = |parts: &[(&str, [usize; 2])]| -> Result<Projections> {
-                let tensors = parts
-                    .iter()
-                    .map(|(suffix, dims)| load_matrix(&mut reader, &name(suffix), dims, requantise))
-                    .collect::<Result<Vec<_>>>()?;
-                Projections::new(tensors)
-                    .map_err(|error| model_error(model, &name(parts[0].0), error))
-            };
-            let query_key_value = projections(&[
-                ("attn_q.weight", [hidden, hidden]),
-                ("attn_k.weight", [kv_width, hidden]),
-                ("attn_v.weight", [kv_width, hidden]),
-            ])?;
-            let attention_output = projections(&[("attn_output.weight", [hidden, hidden])])?;
-            let gate_up = projections(&[
-                ("ffn_gate.weight", [intermediate, hidden]),
-                ("ffn_up.weight", [intermediate, hidden]),
-            ])?;
-            let down = projections(&[("ffn_down.weight", [hidden, intermediate])])?;
-            layers.push(Layer {
-                attention_norm: load_vector(&mut reader, &name("attn_norm.weight"), hidden)?,
-                query_key_value,
-                attention_output,
-                ffn_norm: load_vector(&mut reader, &name("ffn_norm.weight"), hidden)?,
-                gate_up,
-                down,
-            });
+            progress(layers.len(), span_layers);
+            layers.push(loader.layer(index)?);
         }
-
         progress(layers.len(), span_layers);
         let head = if spec.head {
-            let norm = load_vector(&mut reader, "output_norm.weight", hidden)?;
-            let output = match (&embedding, description.tied_embeddings) {
-                (Some(Embedding::Kernel(shared)), true) => Projections::shared(Arc::clone(shared)),
-                (Some(Embedding::Candle(shared)), true) => {
-                    Projections::candle_shared(Arc::clone(shared))
-                        .map_err(|error| model_error(model, "token_embd.weight", error))?
-                }
-                _ => Projections::new(vec![load_matrix(
-                    &mut reader,
-                    "output.weight",
-                    &[vocab, hidden],
-                    requantise,
-                )?])
-                .map_err(|error| model_error(model, "output.weight", error))?,
-            };
-            Some(Head { norm, output })
+            Some(loader.head(embedding.as_ref())?)
         } else {
             None
         };
         // A head-only span of a tied model borrowed the embedding table for its output.
         let embedding = if spec.embedding { embedding } else { None };
-
-        let inverse_frequencies = (0..head_dim)
-            .step_by(2)
-            .map(|i| 1.0 / description.rope_base.powf(i as f32 / head_dim as f32))
-            .collect();
+        let hyper = loader.hyper()?;
+        let kv_width = description.kv_heads * description.head_dim;
         let bytes_per_position = span_layers * 2 * kv_width * DType::F32.size_in_bytes();
         Ok(Self {
-            hyper: Hyper {
-                hidden,
-                heads: Heads {
-                    heads: description.heads,
-                    kv_heads: description.kv_heads,
-                    head_dim,
-                },
-                rms_eps: description.rms_eps as f32,
-                inverse_frequencies,
-            },
+            hyper,
             layer_range: spec.layers,
-            vocab_size: vocab,
+            vocab_size: description.vocab_size,
             embedding,
             layers,
             head,
@@ -357,7 +299,7 @@ impl LlamaSpan {
                         index,
                         tokens,
                         position: item.position,
-                        rotary: Rotary::new(&self.hyper.inverse_frequencies, item.position, tokens),
+                        rotaries: self.rotaries(item.position, tokens),
                         lease,
                     });
                 }
@@ -399,6 +341,24 @@ impl LlamaSpan {
         every_result(results)
     }
 
+    /// The rotary tables of a chunk of `tokens` starting at `position`, one per kind of layer.
+    fn rotaries(&self, position: usize, tokens: usize) -> Vec<Rotary> {
+        let config = &self.hyper.config;
+        self.hyper
+            .inverse_frequencies
+            .iter()
+            .map(|frequencies| {
+                Rotary::new(
+                    frequencies,
+                    position,
+                    tokens,
+                    config.rope_style,
+                    config.rope_attention_factor,
+                )
+            })
+            .collect()
+    }
+
     /// One block over the hidden rows of a batch (`[tokens, hidden]`, the parts' chunks one
     /// after another).
     fn layer_forward(
@@ -411,38 +371,55 @@ impl LlamaSpan {
         let hyper = &self.hyper;
         let tokens = hidden.len() / hyper.hidden;
         let normed = rms_norm(&hidden, &layer.attention_norm, hyper.rms_eps);
-        let [mut query, mut key, value] =
-            take_parts(layer.query_key_value.forward_values(&normed, tokens)?)?;
-        let query_width = query.len() / tokens;
-        let key_width = key.len() / tokens;
-        let mut attended = Vec::with_capacity(query.len());
-        let mut row = 0;
-        for part in parts.iter_mut() {
-            let rows = row..row + part.tokens;
-            row = rows.end;
-            let query = &mut query[rows.start * query_width..rows.end * query_width];
-            let key = &mut key[rows.start * key_width..rows.end * key_width];
-            let value = &value[rows.start * key_width..rows.end * key_width];
-            part.rotary.rotate(query);
-            part.rotary.rotate(key);
-            let cached = part.lease.cache().append_rows(index, key, value)?;
-            attended.extend(attend(
-                hyper.heads,
-                query,
-                cached.keys(),
-                cached.values(),
-                part.position,
-            ));
-        }
+        let [query, key, value] = self.query_key_value(layer, &normed, tokens)?;
+        let attended = attend_parts(layer, hyper.heads, parts, index, [query, key, value])?;
         let [projected] = take_parts(layer.attention_output.forward_values(&attended, tokens)?)?;
-        add_in_place(&mut hidden, &projected);
+        add_in_place(
+            &mut hidden,
+            &self.post_norm(projected, &layer.post_attention_norm),
+        );
 
         let normed = rms_norm(&hidden, &layer.ffn_norm, hyper.rms_eps);
         let [gate, up] = take_parts(layer.gate_up.forward_values(&normed, tokens)?)?;
-        let activated = swiglu(&gate, &up);
+        let activated = match hyper.config.activation {
+            Activation::Silu => swiglu(&gate, &up),
+            Activation::GeluTanh => geglu(&gate, &up),
+        };
         let [down] = take_parts(layer.down.forward_values(&activated, tokens)?)?;
-        add_in_place(&mut hidden, &down);
+        add_in_place(&mut hidden, &self.post_norm(down, &layer.post_ffn_norm));
         Ok(hidden)
+    }
+
+    /// Queries, keys and values of normed rows: projected, biased and head-normed as the
+    /// family does (rotation comes later, per session).
+    fn query_key_value(
+        &self,
+        layer: &Layer,
+        normed: &[f32],
+        tokens: usize,
+    ) -> Result<[Vec<f32>; 3]> {
+        let [mut query, mut key, mut value] =
+            take_parts(layer.query_key_value.forward_values(normed, tokens)?)?;
+        if let Some(bias) = &layer.query_key_value_bias {
+            let (query_bias, rest) = bias.split_at(query.len() / tokens);
+            let (key_bias, value_bias) = rest.split_at(key.len() / tokens);
+            add_row_bias(&mut query, query_bias);
+            add_row_bias(&mut key, key_bias);
+            add_row_bias(&mut value, value_bias);
+        }
+        if let Some(norms) = &layer.head_norms {
+            query = rms_norm(&query, &norms.query, self.hyper.rms_eps);
+            key = rms_norm(&key, &norms.key, self.hyper.rms_eps);
+        }
+        Ok([query, key, value])
+    }
+
+    /// A sub-block's output normed before the residual add, when the family does that.
+    fn post_norm(&self, output: Vec<f32>, norm: &Option<Vec<f32>>) -> Vec<f32> {
+        match norm {
+            Some(weight) => rms_norm(&output, weight, self.hyper.rms_eps),
+            None => output,
+        }
     }
 
     /// The next-token logits of several sessions at once, one per hidden state of `hiddens`
@@ -473,7 +450,12 @@ impl LlamaSpan {
                 meshnet_kernels::on_compute_pool(|| head.output.forward_values(&rows, taken.len()))
                     .and_then(take_parts::<1>);
             match computed {
-                Ok([logits]) => {
+                Ok([mut logits]) => {
+                    if let Some(cap) = self.hyper.config.final_logit_softcap {
+                        logits
+                            .iter_mut()
+                            .for_each(|logit| *logit = cap * (*logit / cap).tanh());
+                    }
                     let vocab = logits.len() / taken.len();
                     for (index, own) in taken.iter().zip(logits.chunks_exact(vocab)) {
                         results[*index] = Some(Ok(own.to_vec()));
@@ -498,8 +480,53 @@ struct BatchPart<'a> {
     index: usize,
     tokens: usize,
     position: usize,
-    rotary: Rotary,
+    /// The chunk's rotary tables, one per kind of layer (see [`Hyper::inverse_frequencies`]).
+    rotaries: Vec<Rotary>,
     lease: SessionLease<'a>,
+}
+
+/// Rotates each session's queries and keys by its own positions, appends its keys and values
+/// to its cache for layer `index`, and attends over the cache: the batch's attention output,
+/// `[tokens, heads · head_dim]`.
+fn attend_parts(
+    layer: &Layer,
+    heads: Heads,
+    parts: &mut [BatchPart<'_>],
+    index: usize,
+    [mut query, mut key, value]: [Vec<f32>; 3],
+) -> Result<Vec<f32>> {
+    let tokens: usize = parts.iter().map(|part| part.tokens).sum();
+    let query_width = query.len() / tokens.max(1);
+    let key_width = key.len() / tokens.max(1);
+    let mut attended = Vec::with_capacity(query.len());
+    let mut row = 0;
+    for part in parts.iter_mut() {
+        let rows = row..row + part.tokens;
+        row = rows.end;
+        let query = &mut query[rows.start * query_width..rows.end * query_width];
+        let key = &mut key[rows.start * key_width..rows.end * key_width];
+        let value = &value[rows.start * key_width..rows.end * key_width];
+        let rotary = &part.rotaries[layer.rope];
+        rotary.rotate(query);
+        rotary.rotate(key);
+        let cached = part.lease.cache().append_rows(index, key, value)?;
+        attended.extend(attend(
+            heads,
+            layer.attention,
+            query,
+            cached.keys(),
+            cached.values(),
+            part.position,
+        ));
+    }
+    Ok(attended)
+}
+
+/// Adds `bias` to every `bias.len()`-wide row of `rows`.
+fn add_row_bias(rows: &mut [f32], bias: &[f32]) {
+    for row in rows.chunks_exact_mut(bias.len()) {
+        add_in_place(row, bias);
+    }
 }
 
 /// The one result of a batch of one.
@@ -555,20 +582,23 @@ impl TokenEmbedder for LlamaSpan {
             .ok_or(ModelError::PartNotLoaded("token embedding"))?;
         check_token_ids(tokens, self.vocab_size)?;
         let hidden = self.hyper.hidden;
-        match table {
+        let mut rows = match table {
             Embedding::Kernel(matrix) => {
                 let mut rows = vec![0f32; tokens.len() * hidden];
                 for (token, row) in tokens.iter().zip(rows.chunks_exact_mut(hidden)) {
                     matrix.dequantize_row(*token as usize, row)?;
                 }
-                hidden_tensor(rows, tokens.len(), hidden)
+                rows
             }
             Embedding::Candle(table) => {
                 let ids = Tensor::new(tokens, &Device::Cpu)?;
-                let rows = table.embedding(&ids)?.to_dtype(DType::F32)?;
-                Ok(rows.reshape((1, tokens.len(), hidden))?)
+                values(&table.embedding(&ids)?.to_dtype(DType::F32)?)?
             }
+        };
+        if let Some(scale) = self.hyper.config.embedding_scale {
+            rows.iter_mut().for_each(|value| *value *= scale);
         }
+        hidden_tensor(rows, tokens.len(), hidden)
     }
 }
 
@@ -589,6 +619,217 @@ impl Stage for LlamaSpan {
 
     fn name(&self) -> String {
         format!("layers {}", self.layer_range)
+    }
+}
+
+/// Refuses a spec that names layers past the model's end or holds nothing.
+fn check_spec(description: &ModelDescription, spec: &SpanSpec) -> Result<()> {
+    if spec.layers.end as usize > description.layers {
+        return Err(ModelError::InvalidSpan(format!(
+            "layers {}..{} do not fit a model of {} layers",
+            spec.layers.start, spec.layers.end, description.layers
+        )));
+    }
+    if spec.layers.is_empty() && !spec.embedding && !spec.head {
+        return Err(ModelError::InvalidSpan(
+            "a span must hold at least one layer, the embedding or the head".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Reads a span's tensors from one open file, each checked against the shape the metadata
+/// implies.
+struct SpanLoader<'a> {
+    model: &'a GgufModel,
+    reader: TensorReader<'a>,
+    requantise: bool,
+}
+
+impl<'a> SpanLoader<'a> {
+    fn description(&self) -> &'a ModelDescription {
+        self.model.description()
+    }
+
+    fn config(&self) -> &'a ArchitectureConfig {
+        self.model.config()
+    }
+
+    /// The token embedding table.
+    fn embedding(&mut self) -> Result<Embedding> {
+        let dims = [self.description().vocab_size, self.description().hidden];
+        let table = load_matrix(
+            &mut self.reader,
+            "token_embd.weight",
+            &dims,
+            self.requantise,
+        )?;
+        Ok(match kernel_matrix(&table)? {
+            Some(matrix) => Embedding::Kernel(Arc::new(matrix)),
+            None => Embedding::Candle(Arc::new(table)),
+        })
+    }
+
+    /// One group of projections that read the same input, as one matmul where it can be:
+    /// the named tensors one under the other, or one fused tensor split into `widths`.
+    fn projections(&mut self, parts: &[(String, [usize; 2])]) -> Result<Projections> {
+        let tensors = parts
+            .iter()
+            .map(|(name, dims)| load_matrix(&mut self.reader, name, dims, self.requantise))
+            .collect::<Result<Vec<_>>>()?;
+        Projections::new(tensors).map_err(|error| model_error(self.model, &parts[0].0, error))
+    }
+
+    /// A fused tensor of `widths` rows in all, used as that many projections.
+    fn fused(&mut self, name: String, widths: Vec<usize>, input: usize) -> Result<Projections> {
+        let rows = widths.iter().sum();
+        let tensor = load_matrix(&mut self.reader, &name, &[rows, input], self.requantise)?;
+        Projections::fused(tensor, widths).map_err(|error| model_error(self.model, &name, error))
+    }
+
+    fn vector(&mut self, name: &str, len: usize) -> Result<Vec<f32>> {
+        load_vector(&mut self.reader, name, len)
+    }
+
+    /// The attention's projections: fused (`attn_qkv`, Phi-3) or three matrices.
+    fn query_key_value(&mut self, index: usize) -> Result<Projections> {
+        let description = self.description();
+        let (hidden, query) = (description.hidden, description.heads * description.head_dim);
+        let kv_width = description.kv_heads * description.head_dim;
+        let name = |suffix: &str| format!("blk.{index}.{suffix}");
+        if self.model.has_tensor(&name("attn_qkv.weight")) {
+            return self.fused(
+                name("attn_qkv.weight"),
+                vec![query, kv_width, kv_width],
+                hidden,
+            );
+        }
+        self.projections(&[
+            (name("attn_q.weight"), [query, hidden]),
+            (name("attn_k.weight"), [kv_width, hidden]),
+            (name("attn_v.weight"), [kv_width, hidden]),
+        ])
+    }
+
+    /// The feed-forward gate and up: two matrices, or one fused `ffn_up` twice as tall with
+    /// the gate first (Phi-3).
+    fn gate_up(&mut self, index: usize) -> Result<Projections> {
+        let (hidden, inner) = (self.description().hidden, self.description().intermediate);
+        let name = |suffix: &str| format!("blk.{index}.{suffix}");
+        if !self.model.has_tensor(&name("ffn_gate.weight")) {
+            return self.fused(name("ffn_up.weight"), vec![inner, inner], hidden);
+        }
+        self.projections(&[
+            (name("ffn_gate.weight"), [inner, hidden]),
+            (name("ffn_up.weight"), [inner, hidden]),
+        ])
+    }
+
+    /// The biases of the query, key and value projections, one after another.
+    fn query_key_value_bias(&mut self, index: usize) -> Result<Option<Vec<f32>>> {
+        if !self.config().qkv_bias {
+            return Ok(None);
+        }
+        let description = self.description();
+        let query = description.heads * description.head_dim;
+        let kv_width = description.kv_heads * description.head_dim;
+        let mut bias = self.vector(&format!("blk.{index}.attn_q.bias"), query)?;
+        bias.extend(self.vector(&format!("blk.{index}.attn_k.bias"), kv_width)?);
+        bias.extend(self.vector(&format!("blk.{index}.attn_v.bias"), kv_width)?);
+        Ok(Some(bias))
+    }
+
+    fn head_norms(&mut self, index: usize) -> Result<Option<HeadNorms>> {
+        if !self.config().qk_norm {
+            return Ok(None);
+        }
+        let head_dim = self.description().head_dim;
+        Ok(Some(HeadNorms {
+            query: self.vector(&format!("blk.{index}.attn_q_norm.weight"), head_dim)?,
+            key: self.vector(&format!("blk.{index}.attn_k_norm.weight"), head_dim)?,
+        }))
+    }
+
+    /// The norm after a Gemma block's attention (`post_attention_norm`) or feed-forward
+    /// (`post_ffw_norm`) output.
+    fn post_norm(&mut self, index: usize, name: &str) -> Result<Option<Vec<f32>>> {
+        if !self.config().post_norms {
+            return Ok(None);
+        }
+        let hidden = self.description().hidden;
+        self.vector(&format!("blk.{index}.{name}.weight"), hidden)
+            .map(Some)
+    }
+
+    /// Block `index`'s weights.
+    fn layer(&mut self, index: usize) -> Result<Layer> {
+        let description = self.description();
+        let (hidden, inner) = (description.hidden, description.intermediate);
+        let query = description.heads * description.head_dim;
+        let name = |suffix: &str| format!("blk.{index}.{suffix}");
+        let attention = AttentionRule {
+            scale: self.config().attention_scale,
+            window: self.config().window(index),
+        };
+        let rope = usize::from(self.config().is_sliding(index));
+        Ok(Layer {
+            attention_norm: self.vector(&name("attn_norm.weight"), hidden)?,
+            query_key_value: self.query_key_value(index)?,
+            query_key_value_bias: self.query_key_value_bias(index)?,
+            head_norms: self.head_norms(index)?,
+            attention_output: self.projections(&[(name("attn_output.weight"), [hidden, query])])?,
+            post_attention_norm: self.post_norm(index, "post_attention_norm")?,
+            ffn_norm: self.vector(&name("ffn_norm.weight"), hidden)?,
+            gate_up: self.gate_up(index)?,
+            down: self.projections(&[(name("ffn_down.weight"), [hidden, inner])])?,
+            post_ffn_norm: self.post_norm(index, "post_ffw_norm")?,
+            attention,
+            rope,
+        })
+    }
+
+    /// The final norm and LM head (sharing the embedding table when the model ties them).
+    fn head(&mut self, embedding: Option<&Embedding>) -> Result<Head> {
+        let description = self.description();
+        let (hidden, vocab) = (description.hidden, description.vocab_size);
+        let norm = self.vector("output_norm.weight", hidden)?;
+        let output = match (embedding, description.tied_embeddings) {
+            (Some(Embedding::Kernel(shared)), true) => Projections::shared(Arc::clone(shared)),
+            (Some(Embedding::Candle(shared)), true) => {
+                Projections::candle_shared(Arc::clone(shared))
+                    .map_err(|error| model_error(self.model, "token_embd.weight", error))?
+            }
+            _ => self.projections(&[("output.weight".to_owned(), [vocab, hidden])])?,
+        };
+        Ok(Head { norm, output })
+    }
+
+    /// The run-time hyper-parameters, with the rotary tables of every kind of layer.
+    fn hyper(&mut self) -> Result<Hyper> {
+        let description = self.description();
+        let head_dim = description.head_dim;
+        let config = self.config().clone();
+        let mut inverse_frequencies = Vec::new();
+        let ropes = std::iter::once(&config.global_rope)
+            .chain(config.sliding.as_ref().map(|sliding| &sliding.rope));
+        for rope in ropes {
+            let factors = match &rope.factors_tensor {
+                Some(name) => self.vector(name, head_dim / 2)?,
+                None => Vec::new(),
+            };
+            inverse_frequencies.push(rope.inverse_frequencies(head_dim, &factors));
+        }
+        Ok(Hyper {
+            hidden: description.hidden,
+            heads: Heads {
+                heads: description.heads,
+                kv_heads: description.kv_heads,
+                head_dim,
+            },
+            rms_eps: description.rms_eps as f32,
+            config,
+            inverse_frequencies,
+        })
     }
 }
 
