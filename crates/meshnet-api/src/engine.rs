@@ -15,6 +15,12 @@ pub struct ModelInfo {
     pub owned_by: String,
     /// The context window in tokens (prompt plus completion).
     pub context_length: usize,
+    /// The model's family (GGUF `general.architecture`: `llama`, `qwen2`, `gemma3`, …).
+    pub family: String,
+    /// The weight format served (`q4_1`, `q8_0`, `q4_k_m`, …).
+    pub quantization: String,
+    /// How many of the file's tensors are stored in each type (`"Q4_K": 27`, …).
+    pub tensor_types: std::collections::BTreeMap<String, usize>,
 }
 
 /// One chat turn as received.

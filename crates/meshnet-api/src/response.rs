@@ -13,6 +13,9 @@ pub(crate) struct ModelObject {
     created: u64,
     owned_by: String,
     context_length: usize,
+    family: String,
+    quantization: String,
+    tensor_types: std::collections::BTreeMap<String, usize>,
 }
 
 impl From<ModelInfo> for ModelObject {
@@ -23,6 +26,9 @@ impl From<ModelInfo> for ModelObject {
             created: info.created,
             owned_by: info.owned_by,
             context_length: info.context_length,
+            family: info.family,
+            quantization: info.quantization,
+            tensor_types: info.tensor_types,
         }
     }
 }

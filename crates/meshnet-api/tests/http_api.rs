@@ -32,7 +32,8 @@ async fn lists_and_retrieves_the_model() {
     let list = call(app(&engine), "GET", "/v1/models", None).await;
     assert_eq!(list.status, 200);
     let model = json!({"id": MODEL, "object": "model", "created": 1_700_000_000,
-                       "owned_by": "meshnet", "context_length": 1024});
+                       "owned_by": "meshnet", "context_length": 1024, "family": "llama",
+                       "quantization": "q4_1", "tensor_types": {"F32": 61, "Q4_1": 211}});
     assert_eq!(
         list.body,
         json!({"object": "list", "data": [model.clone()]})

@@ -470,20 +470,38 @@ fn weight_sizes(
 fn tensor_types(content: &Content) -> BTreeMap<String, usize> {
     let mut counts = BTreeMap::new();
     for info in content.tensor_infos.values() {
-        *counts.entry(format!("{:?}", info.ggml_dtype)).or_insert(0) += 1;
+        *counts.entry(type_name(info.ggml_dtype)).or_insert(0) += 1;
     }
     counts
 }
 
-/// The format of the layers' matrices, when they all share one the project names.
-fn shipped_quantization(content: &Content) -> Option<Quantization> {
+/// A GGUF tensor type's name as llama.cpp writes it (`Q4_K`, `Q8_0`, `F32`).
+pub(crate) fn type_name(dtype: GgmlDType) -> String {
+    let name = format!("{dtype:?}");
+    match name.strip_suffix('K') {
+        Some(stem) => format!("{stem}_K"),
+        None => name,
+    }
+}
+
+/// llama.cpp's `general.file_type` of a "Q4_K_M" file (`LLAMA_FTYPE_MOSTLY_Q4_K_M`).
+const FILE_TYPE_Q4_K_M: usize = 15;
+
+/// The format of the layers' matrices, when they all share one the project names, or the
+/// file's mix when `general.file_type` names one (Q4_K_M).
+fn shipped_quantization(path: &Path, content: &Content) -> Result<Option<Quantization>> {
     let mut formats = content
         .tensor_infos
         .iter()
         .filter(|(name, info)| name.starts_with("blk.") && info.shape.dims().len() == 2)
         .map(|(_, info)| quantization_of(info.ggml_dtype));
-    let first = formats.next()??;
-    formats.all(|format| format == Some(first)).then_some(first)
+    if let Some(Some(first)) = formats.next()
+        && formats.all(|format| format == Some(first))
+    {
+        return Ok(Some(first));
+    }
+    let file_type = get_optional_usize(path, content, "general.file_type")?;
+    Ok((file_type == Some(FILE_TYPE_Q4_K_M)).then_some(Quantization::Q4KM))
 }
 
 fn describe(
@@ -572,7 +590,7 @@ fn describe(
         im_end_token: text.im_end_token,
         chat_template: text.chat_template,
         tied_embeddings: !content.tensor_infos.contains_key("output.weight"),
-        shipped_quantization: shipped_quantization(content),
+        shipped_quantization: shipped_quantization(path, content)?,
         tensor_types: tensor_types(content),
         bytes_as_shipped: weight_sizes(content, layers, &shipped),
         bytes_q8_0: weight_sizes(content, layers, &requantised),

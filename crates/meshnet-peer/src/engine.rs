@@ -55,7 +55,11 @@ impl MeshEngine {
         client: ForwardClient,
         limits: AdmissionLimits,
     ) -> Self {
-        let context_length = host.model().description().context_length;
+        let description = host.model().description();
+        let context_length = description.context_length;
+        let family = description.architecture.clone();
+        let tensor_types = description.tensor_types.clone();
+        let quantization = host.model().shipped_format().name().to_owned();
         if let Some(template) = &mut text.template {
             template.default_system = None;
         }
@@ -67,6 +71,9 @@ impl MeshEngine {
                     .map_or(0, |d| d.as_secs()),
                 owned_by: "meshnet".to_owned(),
                 context_length,
+                family,
+                quantization,
+                tensor_types,
             },
             text: Arc::new(text),
             host,

@@ -501,9 +501,13 @@ fn model_info(args: &ModelInfoArgs) -> anyhow::Result<()> {
     let mut info = serde_json::json!({
         "id": model.id(),
         "path": path,
+        "architecture": model.description().architecture,
         "layers": model.num_layers(),
         "hidden": model.description().hidden,
+        "context_length": model.description().context_length,
         "shipped_format": model.shipped_format().name(),
+        "tensor_types": model.description().tensor_types,
+        "bytes_per_layer_as_shipped": model.description().bytes_as_shipped.layers,
         "layer_bytes": layer_bytes,
         "kv_bytes_per_token_per_layer": shape.kv_bytes_per_token_per_layer,
         "kv_tokens": kv_tokens,

@@ -32,8 +32,8 @@ impl MeshModel {
         let model = Model::open(path)?;
         let shipped = model.description().shipped_quantization.ok_or_else(|| {
             PeerError::Config(format!(
-                "{}: a mesh serves models whose layers are stored as q4_1, q8_0 or 16/32-bit \
-                 floats",
+                "{}: a mesh serves models whose layers are stored as q4_1, q8_0, 16/32-bit \
+                 floats, or as a Q4_K_M mix",
                 path.display()
             ))
         })?;

@@ -17,6 +17,10 @@ use crate::TypesError;
 pub enum Quantization {
     /// 4-bit NormalFloat with a 16-bit scale per 64 weights (about 4.25 bits per weight).
     Nf4,
+    /// A GGUF "Q4_K_M" file: mostly 4-bit K-quant blocks of 256 weights, a few tensors in
+    /// 5-, 6- and 8-bit formats (about 4.9 bits per weight), as the file holds them.
+    #[serde(rename = "q4_k_m")]
+    Q4KM,
     /// GGUF 4-bit blocks of 32 weights with a 16-bit scale and minimum (5 bits per weight).
     #[serde(rename = "q4_1")]
     Q4_1,
@@ -31,8 +35,9 @@ pub enum Quantization {
 
 impl Quantization {
     /// Every quantization, from the lowest to the highest quality.
-    pub const ALL: [Quantization; 5] = [
+    pub const ALL: [Quantization; 6] = [
         Quantization::Nf4,
+        Quantization::Q4KM,
         Quantization::Q4_1,
         Quantization::Int8,
         Quantization::Q8_0,
@@ -43,6 +48,7 @@ impl Quantization {
     pub fn name(self) -> &'static str {
         match self {
             Quantization::Nf4 => "nf4",
+            Quantization::Q4KM => "q4_k_m",
             Quantization::Q4_1 => "q4_1",
             Quantization::Int8 => "int8",
             Quantization::Q8_0 => "q8_0",

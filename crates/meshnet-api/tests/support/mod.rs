@@ -120,6 +120,9 @@ impl CompletionEngine for ScriptedEngine {
             created: 1_700_000_000,
             owned_by: "meshnet".to_owned(),
             context_length: 1024,
+            family: "llama".to_owned(),
+            quantization: "q4_1".to_owned(),
+            tensor_types: [("F32".to_owned(), 61), ("Q4_1".to_owned(), 211)].into(),
         }
     }
 }
