@@ -3,7 +3,7 @@
 
 For three chat prompts this renders Gemma's turn format, lets llama.cpp tokenize it (with BOS,
 special tokens parsed), decodes 32 tokens greedily, and writes the prompt ids, the generated
-ids, their text, and at each step the margin between the best and the second-best logit (a
+ids, their text, and at each step the five best logits and the margin between the best two (a
 near-tie explains a divergence between two correct engines). The result is committed as
 crates/meshnet-model/tests/fixtures/gemma3-270m-reference.json; the Rust test feeds the same
 prompt ids to our spans and compares the tokens.
@@ -49,18 +49,19 @@ def file_sha256(path):
 
 
 def greedy(llm, prompt_ids):
-    """Greedy ids and the top-two logit margin at each step."""
+    """Greedy ids, the top-two logit margin and the five best (id, logit) at each step."""
     llm.reset()
     llm.eval(prompt_ids)
-    ids, margins = [], []
+    ids, margins, tops = [], [], []
     for _ in range(STEPS):
         logits = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
         order = np.argsort(logits)[::-1]
         best = int(order[0])
         ids.append(best)
         margins.append(float(logits[order[0]] - logits[order[1]]))
+        tops.append([[int(i), round(float(logits[i]), 4)] for i in order[:5]])
         llm.eval([best])
-    return ids, margins
+    return ids, margins, tops
 
 
 def main():
@@ -79,7 +80,7 @@ def main():
     for question in PROMPTS:
         text = gemma_turns(question)
         prompt_ids = llm.tokenize(text.encode(), add_bos=True, special=True)
-        ids, margins = greedy(llm, prompt_ids)
+        ids, margins, tops = greedy(llm, prompt_ids)
         cases.append(
             {
                 "question": question,
@@ -88,6 +89,7 @@ def main():
                 "generated_ids": ids,
                 "generated_text": llm.detokenize(ids).decode("utf-8", "replace"),
                 "top2_margins": [round(m, 4) for m in margins],
+                "top5_logits": tops,
             }
         )
     result = {
