@@ -7,8 +7,9 @@
 #                            the fuzz targets, a compose tool and strip for the Docker testnet
 #                            (when a Docker engine is installed), iproute2, iptables and curl
 #                            for the NAT testbed (testnet/nat.sh), Chromium for the
-#                            coverage-page test, and a Python virtualenv with the `openai` and
-#                            `prometheus_client` packages for the API and /metrics checks
+#                            coverage-page test, a Python virtualenv with the `openai` and
+#                            `prometheus_client` packages for the API and /metrics checks, and
+#                            llama.cpp's reference files (scripts/fetch-llama-references.sh)
 #
 #   MESHNET_VENV=DIR   the virtualenv (default .venv in the repository root)
 #
@@ -40,6 +41,8 @@ fi
 if command -v rustup >/dev/null 2>&1; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
 fi
+# llama.cpp's tokenizer vectors and chat templates, which the reference tests read.
+bash "$repo/scripts/fetch-llama-references.sh" >/dev/null
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "installing cargo-fuzz"
   cargo install --locked cargo-fuzz
