@@ -41,8 +41,6 @@ fi
 if command -v rustup >/dev/null 2>&1; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true
 fi
-# llama.cpp's tokenizer vectors and chat templates, which the reference tests read.
-bash "$repo/scripts/fetch-llama-references.sh" >/dev/null
 if ! cargo fuzz --version >/dev/null 2>&1; then
   echo "installing cargo-fuzz"
   cargo install --locked cargo-fuzz
@@ -89,4 +87,7 @@ if ! "$venv/bin/python" -c 'import openai, prometheus_client' >/dev/null 2>&1; t
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check openai prometheus_client
 fi
+# llama.cpp's tokenizer vectors and chat templates, which the reference tests read (pip, from
+# the virtualenv, downloads them).
+PYTHON="$venv/bin/python" bash "$repo/scripts/fetch-llama-references.sh" >/dev/null
 echo "setup done"
