@@ -7,8 +7,9 @@
 #                            the fuzz targets, a compose tool and strip for the Docker testnet
 #                            (when a Docker engine is installed), iproute2, iptables and curl
 #                            for the NAT testbed (testnet/nat.sh), Chromium for the
-#                            coverage-page test, and a Python virtualenv with the `openai` and
-#                            `prometheus_client` packages for the API and /metrics checks
+#                            coverage-page test, a Python virtualenv with the `openai` and
+#                            `prometheus_client` packages for the API and /metrics checks, and
+#                            llama.cpp's reference files (scripts/fetch-llama-references.sh)
 #
 #   MESHNET_VENV=DIR   the virtualenv (default .venv in the repository root)
 #
@@ -86,4 +87,7 @@ if ! "$venv/bin/python" -c 'import openai, prometheus_client' >/dev/null 2>&1; t
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check openai prometheus_client
 fi
+# llama.cpp's tokenizer vectors and chat templates, which the reference tests read (pip, from
+# the virtualenv, downloads them).
+PYTHON="$venv/bin/python" bash "$repo/scripts/fetch-llama-references.sh" >/dev/null
 echo "setup done"

@@ -156,6 +156,15 @@ pub enum ModelError {
     /// A quantized kernel refused its operands.
     #[error("quantized kernel: {0}")]
     Kernel(#[from] meshnet_kernels::KernelError),
+    /// A chat template did not compile, failed while rendering, or raised an error itself
+    /// (`raise_exception`): the conversation cannot be formatted as the template asks.
+    #[error("chat template ({origin}): {reason}")]
+    ChatTemplate {
+        /// Where the template came from (the model file, a built-in format, a file).
+        origin: String,
+        /// The template's own message, or what the engine reported.
+        reason: String,
+    },
     /// A chunk was fine but the pass it was computed in (with other sessions' chunks) failed.
     #[error("the pass this chunk ran in failed: {0}")]
     PassFailed(String),

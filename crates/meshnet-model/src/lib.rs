@@ -30,10 +30,14 @@ mod linear;
 mod llama;
 mod model;
 mod sampling;
+mod strftime;
+mod template_env;
 mod tokenizer;
 
 pub use batch::BatchItem;
-pub use chat::{ChatMessage, ChatTemplate, IM_END, IM_START};
+pub use chat::{
+    BuiltInFormat, ChatMessage, ChatTemplate, IM_END, IM_START, SpecialTokens, TemplateSource,
+};
 pub use detokenizer::IncrementalDecoder;
 pub use error::{ModelError, Result};
 pub use family::{

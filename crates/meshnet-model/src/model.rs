@@ -15,7 +15,7 @@ use crate::gguf::{GgufModel, ModelDescription};
 use crate::gpt2::{Gpt2Model, Gpt2Span};
 use crate::kv_cache::{KvStore, SessionId};
 use crate::llama::{LlamaSpan, SpanSpec};
-use crate::{ChatTemplate, ModelTokenizer};
+use crate::{ChatTemplate, ModelTokenizer, SpecialTokens};
 
 /// The file the GPT-2 family keeps its tokenizer in, beside the weights.
 pub const GPT2_TOKENIZER_FILE: &str = "tokenizer.json";
@@ -211,19 +211,25 @@ pub struct TextSide {
 }
 
 impl TextSide {
-    /// The tokenizer and chat format of `model`: for GGUF, from the file's metadata (the chat
-    /// template it carries, else ChatML); for GPT-2, from `tokenizer.json` beside the weights,
-    /// with no chat format.
-    pub fn of(model: &Model) -> Result<Self> {
+    /// The tokenizer and chat format of `model`. The chat template is the file at
+    /// `chat_template` when given; else, for GGUF, the file's own `tokenizer.chat_template`,
+    /// or the built-in format of its architecture when it has none. For GPT-2 the tokenizer
+    /// comes from `tokenizer.json` beside the weights, and there is no chat format unless a
+    /// template file is given.
+    pub fn of(model: &Model, chat_template: Option<&Path>) -> Result<Self> {
         match model {
             Model::Llama(model) => {
                 let description = model.description();
-                let template = match &description.chat_template {
-                    Some(jinja) => ChatTemplate::from_jinja(jinja)?,
-                    None => ChatTemplate::chatml(),
-                };
+                let tokenizer = ModelTokenizer::from_gguf(model)?;
+                let template = ChatTemplate::for_model(
+                    chat_template,
+                    description.chat_template.as_deref(),
+                    &description.architecture,
+                    |token| tokenizer.token_id(token).is_some(),
+                    special_tokens(&tokenizer, description.bos_token, description.eos_token),
+                )?;
                 Ok(TextSide {
-                    tokenizer: ModelTokenizer::from_gguf(model)?,
+                    tokenizer,
                     template: Some(template),
                     stop_tokens: description.eos_token.into_iter().collect(),
                     end_of_turn: description.im_end_token,
@@ -239,13 +245,31 @@ impl TextSide {
                     )));
                 }
                 let tokenizer = ModelTokenizer::from_tokenizer_json(&path)?;
+                let template = chat_template
+                    .map(|path| {
+                        let tokens = special_tokens(&tokenizer, None, tokenizer.eos_token());
+                        ChatTemplate::from_file(path, tokens)
+                    })
+                    .transpose()?;
                 Ok(TextSide {
                     stop_tokens: tokenizer.eos_token().into_iter().collect(),
                     tokenizer,
-                    template: None,
+                    template,
                     end_of_turn: None,
                 })
             }
         }
+    }
+}
+
+/// The texts of the `bos` and `eos` tokens, as chat templates see them.
+fn special_tokens(tokenizer: &ModelTokenizer, bos: Option<u32>, eos: Option<u32>) -> SpecialTokens {
+    let text = |id: Option<u32>| {
+        id.and_then(|id| tokenizer.inner().id_to_token(id))
+            .unwrap_or_default()
+    };
+    SpecialTokens {
+        bos: text(bos),
+        eos: text(eos),
     }
 }

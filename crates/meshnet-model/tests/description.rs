@@ -66,7 +66,20 @@ fn chat_markers_are_single_tokens() {
             .unwrap(),
     )
     .unwrap();
-    let text = template.render(&[ChatMessage::user("Hi there")]);
+    let text = template.render(&[ChatMessage::user("Hi there")]).unwrap();
+    assert_eq!(
+        text,
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging \
+         Face<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(
+        template
+            .clone()
+            .without_default_system()
+            .render(&[ChatMessage::user("Hi there")])
+            .unwrap(),
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    );
     let ids = tokenizer.encode(&text).unwrap();
     assert_eq!(ids[0], 1, "{ids:?}");
     assert!(ids.contains(&2));

@@ -78,6 +78,9 @@ pub struct PeerConfig {
     /// How long a leaving member waits for its sessions to finish and its layers to be
     /// covered by others before it goes anyway.
     pub leave_timeout: Duration,
+    /// A Jinja chat template file the tracker renders prompts with instead of the model's
+    /// own template.
+    pub chat_template: Option<PathBuf>,
 }
 
 impl PeerConfig {
@@ -113,6 +116,7 @@ impl PeerConfig {
             failover: FailoverPolicy::default(),
             leave_timeout: Duration::from_secs(30),
             tracker_capable: true,
+            chat_template: None,
         }
     }
 }

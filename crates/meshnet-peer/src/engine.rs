@@ -60,9 +60,10 @@ impl MeshEngine {
         let family = description.architecture.clone();
         let tensor_types = description.tensor_types.clone();
         let quantization = host.model().shipped_format().name().to_owned();
-        if let Some(template) = &mut text.template {
-            template.default_system = None;
-        }
+        text.template = text
+            .template
+            .take()
+            .map(meshnet_model::ChatTemplate::without_default_system);
         MeshEngine {
             info: ModelInfo {
                 id: model_id,
@@ -174,7 +175,8 @@ impl MeshEngine {
                     .into_iter()
                     .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
                     .collect();
-                Ok((template.render(&messages), true))
+                let text = template.render(&messages).map_err(|e| engine_error(&e))?;
+                Ok((text, true))
             }
             PromptInput::Text(text) => Ok((text, false)),
         }
@@ -374,12 +376,20 @@ impl GenerationJob {
     }
 }
 
-/// How a failed generation is reported: a route that failed beyond repair as 503 and any
-/// other stage failure as 502, naming the failed hop's peer, endpoint and code when a remote
-/// hop failed; anything else as 500.
+/// How a model error is reported: a chat template that raised or failed as 400 naming the
+/// problem; a route that failed beyond repair as 503 and any other stage failure as 502,
+/// naming the failed hop's peer, endpoint and code when a remote hop failed; anything else
+/// as 500.
 fn engine_error(error: &ModelError) -> EngineError {
-    let ModelError::Stage { source, .. } = error else {
-        return EngineError::Internal(error.to_string());
+    let source = match error {
+        ModelError::Stage { source, .. } => source,
+        ModelError::ChatTemplate { .. } => {
+            return EngineError::InvalidRequest {
+                param: Some("messages".to_owned()),
+                message: error.to_string(),
+            };
+        }
+        _ => return EngineError::Internal(error.to_string()),
     };
     if let Some(lost) = source.downcast_ref::<RouteLost>() {
         return EngineError::RouteLost(lost.to_string());
@@ -592,6 +602,19 @@ mod tests {
             engine_error(&ModelError::InvalidSpan("x".to_owned())),
             EngineError::Internal(_)
         ));
+    }
+
+    #[test]
+    fn a_chat_template_error_is_an_invalid_request_with_its_message() {
+        let error = ModelError::ChatTemplate {
+            origin: "the model file's tokenizer.chat_template".to_owned(),
+            reason: "System role not supported".to_owned(),
+        };
+        let EngineError::InvalidRequest { param, message } = engine_error(&error) else {
+            panic!("expected an invalid request");
+        };
+        assert_eq!(param.as_deref(), Some("messages"));
+        assert!(message.ends_with("System role not supported"), "{message}");
     }
 
     fn stops(list: &[&str]) -> Vec<String> {

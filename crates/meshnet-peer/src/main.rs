@@ -147,6 +147,10 @@ struct RunArgs {
     /// libp2p address of any member of the mesh, repeatable.
     #[arg(long, value_name = "MULTIADDR")]
     bootstrap: Vec<Multiaddr>,
+    /// A Jinja chat template file to render chat prompts with instead of the model's own
+    /// (used when this member is or becomes the tracker).
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
     /// Memory given to the mesh: weights plus KV cache (e.g. 512MiB, 2GB, or bytes).
     #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
     memory: u64,
@@ -232,6 +236,9 @@ struct GenerateArgs {
     /// Wrap the prompt as a user turn in the model's chat format.
     #[arg(long)]
     chat: bool,
+    /// With --chat: a Jinja chat template file to use instead of the model's own.
+    #[arg(long, value_name = "FILE", requires = "chat")]
+    chat_template: Option<PathBuf>,
     /// With --chat: a system prompt to put first.
     #[arg(long, conflicts_with = "template_system")]
     system: Option<String>,
@@ -513,6 +520,7 @@ fn model_info(args: &ModelInfoArgs) -> anyhow::Result<()> {
         "kv_tokens": kv_tokens,
         "layer_cost_with_kv": layer_cost,
         "tracker_extra_bytes": shape.tracker_extra_bytes(),
+        "chat_template": chat_template_source(model.model()),
     });
     if let Some(layers) = args.layers {
         let format = args.quantization.unwrap_or(model.shipped_format());
@@ -525,6 +533,14 @@ fn model_info(args: &ModelInfoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Where the chat template of `model` comes from, for `model-info` (or why it is unusable).
+fn chat_template_source(model: &Model) -> Option<String> {
+    match TextSide::of(model, None) {
+        Ok(text) => text.template.map(|template| template.source().to_string()),
+        Err(error) => Some(format!("unusable: {error}")),
+    }
+}
+
 fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libp2p=warn"));
@@ -534,6 +550,9 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     let model_path = model_path_or_default(args.model.clone())?;
+    if let Some(path) = &args.chat_template {
+        check_chat_template(path)?;
+    }
     if !(args.announce_interval.is_finite() && args.announce_interval >= 0.05) {
         bail!("--announce-interval must be at least 0.05 seconds");
     }
@@ -605,6 +624,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     };
     config.leave_timeout = Duration::from_secs_f64(args.leave_timeout);
     config.tracker_capable = args.tracker_capable;
+    config.chat_template = args.chat_template;
     let leave_timeout = config.leave_timeout;
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -737,15 +757,25 @@ async fn wait_for_stop_signal() {
     }
 }
 
+/// Fails, naming the file and the problem, when the chat template file at `path` cannot be
+/// read or does not compile.
+fn check_chat_template(path: &Path) -> anyhow::Result<()> {
+    meshnet_model::ChatTemplate::from_file(path, meshnet_model::SpecialTokens::default())
+        .with_context(|| format!("--chat-template {}", path.display()))?;
+    Ok(())
+}
+
 /// Loads the model at `path` (a Llama GGUF file or a Hugging Face GPT-2 directory) split at
-/// `boundaries`, with its text side.
+/// `boundaries`, with its text side (its chat template replaced by the file `chat_template`
+/// when given).
 fn load_model(
     path: &Path,
     boundaries: &[usize],
     quantization: Option<Quantization>,
+    chat_template: Option<&Path>,
 ) -> anyhow::Result<(SplitModel<meshnet_model::ModelSpan>, TextSide)> {
     let model = Model::open(path)?;
-    let text = TextSide::of(&model)?;
+    let text = TextSide::of(&model, chat_template)?;
     let specs = split_specs(
         model.description().layers,
         boundaries,
@@ -763,7 +793,12 @@ fn load_model(
 fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let path = model_path_or_default(args.model.clone())?;
     let quantization = parse_generate_format(&args.quantization)?;
-    let (split, text_side) = load_model(&path, &args.boundaries, quantization)?;
+    let (split, text_side) = load_model(
+        &path,
+        &args.boundaries,
+        quantization,
+        args.chat_template.as_deref(),
+    )?;
     let tokenizer = &text_side.tokenizer;
     let policy = if args.boundaries.is_empty() {
         BoundaryPolicy::F32
@@ -777,14 +812,14 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
             bail!("{} has no chat template: leave out --chat", path.display());
         };
         if !args.template_system {
-            template.default_system = None;
+            template = template.without_default_system();
         }
         let mut messages = Vec::new();
         if let Some(system) = &args.system {
             messages.push(ChatMessage::system(system.clone()));
         }
         messages.push(ChatMessage::user(args.prompt.clone()));
-        template.render(&messages)
+        template.render(&messages)?
     } else {
         args.prompt.clone()
     };

@@ -67,6 +67,8 @@ pub(crate) struct Settings {
     pub(crate) client: meshnet_node::ForwardClient,
     /// Signs the grants of the generations it runs as tracker.
     pub(crate) grants: Arc<crate::grants::GrantSigner>,
+    /// The chat template file that replaces the model's own, if one was given.
+    pub(crate) chat_template: Option<std::path::PathBuf>,
 }
 
 /// What this member offers the mesh, as announced.

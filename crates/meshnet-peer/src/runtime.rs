@@ -274,6 +274,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
         client: client.clone(),
         grants,
+        chat_template: config.chat_template.clone(),
     };
     let role = if config.tracker {
         let own = capacity(&config, &quantizations, peer_id.clone());
@@ -357,7 +358,8 @@ pub(crate) async fn build_tracker_parts(
         settings.announce_interval * 3,
     )?));
     let opened = Arc::clone(model.model());
-    let text = blocking(move || Ok(TextSide::of(&opened)?)).await?;
+    let chat_template = settings.chat_template.clone();
+    let text = blocking(move || Ok(TextSide::of(&opened, chat_template.as_deref())?)).await?;
     let failover = Failover {
         routes: Arc::clone(&book) as Arc<dyn MeshRoutes>,
         policy: settings.failover.clone(),

@@ -90,7 +90,7 @@ fn in_process(
     };
 
     let model = Model::open(dir).unwrap();
-    let text = TextSide::of(&model).unwrap();
+    let text = TextSide::of(&model, None).unwrap();
     let specs = meshnet_model::split_specs(
         model.description().layers,
         boundaries,
@@ -179,6 +179,50 @@ fn generates_from_a_gpt2_directory_whole_and_split() {
         .unwrap();
     assert!(!chat.status.success());
     assert!(String::from_utf8_lossy(&chat.stderr).contains("no chat template"));
+
+    // A template file gives the model a chat format: one that renders the prompt as it is
+    // continues it exactly as without --chat.
+    let template = dir.join("plain.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    .unwrap();
+    let templated = run(&["--chat", "--chat-template", template.to_str().unwrap()]);
+    assert_eq!(templated, whole);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_bad_chat_template_file_is_named_with_its_problem() {
+    let dir = std::env::temp_dir().join(format!("meshnet-cli-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let broken = dir.join("broken.jinja");
+    std::fs::write(&broken, "{% for %}").unwrap();
+    let missing = dir.join("missing.jinja");
+    let data = dir.join("data");
+    for (file, problem) in [(&broken, "syntax error"), (&missing, "cannot read it")] {
+        let generate = peer()
+            .args(["generate", "--chat", "--prompt", "hi", "--chat-template"])
+            .arg(file)
+            .output()
+            .unwrap();
+        let run = peer()
+            .args(["--http", "127.0.0.1:0", "--p2p", "/ip4/127.0.0.1/tcp/0"])
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--chat-template")
+            .arg(file)
+            .output()
+            .unwrap();
+        for output in [generate, run] {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(!output.status.success(), "{stderr}");
+            assert!(stderr.contains(&file.display().to_string()), "{stderr}");
+            assert!(stderr.contains(problem), "{stderr}");
+            assert!(!stderr.contains("panicked"), "{stderr}");
+        }
+    }
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

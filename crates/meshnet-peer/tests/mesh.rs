@@ -703,3 +703,49 @@ async fn a_long_prompt_pipelined_through_two_peers_gives_the_text_of_one_chunk_a
     assert_eq!(answers[0], answers[1]);
     assert!(!answers[0].0.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_template_that_raises_is_a_400_with_its_message() {
+    let dir = std::env::temp_dir().join(format!("meshnet-mesh-template-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let template = dir.join("no-system.jinja");
+    std::fs::write(
+        &template,
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}\
+         {% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n\
+         {% endfor %}<|im_start|>assistant\n",
+    )
+    .unwrap();
+    let mut config = common::config(true, 30, vec![]);
+    config.chat_template = Some(template);
+    let tracker = meshnet_peer::start(config).await.unwrap();
+    wait_for("the tracker's span", &tracker, |s| {
+        s.route_boundaries.is_some()
+    })
+    .await;
+    let base = tracker.openai_base_url().unwrap();
+    let model = tracker.model_id().to_owned();
+    let ask = |messages: serde_json::Value| {
+        reqwest::Client::new()
+            .post(format!("{base}/chat/completions"))
+            .json(&serde_json::json!({"model": model, "messages": messages, "max_tokens": 2}))
+            .send()
+    };
+    let refused = ask(serde_json::json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]))
+    .await
+    .unwrap();
+    assert_eq!(refused.status().as_u16(), 400);
+    let body: serde_json::Value = refused.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "invalid_request_error", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("System role not supported"), "{body}");
+    let answered = ask(serde_json::json!([{"role": "user", "content": "Hi"}]))
+        .await
+        .unwrap();
+    assert_eq!(answered.status().as_u16(), 200);
+    tracker.shutdown().await;
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -34,11 +34,13 @@ pub fn tokenizer() -> &'static ModelTokenizer {
 
 /// Three prompts of different kinds, encoded.
 pub fn prompts() -> Vec<Vec<u32>> {
-    let template = meshnet_model::ChatTemplate::chatml();
+    let template = meshnet_model::ChatTemplate::chatml().expect("ChatML compiles");
     [
-        template.render(&[meshnet_model::ChatMessage::user(
-            "What is the capital of France?",
-        )]),
+        template
+            .render(&[meshnet_model::ChatMessage::user(
+                "What is the capital of France?",
+            )])
+            .expect("ChatML renders"),
         "The three primary colors are".to_owned(),
         "def fibonacci(n):\n    ".to_owned(),
     ]
