@@ -7,8 +7,10 @@
 #                            the fuzz targets, a compose tool and strip for the Docker testnet
 #                            (when a Docker engine is installed), iproute2, iptables and curl
 #                            for the NAT testbed (testnet/nat.sh), Chromium for the
-#                            coverage-page test, and a Python virtualenv with the `openai` and
-#                            `prometheus_client` packages for the API and /metrics checks
+#                            coverage-page test, a Python virtualenv with the `openai` and
+#                            `prometheus_client` packages for the API and /metrics checks, and
+#                            llama.cpp's tokenizer vectors and chat templates
+#                            (scripts/fetch-llama-references.sh) for the tokenizer tests
 #
 #   MESHNET_VENV=DIR   the virtualenv (default .venv in the repository root)
 #
@@ -86,4 +88,8 @@ if ! "$venv/bin/python" -c 'import openai, prometheus_client' >/dev/null 2>&1; t
   fi
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check openai prometheus_client
 fi
+
+# llama.cpp's tokenizer test vectors (crates/meshnet-model/tests/llama_cpp_vocab.rs), into the
+# cache; the script does nothing when they are already there.
+bash "$repo/scripts/fetch-llama-references.sh" >/dev/null
 echo "setup done"

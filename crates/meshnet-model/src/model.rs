@@ -204,7 +204,8 @@ pub struct TextSide {
     pub tokenizer: ModelTokenizer,
     /// Its chat format, when the model has one (GPT-2 has none).
     pub template: Option<ChatTemplate>,
-    /// Tokens that end any generation.
+    /// Tokens that end any generation: every end-of-generation token the model names
+    /// ([`ModelTokenizer::end_of_generation`]).
     pub stop_tokens: Vec<u32>,
     /// The token that ends a chat turn, when the model has one.
     pub end_of_turn: Option<u32>,
@@ -222,11 +223,12 @@ impl TextSide {
                     Some(jinja) => ChatTemplate::from_jinja(jinja)?,
                     None => ChatTemplate::chatml(),
                 };
+                let tokenizer = ModelTokenizer::from_gguf(model)?;
                 Ok(TextSide {
-                    tokenizer: ModelTokenizer::from_gguf(model)?,
+                    stop_tokens: tokenizer.end_of_generation().to_vec(),
+                    end_of_turn: tokenizer.end_of_turn().or(description.im_end_token),
+                    tokenizer,
                     template: Some(template),
-                    stop_tokens: description.eos_token.into_iter().collect(),
-                    end_of_turn: description.im_end_token,
                 })
             }
             Model::Gpt2(model) => {
@@ -240,7 +242,7 @@ impl TextSide {
                 }
                 let tokenizer = ModelTokenizer::from_tokenizer_json(&path)?;
                 Ok(TextSide {
-                    stop_tokens: tokenizer.eos_token().into_iter().collect(),
+                    stop_tokens: tokenizer.end_of_generation().to_vec(),
                     tokenizer,
                     template: None,
                     end_of_turn: None,
