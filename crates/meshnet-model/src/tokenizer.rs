@@ -371,6 +371,13 @@ mod tests {
         let plain = tokenizer.encode_with("<|end|>", PLAIN).unwrap();
         assert!(!plain.contains(&10), "{plain:?}");
         assert_eq!(tokenizer.encode_with("<|end|>", parse).unwrap(), [10]);
+        // The unknown token counts as special only when asked; as text its characters have no
+        // tokens and no byte tokens, so each byte is the unknown token.
+        assert_eq!(tokenizer.encode_with("<unk>", parse).unwrap(), [0]);
+        assert_eq!(
+            tokenizer.encode_with("<unk>", PLAIN).unwrap(),
+            [3, 0, 0, 0, 0, 0]
+        );
     }
 
     #[test]
