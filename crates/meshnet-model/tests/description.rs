@@ -78,6 +78,20 @@ fn chat_markers_are_single_tokens() {
     assert_eq!(tokenizer.token_id("<|im_end|>"), Some(2));
 }
 
+#[test]
+fn generation_ends_on_every_token_llama_cpp_lists_for_smollm2() {
+    let tokenizer = common::tokenizer();
+    // `<|endoftext|>` and `<|im_end|>` by their text (2 is also the EOS id), and
+    // `<reponame>` as the fill-in-the-middle repository token.
+    assert_eq!(tokenizer.end_of_generation(), [0, 2, 4]);
+    assert_eq!(tokenizer.end_of_turn(), Some(2));
+    let text =
+        meshnet_model::TextSide::of(&meshnet_model::Model::open(&common::model_path()).unwrap())
+            .unwrap();
+    assert_eq!(text.stop_tokens, [0, 2, 4]);
+    assert_eq!(text.end_of_turn, Some(2));
+}
+
 /// SmolLM2's tokenizer as a Hugging Face pipeline, built from the GGUF metadata: BPE over
 /// `tokenizer.ggml.tokens`/`merges`, digits split one by one then GPT-2's byte-level split,
 /// and the control tokens registered as special tokens.
