@@ -129,6 +129,20 @@ pub enum ModelError {
         /// The model's hidden size.
         hidden: usize,
     },
+    /// The file asks for a tokenizer this crate does not implement (`tokenizer.ggml.model`)
+    /// or a pre-tokenizer it does not know (`tokenizer.ggml.pre`): refused rather than
+    /// tokenized differently.
+    #[error("{path}: {key} = {value:?} is not supported (supported: {supported})")]
+    UnsupportedTokenizer {
+        /// The file.
+        path: PathBuf,
+        /// The metadata key.
+        key: String,
+        /// The value the file gives.
+        value: String,
+        /// The values that are supported, comma-separated.
+        supported: String,
+    },
     /// Building or running the tokenizer failed.
     #[error("tokenizer: {0}")]
     Tokenizer(String),

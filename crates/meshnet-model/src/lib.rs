@@ -53,7 +53,7 @@ pub use kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
 pub use llama::{LlamaSpan, SpanSpec, SplitModel, split_specs};
 pub use model::{GPT2_TOKENIZER_FILE, Model, ModelSpan, TextSide};
 pub use sampling::{Sampler, SamplingConfig, StopConditions, argmax};
-pub use tokenizer::ModelTokenizer;
+pub use tokenizer::{EncodeOptions, ModelTokenizer};
 
 /// File name of the default model, SmolLM2-135M-Instruct quantised to Q4_1.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

@@ -204,7 +204,8 @@ pub struct TextSide {
     pub tokenizer: ModelTokenizer,
     /// Its chat format, when the model has one (GPT-2 has none).
     pub template: Option<ChatTemplate>,
-    /// Tokens that end any generation.
+    /// Tokens that end any generation: every end-of-generation token the model names
+    /// ([`ModelTokenizer::end_of_generation`]).
     pub stop_tokens: Vec<u32>,
     /// The token that ends a chat turn, when the model has one.
     pub end_of_turn: Option<u32>,
@@ -229,10 +230,10 @@ impl TextSide {
                     special_tokens(&tokenizer, description.bos_token, description.eos_token),
                 )?;
                 Ok(TextSide {
+                    stop_tokens: tokenizer.end_of_generation().to_vec(),
+                    end_of_turn: tokenizer.end_of_turn().or(description.im_end_token),
                     tokenizer,
                     template: Some(template),
-                    stop_tokens: description.eos_token.into_iter().collect(),
-                    end_of_turn: description.im_end_token,
                 })
             }
             Model::Gpt2(model) => {
@@ -252,7 +253,7 @@ impl TextSide {
                     })
                     .transpose()?;
                 Ok(TextSide {
-                    stop_tokens: tokenizer.eos_token().into_iter().collect(),
+                    stop_tokens: tokenizer.end_of_generation().to_vec(),
                     tokenizer,
                     template,
                     end_of_turn: None,

@@ -1,194 +1,452 @@
-//! The tokenizer, rebuilt from a GGUF file's metadata with the `tokenizers` crate.
+//! The tokenizer of a model, rebuilt from a GGUF file's metadata the way llama.cpp builds it,
+//! or loaded from a Hugging Face `tokenizer.json`.
 //!
-//! For GPT-2-style byte-level BPE vocabularies (`tokenizer.ggml.model = "gpt2"`, as in
-//! SmolLM2): a BPE model over `tokenizer.ggml.tokens` and `tokenizer.ggml.merges`, a
-//! pre-tokenizer that splits digits one by one and then maps bytes (without adding a prefix
-//! space), the byte-level decoder, and every control or user-defined token registered as a
-//! special token so chat markers encode as single ids.
+//! GGUF vocabularies (`tokenizer.ggml.model`):
+//! - `"llama"`: SentencePiece BPE by token scores, `▁` as the space marker, a space written
+//!   before the text (`tokenizer.ggml.add_space_prefix`), bytes without a token as `<0xNN>`;
+//! - `"gpt2"`: byte-level BPE by merge ranks after the pre-tokenizer `tokenizer.ggml.pre`
+//!   names: `default`, `llama-bpe` (also `llama3`, `llama-v3`, `falcon3`), `dbrx`,
+//!   `smaug-bpe`, `qwen2` (also `deepseek-r1-qwen`, `stablelm2`), `qwen35`, `smollm`,
+//!   `starcoder`, `refact`, `command-r`, `gpt-2`, `phi-2`, `mpt`, `olmo`, `falcon`; a file
+//!   without the key gets `default`, as in llama.cpp.
+//!
+//! Any other model or pre-tokenizer is refused with [`ModelError::UnsupportedTokenizer`]: a
+//! file is never tokenized differently from llama.cpp without saying so.
 
-use tokenizers::decoders::DecoderWrapper;
-use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
-use tokenizers::models::bpe::{BPE, Vocab};
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::digits::Digits;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::{AddedToken, Tokenizer};
+mod bpe;
+mod encode;
+mod metadata;
+mod pre;
+mod spm;
+mod vocab;
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::Content;
+use tokenizers::Tokenizer;
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufModel;
+use metadata::Metadata;
+use vocab::Vocab;
 
-/// GGUF token type of a control token (`<|im_start|>`, `<|endoftext|>`, …).
-const TOKEN_TYPE_CONTROL: i32 = 3;
-/// GGUF token type of a user-defined token.
-const TOKEN_TYPE_USER_DEFINED: i32 = 4;
+/// How [`ModelTokenizer::encode_with`] treats special tokens. The default is what llama.cpp's
+/// tokenizer tests count: no BOS/EOS added, special tokens written in the text are plain text.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EncodeOptions {
+    /// Add BOS and EOS as the file says (`tokenizer.ggml.add_bos_token`, `add_eos_token`).
+    pub add_special: bool,
+    /// Control tokens written in the text (`<|im_start|>`) become their ids. User-defined
+    /// tokens always do.
+    pub parse_special: bool,
+}
+
+/// Where the tokens come from.
+#[derive(Clone, Debug)]
+enum Engine {
+    /// A GGUF vocabulary.
+    Gguf(Arc<Vocab>),
+    /// A Hugging Face tokenizer; `plain` is the same one with special tokens read as text.
+    HuggingFace {
+        parsing: Box<Tokenizer>,
+        plain: Box<Tokenizer>,
+    },
+}
 
 /// A model's tokenizer and its special token ids.
 #[derive(Clone, Debug)]
 pub struct ModelTokenizer {
-    inner: Tokenizer,
+    engine: Engine,
     bos_token: Option<u32>,
     eos_token: Option<u32>,
+    end_of_turn: Option<u32>,
+    end_of_generation: Vec<u32>,
 }
 
 impl ModelTokenizer {
-    /// Builds the tokenizer described by a GGUF file's metadata.
+    /// Builds the tokenizer described by an opened GGUF model's metadata.
     pub fn from_gguf(model: &GgufModel) -> Result<Self> {
-        let metadata = model.metadata();
-        let error = |key: &str, reason: String| ModelError::Metadata {
-            path: model.path().to_path_buf(),
-            key: key.to_owned(),
-            reason,
-        };
-        let kind = metadata
-            .get("tokenizer.ggml.model")
-            .and_then(|value| value.to_string().ok())
-            .ok_or_else(|| error("tokenizer.ggml.model", "missing".into()))?;
-        if kind != "gpt2" {
-            return Err(error(
-                "tokenizer.ggml.model",
-                format!("tokenizer model {kind:?} is not supported (supported: gpt2)"),
-            ));
-        }
-        let strings = |key: &str| -> Result<Vec<String>> {
-            let values = metadata
-                .get(key)
-                .ok_or_else(|| error(key, "missing".into()))?
-                .to_vec()
-                .map_err(|e| error(key, e.to_string()))?;
-            values
-                .iter()
-                .map(|value| {
-                    value
-                        .to_string()
-                        .cloned()
-                        .map_err(|e| error(key, e.to_string()))
-                })
-                .collect()
-        };
-        let tokens = strings("tokenizer.ggml.tokens")?;
-        let merges = strings("tokenizer.ggml.merges")?;
-        let token_types: Vec<i32> = match metadata.get("tokenizer.ggml.token_type") {
-            Some(value) => value
-                .to_vec()
-                .map_err(|e| error("tokenizer.ggml.token_type", e.to_string()))?
-                .iter()
-                .map(|v| v.to_i32().unwrap_or(1))
-                .collect(),
-            None => Vec::new(),
-        };
+        Self::from_metadata(Metadata::new(model.path(), model.metadata()))
+    }
 
-        let vocab: Vocab = tokens
-            .iter()
-            .enumerate()
-            .map(|(id, token)| (token.clone(), id as u32))
-            .collect();
-        let merges = merges
-            .iter()
-            .map(|merge| {
-                merge
-                    .split_once(' ')
-                    .map(|(left, right)| (left.to_owned(), right.to_owned()))
-                    .ok_or_else(|| {
-                        error(
-                            "tokenizer.ggml.merges",
-                            format!("merge {merge:?} is not two tokens"),
-                        )
-                    })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let bpe = BPE::builder()
-            .vocab_and_merges(vocab, merges)
-            .build()
-            .map_err(|e| ModelError::Tokenizer(format!("building BPE: {e}")))?;
+    /// Builds the tokenizer of a GGUF file from its header alone, so it also works on
+    /// vocabulary-only files (no weights) that [`GgufModel::open`] refuses.
+    pub fn from_gguf_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let file = File::open(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let content =
+            Content::read(&mut BufReader::new(file)).map_err(|error| ModelError::CorruptFile {
+                path: path.to_path_buf(),
+                reason: error.to_string(),
+            })?;
+        Self::from_metadata(Metadata::new(path, &content.metadata))
+    }
 
-        let mut inner = Tokenizer::new(bpe);
-        inner.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(vec![
-            PreTokenizerWrapper::Digits(Digits::new(true)),
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
-        ]))));
-        inner.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
-        let special: Vec<AddedToken> = tokens
-            .iter()
-            .zip(token_types.iter())
-            .filter(|(_, kind)| matches!(**kind, TOKEN_TYPE_CONTROL | TOKEN_TYPE_USER_DEFINED))
-            .map(|(token, _)| AddedToken::from(token.clone(), true))
-            .collect();
-        inner
-            .add_special_tokens(special)
-            .map_err(|e| ModelError::Tokenizer(format!("registering special tokens: {e}")))?;
-
-        let id = |key: &str| metadata.get(key).and_then(|value| value.to_u32().ok());
+    fn from_metadata(metadata: Metadata<'_>) -> Result<Self> {
+        let vocab = Vocab::from_metadata(metadata)?;
         Ok(Self {
-            inner,
-            bos_token: id("tokenizer.ggml.bos_token_id"),
-            eos_token: id("tokenizer.ggml.eos_token_id"),
+            bos_token: vocab.special.bos,
+            eos_token: vocab.special.eos,
+            end_of_turn: vocab.special.eot,
+            end_of_generation: vocab.end_of_generation.clone(),
+            engine: Engine::Gguf(Arc::new(vocab)),
         })
     }
 
     /// Loads a Hugging Face `tokenizer.json`, as saved beside a safetensors checkpoint.
     ///
     /// `<|endoftext|>` (GPT-2's only special token), when the vocabulary has it, serves as both
-    /// the beginning- and end-of-sequence token.
-    pub fn from_tokenizer_json(path: impl AsRef<std::path::Path>) -> Result<Self> {
+    /// the beginning- and end-of-sequence token, and is the only end-of-generation token.
+    pub fn from_tokenizer_json(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
             path: path.to_path_buf(),
             source,
         })?;
-        let inner = Tokenizer::from_bytes(&bytes).map_err(|e| {
+        let parsing = Tokenizer::from_bytes(&bytes).map_err(|e| {
             ModelError::Tokenizer(format!(
                 "{} is not a valid tokenizer.json: {e}",
                 path.display()
             ))
         })?;
-        let end_of_text = inner.token_to_id("<|endoftext|>");
+        let mut plain = parsing.clone();
+        plain.set_encode_special_tokens(true);
+        let end_of_text = parsing.token_to_id("<|endoftext|>");
         Ok(Self {
-            inner,
+            engine: Engine::HuggingFace {
+                parsing: Box::new(parsing),
+                plain: Box::new(plain),
+            },
             bos_token: end_of_text,
             eos_token: end_of_text,
+            end_of_turn: None,
+            end_of_generation: end_of_text.into_iter().collect(),
         })
     }
 
-    /// Encodes text; special tokens written in the text (`<|im_start|>`) become their ids.
-    /// No beginning-of-sequence token is added.
+    /// Encodes text for a prompt: special tokens written in the text (`<|im_start|>`) become
+    /// their ids; no beginning-of-sequence token is added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| ModelError::Tokenizer(format!("encoding: {e}")))?;
-        Ok(encoding.get_ids().to_vec())
+        self.encode_with(
+            text,
+            EncodeOptions {
+                add_special: false,
+                parse_special: true,
+            },
+        )
     }
 
-    /// Decodes ids to text, leaving out special tokens.
+    /// Encodes text with explicit [`EncodeOptions`].
+    pub fn encode_with(&self, text: &str, options: EncodeOptions) -> Result<Vec<u32>> {
+        match &self.engine {
+            Engine::Gguf(vocab) => vocab.encode(text, options.add_special, options.parse_special),
+            Engine::HuggingFace { parsing, plain } => {
+                let tokenizer = if options.parse_special {
+                    parsing
+                } else {
+                    plain
+                };
+                let encoding = tokenizer
+                    .encode(text, options.add_special)
+                    .map_err(|e| ModelError::Tokenizer(format!("encoding: {e}")))?;
+                Ok(encoding.get_ids().to_vec())
+            }
+        }
+    }
+
+    /// Decodes ids to text, leaving out control tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, true)
-            .map_err(|e| ModelError::Tokenizer(format!("decoding: {e}")))
+        self.decode_inner(ids, false)
+    }
+
+    /// Decodes ids to text, writing control tokens as their text.
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String> {
+        self.decode_inner(ids, true)
+    }
+
+    fn decode_inner(&self, ids: &[u32], render_special: bool) -> Result<String> {
+        match &self.engine {
+            Engine::Gguf(vocab) => Ok(vocab.decode(ids, render_special)),
+            Engine::HuggingFace { parsing, .. } => parsing
+                .decode(ids, !render_special)
+                .map_err(|e| ModelError::Tokenizer(format!("decoding: {e}"))),
+        }
     }
 
     /// The id of a token's exact text, if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
+        match &self.engine {
+            Engine::Gguf(vocab) => vocab.ids.get(token).copied(),
+            Engine::HuggingFace { parsing, .. } => parsing.token_to_id(token),
+        }
     }
 
-    /// The beginning-of-sequence id from the metadata.
+    /// The text of a token as the vocabulary stores it (`▁`/`Ġ` markers included).
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        match &self.engine {
+            Engine::Gguf(vocab) => vocab.tokens.get(id as usize).cloned(),
+            Engine::HuggingFace { parsing, .. } => parsing.id_to_token(id),
+        }
+    }
+
+    /// The beginning-of-sequence id.
     pub fn bos_token(&self) -> Option<u32> {
         self.bos_token
     }
 
-    /// The end-of-sequence id from the metadata.
+    /// The end-of-sequence id.
     pub fn eos_token(&self) -> Option<u32> {
         self.eos_token
     }
 
-    /// Vocabulary size including added tokens.
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+    /// The end-of-turn id: the file's `tokenizer.ggml.eot_token_id`, else the first of
+    /// `<|eot_id|>`, `<|im_end|>`, `<|end|>`, `<end_of_turn>`, `<|endoftext|>`, … it has.
+    pub fn end_of_turn(&self) -> Option<u32> {
+        self.end_of_turn
     }
 
-    /// The underlying `tokenizers` tokenizer.
-    pub fn inner(&self) -> &Tokenizer {
-        &self.inner
+    /// Every id that ends generation, ascending, as llama.cpp lists them: EOS, EOT, EOM, the
+    /// fill-in-the-middle pad/repository/file-separator tokens, and every token whose text
+    /// is an end-of-generation marker (`<|eot_id|>`, `<|im_end|>`, `<|end|>`,
+    /// `<end_of_turn>`, `<|endoftext|>`, `</s>`, …).
+    pub fn end_of_generation(&self) -> &[u32] {
+        &self.end_of_generation
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        match &self.engine {
+            Engine::Gguf(vocab) => vocab.tokens.len(),
+            Engine::HuggingFace { parsing, .. } => parsing.get_vocab_size(true),
+        }
+    }
+
+    /// The underlying Hugging Face tokenizer, for one loaded from `tokenizer.json`.
+    pub fn hugging_face(&self) -> Option<&Tokenizer> {
+        match &self.engine {
+            Engine::Gguf(_) => None,
+            Engine::HuggingFace { parsing, .. } => Some(parsing),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use candle_core::quantized::gguf_file::Value;
+
+    use super::*;
+
+    fn strings(items: &[&str]) -> Value {
+        Value::Array(
+            items
+                .iter()
+                .map(|s| Value::String((*s).to_owned()))
+                .collect(),
+        )
+    }
+
+    /// A SentencePiece vocabulary: `<unk>` `<s>` `</s>`, `▁ a b ▁a ab`, the byte `!`, a
+    /// user-defined `<|user|>` and a normal-typed `<|end|>`.
+    fn sentence_piece() -> HashMap<String, Value> {
+        let tokens = [
+            "<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab", "<0x21>", "<|user|>", "<|end|>",
+        ];
+        let types = [2, 3, 3, 1, 1, 1, 1, 1, 6, 4, 1];
+        let scores = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, 0.0, 0.0, 0.0];
+        HashMap::from([
+            (
+                "tokenizer.ggml.model".to_owned(),
+                Value::String("llama".to_owned()),
+            ),
+            ("tokenizer.ggml.tokens".to_owned(), strings(&tokens)),
+            (
+                "tokenizer.ggml.token_type".to_owned(),
+                Value::Array(types.iter().map(|&t| Value::I32(t)).collect()),
+            ),
+            (
+                "tokenizer.ggml.scores".to_owned(),
+                Value::Array(scores.iter().map(|&s| Value::F32(s)).collect()),
+            ),
+        ])
+    }
+
+    /// A byte-level BPE vocabulary: `a b Ġ ab Ġab <|endoftext|>` with merges `a b`, `Ġ ab`.
+    fn byte_pairs(pre: &str) -> HashMap<String, Value> {
+        HashMap::from([
+            (
+                "tokenizer.ggml.model".to_owned(),
+                Value::String("gpt2".to_owned()),
+            ),
+            (
+                "tokenizer.ggml.pre".to_owned(),
+                Value::String(pre.to_owned()),
+            ),
+            (
+                "tokenizer.ggml.tokens".to_owned(),
+                strings(&["a", "b", "Ġ", "ab", "Ġab", "<|endoftext|>"]),
+            ),
+            (
+                "tokenizer.ggml.token_type".to_owned(),
+                Value::Array([1, 1, 1, 1, 1, 3].iter().map(|&t| Value::I32(t)).collect()),
+            ),
+            (
+                "tokenizer.ggml.merges".to_owned(),
+                strings(&["a b", "Ġ ab"]),
+            ),
+            ("tokenizer.ggml.bos_token_id".to_owned(), Value::U32(5)),
+            ("tokenizer.ggml.eos_token_id".to_owned(), Value::U32(5)),
+        ])
+    }
+
+    fn build(values: &HashMap<String, Value>) -> Result<ModelTokenizer> {
+        ModelTokenizer::from_metadata(Metadata::new(Path::new("v.gguf"), values))
+    }
+
+    const PLAIN: EncodeOptions = EncodeOptions {
+        add_special: false,
+        parse_special: false,
+    };
+
+    #[test]
+    fn sentence_piece_prefixes_a_space_merges_by_score_and_falls_back_to_bytes() {
+        let tokenizer = build(&sentence_piece()).unwrap();
+        // "▁a▁ab": both "▁a" (-1) merge before "ab" (-2) could.
+        assert_eq!(tokenizer.encode_with("a ab", PLAIN).unwrap(), [6, 6, 5]);
+        assert_eq!(tokenizer.encode_with("!", PLAIN).unwrap(), [3, 8]);
+        assert_eq!(tokenizer.encode_with("", PLAIN).unwrap(), Vec::<u32>::new());
+        assert_eq!(tokenizer.decode(&[6, 6, 5]).unwrap(), "a ab");
+        assert_eq!(tokenizer.decode_with_special(&[1, 6]).unwrap(), "<s> a");
+        assert_eq!(tokenizer.decode(&[1, 6, 8]).unwrap(), " a!");
+    }
+
+    #[test]
+    fn add_special_adds_bos_by_default_for_sentence_piece_and_as_the_file_says() {
+        let mut values = sentence_piece();
+        let with_special = EncodeOptions {
+            add_special: true,
+            parse_special: false,
+        };
+        let tokenizer = build(&values).unwrap();
+        assert_eq!(tokenizer.encode_with("a", with_special).unwrap(), [1, 6]);
+        values.insert(
+            "tokenizer.ggml.add_bos_token".to_owned(),
+            Value::Bool(false),
+        );
+        values.insert("tokenizer.ggml.add_eos_token".to_owned(), Value::Bool(true));
+        let tokenizer = build(&values).unwrap();
+        assert_eq!(tokenizer.encode_with("a", with_special).unwrap(), [6, 2]);
+        values.insert(
+            "tokenizer.ggml.add_space_prefix".to_owned(),
+            Value::Bool(false),
+        );
+        let tokenizer = build(&values).unwrap();
+        assert_eq!(tokenizer.encode_with("a b", PLAIN).unwrap(), [4, 3, 5]);
+    }
+
+    #[test]
+    fn parse_special_reads_control_tokens_and_user_defined_ones_are_always_read() {
+        let tokenizer = build(&sentence_piece()).unwrap();
+        let parse = EncodeOptions {
+            add_special: false,
+            parse_special: true,
+        };
+        // A space is prefixed again after a special token.
+        assert_eq!(tokenizer.encode_with("a</s>a", parse).unwrap(), [6, 2, 6]);
+        assert_eq!(tokenizer.encode("a</s>a").unwrap(), [6, 2, 6]);
+        let plain = tokenizer.encode_with("a</s>a", PLAIN).unwrap();
+        assert!(!plain.contains(&2), "{plain:?}");
+        assert_eq!(
+            tokenizer.encode_with("a<|user|>b", PLAIN).unwrap(),
+            [6, 9, 3, 5]
+        );
+        // "<|end|>" has an end-of-generation text: it became a control token.
+        let plain = tokenizer.encode_with("<|end|>", PLAIN).unwrap();
+        assert!(!plain.contains(&10), "{plain:?}");
+        assert_eq!(tokenizer.encode_with("<|end|>", parse).unwrap(), [10]);
+        // The unknown token counts as special only when asked; as text its characters have no
+        // tokens and no byte tokens, so each byte is the unknown token.
+        assert_eq!(tokenizer.encode_with("<unk>", parse).unwrap(), [0]);
+        assert_eq!(
+            tokenizer.encode_with("<unk>", PLAIN).unwrap(),
+            [3, 0, 0, 0, 0, 0]
+        );
+    }
+
+    #[test]
+    fn end_of_generation_lists_eos_and_every_end_marker_the_vocabulary_has() {
+        let tokenizer = build(&sentence_piece()).unwrap();
+        assert_eq!(tokenizer.end_of_generation(), [2, 10]);
+        assert_eq!(tokenizer.end_of_turn(), Some(10));
+        assert_eq!(tokenizer.eos_token(), Some(2));
+        let mut values = sentence_piece();
+        values.insert("tokenizer.ggml.eot_token_id".to_owned(), Value::U32(9));
+        values.insert("tokenizer.ggml.eos_token_id".to_owned(), Value::U32(99));
+        let tokenizer = build(&values).unwrap();
+        // An id beyond the vocabulary keeps the default (2), as in llama.cpp.
+        assert_eq!(tokenizer.end_of_generation(), [2, 9, 10]);
+        assert_eq!(tokenizer.end_of_turn(), Some(9));
+    }
+
+    #[test]
+    fn byte_pairs_merge_by_rank_and_llama3_takes_whole_words_and_adds_bos() {
+        let tokenizer = build(&byte_pairs("gpt-2")).unwrap();
+        assert_eq!(tokenizer.encode_with("ab ab", PLAIN).unwrap(), [3, 4]);
+        assert_eq!(tokenizer.decode(&[3, 4, 5]).unwrap(), "ab ab");
+        let add = EncodeOptions {
+            add_special: true,
+            parse_special: false,
+        };
+        assert_eq!(tokenizer.encode_with("ab", add).unwrap(), [3]);
+        let llama3 = build(&byte_pairs("llama-bpe")).unwrap();
+        assert_eq!(llama3.encode_with("ab", add).unwrap(), [5, 3]);
+        assert_eq!(tokenizer.end_of_generation(), [5]);
+    }
+
+    #[test]
+    fn an_unknown_model_or_pre_tokenizer_is_refused_naming_key_and_value() {
+        let mut values = sentence_piece();
+        values.insert(
+            "tokenizer.ggml.model".to_owned(),
+            Value::String("bert".to_owned()),
+        );
+        let Err(ModelError::UnsupportedTokenizer { key, value, .. }) = build(&values) else {
+            panic!("a bert vocabulary was accepted");
+        };
+        assert_eq!(
+            (key.as_str(), value.as_str()),
+            ("tokenizer.ggml.model", "bert")
+        );
+        let Err(ModelError::UnsupportedTokenizer { key, value, .. }) =
+            build(&byte_pairs("deepseek-llm"))
+        else {
+            panic!("an unknown pre-tokenizer was accepted");
+        };
+        assert_eq!(
+            (key.as_str(), value.as_str()),
+            ("tokenizer.ggml.pre", "deepseek-llm")
+        );
+    }
+
+    #[test]
+    fn bad_vocabulary_metadata_is_an_error_naming_the_key() {
+        let mut values = sentence_piece();
+        values.insert("tokenizer.ggml.scores".to_owned(), Value::Array(vec![]));
+        let Err(ModelError::Metadata { key, .. }) = build(&values) else {
+            panic!("scores of the wrong length were accepted");
+        };
+        assert_eq!(key, "tokenizer.ggml.scores");
+        values.insert("tokenizer.ggml.tokens".to_owned(), Value::Array(vec![]));
+        let Err(ModelError::Metadata { key, .. }) = build(&values) else {
+            panic!("an empty vocabulary was accepted");
+        };
+        assert_eq!(key, "tokenizer.ggml.tokens");
     }
 }

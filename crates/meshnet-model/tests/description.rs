@@ -92,18 +92,94 @@ fn chat_markers_are_single_tokens() {
 }
 
 #[test]
+fn generation_ends_on_every_token_llama_cpp_lists_for_smollm2() {
+    let tokenizer = common::tokenizer();
+    // `<|endoftext|>` and `<|im_end|>` by their text (2 is also the EOS id), and
+    // `<reponame>` as the fill-in-the-middle repository token.
+    assert_eq!(tokenizer.end_of_generation(), [0, 2, 4]);
+    assert_eq!(tokenizer.end_of_turn(), Some(2));
+    let text =
+        meshnet_model::TextSide::of(&meshnet_model::Model::open(&common::model_path()).unwrap())
+            .unwrap();
+    assert_eq!(text.stop_tokens, [0, 2, 4]);
+    assert_eq!(text.end_of_turn, Some(2));
+}
+
+/// SmolLM2's tokenizer as a Hugging Face pipeline, built from the GGUF metadata: BPE over
+/// `tokenizer.ggml.tokens`/`merges`, digits split one by one then GPT-2's byte-level split,
+/// and the control tokens registered as special tokens.
+fn hugging_face_tokenizer_of_the_default_model() -> tokenizers::Tokenizer {
+    use tokenizers::decoders::DecoderWrapper;
+    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::pre_tokenizers::digits::Digits;
+    use tokenizers::pre_tokenizers::sequence::Sequence;
+
+    let metadata = &common::model().content().metadata;
+    let strings = |key: &str| -> Vec<String> {
+        metadata[key]
+            .to_vec()
+            .unwrap()
+            .iter()
+            .map(|value| value.to_string().unwrap().clone())
+            .collect()
+    };
+    let tokens = strings("tokenizer.ggml.tokens");
+    let types = metadata["tokenizer.ggml.token_type"].to_vec().unwrap();
+    let vocab: tokenizers::models::bpe::Vocab = tokens
+        .iter()
+        .enumerate()
+        .map(|(id, token)| (token.clone(), id as u32))
+        .collect();
+    let merges = strings("tokenizer.ggml.merges")
+        .iter()
+        .map(|merge| {
+            let (left, right) = merge.split_once(' ').unwrap();
+            (left.to_owned(), right.to_owned())
+        })
+        .collect();
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .build()
+        .unwrap();
+    let mut tokenizer = tokenizers::Tokenizer::new(bpe);
+    tokenizer.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(Sequence::new(vec![
+        PreTokenizerWrapper::Digits(Digits::new(true)),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
+    ]))));
+    tokenizer.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
+    let control: Vec<tokenizers::AddedToken> = tokens
+        .iter()
+        .zip(types)
+        .filter(|(_, kind)| kind.to_i32().unwrap() == 3)
+        .map(|(token, _)| tokenizers::AddedToken::from(token.clone(), true))
+        .collect();
+    tokenizer.add_special_tokens(control).unwrap();
+    tokenizer
+}
+
+#[test]
 fn a_saved_tokenizer_json_loads_and_encodes_the_same() {
     let from_gguf = common::tokenizer();
     let dir = std::env::temp_dir().join(format!("meshnet-tokenizer-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tokenizer.json");
-    from_gguf.inner().save(&path, false).unwrap();
+    hugging_face_tokenizer_of_the_default_model()
+        .save(&path, false)
+        .unwrap();
     let from_json = meshnet_model::ModelTokenizer::from_tokenizer_json(&path).unwrap();
     let text = "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n";
     assert_eq!(
         from_json.encode(text).unwrap(),
         from_gguf.encode(text).unwrap()
     );
+    // Special tokens as plain text: both read "<|im_end|>" as characters.
+    let plain = meshnet_model::EncodeOptions::default();
+    let ours = from_gguf.encode_with(text, plain).unwrap();
+    assert_eq!(from_json.encode_with(text, plain).unwrap(), ours);
+    assert!(!ours.contains(&2), "{ours:?}");
     assert_eq!(from_json.eos_token(), from_json.token_id("<|endoftext|>"));
 
     std::fs::write(&path, b"{ not json").unwrap();

@@ -72,7 +72,7 @@ fn token_ids_equal_llama_cpp_for_every_fixture_string() {
         if ours != case.ids {
             let pieces: Vec<String> = ours
                 .iter()
-                .map(|&id| tokenizer.inner().id_to_token(id).unwrap_or_default())
+                .map(|&id| tokenizer.token_text(id).unwrap_or_default())
                 .collect();
             mismatches.push(format!(
                 "{} ({:?}):\n  llama.cpp {:?} {:?}\n  ours      {:?} {:?}",
@@ -88,7 +88,7 @@ fn llama_cpp_ids_decode_back_to_their_text() {
     let tokenizer = common::tokenizer();
     for case in fixture().cases {
         // Special tokens kept: the chat markers are part of the text.
-        let text = tokenizer.inner().decode(&case.ids, false).unwrap();
+        let text = tokenizer.decode_with_special(&case.ids).unwrap();
         assert_eq!(text, case.text, "{}", case.name);
     }
 }

@@ -10,8 +10,11 @@
 //!   on a 200).
 //! - `status` prints a member's view of the mesh (coverage map, peers) as a table; `chat`
 //!   talks to the mesh in the terminal, streaming answers (both in `terminal`).
+//! - `tokenize` prints the ids of JSON strings read from standard input, one per line, with
+//!   a model's tokenizer (in `tokenize`).
 
 mod terminal;
+mod tokenize;
 
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
@@ -70,6 +73,9 @@ enum Commands {
     /// the tracker's machine, with its --data-dir): members serve a hand-made `/forward` only
     /// with one.
     Grant(GrantArgs),
+    /// Read one JSON string per line of standard input and print its token ids as one JSON
+    /// array per line (no BOS, special tokens as plain text unless asked otherwise).
+    Tokenize(tokenize::TokenizeArgs),
 }
 
 /// What `grant` signs.
@@ -283,6 +289,7 @@ fn main() -> ExitCode {
         Some(Commands::Status(args)) => terminal::status(&args),
         Some(Commands::Chat(args)) => terminal::chat(&args),
         Some(Commands::Grant(args)) => grant(&args),
+        Some(Commands::Tokenize(args)) => tokenize::tokenize(&args),
         None => run_peer(cli.run),
     };
     match outcome {

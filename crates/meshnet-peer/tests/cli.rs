@@ -457,3 +457,54 @@ fn status_and_chat_name_a_bad_member_url_or_an_unreachable_member() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+/// Runs `meshnet-peer tokenize` on the default model with `input` on standard input.
+fn tokenize(flags: &[&str], input: &str) -> std::process::Output {
+    use std::io::Write;
+    let model = meshnet_model::default_model_path();
+    let mut child = peer()
+        .arg("tokenize")
+        .arg("--model")
+        .arg(&model)
+        .args(flags)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn tokenize_prints_one_array_per_json_line_and_names_a_bad_line() {
+    // SmolLM2: "<|im_start|>" is the control token 1; BOS is 1 too, but not added by default.
+    let input = "\"<|im_start|>Hi\"\n\"12\"\n";
+    let plain = tokenize(&[], input);
+    assert!(plain.status.success(), "{plain:?}");
+    let plain = String::from_utf8(plain.stdout).unwrap();
+    let lines: Vec<Vec<u32>> = plain
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{plain}");
+    assert!(!lines[0].contains(&1), "{plain}");
+    assert_eq!(lines[1].len(), 2, "digits one by one: {plain}");
+
+    let parsed = tokenize(&["--parse-special"], input);
+    let parsed = String::from_utf8(parsed.stdout).unwrap();
+    let first: Vec<u32> = serde_json::from_str(parsed.lines().next().unwrap()).unwrap();
+    assert_eq!(first[0], 1, "{parsed}");
+    assert_eq!(first.len(), 2, "{parsed}");
+
+    let bad = tokenize(&[], "\"ok\"\nnot json\n");
+    assert!(!bad.status.success());
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    assert!(stderr.contains("line 2 is not a JSON string"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
