@@ -8,7 +8,8 @@
 #                            (when a Docker engine is installed), iproute2, iptables and curl
 #                            for the NAT testbed (testnet/nat.sh), Chromium for the
 #                            coverage-page test, a Python virtualenv with the `openai` and
-#                            `prometheus_client` packages for the API and /metrics checks, and
+#                            `prometheus_client` packages for the API and /metrics checks (and
+#                            `gguf` and `numpy` for the family fixtures' check), and
 #                            llama.cpp's reference files (scripts/fetch-llama-references.sh)
 #
 #   MESHNET_VENV=DIR   the virtualenv (default .venv in the repository root)
@@ -79,13 +80,16 @@ fi
 
 # The virtualenv for scripts/openai_client_check.py and scripts/metrics_check.py.
 venv=${MESHNET_VENV:-$repo/.venv}
-if ! "$venv/bin/python" -c 'import openai, prometheus_client' >/dev/null 2>&1; then
-  echo "installing the openai and prometheus_client packages into $venv"
+if ! "$venv/bin/python" -c 'import openai, prometheus_client, gguf, numpy' >/dev/null 2>&1; then
+  echo "installing the openai, prometheus_client, gguf and numpy packages into $venv"
   # Creating over an existing venv keeps it and (re)installs pip into it.
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
     python3 -m venv "$venv"
   fi
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check openai prometheus_client
+  # gguf (pinned: the family fixtures' bytes depend on its writer) and numpy let
+  # scripts/make_family_fixtures.py check that the committed fixtures are what it writes.
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check openai prometheus_client \
+    gguf==0.19.0 numpy
 fi
 # llama.cpp's tokenizer vectors and chat templates, which the reference tests read (pip, from
 # the virtualenv, downloads them).

@@ -41,6 +41,13 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test --workspace"
 bounded 3600 cargo test --workspace --locked
 
+# The tiny per-family GGUF files the parity tests read are written by a script from a seed; the
+# committed bytes must still be what it writes (llama.cpp's logits beside them are not
+# recomputed here: that needs llama.cpp built).
+step "the family fixtures are what scripts/make_family_fixtures.py writes"
+venv=${MESHNET_VENV:-.venv}
+"$venv/bin/python" scripts/make_family_fixtures.py check crates/meshnet-model/tests/fixtures/families
+
 # A hundred whole members in one process saturate two cores in a debug build; the optimised
 # build converges in well under a minute. Its build is the only release build of the run. The
 # tracker's warnings (peers it dropped from its book as silent) are printed to explain a failure.

@@ -266,7 +266,7 @@ impl TextSide {
 /// The texts of the `bos` and `eos` tokens, as chat templates see them.
 fn special_tokens(tokenizer: &ModelTokenizer, bos: Option<u32>, eos: Option<u32>) -> SpecialTokens {
     let text = |id: Option<u32>| {
-        id.and_then(|id| tokenizer.inner().id_to_token(id))
+        id.and_then(|id| tokenizer.token_text(id))
             .unwrap_or_default()
     };
     SpecialTokens {

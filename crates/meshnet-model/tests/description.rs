@@ -98,9 +98,11 @@ fn generation_ends_on_every_token_llama_cpp_lists_for_smollm2() {
     // `<reponame>` as the fill-in-the-middle repository token.
     assert_eq!(tokenizer.end_of_generation(), [0, 2, 4]);
     assert_eq!(tokenizer.end_of_turn(), Some(2));
-    let text =
-        meshnet_model::TextSide::of(&meshnet_model::Model::open(&common::model_path()).unwrap())
-            .unwrap();
+    let text = meshnet_model::TextSide::of(
+        &meshnet_model::Model::open(&common::model_path()).unwrap(),
+        None,
+    )
+    .unwrap();
     assert_eq!(text.stop_tokens, [0, 2, 4]);
     assert_eq!(text.end_of_turn, Some(2));
 }
