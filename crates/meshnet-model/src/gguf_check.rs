@@ -1,8 +1,9 @@
 //! A bounds-checked walk over a GGUF file's header, done before candle's reader sees the file.
 //!
 //! Candle's reader trusts parts of the header: it divides by `general.alignment` (zero
-//! panics), multiplies tensor dims without overflow checks when a tensor is sized, and names
-//! neither the key nor the tensor when it refuses a value. This walk reads the header from
+//! panics), multiplies tensor dims without overflow checks when a tensor is sized, views the
+//! empty buffer of a tensor without values as a slice of blocks through an unaligned pointer,
+//! and names neither the key nor the tensor when it refuses a value. This walk reads the header from
 //! the bytes with every count bounded by the bytes that remain, allocates only the keys and
 //! tensor names it has read, and refuses what candle (or the engine) cannot take with an
 //! error naming the key or tensor. After it, [`read_gguf_header`] lets candle parse the same
@@ -249,8 +250,8 @@ fn tensor_error(path: &Path, tensor: &str, reason: String) -> ModelError {
     }
 }
 
-/// Checks one tensor: a type this crate loads, dims whose element count fits, rows of whole
-/// blocks, an aligned offset, and data inside the file.
+/// Checks one tensor: a type this crate loads, at least one dim and an element count neither
+/// zero nor beyond counting, rows of whole blocks, an aligned offset, and data inside the file.
 fn check_tensor(
     path: &Path,
     layout: &GgufLayout,
@@ -266,11 +267,15 @@ fn check_tensor(
             type_name: ggml_type_name(tensor.type_id).unwrap_or("unknown"),
         });
     };
-    // The product of the non-zero dims bounds every partial product, in any order.
+    // Candle's reader views an empty buffer's (dangling, unaligned) pointer as a slice of
+    // blocks, which is undefined behaviour: a tensor without values is refused.
+    if tensor.dims.is_empty() || tensor.dims.contains(&0) {
+        let reason = format!("dims {:?} hold no values", tensor.dims);
+        return Err(tensor_error(path, name, reason));
+    }
     let elements = tensor
         .dims
         .iter()
-        .filter(|&&dim| dim > 0)
         .try_fold(1u64, |product, &dim| product.checked_mul(dim))
         .filter(|&product| product <= i64::MAX as u64 && usize::try_from(product).is_ok());
     let Some(elements) = elements else {
@@ -279,11 +284,6 @@ fn check_tensor(
             tensor.dims
         );
         return Err(tensor_error(path, name, reason));
-    };
-    let elements = if tensor.dims.contains(&0) {
-        0
-    } else {
-        elements
     };
     let block = dtype.block_size() as u64;
     let row = tensor.dims.first().copied().unwrap_or(1);
@@ -825,7 +825,7 @@ mod tests {
     #[test]
     fn malformed_tensor_entries_name_the_tensor() {
         let cases: [(&[u64], u32, u64, &str); 5] = [
-            (&[1 << 32, 1 << 32, 0], 0, 0, "more elements"),
+            (&[1 << 32, 1 << 32, 2], 0, 0, "more elements"),
             (&[1, 1, 1, 1, 1], 0, 0, "5 dims"),
             (&[48], 12, 0, "whole Q4K blocks of 256"),
             (&[8], 0, 16, "not a multiple of the alignment 32"),
@@ -878,11 +878,16 @@ mod tests {
     }
 
     #[test]
-    fn a_zero_sized_tensor_and_a_file_without_tensors_pass() {
+    fn a_tensor_without_values_is_refused_and_a_file_without_tensors_passes() {
         let mut bytes = Bytes::header(2, 1, 0);
         bytes.tensor("empty", &[0, 1 << 40], 0, 0).data(0);
-        let layout = bytes.check().unwrap();
-        assert_eq!(layout.tensors[0].dims, [0, 1 << 40]);
+        let error = bytes.check().unwrap_err();
+        assert!(error.to_string().contains("hold no values"), "{error}");
+        assert_eq!(tensor_name(error), "empty");
+        // No dims at all: candle refuses to build a scalar block tensor.
+        let mut bytes = Bytes::header(3, 1, 0);
+        bytes.tensor("scalar", &[], 0, 0).data(32);
+        assert_eq!(tensor_name(bytes.check().unwrap_err()), "scalar");
         assert!(Bytes::header(3, 0, 0).check().unwrap().tensors.is_empty());
     }
 

@@ -427,7 +427,10 @@ fn a_file_cut_in_its_metadata_names_the_key() {
     match result {
         Err(error @ ModelError::CorruptFile { .. }) => {
             let message = error.to_string();
-            assert!(message.contains("13 metadata entries and 11 tensors"), "{message}");
+            assert!(
+                message.contains("13 metadata entries and 11 tensors"),
+                "{message}"
+            );
         }
         Err(other) => panic!("expected a corrupt file, got {other}"),
         Ok(_) => panic!("a file cut in its metadata opened"),
@@ -569,4 +572,21 @@ fn a_zero_alignment_is_refused_by_name() {
     let metadata = tiny_metadata_with("general.alignment", Meta::U32(0));
     let (_file, result) = open_bytes("align.gguf", &gguf_bytes(&metadata, &tiny_tensors()));
     assert_metadata_key(result, "general.alignment");
+}
+
+#[test]
+fn the_known_models_pass_the_header_checks() {
+    for known in meshnet_model::KNOWN_MODELS {
+        let path = known.path();
+        assert!(
+            path.is_file(),
+            "{} is missing at {}: run `bash scripts/fetch-model.sh {}`",
+            known.name,
+            path.display(),
+            known.name
+        );
+        let mut file = std::io::BufReader::new(std::fs::File::open(&path).unwrap());
+        let content = meshnet_model::read_gguf_header(&mut file, &path).unwrap();
+        assert!(content.tensor_infos.len() > 100, "{}", known.name);
+    }
 }
