@@ -287,18 +287,19 @@ fn check_tensor(
     };
     let block = dtype.block_size() as u64;
     let row = tensor.dims.first().copied().unwrap_or(1);
-    if row % block != 0 {
+    if !row.is_multiple_of(block) {
         let reason = format!("rows of {row} values do not fill whole {dtype:?} blocks of {block}");
         return Err(tensor_error(path, name, reason));
     }
-    if tensor.offset % layout.alignment != 0 {
+    if !tensor.offset.is_multiple_of(layout.alignment) {
         let reason = format!(
             "data offset {} is not a multiple of the alignment {}",
             tensor.offset, layout.alignment
         );
         return Err(tensor_error(path, name, reason));
     }
-    let bytes = elements / block * dtype.type_size() as u64;
+    // Saturated: a size past u64 is past the end of any file.
+    let bytes = (elements / block).saturating_mul(dtype.type_size() as u64);
     let end = layout
         .tensor_data_offset
         .checked_add(tensor.offset)
@@ -686,6 +687,9 @@ mod tests {
         }
     }
 
+    /// Writes a metadata value's type and bytes.
+    type WriteValue = fn(&mut Bytes);
+
     fn metadata_key(error: ModelError) -> String {
         match error {
             ModelError::Metadata { key, .. } => key,
@@ -776,7 +780,7 @@ mod tests {
 
     #[test]
     fn malformed_values_name_their_key() {
-        let cases: [(&str, fn(&mut Bytes)); 5] = [
+        let cases: [(&str, WriteValue); 5] = [
             ("unknown", |b| {
                 b.u32(13);
             }),
@@ -824,12 +828,13 @@ mod tests {
 
     #[test]
     fn malformed_tensor_entries_name_the_tensor() {
-        let cases: [(&[u64], u32, u64, &str); 5] = [
+        let cases: [(&[u64], u32, u64, &str); 6] = [
             (&[1 << 32, 1 << 32, 2], 0, 0, "more elements"),
             (&[1, 1, 1, 1, 1], 0, 0, "5 dims"),
             (&[48], 12, 0, "whole Q4K blocks of 256"),
             (&[8], 0, 16, "not a multiple of the alignment 32"),
             (&[8], 0, 1 << 62, "run past the end"),
+            (&[1 << 62], 0, 0, "run past the end"),
         ];
         for (dims, type_id, offset, expected) in cases {
             let mut bytes = Bytes::header(3, 1, 0);
