@@ -142,6 +142,26 @@ impl ModelTokenizer {
         )
     }
 
+    /// Encodes a prompt as a sequence starts: special tokens written in the text become their
+    /// ids, and BOS (and EOS) are added as the file says (`tokenizer.ggml.add_bos_token`), once:
+    /// a chat template that wrote BOS itself does not get a second one.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = self.encode_with(
+            text,
+            EncodeOptions {
+                add_special: true,
+                parse_special: true,
+            },
+        )?;
+        if let (Some(bos), [first, second, ..]) = (self.bos_token(), ids.as_slice())
+            && *first == bos
+            && *second == bos
+        {
+            ids.remove(0);
+        }
+        Ok(ids)
+    }
+
     /// Encodes text with explicit [`EncodeOptions`].
     pub fn encode_with(&self, text: &str, options: EncodeOptions) -> Result<Vec<u32>> {
         match &self.engine {

@@ -11,7 +11,8 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use meshnet_model::{
-    BoundaryPolicy, Family, GenerationRequest, GgufModel, ModelDescription, SplitModel, generate,
+    BoundaryPolicy, ChatMessage, Family, GenerationRequest, GgufModel, Model, ModelDescription,
+    SplitModel, TextSide, generate,
 };
 
 /// The file `scripts/fetch-model.sh gemma3-270m` puts in the models directory.
@@ -51,6 +52,25 @@ fn ids(value: &serde_json::Value) -> Vec<u32> {
         .iter()
         .map(|id| id.as_u64().unwrap() as u32)
         .collect()
+}
+
+/// Our tokenizer and built-in Gemma chat format give the prompt ids llama.cpp made for the
+/// same question (BOS first, `<start_of_turn>` and `<end_of_turn>` as single ids).
+#[test]
+fn chat_prompts_encode_as_llama_cpp_encodes_them() {
+    let text = TextSide::of(
+        &Model::Llama(GgufModel::open(model().path()).unwrap()),
+        None,
+    )
+    .unwrap();
+    let template = text.template.as_ref().unwrap();
+    for case in reference()["cases"].as_array().unwrap() {
+        let question = case["question"].as_str().unwrap();
+        let rendered = template.render(&[ChatMessage::user(question)]).unwrap();
+        assert_eq!(rendered, case["prompt"].as_str().unwrap(), "{question}");
+        let ids = text.tokenizer.encode_prompt(&rendered).unwrap();
+        assert_eq!(ids, self::ids(&case["prompt_ids"]), "{question}");
+    }
 }
 
 #[test]

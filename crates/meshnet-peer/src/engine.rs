@@ -196,7 +196,7 @@ impl CompletionEngine for MeshEngine {
             let prompt = self
                 .text
                 .tokenizer
-                .encode(&text)
+                .encode_prompt(&text)
                 .map_err(|e| EngineError::Internal(e.to_string()))?;
             let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
             let permit = self.admission.admit().await?;

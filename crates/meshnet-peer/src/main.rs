@@ -840,7 +840,7 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     } else {
         args.prompt.clone()
     };
-    let prompt = tokenizer.encode(&text)?;
+    let prompt = tokenizer.encode_prompt(&text)?;
     if prompt.is_empty() {
         bail!("the prompt encodes to no tokens");
     }
