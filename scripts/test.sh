@@ -171,6 +171,8 @@ fuzz_seconds=${MESHNET_FUZZ_SECONDS:-20}
 #     8  frame_decode's frame limit (`Limits { max_frame_bytes: 1 << 20 }`, 1 MiB) for each copy
 #        it holds at once: decoded values, re-encoded body, values decoded again, two bit
 #        vectors, with room to spare (control messages are bounded by the input, a few kB);
+#        (gguf_header holds at most about 33 bytes per input byte, candle's parsed metadata
+#        and the tensors it reads, a fraction of an MB for libFuzzer's 4 KiB inputs);
 #   256  AddressSanitizer's quarantine of freed memory (its default on 64-bit targets);
 #   128  libFuzzer, ASan's shadow memory and runtime, and the corpus held in memory.
 fuzz_rss_limit_mb=$((128 + 8 + 256 + 128))
