@@ -538,6 +538,7 @@ fn model_info(args: &ModelInfoArgs) -> anyhow::Result<()> {
         "layer_cost_with_kv": layer_cost,
         "tracker_extra_bytes": shape.tracker_extra_bytes(),
         "chat_template": chat_template_source(model.model()),
+        "tokenizer": tokenizer_kind(model.model()),
     });
     if let Some(layers) = args.layers {
         let format = args.quantization.unwrap_or(model.shipped_format());
@@ -548,6 +549,25 @@ fn model_info(args: &ModelInfoArgs) -> anyhow::Result<()> {
     }
     println!("{}", serde_json::to_string_pretty(&info)?);
     Ok(())
+}
+
+/// The tokenizer a model file names, for `model-info`: GGUF's `tokenizer.ggml.model` and
+/// `tokenizer.ggml.pre` (`gpt2/smollm`, `llama`), or a GPT-2 directory's `tokenizer.json`.
+fn tokenizer_kind(model: &Model) -> String {
+    let Model::Llama(gguf) = model else {
+        return meshnet_model::GPT2_TOKENIZER_FILE.to_owned();
+    };
+    let text = |key: &str| {
+        gguf.content()
+            .metadata
+            .get(key)
+            .and_then(|value| value.to_string().ok().cloned())
+    };
+    match (text("tokenizer.ggml.model"), text("tokenizer.ggml.pre")) {
+        (Some(kind), Some(pre)) => format!("{kind}/{pre}"),
+        (Some(kind), None) => kind,
+        (None, _) => "none".to_owned(),
+    }
 }
 
 /// Where the chat template of `model` comes from, for `model-info` (or why it is unusable).

@@ -538,3 +538,36 @@ fn fetch_model_keeps_a_present_gemma_file_only_with_its_notices() {
     assert_eq!(stdout.lines().last(), Some(target.to_str().unwrap()));
     std::fs::remove_dir_all(models.parent().unwrap()).unwrap();
 }
+
+/// `model-info` on the Gemma 3 file names its family, tokenizer, template source, format and
+/// tensor types, and sizes each of its layers from the file.
+#[test]
+fn model_info_describes_a_gemma_file() {
+    let gemma = meshnet_model::known_model("gemma3-270m").unwrap();
+    let model = gemma.path();
+    assert!(
+        model.is_file(),
+        "the Gemma model is missing at {}: run `bash scripts/fetch-model.sh gemma3-270m`",
+        model.display()
+    );
+    let output = peer()
+        .arg("model-info")
+        .arg("--model")
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let info: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(info["architecture"], "gemma3");
+    assert_eq!(info["tokenizer"], "llama/default");
+    assert_eq!(info["chat_template"], "built-in gemma format");
+    assert_eq!(info["shipped_format"], "q4_k_m");
+    assert_eq!(info["tensor_types"]["Q4_K"], 27);
+    assert_eq!(info["tensor_types"]["Q6_K"], 9);
+    let layers = info["bytes_per_layer_as_shipped"].as_array().unwrap();
+    assert_eq!(layers.len(), 18);
+    assert_eq!(
+        info["layer_bytes"]["q4_k_m"],
+        layers.iter().map(|b| b.as_u64().unwrap()).max().unwrap()
+    );
+}
