@@ -83,6 +83,13 @@ else
   unset MESHNET_TESTNET_DIR
 fi
 
+step "Gemma 3 (Q4_K_M) through a 3-process mesh answers exactly like generate"
+if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
+  echo "skipped: MESHNET_SKIP_MESH=1"
+else
+  MESHNET_BIN=$PWD/target/debug/meshnet-peer bounded 900 testnet/gemma_check.sh
+fi
+
 step "self-healing: chaos, SIGTERM, SIGSTOP and tracker loss on a 5-process mesh, redundancy 2"
 if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
   echo "skipped: MESHNET_SKIP_MESH=1"
