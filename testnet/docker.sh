@@ -22,6 +22,10 @@
 #   MESHNET_DOCKER_DIR     run directory: env file, image context, logs (default
 #                          $TMPDIR/meshnet-docker)
 #   MESHNET_DOCKER_PORT    host port of the tracker's API (default 8090)
+#   MESHNET_TRACKER_MEM_LIMIT, MESHNET_PEER_MEM_LIMIT
+#                          container memory limits of the tracker and of each peer (docker's
+#                          units, e.g. 400m; default none); smoke fails if any container was
+#                          OOM-killed
 #   MESHNET_DOCKER_NET     first three octets of the compose network's /24 (default 10.213.0)
 #   MESHNET_DOCKER_TIMEOUT seconds `up` waits for the mesh (default 240)
 #   MESHNET_IMAGE          image name (default meshnet-peer:testnet)
@@ -319,6 +323,8 @@ up() {
       "$image" "$(dirname "$model")" "$(basename "$model")"
     printf 'MESHNET_TRACKER_MEMORY=%s\nMESHNET_PEER_MEMORY=%s\n' "$tracker_memory" "$peer_memory"
     printf 'MESHNET_DOCKER_NET=%s\nMESHNET_DOCKER_PORT=%s\n' "$net" "$host_port"
+    printf 'MESHNET_TRACKER_MEM_LIMIT=%s\nMESHNET_PEER_MEM_LIMIT=%s\n' \
+      "${MESHNET_TRACKER_MEM_LIMIT:-0}" "${MESHNET_PEER_MEM_LIMIT:-0}"
   } >"$env_file"
   say "layout: the tracker holds $tracker_layers layers (memory $tracker_memory B), three groups" \
     "of three peers hold $group_layers layers each (memory $peer_memory B)"

@@ -207,8 +207,28 @@ def run_smoke(net, _args):
     if text != expected:
         log(f"smoke FAILED: generate --boundaries {boundaries} gives {expected!r}")
         return 1
-    log("smoke ok: the answer equals meshnet-peer generate --chat at the same boundaries")
+    killed = oom_killed(net)
+    if killed:
+        log(f"smoke FAILED: the kernel killed {', '.join(killed)} for memory")
+        return 1
+    log("smoke ok: the answer equals meshnet-peer generate --chat at the same boundaries; "
+        f"no container was OOM-killed ({memory_limits(net)})")
     return 0
+
+
+def oom_killed(net):
+    """The members whose container the kernel killed for memory."""
+    return [name for name, member in net.members.items()
+            if net.docker("inspect", "-f", "{{.State.OOMKilled}}", member["id"]) == "true"]
+
+
+def memory_limits(net):
+    """The tracker's and the first peer's container memory limits, as text."""
+    def limit(name):
+        value = int(net.docker("inspect", "-f", "{{.HostConfig.Memory}}",
+                               net.members[name]["id"]))
+        return f"{value / 2**20:.0f} MiB" if value else "no limit"
+    return f"memory limits: tracker {limit('tracker')}, peers {limit(net.peers[0])}"
 
 
 # --- chaos ---------------------------------------------------------------------------------
