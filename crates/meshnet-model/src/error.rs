@@ -26,15 +26,14 @@ pub enum ModelError {
         reason: String,
     },
     /// The model's architecture is not one this crate runs.
-    #[error(
-        "{path}: unsupported architecture {architecture:?} (supported: {})",
-        crate::family::Family::supported_list()
-    )]
+    #[error("{path}: unsupported architecture {architecture:?} (supported: {supported})")]
     UnsupportedArchitecture {
         /// The file.
         path: PathBuf,
         /// The architecture the file declares.
         architecture: String,
+        /// The architectures this crate runs, comma-separated.
+        supported: String,
     },
     /// A required metadata key is absent or has the wrong type.
     #[error("{path}: metadata key {key}: {reason}")]

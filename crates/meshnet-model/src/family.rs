@@ -9,7 +9,7 @@ use candle_core::quantized::gguf_file::Content;
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
-use crate::gguf::{get_f32, get_optional_usize, get_string, metadata_error};
+use crate::metadata::{get_f32, get_optional_usize, get_string, metadata_error};
 
 /// A family of models (GGUF's `general.architecture`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

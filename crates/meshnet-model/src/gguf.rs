@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use crate::error::{ModelError, Result};
 use crate::family::{ArchitectureConfig, Family, ShapeFacts, read_config};
+use crate::metadata::{get, get_f32, get_optional_usize, get_string, get_usize, metadata_error};
 
 /// Bytes the weights of each part of the model take in memory, per quantization.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -240,75 +241,6 @@ impl TensorReader<'_> {
     }
 }
 
-pub(crate) fn metadata_error(path: &Path, key: &str, reason: impl Into<String>) -> ModelError {
-    ModelError::Metadata {
-        path: path.to_path_buf(),
-        key: key.to_owned(),
-        reason: reason.into(),
-    }
-}
-
-fn get<'a>(path: &Path, content: &'a Content, key: &str) -> Result<&'a Value> {
-    content
-        .metadata
-        .get(key)
-        .ok_or_else(|| metadata_error(path, key, "missing"))
-}
-
-fn get_usize(path: &Path, content: &Content, key: &str) -> Result<usize> {
-    let value = get(path, content, key)?;
-    let number = match value {
-        Value::U8(v) => u64::from(*v),
-        Value::U16(v) => u64::from(*v),
-        Value::U32(v) => u64::from(*v),
-        Value::U64(v) => *v,
-        Value::I32(v) if *v >= 0 => *v as u64,
-        Value::I64(v) if *v >= 0 => *v as u64,
-        other => {
-            return Err(metadata_error(
-                path,
-                key,
-                format!(
-                    "expected an unsigned integer, found {:?}",
-                    other.value_type()
-                ),
-            ));
-        }
-    };
-    usize::try_from(number).map_err(|_| metadata_error(path, key, "value too large"))
-}
-
-pub(crate) fn get_optional_usize(
-    path: &Path,
-    content: &Content,
-    key: &str,
-) -> Result<Option<usize>> {
-    if content.metadata.contains_key(key) {
-        get_usize(path, content, key).map(Some)
-    } else {
-        Ok(None)
-    }
-}
-
-pub(crate) fn get_f32(path: &Path, content: &Content, key: &str) -> Result<f32> {
-    match get(path, content, key)? {
-        Value::F32(v) => Ok(*v),
-        Value::F64(v) => Ok(*v as f32),
-        other => Err(metadata_error(
-            path,
-            key,
-            format!("expected a float, found {:?}", other.value_type()),
-        )),
-    }
-}
-
-pub(crate) fn get_string(path: &Path, content: &Content, key: &str) -> Result<String> {
-    get(path, content, key)?
-        .to_string()
-        .cloned()
-        .map_err(|error| metadata_error(path, key, error.to_string()))
-}
-
 /// Bytes a tensor of `elements` values takes in `dtype`.
 fn tensor_bytes(dtype: GgmlDType, elements: usize) -> u64 {
     (elements / dtype.block_size() * dtype.type_size()) as u64
@@ -501,6 +433,26 @@ fn shipped_quantization(path: &Path, content: &Content) -> Result<Option<Quantiz
     Ok((file_type == Some(FILE_TYPE_Q4_K_M)).then_some(Quantization::Q4KM))
 }
 
+/// The vocabulary size: the token embedding's rows (at least one).
+fn read_vocab_size(path: &Path, content: &Content, hidden: usize) -> Result<usize> {
+    let embedding_info = content
+        .tensor_infos
+        .get("token_embd.weight")
+        .ok_or_else(|| ModelError::MissingTensor {
+            path: path.to_path_buf(),
+            tensor: "token_embd.weight".to_owned(),
+        })?;
+    match embedding_info.shape.dims().first() {
+        Some(&rows) if rows > 0 => Ok(rows),
+        _ => Err(ModelError::TensorShape {
+            path: path.to_path_buf(),
+            tensor: "token_embd.weight".to_owned(),
+            expected: vec![1, hidden],
+            actual: embedding_info.shape.dims().to_vec(),
+        }),
+    }
+}
+
 fn describe(
     path: &Path,
     content: &Content,
@@ -511,6 +463,7 @@ fn describe(
         ModelError::UnsupportedArchitecture {
             path: path.to_path_buf(),
             architecture: architecture.clone(),
+            supported: Family::supported_list(),
         }
     })?;
     let key = |suffix: &str| format!("{architecture}.{suffix}");
@@ -535,22 +488,7 @@ fn describe(
         get_optional_usize(path, content, &key("context_length"))?.unwrap_or(2048);
     let context_length = context.map_or(trained_context, |limit| limit.min(trained_context));
     let text = read_text_facts(path, content)?;
-    let embedding_info = content
-        .tensor_infos
-        .get("token_embd.weight")
-        .ok_or_else(|| ModelError::MissingTensor {
-            path: path.to_path_buf(),
-            tensor: "token_embd.weight".to_owned(),
-        })?;
-    let vocab_size = embedding_info.shape.dims().first().copied().unwrap_or(0);
-    if vocab_size == 0 {
-        return Err(ModelError::TensorShape {
-            path: path.to_path_buf(),
-            tensor: "token_embd.weight".to_owned(),
-            expected: vec![1, hidden],
-            actual: embedding_info.shape.dims().to_vec(),
-        });
-    }
+    let vocab_size = read_vocab_size(path, content, hidden)?;
     let config = read_config(
         path,
         content,

@@ -425,9 +425,34 @@ mod tests {
         }
     }
 
+    /// `input` (`[tokens, heads · head_dim]`) rotated by one of candle's rope functions with
+    /// `rotary`'s tables, back in our layout.
+    fn candle_rotation(
+        input: &[f32],
+        rotary: &Rotary,
+        heads: usize,
+        rope: fn(
+            &candle_core::Tensor,
+            &candle_core::Tensor,
+            &candle_core::Tensor,
+        ) -> candle_core::Result<candle_core::Tensor>,
+    ) -> Vec<f32> {
+        use candle_core::{Device, Tensor};
+        let pairs = rotary.pairs;
+        let tokens = rotary.cos.len() / pairs;
+        let shape = (1, tokens, heads, 2 * pairs);
+        let heads_first = Tensor::from_slice(input, shape, &Device::Cpu)
+            .and_then(|t| t.transpose(1, 2)?.contiguous())
+            .unwrap();
+        let cos = Tensor::from_slice(&rotary.cos, (tokens, pairs), &Device::Cpu).unwrap();
+        let sin = Tensor::from_slice(&rotary.sin, (tokens, pairs), &Device::Cpu).unwrap();
+        rope(&heads_first, &cos, &sin)
+            .and_then(|t| t.transpose(1, 2)?.flatten_all()?.to_vec1::<f32>())
+            .unwrap()
+    }
+
     #[test]
     fn halves_rotation_matches_candles_rope() {
-        use candle_core::{Device, Tensor};
         let (tokens, heads, head_dim) = (3, 2, 8);
         let input = filler(tokens * heads * head_dim, 21);
         let frequencies: Vec<f32> = (0..head_dim / 2)
@@ -436,22 +461,7 @@ mod tests {
         let rotary = Rotary::new(&frequencies, 7, tokens, RopeStyle::Halves, 1.0);
         let mut ours = input.clone();
         rotary.rotate(&mut ours);
-        let heads_first = Tensor::from_slice(&input, (1, tokens, heads, head_dim), &Device::Cpu)
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .contiguous()
-            .unwrap();
-        let cos = Tensor::from_slice(&rotary.cos, (tokens, head_dim / 2), &Device::Cpu).unwrap();
-        let sin = Tensor::from_slice(&rotary.sin, (tokens, head_dim / 2), &Device::Cpu).unwrap();
-        let theirs = candle_nn::rotary_emb::rope(&heads_first, &cos, &sin)
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let theirs = candle_rotation(&input, &rotary, heads, candle_nn::rotary_emb::rope);
         assert_eq!(ours, theirs, "rotation of halves");
     }
 
@@ -530,22 +540,7 @@ mod tests {
         let rotary = Rotary::new(&frequencies, 5, tokens, RopeStyle::Interleaved, 1.0);
         let mut ours = input.clone();
         rotary.rotate(&mut ours);
-        let heads_first = Tensor::from_slice(&input, (1, tokens, heads, head_dim), &Device::Cpu)
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .contiguous()
-            .unwrap();
-        let cos = Tensor::from_slice(&rotary.cos, (tokens, head_dim / 2), &Device::Cpu).unwrap();
-        let sin = Tensor::from_slice(&rotary.sin, (tokens, head_dim / 2), &Device::Cpu).unwrap();
-        let theirs = candle_nn::rotary_emb::rope_i(&heads_first, &cos, &sin)
-            .unwrap()
-            .transpose(1, 2)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
+        let theirs = candle_rotation(&input, &rotary, heads, candle_nn::rotary_emb::rope_i);
         assert_eq!(ours, theirs, "interleaved rotation");
     }
 }

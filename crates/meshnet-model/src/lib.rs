@@ -30,6 +30,7 @@ mod kv_cache;
 mod layer_math;
 mod linear;
 mod llama;
+mod metadata;
 mod model;
 mod sampling;
 mod strftime;
