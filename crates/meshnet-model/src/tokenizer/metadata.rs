@@ -72,49 +72,14 @@ impl<'a> Metadata<'a> {
         }
     }
 
-    /// An array of strings; `None` when the key is absent.
-    pub(crate) fn strings(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
-        let Some(items) = self.array(key)? else {
-            return Ok(None);
-        };
-        items
-            .iter()
-            .enumerate()
-            .map(|(index, item)| match item {
-                Value::String(text) => Ok(text.as_str()),
-                other => Err(self.error(
-                    key,
-                    format!("item {index}: {}", type_mismatch("a string", other)),
-                )),
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
-    }
-
-    /// An array of numbers read as `f32`; `None` when the key is absent.
-    pub(crate) fn floats(&self, key: &str) -> Result<Option<Vec<f32>>> {
-        let Some(items) = self.array(key)? else {
-            return Ok(None);
-        };
-        items
-            .iter()
-            .enumerate()
-            .map(|(index, item)| match item {
-                Value::F32(number) => Ok(*number),
-                Value::F64(number) => Ok(*number as f32),
-                other => integer(other).map(|number| number as f32).ok_or_else(|| {
-                    self.error(
-                        key,
-                        format!("item {index}: {}", type_mismatch("a number", other)),
-                    )
-                }),
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
-    }
-
-    /// An array of integers; `None` when the key is absent.
-    pub(crate) fn integers(&self, key: &str) -> Result<Option<Vec<i64>>> {
+    /// An array whose every item `convert` accepts (one `what` each); `None` when the key is
+    /// absent; the first item it refuses is an error naming the key and the item's index.
+    fn typed_array<T>(
+        &self,
+        key: &str,
+        what: &str,
+        convert: impl Fn(&'a Value) -> Option<T>,
+    ) -> Result<Option<Vec<T>>> {
         let Some(items) = self.array(key)? else {
             return Ok(None);
         };
@@ -122,15 +87,34 @@ impl<'a> Metadata<'a> {
             .iter()
             .enumerate()
             .map(|(index, item)| {
-                integer(item).ok_or_else(|| {
-                    self.error(
-                        key,
-                        format!("item {index}: {}", type_mismatch("an integer", item)),
-                    )
+                convert(item).ok_or_else(|| {
+                    self.error(key, format!("item {index}: {}", type_mismatch(what, item)))
                 })
             })
             .collect::<Result<Vec<_>>>()
             .map(Some)
+    }
+
+    /// An array of strings; `None` when the key is absent.
+    pub(crate) fn strings(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
+        self.typed_array(key, "a string", |item| match item {
+            Value::String(text) => Some(text.as_str()),
+            _ => None,
+        })
+    }
+
+    /// An array of numbers read as `f32`; `None` when the key is absent.
+    pub(crate) fn floats(&self, key: &str) -> Result<Option<Vec<f32>>> {
+        self.typed_array(key, "a number", |item| match item {
+            Value::F32(number) => Some(*number),
+            Value::F64(number) => Some(*number as f32),
+            other => integer(other).map(|number| number as f32),
+        })
+    }
+
+    /// An array of integers; `None` when the key is absent.
+    pub(crate) fn integers(&self, key: &str) -> Result<Option<Vec<i64>>> {
+        self.typed_array(key, "an integer", integer)
     }
 }
 
