@@ -20,7 +20,7 @@ mod matrix;
 mod scalar;
 
 pub use error::{KernelError, Result};
-pub use matrix::{QuantizedMatrix, WeightFormat};
+pub use matrix::{MatrixBuilder, QuantizedMatrix, WeightFormat};
 
 use std::sync::OnceLock;
 

@@ -76,54 +76,12 @@ impl QuantizedMatrix {
         cols: usize,
         bytes: &[u8],
     ) -> Result<Self> {
-        if cols == 0 || !cols.is_multiple_of(BLOCK) {
-            return Err(KernelError::RaggedRow {
-                format: format.name(),
-                cols,
-                block: BLOCK,
-            });
+        let mut builder = MatrixBuilder::new(format, rows, cols)?;
+        if bytes.len() != builder.expected {
+            return Err(builder.length_error(bytes.len()));
         }
-        let blocks = rows
-            .checked_mul(cols / BLOCK)
-            .ok_or(KernelError::TooLarge { rows, cols })?;
-        let expected = blocks
-            .checked_mul(format.block_bytes())
-            .ok_or(KernelError::TooLarge { rows, cols })?;
-        if bytes.len() != expected {
-            return Err(KernelError::ByteLength {
-                format: format.name(),
-                rows,
-                cols,
-                expected,
-                actual: bytes.len(),
-            });
-        }
-        let half = |at: usize| f16::from_le_bytes([bytes[at], bytes[at + 1]]).to_f32();
-        let mut matrix = Self {
-            format,
-            rows,
-            cols,
-            scales: Vec::with_capacity(blocks),
-            mins: Vec::with_capacity(if format == WeightFormat::Q4_1 {
-                blocks
-            } else {
-                0
-            }),
-            quants: Vec::with_capacity(blocks * format.quant_bytes()),
-        };
-        for block in bytes.chunks_exact(format.block_bytes()) {
-            let start = block.as_ptr() as usize - bytes.as_ptr() as usize;
-            matrix.scales.push(half(start));
-            let quants = match format {
-                WeightFormat::Q4_1 => {
-                    matrix.mins.push(half(start + 2));
-                    &block[4..]
-                }
-                WeightFormat::Q8_0 => &block[2..],
-            };
-            matrix.quants.extend_from_slice(quants);
-        }
-        Ok(matrix)
+        builder.push(bytes)?;
+        builder.finish()
     }
 
     /// Stacks matrices of one format and row length on top of each other (rows of the first,
@@ -328,4 +286,100 @@ fn chunk_rows(rows: usize, m: usize) -> usize {
     let tasks = rayon::current_num_threads().max(1) * 4;
     let minimum = if m == 1 { 16 } else { 4 };
     rows.div_ceil(tasks).max(minimum)
+}
+
+/// Builds a [`QuantizedMatrix`] from its ggml block bytes a piece at a time, so a large table
+/// (a model's token embedding) is parsed while it is read and never held twice.
+#[derive(Debug)]
+pub struct MatrixBuilder {
+    matrix: QuantizedMatrix,
+    /// The bytes the whole matrix takes in the file.
+    expected: usize,
+    /// The bytes pushed so far.
+    received: usize,
+}
+
+impl MatrixBuilder {
+    /// A builder for `rows × cols` values of `format`, checking that the shape is whole blocks
+    /// and that its byte size fits in memory.
+    pub fn new(format: WeightFormat, rows: usize, cols: usize) -> Result<Self> {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) {
+            return Err(KernelError::RaggedRow {
+                format: format.name(),
+                cols,
+                block: BLOCK,
+            });
+        }
+        let blocks = rows
+            .checked_mul(cols / BLOCK)
+            .ok_or(KernelError::TooLarge { rows, cols })?;
+        let expected = blocks
+            .checked_mul(format.block_bytes())
+            .ok_or(KernelError::TooLarge { rows, cols })?;
+        let mins = if format == WeightFormat::Q4_1 {
+            blocks
+        } else {
+            0
+        };
+        let matrix = QuantizedMatrix {
+            format,
+            rows,
+            cols,
+            scales: Vec::with_capacity(blocks),
+            mins: Vec::with_capacity(mins),
+            quants: Vec::with_capacity(blocks * format.quant_bytes()),
+        };
+        Ok(Self {
+            matrix,
+            expected,
+            received: 0,
+        })
+    }
+
+    /// The bytes the whole matrix takes in the file.
+    pub fn expected_bytes(&self) -> usize {
+        self.expected
+    }
+
+    fn length_error(&self, actual: usize) -> KernelError {
+        KernelError::ByteLength {
+            format: self.matrix.format.name(),
+            rows: self.matrix.rows,
+            cols: self.matrix.cols,
+            expected: self.expected,
+            actual,
+        }
+    }
+
+    /// Parses the next whole blocks of the file's bytes.
+    pub fn push(&mut self, bytes: &[u8]) -> Result<()> {
+        let format = self.matrix.format;
+        let total = self.received.saturating_add(bytes.len());
+        if total > self.expected || !bytes.len().is_multiple_of(format.block_bytes()) {
+            return Err(self.length_error(total));
+        }
+        let half =
+            |block: &[u8], at: usize| f16::from_le_bytes([block[at], block[at + 1]]).to_f32();
+        for block in bytes.chunks_exact(format.block_bytes()) {
+            self.matrix.scales.push(half(block, 0));
+            let quants = match format {
+                WeightFormat::Q4_1 => {
+                    self.matrix.mins.push(half(block, 2));
+                    &block[4..]
+                }
+                WeightFormat::Q8_0 => &block[2..],
+            };
+            self.matrix.quants.extend_from_slice(quants);
+        }
+        self.received = total;
+        Ok(())
+    }
+
+    /// The matrix, once every byte of it was pushed.
+    pub fn finish(self) -> Result<QuantizedMatrix> {
+        if self.received != self.expected {
+            return Err(self.length_error(self.received));
+        }
+        Ok(self.matrix)
+    }
 }

@@ -4,7 +4,7 @@
 //! shapes and bytes are refused.
 
 use half::f16;
-use meshnet_kernels::{BLOCK, Kernel, KernelError, QuantizedMatrix, WeightFormat};
+use meshnet_kernels::{BLOCK, Kernel, KernelError, MatrixBuilder, QuantizedMatrix, WeightFormat};
 use proptest::prelude::*;
 
 /// ggml block bytes for `rows × cols` with scales and minimums drawn from `scales`.
@@ -115,6 +115,37 @@ proptest! {
     }
 
     #[test]
+    fn a_matrix_built_piece_by_piece_equals_one_parsed_whole(
+        format in format_strategy(),
+        rows in 1usize..20,
+        blocks_per_row in 1usize..6,
+        cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..6),
+        seed in proptest::collection::vec(any::<u8>(), 1..64),
+    ) {
+        let cols = blocks_per_row * BLOCK;
+        let blocks = rows * blocks_per_row;
+        let bytes = block_bytes(format, blocks, &seed, &[0.03, 0.7, 1e-3]);
+        let whole = QuantizedMatrix::from_ggml_bytes(format, rows, cols, &bytes).unwrap();
+        // Pieces of whole blocks, cut at random block boundaries (empty pieces included).
+        let mut boundaries: Vec<usize> = cuts.iter().map(|cut| cut.index(blocks + 1)).collect();
+        boundaries.extend([0, blocks]);
+        boundaries.sort_unstable();
+        let mut builder = MatrixBuilder::new(format, rows, cols).unwrap();
+        prop_assert_eq!(builder.expected_bytes(), bytes.len());
+        for piece in boundaries.windows(2) {
+            let span = piece[0] * format.block_bytes()..piece[1] * format.block_bytes();
+            builder.push(&bytes[span]).unwrap();
+        }
+        let built = builder.finish().unwrap();
+        let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+        for row in 0..rows {
+            whole.dequantize_row(row, &mut a).unwrap();
+            built.dequantize_row(row, &mut b).unwrap();
+            prop_assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "row {}", row);
+        }
+    }
+
+    #[test]
     fn stacked_matrices_give_their_parts_outputs_side_by_side(
         format in format_strategy(),
         first_rows in 1usize..20,
@@ -204,6 +235,32 @@ fn bad_shapes_and_bytes_are_refused_with_the_reason() {
     let other = QuantizedMatrix::from_ggml_bytes(WeightFormat::Q8_0, 1, 64, &[0; 68]).unwrap();
     assert!(QuantizedMatrix::stack(&[&matrix, &other]).is_err());
     assert!(QuantizedMatrix::stack(&[]).is_err());
+}
+
+#[test]
+fn a_builder_refuses_partial_blocks_too_many_bytes_and_too_few() {
+    let mut builder = MatrixBuilder::new(WeightFormat::Q8_0, 2, 32).unwrap();
+    let error = builder.push(&[0; 33]).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "Q8_0 data of 2×32 needs 68 bytes, got 33"
+    );
+    builder.push(&[0; 34]).unwrap();
+    let error = builder.push(&[0; 68]).unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "Q8_0 data of 2×32 needs 68 bytes, got 102"
+    );
+    let error = builder.finish().unwrap_err();
+    assert_eq!(
+        error.to_string(),
+        "Q8_0 data of 2×32 needs 68 bytes, got 34"
+    );
+    let error = MatrixBuilder::new(WeightFormat::Q4_1, 1, 48).unwrap_err();
+    assert!(
+        matches!(error, KernelError::RaggedRow { cols: 48, .. }),
+        "{error}"
+    );
 }
 
 #[test]

@@ -2,7 +2,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use candle_core::Device;
@@ -202,7 +202,7 @@ pub(crate) struct TensorReader<'a> {
 
 impl TensorReader<'_> {
     /// The error for a tensor whose data could not be converted.
-    pub(crate) fn data_error(&self, name: &str, error: candle_core::Error) -> ModelError {
+    pub(crate) fn data_error(&self, name: &str, error: impl std::fmt::Display) -> ModelError {
         ModelError::TensorData {
             path: self.model.path.clone(),
             tensor: name.to_owned(),
@@ -210,8 +210,8 @@ impl TensorReader<'_> {
         }
     }
 
-    /// Loads the tensor `name`, which must have exactly `expected` dims (outermost first).
-    pub(crate) fn load(&mut self, name: &str, expected: &[usize]) -> Result<QTensor> {
+    /// The entry of tensor `name`, which must have exactly `expected` dims (outermost first).
+    pub(crate) fn checked_info(&self, name: &str, expected: &[usize]) -> Result<&TensorInfo> {
         let path = &self.model.path;
         let info =
             self.model
@@ -230,6 +230,43 @@ impl TensorReader<'_> {
                 actual: info.shape.dims().to_vec(),
             });
         }
+        Ok(info)
+    }
+
+    /// Reads the bytes of tensor `name` (of exactly `expected` dims) in pieces of at most
+    /// `piece` bytes, each a whole number of the type's blocks when `piece` is one, handing
+    /// each to `consume`: a large tensor is never held whole in a buffer of its own.
+    pub(crate) fn read_pieces(
+        &mut self,
+        name: &str,
+        expected: &[usize],
+        piece: usize,
+        consume: &mut dyn FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let info = self.checked_info(name, expected)?;
+        let length = tensor_bytes(info.ggml_dtype, info.shape.elem_count());
+        let start = self.model.content.tensor_data_offset + info.offset;
+        let model = self.model;
+        let io = |source| ModelError::Io {
+            path: model.path.clone(),
+            source,
+        };
+        self.reader.seek(SeekFrom::Start(start)).map_err(io)?;
+        let mut buffer = vec![0u8; piece.max(1).min(length as usize)];
+        let mut left = length as usize;
+        while left > 0 {
+            let take = left.min(buffer.len());
+            self.reader.read_exact(&mut buffer[..take]).map_err(io)?;
+            consume(&buffer[..take])?;
+            left -= take;
+        }
+        Ok(())
+    }
+
+    /// Loads the tensor `name`, which must have exactly `expected` dims (outermost first).
+    pub(crate) fn load(&mut self, name: &str, expected: &[usize]) -> Result<QTensor> {
+        let path = &self.model.path;
+        self.checked_info(name, expected)?;
         self.model
             .content
             .tensor(&mut self.reader, name, &Device::Cpu)

@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use meshnet_kernels::{QuantizedMatrix, WeightFormat};
+use meshnet_kernels::{MatrixBuilder, QuantizedMatrix, WeightFormat};
 
 use crate::error::{ModelError, Result};
+use crate::gguf::TensorReader;
 
 /// Whether `MESHNET_KERNEL=candle` asks for candle's own quantized matmul everywhere (to
 /// compare against it); decided once per process.
@@ -44,6 +45,41 @@ pub(crate) fn kernel_matrix(tensor: &QTensor) -> Result<Option<QuantizedMatrix>>
     Ok(Some(QuantizedMatrix::from_ggml_bytes(
         format, rows, cols, &bytes,
     )?))
+}
+
+/// Blocks read from the file at a time when a matrix is parsed as it is read.
+const BLOCKS_PER_PIECE: usize = 4096;
+
+/// Tensor `name` (`[rows, cols]`) as a kernel matrix parsed while it is read, so it is never
+/// in memory twice (a model's embedding table is its largest tensor); `None` when its type is
+/// not one the kernels run as shipped (`requantise` turns every type but Q8_0 into Q8_0).
+pub(crate) fn read_kernel_matrix(
+    reader: &mut TensorReader<'_>,
+    name: &str,
+    dims: [usize; 2],
+    requantise: bool,
+) -> Result<Option<QuantizedMatrix>> {
+    // The shape is checked against the file's before anything is sized by it.
+    let dtype = reader.checked_info(name, &dims)?.ggml_dtype;
+    let Some(format) = kernel_format(dtype) else {
+        return Ok(None);
+    };
+    if requantise && format != WeightFormat::Q8_0 {
+        return Ok(None);
+    }
+    let mut builder = MatrixBuilder::new(format, dims[0], dims[1])
+        .map_err(|error| reader.data_error(name, error))?;
+    let piece = format.block_bytes() * BLOCKS_PER_PIECE;
+    reader
+        .read_pieces(name, &dims, piece, &mut |bytes| Ok(builder.push(bytes)?))
+        .map_err(|error| match error {
+            ModelError::Kernel(error) => reader.data_error(name, error),
+            other => other,
+        })?;
+    builder
+        .finish()
+        .map(Some)
+        .map_err(|error| reader.data_error(name, error))
 }
 
 /// One or more projections of the same input: `[tokens, in]` → one `[tokens, out_i]` each.

@@ -23,7 +23,7 @@ use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionId, SessionLease}
 use crate::layer_math::{
     AttentionRule, Heads, Rotary, add_in_place, attend, geglu, rms_norm, swiglu,
 };
-use crate::linear::{Projections, kernel_matrix};
+use crate::linear::{Projections, kernel_matrix, read_kernel_matrix};
 
 /// Which parts of the model a span holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -658,12 +658,11 @@ impl<'a> SpanLoader<'a> {
     /// The token embedding table.
     fn embedding(&mut self) -> Result<Embedding> {
         let dims = [self.description().vocab_size, self.description().hidden];
-        let table = load_matrix(
-            &mut self.reader,
-            "token_embd.weight",
-            &dims,
-            self.requantise,
-        )?;
+        let name = "token_embd.weight";
+        if let Some(matrix) = read_kernel_matrix(&mut self.reader, name, dims, self.requantise)? {
+            return Ok(Embedding::Kernel(Arc::new(matrix)));
+        }
+        let table = load_matrix(&mut self.reader, name, &dims, self.requantise)?;
         Ok(match kernel_matrix(&table)? {
             Some(matrix) => Embedding::Kernel(Arc::new(matrix)),
             None => Embedding::Candle(Arc::new(table)),
