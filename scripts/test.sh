@@ -11,7 +11,8 @@
 #   MESHNET_SKIP_NAT=1       skip the NAT testbed (testnet/nat.sh run: network namespaces, as
 #                            root; without root, ip or iptables it is skipped with a loud note)
 #   MESHNET_SKIP_DOCKER=1    skip the ten-peer Docker testnet (testnet/docker.sh smoke and
-#                            chaos); without a Docker engine they are skipped with a loud note
+#                            chaos, then testnet/gemma_docker.sh: Gemma 3 under memory limits);
+#                            without a Docker engine they are skipped with a loud note
 #   MESHNET_VENV=DIR         virtualenv with the `openai` and `prometheus_client` packages
 #                            (default .venv, made by setup.sh --dev)
 set -euo pipefail
@@ -157,6 +158,11 @@ else
     bounded 600 testnet/docker.sh smoke || docker_failed=1
     bounded 1500 testnet/docker.sh chaos || docker_failed=1
   fi
+  # Then Gemma 3 on the same ten containers, each limited below the whole model's resident size
+  # (measured first, in this run): a model no single member could hold, served by the mesh.
+  step "Gemma 3 on the Docker testnet, every container's memory below the whole model's"
+  testnet/docker.sh down >/dev/null
+  MESHNET_BIN=$PWD/target/debug/meshnet-peer bounded 900 testnet/gemma_docker.sh || docker_failed=1
   if [ "$docker_failed" -ne 0 ]; then
     # Keep the container logs docker.sh collected where the CI log can name them.
     kept=$(mktemp -d /tmp/meshnet-docker-logs.XXXXXX)

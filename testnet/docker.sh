@@ -3,8 +3,10 @@
 # its own address on one compose network (testnet/docker-compose.yml).
 #
 #   testnet/docker.sh build    build the image FROM scratch (no registry, no base image)
-#   testnet/docker.sh up       build if needed, start the ten, wait for coverage; the last line
-#                              printed is the OpenAI base URL on this host
+#   testnet/docker.sh up [--model FILE] [--tracker-mem-limit SIZE] [--peer-mem-limit SIZE]
+#                              build if needed, start the ten, wait for coverage; the last line
+#                              printed is the OpenAI base URL on this host (the flags override
+#                              MESHNET_MODEL and the two MEM_LIMIT variables below)
 #   testnet/docker.sh smoke    ten members, complete coverage, and the OpenAI client's chat equal
 #                              to `meshnet-peer generate --chat --boundaries` at the tracker's
 #                              boundaries
@@ -53,7 +55,7 @@ die() {
 }
 
 usage() {
-  sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 # The compose tool: the standalone docker-compose, else the docker compose plugin.
@@ -307,7 +309,26 @@ for name, http, layers, state in rows:
 PY
 }
 
+# parse_up_flags ARGS...: `up`'s flags, into the variables they override.
+parse_up_flags() {
+  while [ "$#" -gt 0 ]; do
+    case "$1" in
+      --model | --tracker-mem-limit | --peer-mem-limit)
+        [ "$#" -ge 2 ] && [ -n "$2" ] || die "up: $1 needs a value"
+        case "$1" in
+          --model) MESHNET_MODEL=$2 ;;
+          --tracker-mem-limit) MESHNET_TRACKER_MEM_LIMIT=$2 ;;
+          --peer-mem-limit) MESHNET_PEER_MEM_LIMIT=$2 ;;
+        esac
+        shift 2
+        ;;
+      *) die "up: unknown argument '$1' (flags: --model FILE, --tracker-mem-limit SIZE, --peer-mem-limit SIZE)" ;;
+    esac
+  done
+}
+
 up() {
+  parse_up_flags "$@"
   require_engine
   mkdir -p "$run_dir"
   if [ -f "$env_file" ] && [ -n "$(compose ps -q 2>/dev/null)" ]; then
@@ -440,7 +461,10 @@ down() {
 
 case "${1:-}" in
   build) build ;;
-  up) up ;;
+  up)
+    shift
+    up "$@"
+    ;;
   smoke) run_check smoke ;;
   chaos) run_check chaos ;;
   status) status ;;

@@ -213,6 +213,7 @@ def run_smoke(net, _args):
         return 1
     log("smoke ok: the answer equals meshnet-peer generate --chat at the same boundaries; "
         f"no container was OOM-killed ({memory_limits(net)})")
+    log(f"smoke: peak memory per container (cgroup, page cache included): {memory_peaks(net)}")
     return 0
 
 
@@ -220,6 +221,23 @@ def oom_killed(net):
     """The members whose container the kernel killed for memory."""
     return [name for name, member in net.members.items()
             if net.docker("inspect", "-f", "{{.State.OOMKilled}}", member["id"]) == "true"]
+
+
+def memory_peaks(net):
+    """Each container's peak memory use as its cgroup counts it (v2 memory.peak, or v1
+    memory.max_usage_in_bytes), as text; 'unknown' where this host does not expose it."""
+    def peak(container):
+        candidates = [
+            Path(f"/sys/fs/cgroup/system.slice/docker-{container}.scope/memory.peak"),
+            Path(f"/sys/fs/cgroup/memory/docker/{container}/memory.max_usage_in_bytes"),
+        ]
+        for path in candidates:
+            try:
+                return f"{int(path.read_text()) / 2**20:.0f} MiB"
+            except (OSError, ValueError):
+                continue
+        return "unknown"
+    return ", ".join(f"{name} {peak(member['id'])}" for name, member in net.members.items())
 
 
 def memory_limits(net):
