@@ -244,6 +244,7 @@ impl MeshEngine {
                 top_k: None,
                 top_p: request.top_p,
                 seed: request.seed.unwrap_or_else(random_seed),
+                ..SamplingConfig::greedy()
             },
             stop: StopConditions {
                 tokens: stop_tokens,
