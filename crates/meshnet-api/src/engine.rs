@@ -21,6 +21,8 @@ pub struct ModelInfo {
     pub quantization: String,
     /// How many of the file's tensors are stored in each type (`"Q4_K": 27`, …).
     pub tensor_types: std::collections::BTreeMap<String, usize>,
+    /// How many token ids the model's vocabulary has: valid ids are `0..vocab_size`.
+    pub vocab_size: usize,
 }
 
 /// One chat turn as received.
@@ -56,6 +58,18 @@ pub struct EngineRequest {
     pub top_p: Option<f32>,
     /// Seed for reproducible sampling, if requested.
     pub seed: Option<u64>,
+    /// Sample only from the `k` most likely tokens, if requested (at least 1).
+    pub top_k: Option<usize>,
+    /// Drop the tokens less likely than `min_p` times the most likely one, if requested
+    /// (in `0.0..=1.0`).
+    pub min_p: Option<f32>,
+    /// In `-2.0..=2.0`: subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// In `-2.0..=2.0`: subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// Token ids (in the vocabulary) and the bias in `-100.0..=100.0` added to their logits;
+    /// `-100` bans the token.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Up to four non-empty stop sequences; generation ends before the first one produced (which
     /// is not part of the output).
     pub stop: Vec<String>,

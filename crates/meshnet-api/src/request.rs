@@ -10,6 +10,12 @@ use crate::error::ApiError;
 /// The most stop sequences a request may carry.
 pub const MAX_STOP_SEQUENCES: usize = 4;
 
+/// The largest bias `logit_bias` may give a token; its negative bans the token.
+const MAX_LOGIT_BIAS: f64 = 100.0;
+
+/// The largest `presence_penalty` and `frequency_penalty`; their negatives are the smallest.
+const MAX_PENALTY: f64 = 2.0;
+
 /// Which endpoint a body was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Endpoint {
@@ -26,17 +32,24 @@ pub(crate) struct ParsedRequest {
     pub max_tokens: Option<usize>,
     pub temperature: f32,
     pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
 }
 
-/// Parses `body` sent to `endpoint`, checking `model` against `model_id`.
+/// Parses `body` sent to `endpoint`, checking `model` against `model_id` and token ids
+/// against a vocabulary of `vocab_size` ids.
 pub(crate) fn parse(
     endpoint: Endpoint,
     body: &[u8],
     model_id: &str,
+    vocab_size: usize,
 ) -> Result<ParsedRequest, ApiError> {
     let value: Value = serde_json::from_slice(body).map_err(|e| {
         ApiError::invalid(
@@ -75,16 +88,9 @@ pub(crate) fn parse(
         Endpoint::Text => fields.positive_int("max_tokens")?,
     };
 
-    let temperature = match fields.number("temperature")? {
-        None => 1.0,
-        Some(t) if (0.0..=2.0).contains(&t) => t as f32,
-        Some(t) => {
-            return Err(ApiError::invalid(
-                Some("temperature"),
-                format!("Invalid 'temperature': {t} is not between 0 and 2."),
-            ));
-        }
-    };
+    let temperature = fields
+        .number_between("temperature", 0.0, 2.0)?
+        .unwrap_or(1.0) as f32;
 
     let top_p = match fields.number("top_p")? {
         None => None,
@@ -107,6 +113,15 @@ pub(crate) fn parse(
         ),
     };
 
+    let top_k = fields.positive_int("top_k")?;
+    let min_p = fields.number_between("min_p", 0.0, 1.0)?.map(|p| p as f32);
+    let [presence_penalty, frequency_penalty] =
+        ["presence_penalty", "frequency_penalty"].map(|name| {
+            fields
+                .number_between(name, -MAX_PENALTY, MAX_PENALTY)
+                .map(|penalty| penalty.unwrap_or(0.0) as f32)
+        });
+    let logit_bias = parse_logit_bias(&fields, vocab_size)?;
     let stop = parse_stop(&fields)?;
 
     match fields.get("n") {
@@ -148,6 +163,11 @@ pub(crate) fn parse(
         max_tokens,
         temperature,
         top_p,
+        top_k,
+        min_p,
+        presence_penalty: presence_penalty?,
+        frequency_penalty: frequency_penalty?,
+        logit_bias,
         seed,
         stop,
         stream,
@@ -289,6 +309,50 @@ fn parse_prompt(fields: &Fields<'_>) -> Result<String, ApiError> {
     }
 }
 
+/// `logit_bias`: an object from token ids (as strings) in the vocabulary to biases in
+/// `-100..=100`, which may not ban every token.
+fn parse_logit_bias(fields: &Fields<'_>, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let invalid = |message: String| ApiError::invalid(Some("logit_bias"), message);
+    let map = match fields.get("logit_bias") {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(v) => return Err(type_error("logit_bias", "an object", v)),
+    };
+    let mut biases = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let id = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| (id as usize) < vocab_size)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "Invalid 'logit_bias': '{key}' is not a token id of this model \
+                     (0 <= id < {vocab_size})."
+                ))
+            })?;
+        let bias = value
+            .as_f64()
+            .filter(|bias| (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(bias))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "Invalid 'logit_bias': the bias of token {key} is {value}, not a number \
+                     between -100 and 100."
+                ))
+            })?;
+        biases.push((id, bias as f32));
+    }
+    let banned = biases
+        .iter()
+        .filter(|&&(_, bias)| f64::from(bias) <= -MAX_LOGIT_BIAS)
+        .count();
+    if vocab_size > 0 && banned == vocab_size {
+        return Err(invalid(
+            "Invalid 'logit_bias': it bans every token of the vocabulary.".to_owned(),
+        ));
+    }
+    Ok(biases)
+}
+
 fn parse_stop(fields: &Fields<'_>) -> Result<Vec<String>, ApiError> {
     let stop: Vec<String> = match fields.get("stop") {
         None => Vec::new(),
@@ -345,6 +409,17 @@ impl<'a> Fields<'a> {
             .transpose()
     }
 
+    /// A number in `low..=high`.
+    fn number_between(&self, name: &str, low: f64, high: f64) -> Result<Option<f64>, ApiError> {
+        match self.number(name)? {
+            Some(n) if !(low..=high).contains(&n) => Err(ApiError::invalid(
+                Some(name),
+                format!("Invalid '{name}': {n} is not between {low} and {high}."),
+            )),
+            n => Ok(n),
+        }
+    }
+
     /// An integer of at least 1.
     fn positive_int(&self, name: &str) -> Result<Option<usize>, ApiError> {
         let Some(v) = self.get(name) else {
@@ -391,12 +466,15 @@ mod tests {
 
     use super::*;
 
+    /// The vocabulary size of the tests' model.
+    const VOCAB: usize = 100;
+
     fn chat(body: Value) -> Result<ParsedRequest, ApiError> {
-        parse(Endpoint::Chat, body.to_string().as_bytes(), "m")
+        parse(Endpoint::Chat, body.to_string().as_bytes(), "m", VOCAB)
     }
 
     fn text(body: Value) -> Result<ParsedRequest, ApiError> {
-        parse(Endpoint::Text, body.to_string().as_bytes(), "m")
+        parse(Endpoint::Text, body.to_string().as_bytes(), "m", VOCAB)
     }
 
     fn param_of(result: Result<ParsedRequest, ApiError>) -> Option<String> {
@@ -440,6 +518,11 @@ mod tests {
         assert_eq!(parsed.temperature, 1.0);
         assert_eq!(parsed.top_p, None);
         assert_eq!(parsed.seed, None);
+        assert_eq!(parsed.top_k, None);
+        assert_eq!(parsed.min_p, None);
+        assert_eq!(parsed.presence_penalty, 0.0);
+        assert_eq!(parsed.frequency_penalty, 0.5);
+        assert!(parsed.logit_bias.is_empty());
         assert!(parsed.stop.is_empty());
         assert!(!parsed.stream);
         assert!(!parsed.include_usage);
@@ -459,12 +542,24 @@ mod tests {
             "n": 1,
             "stream": true,
             "stream_options": {"include_usage": true},
-            "user": "u"
+            "user": "u",
+            "top_k": 40,
+            "min_p": 0.05,
+            "presence_penalty": -2,
+            "frequency_penalty": 1.5,
+            "logit_bias": {"7": -100, "0": 2.5, "99": 100}
         }))
         .unwrap();
         assert_eq!(parsed.max_tokens, Some(9));
         assert_eq!(parsed.temperature, 0.0);
         assert_eq!(parsed.top_p, Some(0.5));
+        assert_eq!(parsed.top_k, Some(40));
+        assert_eq!(parsed.min_p, Some(0.05));
+        assert_eq!(parsed.presence_penalty, -2.0);
+        assert_eq!(parsed.frequency_penalty, 1.5);
+        let mut bias = parsed.logit_bias.clone();
+        bias.sort_by_key(|&(id, _)| id);
+        assert_eq!(bias, [(0, 2.5), (7, -100.0), (99, 100.0)]);
         assert_eq!(parsed.seed, Some(u64::MAX));
         assert_eq!(parsed.stop, vec!["x".to_owned(), "y".to_owned()]);
         assert!(parsed.stream);
@@ -547,6 +642,55 @@ mod tests {
                 "top_p",
             ),
             (json!({"model": "m", "messages": user, "seed": 1.5}), "seed"),
+            (
+                json!({"model": "m", "messages": user, "presence_penalty": 2.5}),
+                "presence_penalty",
+            ),
+            (
+                json!({"model": "m", "messages": user, "presence_penalty": "high"}),
+                "presence_penalty",
+            ),
+            (
+                json!({"model": "m", "messages": user, "frequency_penalty": -2.01}),
+                "frequency_penalty",
+            ),
+            (json!({"model": "m", "messages": user, "top_k": 0}), "top_k"),
+            (
+                json!({"model": "m", "messages": user, "top_k": 2.5}),
+                "top_k",
+            ),
+            (
+                json!({"model": "m", "messages": user, "min_p": 1.5}),
+                "min_p",
+            ),
+            (
+                json!({"model": "m", "messages": user, "min_p": -0.1}),
+                "min_p",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": [1]}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"the": 1}}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"100": 1}}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"-1": 1}}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"5": 100.5}}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"5": "ban"}}),
+                "logit_bias",
+            ),
             (json!({"model": "m", "messages": user, "n": 2}), "n"),
             (
                 json!({"model": "m", "messages": user, "stop": ["a", "b", "c", "d", "e"]}),
@@ -583,9 +727,23 @@ mod tests {
     }
 
     #[test]
+    fn a_logit_bias_may_ban_all_tokens_but_one() {
+        let bans = |count: usize| -> Map<String, Value> {
+            (0..count).map(|id| (id.to_string(), json!(-100))).collect()
+        };
+        let body =
+            |bias: Map<String, Value>| json!({"model": "m", "prompt": "x", "logit_bias": bias});
+        let parsed = text(body(bans(VOCAB - 1))).unwrap();
+        assert_eq!(parsed.logit_bias.len(), VOCAB - 1);
+        let error = text(body(bans(VOCAB))).unwrap_err();
+        assert_eq!(error.body().error.param.as_deref(), Some("logit_bias"));
+        assert!(error.to_string().contains("every token"), "{error}");
+    }
+
+    #[test]
     fn body_level_failures_have_no_param() {
         for body in ["{", "[]", "\"x\"", ""] {
-            let result = parse(Endpoint::Chat, body.as_bytes(), "m");
+            let result = parse(Endpoint::Chat, body.as_bytes(), "m", VOCAB);
             assert!(
                 matches!(result, Err(ApiError::InvalidRequest { param: None, .. })),
                 "body {body:?}"

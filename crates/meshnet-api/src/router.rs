@@ -102,7 +102,7 @@ async fn complete(
 
     let parsed = match body
         .map_err(body_error)
-        .and_then(|body| request::parse(endpoint, &body, &info.id))
+        .and_then(|body| request::parse(endpoint, &body, &info.id, info.vocab_size))
     {
         Ok(parsed) => parsed,
         Err(error) => return log.reject(error),
@@ -123,6 +123,11 @@ async fn complete(
         temperature: parsed.temperature,
         top_p: parsed.top_p,
         seed: parsed.seed,
+        top_k: parsed.top_k,
+        min_p: parsed.min_p,
+        presence_penalty: parsed.presence_penalty,
+        frequency_penalty: parsed.frequency_penalty,
+        logit_bias: parsed.logit_bias,
         stop: parsed.stop,
     };
     let stream = match engine.start(request).await {

@@ -76,7 +76,11 @@ async fn chat_answer_has_the_openai_shape() {
         "stop": "\n\n",
         "n": 1,
         "user": "someone",
-        "presence_penalty": 0.1
+        "presence_penalty": 0.1,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"999": -100},
+        "top_k": 3,
+        "min_p": 0.25
     });
     let answer = post(app(&engine), "/v1/chat/completions", &body).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
@@ -127,6 +131,11 @@ async fn chat_answer_has_the_openai_shape() {
     assert_eq!(request.top_p, Some(0.9));
     assert_eq!(request.seed, Some(42));
     assert_eq!(request.stop, vec!["\n\n".to_owned()]);
+    assert_eq!(request.presence_penalty, 0.1);
+    assert_eq!(request.frequency_penalty, -0.5);
+    assert_eq!(request.logit_bias, [(999, -100.0)]);
+    assert_eq!(request.top_k, Some(3));
+    assert_eq!(request.min_p, Some(0.25));
 }
 
 #[tokio::test]
@@ -158,6 +167,11 @@ async fn completion_answer_has_the_openai_shape() {
     assert_eq!(request.max_tokens, Some(3));
     assert_eq!(request.temperature, 1.0);
     assert_eq!(request.top_p, None);
+    assert_eq!(request.top_k, None);
+    assert_eq!(request.min_p, None);
+    assert_eq!(request.presence_penalty, 0.0);
+    assert_eq!(request.frequency_penalty, 0.0);
+    assert!(request.logit_bias.is_empty());
 }
 
 #[tokio::test]
@@ -243,6 +257,36 @@ async fn invalid_requests_are_400_naming_the_field() {
             "/v1/chat/completions",
             with(chat_body(), "n", json!(2)).to_string(),
             Some("n"),
+        ),
+        (
+            "/v1/chat/completions",
+            with(chat_body(), "frequency_penalty", json!(-3)).to_string(),
+            Some("frequency_penalty"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}).to_string(),
+            Some("presence_penalty"),
+        ),
+        (
+            "/v1/chat/completions",
+            with(chat_body(), "logit_bias", json!({"1000": 1})).to_string(),
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "logit_bias": {"5": -101}}).to_string(),
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/chat/completions",
+            with(chat_body(), "top_k", json!(0)).to_string(),
+            Some("top_k"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "min_p": 2}).to_string(),
+            Some("min_p"),
         ),
         (
             "/v1/chat/completions",

@@ -75,6 +75,7 @@ impl MeshEngine {
                 family,
                 quantization,
                 tensor_types,
+                vocab_size: text.tokenizer.vocab_size(),
             },
             text: Arc::new(text),
             host,
@@ -241,10 +242,13 @@ impl MeshEngine {
         let generation = GenerationRequest {
             sampling: SamplingConfig {
                 temperature: request.temperature,
-                top_k: None,
+                top_k: request.top_k,
                 top_p: request.top_p,
+                min_p: request.min_p,
+                presence_penalty: request.presence_penalty,
+                frequency_penalty: request.frequency_penalty,
+                logit_bias: request.logit_bias,
                 seed: request.seed.unwrap_or_else(random_seed),
-                ..SamplingConfig::greedy()
             },
             stop: StopConditions {
                 tokens: stop_tokens,

@@ -593,3 +593,130 @@ async fn a_two_process_gpt2_mesh_completes_exactly_like_one_process() {
     drop(mesh);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+impl Mesh {
+    /// The text of the one choice of a request to `path` (chat or completions) that must
+    /// succeed.
+    async fn text_of(&self, path: &str, body: Value) -> String {
+        let (code, answer) = self.post(path, body.clone()).await;
+        assert_eq!(code, 200, "{body}: {answer:#}\n{}", self.logs());
+        let choice = &answer["choices"][0];
+        let text = choice["message"]["content"]
+            .as_str()
+            .or_else(|| choice["text"].as_str())
+            .unwrap();
+        text.to_owned()
+    }
+}
+
+/// `body` with the fields of `extra` set.
+fn merged(mut body: Value, extra: Value) -> Value {
+    for (field, value) in extra.as_object().unwrap() {
+        body[field] = value.clone();
+    }
+    body
+}
+
+/// How often `token` is among the ids of `text`.
+fn occurrences(tokenizer: &meshnet_model::ModelTokenizer, text: &str, token: u32) -> usize {
+    tokenizer
+        .encode(text)
+        .unwrap()
+        .iter()
+        .filter(|&&id| id == token)
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_penalties_top_k_and_min_p_change_the_text_through_a_three_process_mesh() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let tokenizer = meshnet_model::ModelTokenizer::from_gguf_file(common::model_path()).unwrap();
+    let chat = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 12,
+    });
+    let path = "/v1/chat/completions";
+
+    // Banning the greedy answer's first token changes the first token.
+    let greedy = mesh.text_of(path, chat.clone()).await;
+    let first = tokenizer.encode(&greedy).unwrap()[0];
+    let banned = json!({"logit_bias": {first.to_string(): -100}});
+    let other = mesh.text_of(path, merged(chat.clone(), banned)).await;
+    println!("greedy {greedy:?}; without token {first}: {other:?}");
+    assert_ne!(tokenizer.encode(&other).unwrap()[0], first, "{other:?}");
+
+    // +100 on one token makes every generated token that token, greedy or sampled.
+    let favoured = tokenizer.encode(" banana").unwrap()[0];
+    let max_tokens = 6;
+    let expected = tokenizer.decode(&vec![favoured; max_tokens]).unwrap();
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 1, "seed": 3}),
+    ] {
+        let body = merged(
+            chat.clone(),
+            merged(
+                sampling,
+                json!({"max_tokens": max_tokens, "logit_bias": {favoured.to_string(): 100}}),
+            ),
+        );
+        assert_eq!(mesh.text_of(path, body).await, expected);
+    }
+
+    // Counting continues "1, 1, 1, ..." (" ", "1" and "," each a token); a frequency
+    // penalty makes "1" stop repeating, the sooner the larger it is.
+    let ones = json!({
+        "model": model,
+        "prompt": "1, 1, 1, 1, 1, 1, 1, 1,",
+        "temperature": 0,
+        "max_tokens": 24,
+    });
+    let digit_one = tokenizer.token_id("1").unwrap();
+    let mut counts = Vec::new();
+    for penalty in [0, 1, 2] {
+        let body = merged(ones.clone(), json!({"frequency_penalty": penalty}));
+        let text = mesh.text_of("/v1/completions", body).await;
+        println!("frequency penalty {penalty}: {text:?}");
+        counts.push(occurrences(&tokenizer, &text, digit_one));
+    }
+    assert_eq!(counts[0], 8, "{counts:?}");
+    assert!(counts[1] < counts[0] && counts[2] < counts[1], "{counts:?}");
+
+    // "Hello Hello ..." is continued by "\n" twice; a presence penalty leaves the first
+    // (nothing was generated yet) and stops the second.
+    let hello = json!({
+        "model": model,
+        "prompt": "Hello Hello Hello Hello Hello Hello",
+        "temperature": 0,
+        "max_tokens": 2,
+    });
+    let plain = mesh.text_of("/v1/completions", hello.clone()).await;
+    assert_eq!(plain, "\n\n");
+    let body = merged(hello, json!({"presence_penalty": 2}));
+    let penalised = mesh.text_of("/v1/completions", body).await;
+    assert!(
+        penalised.starts_with('\n') && !penalised.starts_with("\n\n"),
+        "{penalised:?}"
+    );
+
+    // top_k 1 and min_p 1 leave only the most likely token: a hot, seeded sample is greedy.
+    let hot = merged(chat.clone(), json!({"temperature": 2, "seed": 11}));
+    let sampled = mesh.text_of(path, hot.clone()).await;
+    assert_ne!(sampled, greedy, "temperature 2 is not greedy by chance");
+    for only_the_best in [json!({"top_k": 1}), json!({"min_p": 1})] {
+        let text = mesh.text_of(path, merged(hot.clone(), only_the_best)).await;
+        assert_eq!(text, greedy);
+    }
+
+    // Token ids are checked against the model's vocabulary.
+    let vocab = tokenizer.vocab_size();
+    let last = json!({"max_tokens": 1, "logit_bias": {(vocab - 1).to_string(): 5}});
+    mesh.text_of(path, merged(chat.clone(), last)).await;
+    let past = json!({"logit_bias": {vocab.to_string(): 5}});
+    let (code, body) = mesh.chat(merged(chat.clone(), past)).await;
+    assert_eq!(code, 400, "{body:#}");
+    assert_eq!(body["error"]["param"], "logit_bias");
+}

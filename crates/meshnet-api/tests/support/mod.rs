@@ -22,6 +22,9 @@ use tower::ServiceExt;
 /// The model id the scripted engine serves.
 pub const MODEL: &str = "test-model";
 
+/// How many token ids the scripted engine's model has.
+pub const VOCAB_SIZE: usize = 1000;
+
 /// How long a test waits for something that should happen promptly.
 pub const DEADLINE: Duration = Duration::from_secs(10);
 
@@ -123,6 +126,7 @@ impl CompletionEngine for ScriptedEngine {
             family: "llama".to_owned(),
             quantization: "q4_1".to_owned(),
             tensor_types: [("F32".to_owned(), 61), ("Q4_1".to_owned(), 211)].into(),
+            vocab_size: VOCAB_SIZE,
         }
     }
 }
