@@ -41,6 +41,9 @@ pub enum PromptInput {
     Chat(Vec<ChatTurn>),
     /// Raw text (from `/v1/completions`), continued as is.
     Text(String),
+    /// Token ids (from `/v1/completions`), all in the vocabulary, at least one, continued
+    /// exactly as given (no BOS is added).
+    Tokens(Vec<u32>),
 }
 
 /// A validated generation request handed to the engine.
@@ -132,6 +135,14 @@ pub trait CompletionEngine: Send + Sync + 'static {
     /// (dropping the future gives up its place), then checks the request and reserves the
     /// slot; the generation runs elsewhere.
     fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>>;
+
+    /// The token ids of `text` as the model's tokenizer reads it: control tokens written in
+    /// it (`<|im_start|>`) become their ids, and with `add_special` BOS (and EOS) are added
+    /// as the model's file says.
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, EngineError>;
+
+    /// The text of `tokens` (all in the vocabulary), control tokens written out.
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, EngineError>;
 }
 
 /// Why the engine refused or abandoned a generation.

@@ -51,21 +51,7 @@ pub(crate) fn parse(
     model_id: &str,
     vocab_size: usize,
 ) -> Result<ParsedRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::invalid(
-            None,
-            format!("We could not parse the JSON body of your request: {e}"),
-        )
-    })?;
-    let Value::Object(map) = value else {
-        return Err(ApiError::invalid(
-            None,
-            format!(
-                "The request body must be a JSON object, but got {} instead.",
-                type_name(&value)
-            ),
-        ));
-    };
+    let map = json_object(body)?;
     let fields = Fields(&map);
 
     let model = fields
@@ -77,7 +63,7 @@ pub(crate) fn parse(
 
     let prompt = match endpoint {
         Endpoint::Chat => PromptInput::Chat(parse_messages(&fields)?),
-        Endpoint::Text => PromptInput::Text(parse_prompt(&fields)?),
+        Endpoint::Text => parse_prompt(&fields, vocab_size)?,
     };
 
     let max_tokens = match endpoint {
@@ -173,6 +159,52 @@ pub(crate) fn parse(
         stream,
         include_usage,
     })
+}
+
+/// The body of `POST /tokenize`: the required `content` and `add_special` (default false).
+pub(crate) fn parse_tokenize(body: &[u8]) -> Result<(String, bool), ApiError> {
+    let map = json_object(body)?;
+    let fields = Fields(&map);
+    let content = fields.string("content")?.ok_or_else(|| {
+        ApiError::invalid(Some("content"), "Missing required parameter: 'content'.")
+    })?;
+    let add_special = fields.bool("add_special")?.unwrap_or(false);
+    Ok((content.to_owned(), add_special))
+}
+
+/// The body of `POST /detokenize`: `tokens`, an array of ids of a vocabulary of `vocab_size`
+/// (possibly empty).
+pub(crate) fn parse_detokenize(body: &[u8], vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    let map = json_object(body)?;
+    match Fields(&map).get("tokens") {
+        None => Err(ApiError::invalid(
+            Some("tokens"),
+            "Missing required parameter: 'tokens'.",
+        )),
+        Some(Value::Array(items)) if items.is_empty() => Ok(Vec::new()),
+        Some(Value::Array(items)) => token_ids("tokens", items, vocab_size),
+        Some(v) => Err(type_error("tokens", "an array of token ids", v)),
+    }
+}
+
+/// A body that must be a JSON object.
+fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(
+            None,
+            format!("We could not parse the JSON body of your request: {e}"),
+        )
+    })?;
+    match value {
+        Value::Object(map) => Ok(map),
+        other => Err(ApiError::invalid(
+            None,
+            format!(
+                "The request body must be a JSON object, but got {} instead.",
+                type_name(&other)
+            ),
+        )),
+    }
 }
 
 fn parse_messages(fields: &Fields<'_>) -> Result<Vec<ChatTurn>, ApiError> {
@@ -290,23 +322,58 @@ fn text_part<'a>(at: &str, part: &'a Value) -> Result<&'a str, ApiError> {
     }
 }
 
-fn parse_prompt(fields: &Fields<'_>) -> Result<String, ApiError> {
-    match fields.get("prompt") {
-        None => Err(ApiError::invalid(
-            Some("prompt"),
-            "Missing required parameter: 'prompt'.",
+/// `prompt`: a string or an array of token ids, alone or as the one item of an array.
+fn parse_prompt(fields: &Fields<'_>, vocab_size: usize) -> Result<PromptInput, ApiError> {
+    let invalid = |message: String| ApiError::invalid(Some("prompt"), message);
+    let items = match fields.get("prompt") {
+        None => return Err(invalid("Missing required parameter: 'prompt'.".to_owned())),
+        Some(Value::String(prompt)) => return Ok(PromptInput::Text(prompt.clone())),
+        Some(Value::Array(items)) => items,
+        Some(v) => return Err(type_error("prompt", "a string or an array", v)),
+    };
+    match items.as_slice() {
+        [] => Err(invalid(
+            "Invalid 'prompt': empty array. Expected a string, token ids, or an array with one \
+             of them."
+                .to_owned(),
         )),
-        Some(Value::String(prompt)) => Ok(prompt.clone()),
-        Some(Value::Array(items)) => match items.as_slice() {
-            [Value::String(prompt)] => Ok(prompt.clone()),
-            _ => Err(ApiError::invalid(
-                Some("prompt"),
-                "Invalid 'prompt': only a string or an array holding exactly one string is \
-                 supported.",
-            )),
-        },
-        Some(v) => Err(type_error("prompt", "a string", v)),
+        [Value::String(prompt)] => Ok(PromptInput::Text(prompt.clone())),
+        [Value::Array(ids)] => token_ids("prompt", ids, vocab_size).map(PromptInput::Tokens),
+        [Value::String(_) | Value::Array(_), _, ..] => Err(invalid(format!(
+            "Invalid 'prompt': {} prompts given; only one prompt per request is supported \
+             (n is 1).",
+            items.len()
+        ))),
+        ids => token_ids("prompt", ids, vocab_size).map(PromptInput::Tokens),
     }
+}
+
+/// A non-empty list of token ids of a vocabulary of `vocab_size`, for `param`.
+fn token_ids(param: &str, items: &[Value], vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    if items.is_empty() {
+        return Err(ApiError::invalid(
+            Some(param),
+            format!("Invalid '{param}': no token ids."),
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(index, item)| {
+            item.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .filter(|&id| (id as usize) < vocab_size)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        Some(param),
+                        format!(
+                            "Invalid '{param}': item {index} is {item}, not a token id of this \
+                             model (an integer with 0 <= id < {vocab_size})."
+                        ),
+                    )
+                })
+        })
+        .collect()
 }
 
 /// `logit_bias`: an object from token ids (as strings) in the vocabulary to biases in
@@ -586,7 +653,24 @@ mod tests {
         assert_eq!(one.stop, vec!["\n".to_owned()]);
         let array = text(json!({"model": "m", "prompt": ["abc"], "echo": false})).unwrap();
         assert_eq!(array.prompt, PromptInput::Text("abc".into()));
-        for bad in [json!(["a", "b"]), json!([]), json!([1, 2]), json!(3)] {
+        let ids = text(json!({"model": "m", "prompt": [0, 5, 99]})).unwrap();
+        assert_eq!(ids.prompt, PromptInput::Tokens(vec![0, 5, 99]));
+        let nested = text(json!({"model": "m", "prompt": [[7, 8]]})).unwrap();
+        assert_eq!(nested.prompt, PromptInput::Tokens(vec![7, 8]));
+        for bad in [
+            json!(["a", "b"]),
+            json!([[1], [2]]),
+            json!([]),
+            json!([[]]),
+            json!([1, 100]),
+            json!([-1]),
+            json!([1.5]),
+            json!([1, "a"]),
+            json!(["a", 1]),
+            json!([4294967296u64]),
+            json!(3),
+            json!({"text": "a"}),
+        ] {
             assert_eq!(
                 param_of(text(json!({"model": "m", "prompt": bad}))).as_deref(),
                 Some("prompt")
@@ -738,6 +822,48 @@ mod tests {
         let error = text(body(bans(VOCAB))).unwrap_err();
         assert_eq!(error.body().error.param.as_deref(), Some("logit_bias"));
         assert!(error.to_string().contains("every token"), "{error}");
+    }
+
+    #[test]
+    fn tokenize_and_detokenize_bodies() {
+        let tokenize = |body: Value| parse_tokenize(body.to_string().as_bytes());
+        assert_eq!(
+            tokenize(json!({"content": "a b"})).unwrap(),
+            ("a b".to_owned(), false)
+        );
+        assert_eq!(
+            tokenize(json!({"content": "", "add_special": true})).unwrap(),
+            (String::new(), true)
+        );
+        for (body, param) in [
+            (json!({}), "content"),
+            (json!({"content": 3}), "content"),
+            (json!({"content": "a", "add_special": "yes"}), "add_special"),
+        ] {
+            let error = tokenize(body.clone()).unwrap_err();
+            assert_eq!(error.body().error.param.as_deref(), Some(param), "{body}");
+        }
+
+        let detokenize = |body: Value| parse_detokenize(body.to_string().as_bytes(), VOCAB);
+        assert_eq!(
+            detokenize(json!({"tokens": [0, 99, 5]})).unwrap(),
+            [0, 99, 5]
+        );
+        assert!(detokenize(json!({"tokens": []})).unwrap().is_empty());
+        for bad in [
+            json!({}),
+            json!({"tokens": "1 2"}),
+            json!({"tokens": [100]}),
+            json!({"tokens": [-1]}),
+            json!({"tokens": [[1]]}),
+        ] {
+            let error = detokenize(bad.clone()).unwrap_err();
+            assert_eq!(error.body().error.param.as_deref(), Some("tokens"), "{bad}");
+        }
+        assert!(matches!(
+            parse_tokenize(b"[]"),
+            Err(ApiError::InvalidRequest { param: None, .. })
+        ));
     }
 
     #[test]

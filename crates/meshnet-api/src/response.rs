@@ -33,6 +33,18 @@ impl From<ModelInfo> for ModelObject {
     }
 }
 
+/// The answer of `POST /tokenize`.
+#[derive(Debug, Serialize)]
+pub(crate) struct TokenList {
+    pub tokens: Vec<u32>,
+}
+
+/// The answer of `POST /detokenize`.
+#[derive(Debug, Serialize)]
+pub(crate) struct DecodedText {
+    pub content: String,
+}
+
 /// The body of `GET /v1/models`.
 #[derive(Debug, Serialize)]
 pub(crate) struct ModelList {

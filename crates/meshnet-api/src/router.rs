@@ -19,7 +19,7 @@ use crate::engine::{
 };
 use crate::error::ApiError;
 use crate::request::{self, Endpoint};
-use crate::response::{Envelope, ModelList, ModelObject, Usage};
+use crate::response::{DecodedText, Envelope, ModelList, ModelObject, TokenList, Usage};
 
 /// The largest request body accepted, in bytes; larger bodies get 413.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -30,7 +30,7 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(15);
 type SharedEngine = Arc<dyn CompletionEngine>;
 
 /// The router: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
-/// `POST /v1/completions`.
+/// `POST /v1/completions`, and llama-server's `POST /tokenize` and `POST /detokenize`.
 ///
 /// Unknown paths answer 404 and wrong methods 405, both in the OpenAI error shape. The router
 /// has its own fallback, so routers merged into it must not have one.
@@ -40,6 +40,8 @@ pub fn openai_router(engine: Arc<dyn CompletionEngine>) -> Router {
         .route("/v1/models/{*id}", get(retrieve_model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(unknown_url)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -74,6 +76,27 @@ async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     complete(engine, Endpoint::Text, body).await
+}
+
+/// `{"content", "add_special"}` in, `{"tokens": [...]}` out.
+async fn tokenize(
+    State(engine): State<SharedEngine>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<TokenList>, ApiError> {
+    let (content, add_special) = request::parse_tokenize(&body.map_err(body_error)?)?;
+    let tokens = engine.tokenize(&content, add_special)?;
+    Ok(Json(TokenList { tokens }))
+}
+
+/// `{"tokens": [...]}` in, `{"content"}` out.
+async fn detokenize(
+    State(engine): State<SharedEngine>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<DecodedText>, ApiError> {
+    let vocab_size = engine.model_info().vocab_size;
+    let tokens = request::parse_detokenize(&body.map_err(body_error)?, vocab_size)?;
+    let content = engine.detokenize(&tokens)?;
+    Ok(Json(DecodedText { content }))
 }
 
 async fn unknown_url(method: Method, uri: Uri) -> ApiError {

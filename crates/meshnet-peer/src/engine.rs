@@ -11,8 +11,8 @@ use meshnet_api::{
     FinishReason, ModelInfo, PromptInput,
 };
 use meshnet_model::{
-    BoundaryPolicy, ChatMessage, FinishReason as ModelFinish, GenerationRequest, ModelError,
-    ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
+    BoundaryPolicy, ChatMessage, EncodeOptions, FinishReason as ModelFinish, GenerationRequest,
+    ModelError, ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
     generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
@@ -157,30 +157,40 @@ impl MeshEngine {
         Ok(max_tokens)
     }
 
-    /// The prompt as text, and whether it is a chat; a chat needs the model's chat format.
-    fn prompt_text(&self, prompt: PromptInput) -> Result<(String, bool), EngineError> {
-        match prompt {
-            PromptInput::Chat(turns) => {
-                let template =
-                    self.text
-                        .template
-                        .as_ref()
-                        .ok_or_else(|| EngineError::InvalidRequest {
-                            param: Some("messages".to_owned()),
-                            message: format!(
-                                "model {} has no chat format: use /v1/completions with a prompt",
-                                self.info.id
-                            ),
-                        })?;
-                let messages: Vec<ChatMessage> = turns
-                    .into_iter()
-                    .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
-                    .collect();
-                let text = template.render(&messages).map_err(|e| engine_error(&e))?;
-                Ok((text, true))
-            }
-            PromptInput::Text(text) => Ok((text, false)),
-        }
+    /// The prompt's token ids, and whether it is a chat: text is encoded as a sequence starts,
+    /// token ids are taken as they are.
+    fn prompt_tokens(&self, prompt: PromptInput) -> Result<(Vec<u32>, bool), EngineError> {
+        let (text, chat) = match prompt {
+            PromptInput::Chat(turns) => (self.render_chat(turns)?, true),
+            PromptInput::Text(text) => (text, false),
+            PromptInput::Tokens(ids) => return Ok((ids, false)),
+        };
+        let ids = self
+            .text
+            .tokenizer
+            .encode_prompt(&text)
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        Ok((ids, chat))
+    }
+
+    /// A conversation as text in the model's chat format, which it needs to have.
+    fn render_chat(&self, turns: Vec<ChatTurn>) -> Result<String, EngineError> {
+        let template = self
+            .text
+            .template
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidRequest {
+                param: Some("messages".to_owned()),
+                message: format!(
+                    "model {} has no chat format: use /v1/completions with a prompt",
+                    self.info.id
+                ),
+            })?;
+        let messages: Vec<ChatMessage> = turns
+            .into_iter()
+            .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
+            .collect();
+        template.render(&messages).map_err(|e| engine_error(&e))
     }
 }
 
@@ -192,17 +202,30 @@ impl CompletionEngine for MeshEngine {
     fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>> {
         Box::pin(async move {
             // A request that cannot be served is told so before it waits in line.
-            let (text, chat) = self.prompt_text(request.prompt.clone())?;
+            let (prompt, chat) = self.prompt_tokens(request.prompt.clone())?;
             let prompt_param = if chat { "messages" } else { "prompt" };
-            let prompt = self
-                .text
-                .tokenizer
-                .encode_prompt(&text)
-                .map_err(|e| EngineError::Internal(e.to_string()))?;
             let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
             let permit = self.admission.admit().await?;
             self.begin(request, prompt, chat, max_tokens, permit)
         })
+    }
+
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, EngineError> {
+        let options = EncodeOptions {
+            add_special,
+            parse_special: true,
+        };
+        self.text
+            .tokenizer
+            .encode_with(text, options)
+            .map_err(|e| EngineError::Internal(e.to_string()))
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, EngineError> {
+        self.text
+            .tokenizer
+            .decode_with_special(tokens)
+            .map_err(|e| EngineError::Internal(e.to_string()))
     }
 }
 

@@ -720,3 +720,76 @@ async fn logit_bias_penalties_top_k_and_min_p_change_the_text_through_a_three_pr
     assert_eq!(code, 400, "{body:#}");
     assert_eq!(body["error"]["param"], "logit_bias");
 }
+
+/// Posts `body` to `url`; the status and the JSON answer.
+async fn post_json(http: &reqwest::Client, url: &str, body: &Value) -> (u16, Value) {
+    let response = http.post(url).json(body).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_id_prompts_tokenize_and_detokenize_through_a_three_process_mesh() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let tokenizer = meshnet_model::ModelTokenizer::from_gguf_file(common::model_path()).unwrap();
+    let status = mesh.status().await;
+    // A member that is not the tracker passes the requests on to it.
+    let peer_http = status["peers"][0]["http"].as_str().unwrap().to_owned();
+
+    // Control tokens written in the text are read as their ids, and written out again.
+    let text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>";
+    let ids = tokenizer.encode(text).unwrap();
+    assert_eq!(ids[0], tokenizer.token_id("<|im_start|>").unwrap());
+    for base in [mesh.url(""), peer_http] {
+        let body = json!({"content": text});
+        let (code, answer) = post_json(&mesh.http, &format!("{base}/tokenize"), &body).await;
+        assert_eq!(code, 200, "{base}: {answer:#}");
+        assert_eq!(answer, json!({"tokens": ids}), "{base}");
+        let body = json!({"tokens": ids});
+        let (code, answer) = post_json(&mesh.http, &format!("{base}/detokenize"), &body).await;
+        assert_eq!(code, 200, "{base}: {answer:#}");
+        assert_eq!(answer, json!({"content": text}), "{base}");
+        let body = json!({"tokens": [tokenizer.vocab_size()]});
+        let (code, answer) = post_json(&mesh.http, &format!("{base}/detokenize"), &body).await;
+        assert_eq!(code, 400, "{base}: {answer:#}");
+        assert_eq!(answer["error"]["param"], "tokens");
+    }
+
+    // A prompt of token ids is continued exactly as its text is.
+    let prompt = "The capital of France is";
+    let (_, tokenized) = mesh
+        .post("/tokenize", json!({"content": prompt, "add_special": true}))
+        .await;
+    let ids = tokenized["tokens"].clone();
+    let completion = |prompt: Value| json!({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": 12});
+    let (code, from_text) = mesh
+        .post("/v1/completions", completion(json!(prompt)))
+        .await;
+    assert_eq!(code, 200, "{from_text:#}");
+    for form in [ids.clone(), json!([ids])] {
+        let (code, from_ids) = mesh.post("/v1/completions", completion(form)).await;
+        assert_eq!(code, 200, "{from_ids:#}");
+        assert_eq!(
+            from_ids["choices"][0]["text"],
+            from_text["choices"][0]["text"]
+        );
+        assert_eq!(from_ids["usage"], from_text["usage"]);
+        assert_eq!(
+            from_ids["usage"]["prompt_tokens"],
+            ids.as_array().unwrap().len()
+        );
+    }
+    println!("{prompt:?} {ids} → {}", from_text["choices"][0]["text"]);
+
+    for bad in [
+        json!([1, tokenizer.vocab_size()]),
+        json!([-1]),
+        json!([]),
+        json!(["one", "two"]),
+    ] {
+        let (code, answer) = mesh.post("/v1/completions", completion(bad.clone())).await;
+        assert_eq!(code, 400, "{bad}: {answer:#}");
+        assert_eq!(answer["error"]["param"], "prompt", "{bad}");
+    }
+}

@@ -25,6 +25,9 @@ pub const MODEL: &str = "test-model";
 /// How many token ids the scripted engine's model has.
 pub const VOCAB_SIZE: usize = 1000;
 
+/// The scripted tokenizer's beginning-of-sequence id; ids below 256 are bytes.
+pub const BOS: u32 = 256;
+
 /// How long a test waits for something that should happen promptly.
 pub const DEADLINE: Duration = Duration::from_secs(10);
 
@@ -115,6 +118,25 @@ impl ScriptedEngine {
 impl CompletionEngine for ScriptedEngine {
     fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>> {
         Box::pin(std::future::ready(self.begin(request)))
+    }
+
+    /// One id per byte.
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, EngineError> {
+        let bos = add_special.then_some(BOS);
+        Ok(bos.into_iter().chain(text.bytes().map(u32::from)).collect())
+    }
+
+    /// The bytes of the ids below 256, `BOS` as `<s>`.
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, EngineError> {
+        let mut bytes = Vec::new();
+        for &token in tokens {
+            match u8::try_from(token) {
+                Ok(byte) => bytes.push(byte),
+                Err(_) if token == BOS => bytes.extend_from_slice(b"<s>"),
+                Err(_) => return Err(EngineError::Internal(format!("no token {token}"))),
+            }
+        }
+        String::from_utf8(bytes).map_err(|e| EngineError::Internal(e.to_string()))
     }
 
     fn model_info(&self) -> ModelInfo {
