@@ -255,6 +255,63 @@ fn best_token(logits: &[f32]) -> Option<u32> {
     (logits[best as usize] > f32::NEG_INFINITY).then_some(best)
 }
 
+/// A generated token's log-probability and the most likely tokens at its step, from the
+/// log-softmax of the raw logits (before bias, penalties, temperature and truncation).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, most likely first (ties: lower id
+    /// first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probability of `token` under `softmax(logits)` and the `top` most likely tokens;
+/// NaN logits count as impossible (negative infinity).
+pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let clean = |logit: f32| {
+        if logit.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            logit
+        }
+    };
+    let max = logits
+        .iter()
+        .map(|&logit| clean(logit))
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .map(|&logit| (f64::from(clean(logit)) - f64::from(max)).exp())
+        .sum();
+    let log_total = f64::from(max) + sum.ln();
+    let logprob = |id: u32| {
+        let logit = logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&l| clean(l));
+        (f64::from(logit) - log_total) as f32
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_likelihood = |a: &u32, b: &u32| {
+        clean(logits[*b as usize])
+            .total_cmp(&clean(logits[*a as usize]))
+            .then(a.cmp(b))
+    };
+    let top = top.min(ids.len());
+    if top > 0 && top < ids.len() {
+        ids.select_nth_unstable_by(top - 1, by_likelihood);
+    }
+    ids.truncate(top);
+    ids.sort_by(by_likelihood);
+    TokenLogprobs {
+        token,
+        logprob: logprob(token),
+        top: ids.into_iter().map(|id| (id, logprob(id))).collect(),
+    }
+}
+
 /// The index of the largest logit (the first one on ties; NaN never wins).
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -818,6 +875,30 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_raw_logits() {
+        let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+        // softmax over e^1, e^3, 0, e^3, e^-2, worked out in f64.
+        let total = 1f64.exp() + 2.0 * 3f64.exp() + (-2f64).exp();
+        let expected = |logit: f64| (logit - total.ln()) as f32;
+        let result = token_logprobs(&logits, 0, 3);
+        assert_eq!(result.token, 0);
+        assert!((result.logprob - expected(1.0)).abs() < 1e-6, "{result:?}");
+        let ids: Vec<u32> = result.top.iter().map(|&(id, _)| id).collect();
+        assert_eq!(ids, [1, 3, 0], "ties keep the lower id first");
+        for &(id, logprob) in &result.top {
+            let logit = f64::from(logits[id as usize]);
+            assert!((logprob - expected(logit)).abs() < 1e-6, "{result:?}");
+        }
+        assert_eq!(token_logprobs(&logits, 2, 0).logprob, f32::NEG_INFINITY);
+        assert!(token_logprobs(&logits, 2, 0).top.is_empty());
+        assert_eq!(token_logprobs(&logits, 4, 9).top.len(), logits.len());
+        // The probabilities add up to one.
+        let all = token_logprobs(&LOGITS, 0, LOGITS.len());
+        let mass: f64 = all.top.iter().map(|&(_, lp)| f64::from(lp).exp()).sum();
+        assert!((mass - 1.0).abs() < 1e-5, "{mass}");
     }
 
     #[test]

@@ -474,7 +474,7 @@ fn stream_generation(
     clock: &mut TokenClock<'_>,
 ) -> Result<meshnet_model::Generation, ModelError> {
     let mut streamer = TextStreamer::new(tokenizer, &request.stop.strings);
-    let outcome = generate_observed(route, request, Some(tokenizer), &mut |generated| {
+    let outcome = generate_observed(route, request, Some(tokenizer), &mut |generated, _| {
         clock.tokens_now(generated.len());
         match streamer.delta(generated) {
             Some(delta) => events.blocking_send(EngineEvent::Delta(delta)).is_ok(),
