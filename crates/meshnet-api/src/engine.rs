@@ -73,14 +73,45 @@ pub struct EngineRequest {
     /// Token ids (in the vocabulary) and the bias in `-100.0..=100.0` added to their logits;
     /// `-100` bans the token.
     pub logit_bias: Vec<(u32, f32)>,
+    /// When set, report each generated token's log-probability with this many (0 to 20) of
+    /// the most likely tokens at its step, as [`EngineEvent::Logprobs`].
+    pub logprobs: Option<usize>,
     /// Up to four non-empty stop sequences; generation ends before the first one produced (which
     /// is not part of the output).
     pub stop: Vec<String>,
 }
 
+/// One of the most likely tokens at a step, in OpenAI's `top_logprobs` shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TopLogprob {
+    /// The token's text (with U+FFFD where it holds part of a character).
+    pub token: String,
+    /// Its log-probability: the log-softmax of the model's raw logits.
+    pub logprob: f32,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// A generated token's log-probability, in OpenAI's `logprobs.content` shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// The token's text (with U+FFFD where it holds part of a character).
+    pub token: String,
+    /// Its log-probability: the log-softmax of the model's raw logits, before bias,
+    /// penalties, temperature and truncation.
+    pub logprob: f32,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at its step, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
 /// What the engine streams back.
 #[derive(Debug)]
 pub enum EngineEvent {
+    /// The log-probabilities of the tokens whose text the next `Delta` completes (only when
+    /// requested); those of a token whose text is cut off by a stop sequence are never sent.
+    Logprobs(Vec<TokenLogprob>),
     /// New text, never cut in the middle of a UTF-8 character.
     Delta(String),
     /// The generation ended normally; no further events follow.

@@ -29,7 +29,7 @@ mod router;
 
 pub use engine::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput,
+    FinishReason, ModelInfo, PromptInput, TokenLogprob, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
 pub use request::MAX_STOP_SEQUENCES;

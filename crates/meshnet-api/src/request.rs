@@ -16,6 +16,9 @@ const MAX_LOGIT_BIAS: f64 = 100.0;
 /// The largest `presence_penalty` and `frequency_penalty`; their negatives are the smallest.
 const MAX_PENALTY: f64 = 2.0;
 
+/// The most alternatives `top_logprobs` may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// Which endpoint a body was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Endpoint {
@@ -37,6 +40,7 @@ pub(crate) struct ParsedRequest {
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
     pub logit_bias: Vec<(u32, f32)>,
+    pub logprobs: Option<usize>,
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub stream: bool,
@@ -108,6 +112,7 @@ pub(crate) fn parse(
                 .map(|penalty| penalty.unwrap_or(0.0) as f32)
         });
     let logit_bias = parse_logit_bias(&fields, vocab_size)?;
+    let logprobs = parse_logprobs(endpoint, &fields)?;
     let stop = parse_stop(&fields)?;
 
     match fields.get("n") {
@@ -154,6 +159,7 @@ pub(crate) fn parse(
         presence_penalty: presence_penalty?,
         frequency_penalty: frequency_penalty?,
         logit_bias,
+        logprobs,
         seed,
         stop,
         stream,
@@ -420,6 +426,47 @@ fn parse_logit_bias(fields: &Fields<'_>, vocab_size: usize) -> Result<Vec<(u32, 
     Ok(biases)
 }
 
+/// Chat's `logprobs` (boolean) and `top_logprobs` (`0..=20`, only with `logprobs: true`):
+/// how many of the most likely tokens to report with each token's log-probability.
+/// Completions' legacy `logprobs` (an integer) is refused.
+fn parse_logprobs(endpoint: Endpoint, fields: &Fields<'_>) -> Result<Option<usize>, ApiError> {
+    if endpoint == Endpoint::Text {
+        return match fields.get("logprobs") {
+            None => Ok(None),
+            Some(v) if v.as_u64() == Some(0) || v.as_bool() == Some(false) => Ok(None),
+            Some(_) => Err(ApiError::invalid(
+                Some("logprobs"),
+                "'logprobs' is not supported on /v1/completions by this server; use \
+                 /v1/chat/completions.",
+            )),
+        };
+    }
+    let wanted = fields.bool("logprobs")?.unwrap_or(false);
+    let Some(top) = fields.get("top_logprobs") else {
+        return Ok(wanted.then_some(0));
+    };
+    let top = top
+        .as_u64()
+        .and_then(|top| usize::try_from(top).ok())
+        .filter(|&top| top <= MAX_TOP_LOGPROBS)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                Some("top_logprobs"),
+                format!(
+                    "Invalid 'top_logprobs': {top} is not an integer between 0 and \
+                     {MAX_TOP_LOGPROBS}."
+                ),
+            )
+        })?;
+    if !wanted {
+        return Err(ApiError::invalid(
+            Some("top_logprobs"),
+            "'top_logprobs' requires 'logprobs' to be true.",
+        ));
+    }
+    Ok(Some(top))
+}
+
 fn parse_stop(fields: &Fields<'_>) -> Result<Vec<String>, ApiError> {
     let stop: Vec<String> = match fields.get("stop") {
         None => Vec::new(),
@@ -590,6 +637,7 @@ mod tests {
         assert_eq!(parsed.presence_penalty, 0.0);
         assert_eq!(parsed.frequency_penalty, 0.5);
         assert!(parsed.logit_bias.is_empty());
+        assert_eq!(parsed.logprobs, None);
         assert!(parsed.stop.is_empty());
         assert!(!parsed.stream);
         assert!(!parsed.include_usage);
@@ -864,6 +912,58 @@ mod tests {
             parse_tokenize(b"[]"),
             Err(ApiError::InvalidRequest { param: None, .. })
         ));
+    }
+
+    #[test]
+    fn logprobs_and_top_logprobs() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let request = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": user});
+            for (field, value) in extra.as_object().unwrap() {
+                body[field] = value.clone();
+            }
+            chat(body)
+        };
+        let logprobs = |extra: Value| request(extra).unwrap().logprobs;
+        assert_eq!(logprobs(json!({})), None);
+        assert_eq!(logprobs(json!({"logprobs": false})), None);
+        assert_eq!(logprobs(json!({"logprobs": true})), Some(0));
+        let top = json!({"logprobs": true, "top_logprobs": 20});
+        assert_eq!(logprobs(top), Some(20));
+        let null = json!({"logprobs": true, "top_logprobs": null});
+        assert_eq!(logprobs(null), Some(0));
+        for (extra, param) in [
+            (json!({"logprobs": 1}), "logprobs"),
+            (
+                json!({"logprobs": true, "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+            (
+                json!({"logprobs": true, "top_logprobs": -1}),
+                "top_logprobs",
+            ),
+            (
+                json!({"logprobs": true, "top_logprobs": 1.5}),
+                "top_logprobs",
+            ),
+            (json!({"top_logprobs": 2}), "top_logprobs"),
+            (
+                json!({"logprobs": false, "top_logprobs": 0}),
+                "top_logprobs",
+            ),
+        ] {
+            let error = param_of(request(extra.clone()));
+            assert_eq!(error.as_deref(), Some(param), "{extra}");
+        }
+        let text_logprobs = |value: Value| {
+            text(json!({"model": "m", "prompt": "x", "logprobs": value})).map(|p| p.logprobs)
+        };
+        assert_eq!(text_logprobs(json!(0)).unwrap(), None);
+        assert_eq!(text_logprobs(json!(false)).unwrap(), None);
+        assert_eq!(
+            param_of(text(json!({"model": "m", "prompt": "x", "logprobs": 2}))).as_deref(),
+            Some("logprobs")
+        );
     }
 
     #[test]

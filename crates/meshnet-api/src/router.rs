@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use crate::engine::{
     CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream, FinishReason,
+    TokenLogprob,
 };
 use crate::error::ApiError;
 use crate::request::{self, Endpoint};
@@ -138,6 +139,7 @@ async fn complete(
         created: unix_now(),
         model: info.id,
         include_usage: parsed.include_usage,
+        logprobs: parsed.logprobs.is_some(),
     };
     let request = EngineRequest {
         request_id: id,
@@ -151,6 +153,7 @@ async fn complete(
         presence_penalty: parsed.presence_penalty,
         frequency_penalty: parsed.frequency_penalty,
         logit_bias: parsed.logit_bias,
+        logprobs: parsed.logprobs,
         stop: parsed.stop,
     };
     let stream = match engine.start(request).await {
@@ -174,8 +177,10 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
         mut events,
     } = stream;
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     loop {
         match events.recv().await {
+            Some(EngineEvent::Logprobs(entries)) => logprobs.extend(entries),
             Some(EngineEvent::Delta(delta)) => text.push_str(&delta),
             Some(EngineEvent::Finished {
                 reason,
@@ -184,7 +189,8 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
                 drop(events);
                 log.finish(reason, completion_tokens);
                 let usage = Usage::new(prompt_tokens, completion_tokens);
-                return Json(envelope.completion(&text, reason, usage)).into_response();
+                let answer = envelope.completion(&text, &logprobs, reason, usage);
+                return Json(answer).into_response();
             }
             Some(EngineEvent::Failed(error)) => return log.reject(error.into()),
             None => return log.reject(ended_without_finishing()),
@@ -204,6 +210,7 @@ fn stream_response(envelope: Envelope, stream: EngineStream, log: RequestLog) ->
         prompt_tokens: stream.prompt_tokens,
         envelope,
         phase,
+        pending_logprobs: Vec::new(),
         log,
     };
     let events = futures::stream::unfold(state, |mut state| async move {
@@ -235,6 +242,8 @@ struct SseState {
     prompt_tokens: usize,
     envelope: Envelope,
     phase: Phase,
+    /// Log-probabilities of tokens whose text has not been sent yet.
+    pending_logprobs: Vec<TokenLogprob>,
     log: RequestLog,
 }
 
@@ -249,9 +258,14 @@ impl SseState {
                 Phase::Generating => {
                     let events = self.events.as_mut()?;
                     match events.recv().await {
+                        Some(EngineEvent::Logprobs(entries)) => {
+                            self.pending_logprobs.extend(entries);
+                        }
                         Some(EngineEvent::Delta(text)) if text.is_empty() => continue,
                         Some(EngineEvent::Delta(text)) => {
-                            return Some(json_event(&self.envelope.text_chunk(&text)));
+                            let logprobs = std::mem::take(&mut self.pending_logprobs);
+                            let chunk = self.envelope.text_chunk(&text, &logprobs);
+                            return Some(json_event(&chunk));
                         }
                         Some(EngineEvent::Finished {
                             reason,
@@ -264,7 +278,9 @@ impl SseState {
                             } else {
                                 Phase::Done
                             };
-                            return Some(json_event(&self.envelope.finish_chunk(reason)));
+                            let logprobs = std::mem::take(&mut self.pending_logprobs);
+                            let chunk = self.envelope.finish_chunk(reason, &logprobs);
+                            return Some(json_event(&chunk));
                         }
                         Some(EngineEvent::Failed(error)) => return Some(self.fail(error.into())),
                         None => return Some(self.fail(ended_without_finishing())),

@@ -793,3 +793,118 @@ async fn token_id_prompts_tokenize_and_detokenize_through_a_three_process_mesh()
         assert_eq!(answer["error"]["param"], "prompt", "{bad}");
     }
 }
+
+/// The `data:` payloads of a streamed answer to `body`, as JSON, up to `[DONE]`.
+async fn stream_chunks(mesh: &Mesh, body: &Value) -> Vec<Value> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let response = mesh
+        .http
+        .post(mesh.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let text = response.text().await.unwrap();
+    text.lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .take_while(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect()
+}
+
+/// The bytes of every entry of a `logprobs.content` list, joined.
+fn logprob_bytes(content: &[Value]) -> Vec<u8> {
+    content
+        .iter()
+        .flat_map(|entry| entry["bytes"].as_array().unwrap().clone())
+        .map(|byte| u8::try_from(byte.as_u64().unwrap()).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_logprobs_through_a_three_process_mesh_are_the_raw_distribution_streamed_or_not() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 12,
+        "logprobs": true,
+        "top_logprobs": 3,
+    });
+    let (code, answer) = mesh.chat(body.clone()).await;
+    assert_eq!(code, 200, "{answer:#}");
+    let text = answer["choices"][0]["message"]["content"].as_str().unwrap();
+    let content = answer["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(logprob_bytes(&content), text.as_bytes());
+    assert_eq!(content.len() as u64, answer["usage"]["completion_tokens"]);
+    for entry in &content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        let values: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(
+            values.windows(2).all(|w| w[0] >= w[1]) && values[0] <= 0.0,
+            "{entry}"
+        );
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(entry["token"], top[0]["token"], "{entry}");
+        assert_eq!(entry["logprob"], top[0]["logprob"], "{entry}");
+    }
+
+    // Streamed: the chunks carry the same entries, each with the text it completes.
+    let chunks = stream_chunks(&mesh, &body).await;
+    let mut streamed = Vec::new();
+    for chunk in &chunks {
+        let choice = &chunk["choices"][0];
+        if let Some(entries) = choice["logprobs"]["content"].as_array() {
+            let delta = choice["delta"]["content"].as_str().unwrap_or_default();
+            assert_eq!(logprob_bytes(entries), delta.as_bytes(), "{chunk}");
+            streamed.extend(entries.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, content);
+
+    // The values are those of the raw logits: banning the greedy first token leaves it the
+    // most likely in top_logprobs, and the token taken is the runner-up.
+    let tokenizer = meshnet_model::ModelTokenizer::from_gguf_file(common::model_path()).unwrap();
+    let first = tokenizer.encode(text).unwrap()[0];
+    let mut banned = body.clone();
+    banned["logit_bias"] = json!({first.to_string(): -100});
+    let (code, other) = mesh.chat(banned).await;
+    assert_eq!(code, 200, "{other:#}");
+    let entry = &other["choices"][0]["logprobs"]["content"][0];
+    assert_eq!(entry["top_logprobs"][0], content[0]["top_logprobs"][0]);
+    assert_eq!(entry["top_logprobs"][1]["token"], entry["token"]);
+    // ... and temperature does not change them.
+    let mut hot = body.clone();
+    hot["temperature"] = json!(1.5);
+    hot["seed"] = json!(5);
+    let (code, sampled) = mesh.chat(hot).await;
+    assert_eq!(code, 200, "{sampled:#}");
+    let entry = &sampled["choices"][0]["logprobs"]["content"][0];
+    assert_eq!(entry["top_logprobs"], content[0]["top_logprobs"]);
+
+    for (path, extra, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        ("/v1/completions", json!({"logprobs": 2}), "logprobs"),
+    ] {
+        let mut request = json!({"model": model, "prompt": "Hi", "messages": body["messages"]});
+        for (field, value) in extra.as_object().unwrap() {
+            request[field] = value.clone();
+        }
+        request["logprobs"] = request.get("logprobs").cloned().unwrap_or(json!(true));
+        let (code, answer) = mesh.post(path, request).await;
+        assert_eq!(code, 400, "{answer:#}");
+        assert_eq!(answer["error"]["param"], param);
+    }
+}

@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use meshnet_api::{
     CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream, FinishReason,
-    ModelInfo, openai_router,
+    ModelInfo, TokenLogprob, TopLogprob, openai_router,
 };
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
@@ -154,8 +154,11 @@ impl CompletionEngine for ScriptedEngine {
 }
 
 impl ScriptedEngine {
-    /// Starts the scripted generation at once.
+    /// Starts the scripted generation at once. With log-probabilities asked for, each delta
+    /// comes after [`scripted_logprob`] of its text, and the finish after that of `""` (a
+    /// token without text).
     fn begin(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        let logprobs = request.logprobs.is_some();
         self.requests.lock().unwrap().push(request);
         let (prompt_tokens, deltas, end) = match &self.script {
             Script::Refuse(error) => return Err(error()),
@@ -169,11 +172,20 @@ impl ScriptedEngine {
         let closed = self.closed.clone();
         tokio::spawn(async move {
             let record_closed = || closed.send_modify(|n| *n += 1);
+            let entries = |text: &str| EngineEvent::Logprobs(vec![scripted_logprob(text)]);
             for delta in deltas {
+                if logprobs && tx.send(entries(delta)).await.is_err() {
+                    record_closed();
+                    return;
+                }
                 if tx.send(EngineEvent::Delta(delta.to_owned())).await.is_err() {
                     record_closed();
                     return;
                 }
+            }
+            if logprobs && tx.send(entries("")).await.is_err() {
+                record_closed();
+                return;
             }
             let last = match end {
                 End::Finish(reason, completion_tokens) => EngineEvent::Finished {
@@ -197,6 +209,20 @@ impl ScriptedEngine {
             prompt_tokens,
             events: rx,
         })
+    }
+}
+
+/// The log-probability entry the scripted engine sends for a token of `text`.
+pub fn scripted_logprob(text: &str) -> TokenLogprob {
+    TokenLogprob {
+        token: text.to_owned(),
+        logprob: -1.5,
+        bytes: text.as_bytes().to_vec(),
+        top_logprobs: vec![TopLogprob {
+            token: "x".to_owned(),
+            logprob: -0.25,
+            bytes: vec![120],
+        }],
     }
 }
 
