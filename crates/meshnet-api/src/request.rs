@@ -77,44 +77,44 @@ pub(crate) fn parse(
         }
         Endpoint::Text => fields.positive_int("max_tokens")?,
     };
-
     let temperature = fields
         .number_between("temperature", 0.0, 2.0)?
         .unwrap_or(1.0) as f32;
+    let top_p = fields.top_p()?;
 
-    let top_p = match fields.number("top_p")? {
-        None => None,
-        Some(p) if p > 0.0 && p <= 1.0 => Some(p as f32),
-        Some(p) => {
-            return Err(ApiError::invalid(
-                Some("top_p"),
-                format!("Invalid 'top_p': {p} is not greater than 0 and at most 1."),
-            ));
-        }
-    };
-
-    let seed = match fields.get("seed") {
-        None => None,
-        Some(v) => Some(
-            v.as_u64()
-                // A negative seed is as good a seed as any; keep its bits.
-                .or_else(|| v.as_i64().map(|s| s as u64))
-                .ok_or_else(|| type_error("seed", "an integer", v))?,
-        ),
-    };
+    let seed = fields.seed()?;
 
     let top_k = fields.positive_int("top_k")?;
     let min_p = fields.number_between("min_p", 0.0, 1.0)?.map(|p| p as f32);
-    let [presence_penalty, frequency_penalty] =
-        ["presence_penalty", "frequency_penalty"].map(|name| {
-            fields
-                .number_between(name, -MAX_PENALTY, MAX_PENALTY)
-                .map(|penalty| penalty.unwrap_or(0.0) as f32)
-        });
+    let presence_penalty = fields.penalty("presence_penalty")?;
+    let frequency_penalty = fields.penalty("frequency_penalty")?;
     let logit_bias = parse_logit_bias(&fields, vocab_size)?;
     let logprobs = parse_logprobs(endpoint, &fields)?;
     let stop = parse_stop(&fields)?;
+    refuse_unbuilt(endpoint, &fields)?;
+    let stream = fields.bool("stream")?.unwrap_or(false);
+    let include_usage = parse_include_usage(&fields)?;
 
+    Ok(ParsedRequest {
+        prompt,
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        logprobs,
+        seed,
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+/// Refuses what is not built: `n` other than 1, and completions' `echo: true`.
+fn refuse_unbuilt(endpoint: Endpoint, fields: &Fields<'_>) -> Result<(), ApiError> {
     match fields.get("n") {
         None => {}
         Some(v) if v.as_u64() == Some(1) => {}
@@ -126,18 +126,20 @@ pub(crate) fn parse(
         }
         Some(v) => return Err(type_error("n", "an integer", v)),
     }
-
     if endpoint == Endpoint::Text && fields.bool("echo")? == Some(true) {
         return Err(ApiError::invalid(
             Some("echo"),
             "'echo' is not supported by this server.",
         ));
     }
+    Ok(())
+}
 
-    let stream = fields.bool("stream")?.unwrap_or(false);
-    let include_usage = match fields.get("stream_options") {
-        None => false,
-        Some(Value::Object(options)) => Fields(options)
+/// `stream_options.include_usage`, default false.
+fn parse_include_usage(fields: &Fields<'_>) -> Result<bool, ApiError> {
+    match fields.get("stream_options") {
+        None => Ok(false),
+        Some(Value::Object(options)) => Ok(Fields(options)
             .bool("include_usage")
             .map_err(|_| {
                 ApiError::invalid(
@@ -145,26 +147,9 @@ pub(crate) fn parse(
                     "Invalid type for 'stream_options.include_usage': expected a boolean.",
                 )
             })?
-            .unwrap_or(false),
-        Some(v) => return Err(type_error("stream_options", "an object", v)),
-    };
-
-    Ok(ParsedRequest {
-        prompt,
-        max_tokens,
-        temperature,
-        top_p,
-        top_k,
-        min_p,
-        presence_penalty: presence_penalty?,
-        frequency_penalty: frequency_penalty?,
-        logit_bias,
-        logprobs,
-        seed,
-        stop,
-        stream,
-        include_usage,
-    })
+            .unwrap_or(false)),
+        Some(v) => Err(type_error("stream_options", "an object", v)),
+    }
 }
 
 /// The body of `POST /tokenize`: the required `content` and `add_special` (default false).
@@ -532,6 +517,34 @@ impl<'a> Fields<'a> {
             )),
             n => Ok(n),
         }
+    }
+
+    /// `seed`: any integer (a negative seed keeps its bits).
+    fn seed(&self) -> Result<Option<u64>, ApiError> {
+        self.get("seed")
+            .map(|v| {
+                v.as_u64()
+                    .or_else(|| v.as_i64().map(|s| s as u64))
+                    .ok_or_else(|| type_error("seed", "an integer", v))
+            })
+            .transpose()
+    }
+
+    /// `top_p`: a number with `0 < top_p <= 1`.
+    fn top_p(&self) -> Result<Option<f32>, ApiError> {
+        match self.number("top_p")? {
+            Some(p) if !(p > 0.0 && p <= 1.0) => Err(ApiError::invalid(
+                Some("top_p"),
+                format!("Invalid 'top_p': {p} is not greater than 0 and at most 1."),
+            )),
+            p => Ok(p.map(|p| p as f32)),
+        }
+    }
+
+    /// A penalty in `-2..=2`, default 0.
+    fn penalty(&self, name: &str) -> Result<f32, ApiError> {
+        let penalty = self.number_between(name, -MAX_PENALTY, MAX_PENALTY)?;
+        Ok(penalty.unwrap_or(0.0) as f32)
     }
 
     /// An integer of at least 1.
