@@ -59,6 +59,8 @@ impl MeshEngine {
         let context_length = description.context_length;
         let family = description.architecture.clone();
         let tensor_types = description.tensor_types.clone();
+        // Ids clients may send must be both the tokenizer's and rows of the embedding.
+        let vocab_size = text.tokenizer.vocab_size().min(description.vocab_size);
         let quantization = host.model().shipped_format().name().to_owned();
         text.template = text
             .template
@@ -75,7 +77,7 @@ impl MeshEngine {
                 family,
                 quantization,
                 tensor_types,
-                vocab_size: text.tokenizer.vocab_size(),
+                vocab_size,
             },
             text: Arc::new(text),
             host,
