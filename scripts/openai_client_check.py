@@ -5,13 +5,18 @@ Usage:
     python3 scripts/openai_client_check.py http://127.0.0.1:8080/v1 [--model ID]
 
 Needs `pip install openai`. Lists the models, asks for a chat completion with and without
-streaming (temperature 0, so both must produce the same text), and checks that an invalid
+streaming (temperature 0, so both must produce the same text), checks logprobs (parsed by the
+SDK's own types, streamed and not), logit_bias, the penalties, the top_k and min_p extensions,
+a completion from token ids and the /tokenize and /detokenize extensions, and that an invalid
 request is refused with 400. Prints a short summary; exits non-zero on the first failure.
 """
 
 import argparse
+import json
 import sys
 import time
+import urllib.error
+import urllib.request
 
 try:
     import openai
@@ -111,6 +116,80 @@ def streamed_chat(client, model):
     return text, chunks, first_at, elapsed
 
 
+def with_logprobs(client, model, text):
+    """Greedy chat with logprobs, whole and streamed: the entries' bytes are the text."""
+    asked = dict(model=model, messages=PROMPT, temperature=0, max_tokens=MAX_TOKENS)
+    answer = client.chat.completions.create(logprobs=True, top_logprobs=2, **asked)
+    content = answer.choices[0].logprobs.content
+    check(answer.choices[0].message.content == text, "logprobs changed the greedy text")
+    joined = b"".join(bytes(entry.bytes) for entry in content)
+    check(joined == text.encode(), f"the logprobs' bytes {joined!r} are not the text {text!r}")
+    for entry in content:
+        check(len(entry.top_logprobs) == 2, f"expected 2 top_logprobs: {entry}")
+        check(entry.token == entry.top_logprobs[0].token, f"greedy took another token: {entry}")
+        check(entry.logprob <= 0.0, f"a log-probability above 0: {entry}")
+    streamed = []
+    for chunk in client.chat.completions.create(
+        logprobs=True, top_logprobs=2, stream=True, **asked
+    ):
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                streamed.extend(choice.logprobs.content)
+    check(
+        [e.token for e in streamed] == [e.token for e in content],
+        "the streamed logprobs differ from the whole answer's",
+    )
+    return content
+
+
+def extension(base_url, path, body):
+    """POSTs to an extension endpoint beside /v1 (e.g. /tokenize)."""
+    root = base_url.rstrip("/").removesuffix("/v1")
+    request = urllib.request.Request(
+        f"{root}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as e:
+        raise CheckFailed(f"{path}: HTTP {e.code}: {e.read().decode(errors='replace')}") from e
+
+
+def sampling_fields(client, base_url, model, text):
+    """logit_bias, penalties, top_k and min_p through the SDK (extensions in extra_body)."""
+    asked = dict(model=model, messages=PROMPT, max_tokens=MAX_TOKENS)
+    first = extension(base_url, "/tokenize", {"content": text})["tokens"][0]
+    banned = client.chat.completions.create(
+        temperature=0, logit_bias={str(first): -100}, **asked
+    ).choices[0].message.content
+    other_first = extension(base_url, "/tokenize", {"content": banned})["tokens"][0]
+    check(other_first != first, f"token {first} was banned but starts {banned!r}")
+    client.chat.completions.create(
+        temperature=0, presence_penalty=0.5, frequency_penalty=1.0, **asked
+    )
+    for only_the_best in ({"top_k": 1}, {"min_p": 1.0}):
+        hot = client.chat.completions.create(
+            temperature=1.5, seed=3, extra_body=only_the_best, **asked
+        ).choices[0].message.content
+        check(hot == text, f"{only_the_best} at temperature 1.5 gave {hot!r}, not {text!r}")
+    return first, banned
+
+
+def token_prompt(client, base_url, model):
+    """A completion from token ids equals the one from their text; ids decode back."""
+    prompt = "The capital of France is"
+    ids = extension(base_url, "/tokenize", {"content": prompt, "add_special": True})["tokens"]
+    asked = dict(model=model, temperature=0, max_tokens=MAX_TOKENS)
+    from_text = client.completions.create(prompt=prompt, **asked).choices[0].text
+    from_ids = client.completions.create(prompt=ids, **asked).choices[0].text
+    check(from_ids == from_text, f"token ids gave {from_ids!r}, the text {from_text!r}")
+    back = extension(base_url, "/detokenize", {"tokens": ids})["content"]
+    check(back.endswith(prompt), f"/detokenize gave {back!r} for {prompt!r}")
+    return ids, from_ids
+
+
 def bad_request(client, model):
     try:
         client.chat.completions.create(model=model, messages=PROMPT, max_tokens=0)
@@ -154,6 +233,19 @@ def main():
             "at temperature 0",
         )
         print("              same text as the non-streaming answer")
+
+        step = "logprobs"
+        content = with_logprobs(client, model, text)
+        print(f"logprobs:     {len(content)} tokens, first {content[0].token!r} "
+              f"({content[0].logprob:.3f}), the same streamed")
+
+        step = "logit_bias, penalties, top_k and min_p"
+        first, banned = sampling_fields(client, args.base_url, model, text)
+        print(f"logit_bias:   without token {first}: {banned!r}; top_k 1 and min_p 1 are greedy")
+
+        step = "token-id prompt, /tokenize and /detokenize"
+        ids, continued = token_prompt(client, args.base_url, model)
+        print(f"token ids:    {ids} -> {continued!r}, as from their text")
 
         step = "invalid request"
         error = bad_request(client, model)

@@ -21,6 +21,8 @@ pub struct ModelInfo {
     pub quantization: String,
     /// How many of the file's tensors are stored in each type (`"Q4_K": 27`, …).
     pub tensor_types: std::collections::BTreeMap<String, usize>,
+    /// How many token ids the model's vocabulary has: valid ids are `0..vocab_size`.
+    pub vocab_size: usize,
 }
 
 /// One chat turn as received.
@@ -39,6 +41,9 @@ pub enum PromptInput {
     Chat(Vec<ChatTurn>),
     /// Raw text (from `/v1/completions`), continued as is.
     Text(String),
+    /// Token ids (from `/v1/completions`), all in the vocabulary, at least one, continued
+    /// exactly as given (no BOS is added).
+    Tokens(Vec<u32>),
 }
 
 /// A validated generation request handed to the engine.
@@ -56,14 +61,57 @@ pub struct EngineRequest {
     pub top_p: Option<f32>,
     /// Seed for reproducible sampling, if requested.
     pub seed: Option<u64>,
+    /// Sample only from the `k` most likely tokens, if requested (at least 1).
+    pub top_k: Option<usize>,
+    /// Drop the tokens less likely than `min_p` times the most likely one, if requested
+    /// (in `0.0..=1.0`).
+    pub min_p: Option<f32>,
+    /// In `-2.0..=2.0`: subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// In `-2.0..=2.0`: subtracted from a token's logit once per time it was generated.
+    pub frequency_penalty: f32,
+    /// Token ids (in the vocabulary) and the bias in `-100.0..=100.0` added to their logits;
+    /// `-100` bans the token.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// When set, report each generated token's log-probability with this many (0 to 20) of
+    /// the most likely tokens at its step, as [`EngineEvent::Logprobs`].
+    pub logprobs: Option<usize>,
     /// Up to four non-empty stop sequences; generation ends before the first one produced (which
     /// is not part of the output).
     pub stop: Vec<String>,
 }
 
+/// One of the most likely tokens at a step, in OpenAI's `top_logprobs` shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TopLogprob {
+    /// The token's text (with U+FFFD where it holds part of a character).
+    pub token: String,
+    /// Its log-probability: the log-softmax of the model's raw logits.
+    pub logprob: f32,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+}
+
+/// A generated token's log-probability, in OpenAI's `logprobs.content` shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// The token's text (with U+FFFD where it holds part of a character).
+    pub token: String,
+    /// Its log-probability: the log-softmax of the model's raw logits, before bias,
+    /// penalties, temperature and truncation.
+    pub logprob: f32,
+    /// The token's bytes.
+    pub bytes: Vec<u8>,
+    /// The most likely tokens at its step, most likely first.
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
 /// What the engine streams back.
 #[derive(Debug)]
 pub enum EngineEvent {
+    /// The log-probabilities of the tokens whose text the next `Delta` completes (only when
+    /// requested); those of a token whose text is cut off by a stop sequence are never sent.
+    Logprobs(Vec<TokenLogprob>),
     /// New text, never cut in the middle of a UTF-8 character.
     Delta(String),
     /// The generation ended normally; no further events follow.
@@ -118,6 +166,14 @@ pub trait CompletionEngine: Send + Sync + 'static {
     /// (dropping the future gives up its place), then checks the request and reserves the
     /// slot; the generation runs elsewhere.
     fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>>;
+
+    /// The token ids of `text` as the model's tokenizer reads it: control tokens written in
+    /// it (`<|im_start|>`) become their ids, and with `add_special` BOS (and EOS) are added
+    /// as the model's file says.
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, EngineError>;
+
+    /// The text of `tokens` (all in the vocabulary), control tokens written out.
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, EngineError>;
 }
 
 /// Why the engine refused or abandoned a generation.

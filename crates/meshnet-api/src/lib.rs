@@ -7,7 +7,8 @@
 //!
 //! - `GET /v1/models` and `GET /v1/models/{id}`: the one model the mesh runs;
 //! - `POST /v1/chat/completions`: chat turns in, text out, whole or as server-sent events;
-//! - `POST /v1/completions`: raw text continuation, whole or streamed.
+//! - `POST /v1/completions`: raw text or token ids continued, whole or streamed;
+//! - `POST /tokenize` and `POST /detokenize`: the model's tokenizer, as llama-server offers it.
 //!
 //! Request bodies are parsed and validated here, so the engine only ever sees a well-formed
 //! [`EngineRequest`]; every failure, including the engine's own [`EngineError`]s, reaches the
@@ -28,7 +29,7 @@ mod router;
 
 pub use engine::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput,
+    FinishReason, ModelInfo, PromptInput, TokenLogprob, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
 pub use request::MAX_STOP_SEQUENCES;

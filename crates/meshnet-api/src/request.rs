@@ -10,6 +10,15 @@ use crate::error::ApiError;
 /// The most stop sequences a request may carry.
 pub const MAX_STOP_SEQUENCES: usize = 4;
 
+/// The largest bias `logit_bias` may give a token; its negative bans the token.
+const MAX_LOGIT_BIAS: f64 = 100.0;
+
+/// The largest `presence_penalty` and `frequency_penalty`; their negatives are the smallest.
+const MAX_PENALTY: f64 = 2.0;
+
+/// The most alternatives `top_logprobs` may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
 /// Which endpoint a body was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Endpoint {
@@ -26,33 +35,27 @@ pub(crate) struct ParsedRequest {
     pub max_tokens: Option<usize>,
     pub temperature: f32,
     pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub logprobs: Option<usize>,
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
 }
 
-/// Parses `body` sent to `endpoint`, checking `model` against `model_id`.
+/// Parses `body` sent to `endpoint`, checking `model` against `model_id` and token ids
+/// against a vocabulary of `vocab_size` ids.
 pub(crate) fn parse(
     endpoint: Endpoint,
     body: &[u8],
     model_id: &str,
+    vocab_size: usize,
 ) -> Result<ParsedRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| {
-        ApiError::invalid(
-            None,
-            format!("We could not parse the JSON body of your request: {e}"),
-        )
-    })?;
-    let Value::Object(map) = value else {
-        return Err(ApiError::invalid(
-            None,
-            format!(
-                "The request body must be a JSON object, but got {} instead.",
-                type_name(&value)
-            ),
-        ));
-    };
+    let map = json_object(body)?;
     let fields = Fields(&map);
 
     let model = fields
@@ -64,7 +67,7 @@ pub(crate) fn parse(
 
     let prompt = match endpoint {
         Endpoint::Chat => PromptInput::Chat(parse_messages(&fields)?),
-        Endpoint::Text => PromptInput::Text(parse_prompt(&fields)?),
+        Endpoint::Text => parse_prompt(&fields, vocab_size)?,
     };
 
     let max_tokens = match endpoint {
@@ -74,41 +77,44 @@ pub(crate) fn parse(
         }
         Endpoint::Text => fields.positive_int("max_tokens")?,
     };
+    let temperature = fields
+        .number_between("temperature", 0.0, 2.0)?
+        .unwrap_or(1.0) as f32;
+    let top_p = fields.top_p()?;
 
-    let temperature = match fields.number("temperature")? {
-        None => 1.0,
-        Some(t) if (0.0..=2.0).contains(&t) => t as f32,
-        Some(t) => {
-            return Err(ApiError::invalid(
-                Some("temperature"),
-                format!("Invalid 'temperature': {t} is not between 0 and 2."),
-            ));
-        }
-    };
+    let seed = fields.seed()?;
 
-    let top_p = match fields.number("top_p")? {
-        None => None,
-        Some(p) if p > 0.0 && p <= 1.0 => Some(p as f32),
-        Some(p) => {
-            return Err(ApiError::invalid(
-                Some("top_p"),
-                format!("Invalid 'top_p': {p} is not greater than 0 and at most 1."),
-            ));
-        }
-    };
-
-    let seed = match fields.get("seed") {
-        None => None,
-        Some(v) => Some(
-            v.as_u64()
-                // A negative seed is as good a seed as any; keep its bits.
-                .or_else(|| v.as_i64().map(|s| s as u64))
-                .ok_or_else(|| type_error("seed", "an integer", v))?,
-        ),
-    };
-
+    let top_k = fields.positive_int("top_k")?;
+    let min_p = fields.number_between("min_p", 0.0, 1.0)?.map(|p| p as f32);
+    let presence_penalty = fields.penalty("presence_penalty")?;
+    let frequency_penalty = fields.penalty("frequency_penalty")?;
+    let logit_bias = parse_logit_bias(&fields, vocab_size)?;
+    let logprobs = parse_logprobs(endpoint, &fields)?;
     let stop = parse_stop(&fields)?;
+    refuse_unbuilt(endpoint, &fields)?;
+    let stream = fields.bool("stream")?.unwrap_or(false);
+    let include_usage = parse_include_usage(&fields)?;
 
+    Ok(ParsedRequest {
+        prompt,
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        min_p,
+        presence_penalty,
+        frequency_penalty,
+        logit_bias,
+        logprobs,
+        seed,
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+/// Refuses what is not built: `n` other than 1, and completions' `echo: true`.
+fn refuse_unbuilt(endpoint: Endpoint, fields: &Fields<'_>) -> Result<(), ApiError> {
     match fields.get("n") {
         None => {}
         Some(v) if v.as_u64() == Some(1) => {}
@@ -120,18 +126,20 @@ pub(crate) fn parse(
         }
         Some(v) => return Err(type_error("n", "an integer", v)),
     }
-
     if endpoint == Endpoint::Text && fields.bool("echo")? == Some(true) {
         return Err(ApiError::invalid(
             Some("echo"),
             "'echo' is not supported by this server.",
         ));
     }
+    Ok(())
+}
 
-    let stream = fields.bool("stream")?.unwrap_or(false);
-    let include_usage = match fields.get("stream_options") {
-        None => false,
-        Some(Value::Object(options)) => Fields(options)
+/// `stream_options.include_usage`, default false.
+fn parse_include_usage(fields: &Fields<'_>) -> Result<bool, ApiError> {
+    match fields.get("stream_options") {
+        None => Ok(false),
+        Some(Value::Object(options)) => Ok(Fields(options)
             .bool("include_usage")
             .map_err(|_| {
                 ApiError::invalid(
@@ -139,20 +147,55 @@ pub(crate) fn parse(
                     "Invalid type for 'stream_options.include_usage': expected a boolean.",
                 )
             })?
-            .unwrap_or(false),
-        Some(v) => return Err(type_error("stream_options", "an object", v)),
-    };
+            .unwrap_or(false)),
+        Some(v) => Err(type_error("stream_options", "an object", v)),
+    }
+}
 
-    Ok(ParsedRequest {
-        prompt,
-        max_tokens,
-        temperature,
-        top_p,
-        seed,
-        stop,
-        stream,
-        include_usage,
-    })
+/// The body of `POST /tokenize`: the required `content` and `add_special` (default false).
+pub(crate) fn parse_tokenize(body: &[u8]) -> Result<(String, bool), ApiError> {
+    let map = json_object(body)?;
+    let fields = Fields(&map);
+    let content = fields.string("content")?.ok_or_else(|| {
+        ApiError::invalid(Some("content"), "Missing required parameter: 'content'.")
+    })?;
+    let add_special = fields.bool("add_special")?.unwrap_or(false);
+    Ok((content.to_owned(), add_special))
+}
+
+/// The body of `POST /detokenize`: `tokens`, an array of ids of a vocabulary of `vocab_size`
+/// (possibly empty).
+pub(crate) fn parse_detokenize(body: &[u8], vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    let map = json_object(body)?;
+    match Fields(&map).get("tokens") {
+        None => Err(ApiError::invalid(
+            Some("tokens"),
+            "Missing required parameter: 'tokens'.",
+        )),
+        Some(Value::Array(items)) if items.is_empty() => Ok(Vec::new()),
+        Some(Value::Array(items)) => token_ids("tokens", items, vocab_size),
+        Some(v) => Err(type_error("tokens", "an array of token ids", v)),
+    }
+}
+
+/// A body that must be a JSON object.
+fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(
+            None,
+            format!("We could not parse the JSON body of your request: {e}"),
+        )
+    })?;
+    match value {
+        Value::Object(map) => Ok(map),
+        other => Err(ApiError::invalid(
+            None,
+            format!(
+                "The request body must be a JSON object, but got {} instead.",
+                type_name(&other)
+            ),
+        )),
+    }
 }
 
 fn parse_messages(fields: &Fields<'_>) -> Result<Vec<ChatTurn>, ApiError> {
@@ -270,23 +313,143 @@ fn text_part<'a>(at: &str, part: &'a Value) -> Result<&'a str, ApiError> {
     }
 }
 
-fn parse_prompt(fields: &Fields<'_>) -> Result<String, ApiError> {
-    match fields.get("prompt") {
-        None => Err(ApiError::invalid(
-            Some("prompt"),
-            "Missing required parameter: 'prompt'.",
+/// `prompt`: a string or an array of token ids, alone or as the one item of an array.
+fn parse_prompt(fields: &Fields<'_>, vocab_size: usize) -> Result<PromptInput, ApiError> {
+    let invalid = |message: String| ApiError::invalid(Some("prompt"), message);
+    let items = match fields.get("prompt") {
+        None => return Err(invalid("Missing required parameter: 'prompt'.".to_owned())),
+        Some(Value::String(prompt)) => return Ok(PromptInput::Text(prompt.clone())),
+        Some(Value::Array(items)) => items,
+        Some(v) => return Err(type_error("prompt", "a string or an array", v)),
+    };
+    match items.as_slice() {
+        [] => Err(invalid(
+            "Invalid 'prompt': empty array. Expected a string, token ids, or an array with one \
+             of them."
+                .to_owned(),
         )),
-        Some(Value::String(prompt)) => Ok(prompt.clone()),
-        Some(Value::Array(items)) => match items.as_slice() {
-            [Value::String(prompt)] => Ok(prompt.clone()),
-            _ => Err(ApiError::invalid(
-                Some("prompt"),
-                "Invalid 'prompt': only a string or an array holding exactly one string is \
-                 supported.",
-            )),
-        },
-        Some(v) => Err(type_error("prompt", "a string", v)),
+        [Value::String(prompt)] => Ok(PromptInput::Text(prompt.clone())),
+        [Value::Array(ids)] => token_ids("prompt", ids, vocab_size).map(PromptInput::Tokens),
+        [Value::String(_) | Value::Array(_), _, ..] => Err(invalid(format!(
+            "Invalid 'prompt': {} prompts given; only one prompt per request is supported \
+             (n is 1).",
+            items.len()
+        ))),
+        ids => token_ids("prompt", ids, vocab_size).map(PromptInput::Tokens),
     }
+}
+
+/// A non-empty list of token ids of a vocabulary of `vocab_size`, for `param`.
+fn token_ids(param: &str, items: &[Value], vocab_size: usize) -> Result<Vec<u32>, ApiError> {
+    if items.is_empty() {
+        return Err(ApiError::invalid(
+            Some(param),
+            format!("Invalid '{param}': no token ids."),
+        ));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(index, item)| {
+            item.as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .filter(|&id| (id as usize) < vocab_size)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        Some(param),
+                        format!(
+                            "Invalid '{param}': item {index} is {item}, not a token id of this \
+                             model (an integer with 0 <= id < {vocab_size})."
+                        ),
+                    )
+                })
+        })
+        .collect()
+}
+
+/// `logit_bias`: an object from token ids (as strings) in the vocabulary to biases in
+/// `-100..=100`, which may not ban every token.
+fn parse_logit_bias(fields: &Fields<'_>, vocab_size: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let invalid = |message: String| ApiError::invalid(Some("logit_bias"), message);
+    let map = match fields.get("logit_bias") {
+        None => return Ok(Vec::new()),
+        Some(Value::Object(map)) => map,
+        Some(v) => return Err(type_error("logit_bias", "an object", v)),
+    };
+    let mut biases = Vec::with_capacity(map.len());
+    for (key, value) in map {
+        let id = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| (id as usize) < vocab_size)
+            .ok_or_else(|| {
+                invalid(format!(
+                    "Invalid 'logit_bias': '{key}' is not a token id of this model \
+                     (0 <= id < {vocab_size})."
+                ))
+            })?;
+        let bias = value
+            .as_f64()
+            .filter(|bias| (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(bias))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "Invalid 'logit_bias': the bias of token {key} is {value}, not a number \
+                     between -100 and 100."
+                ))
+            })?;
+        biases.push((id, bias as f32));
+    }
+    let banned = biases
+        .iter()
+        .filter(|&&(_, bias)| f64::from(bias) <= -MAX_LOGIT_BIAS)
+        .count();
+    if vocab_size > 0 && banned == vocab_size {
+        return Err(invalid(
+            "Invalid 'logit_bias': it bans every token of the vocabulary.".to_owned(),
+        ));
+    }
+    Ok(biases)
+}
+
+/// Chat's `logprobs` (boolean) and `top_logprobs` (`0..=20`, only with `logprobs: true`):
+/// how many of the most likely tokens to report with each token's log-probability.
+/// Completions' legacy `logprobs` (an integer) is refused.
+fn parse_logprobs(endpoint: Endpoint, fields: &Fields<'_>) -> Result<Option<usize>, ApiError> {
+    if endpoint == Endpoint::Text {
+        return match fields.get("logprobs") {
+            None => Ok(None),
+            Some(v) if v.as_u64() == Some(0) || v.as_bool() == Some(false) => Ok(None),
+            Some(_) => Err(ApiError::invalid(
+                Some("logprobs"),
+                "'logprobs' is not supported on /v1/completions by this server; use \
+                 /v1/chat/completions.",
+            )),
+        };
+    }
+    let wanted = fields.bool("logprobs")?.unwrap_or(false);
+    let Some(top) = fields.get("top_logprobs") else {
+        return Ok(wanted.then_some(0));
+    };
+    let top = top
+        .as_u64()
+        .and_then(|top| usize::try_from(top).ok())
+        .filter(|&top| top <= MAX_TOP_LOGPROBS)
+        .ok_or_else(|| {
+            ApiError::invalid(
+                Some("top_logprobs"),
+                format!(
+                    "Invalid 'top_logprobs': {top} is not an integer between 0 and \
+                     {MAX_TOP_LOGPROBS}."
+                ),
+            )
+        })?;
+    if !wanted {
+        return Err(ApiError::invalid(
+            Some("top_logprobs"),
+            "'top_logprobs' requires 'logprobs' to be true.",
+        ));
+    }
+    Ok(Some(top))
 }
 
 fn parse_stop(fields: &Fields<'_>) -> Result<Vec<String>, ApiError> {
@@ -345,6 +508,45 @@ impl<'a> Fields<'a> {
             .transpose()
     }
 
+    /// A number in `low..=high`.
+    fn number_between(&self, name: &str, low: f64, high: f64) -> Result<Option<f64>, ApiError> {
+        match self.number(name)? {
+            Some(n) if !(low..=high).contains(&n) => Err(ApiError::invalid(
+                Some(name),
+                format!("Invalid '{name}': {n} is not between {low} and {high}."),
+            )),
+            n => Ok(n),
+        }
+    }
+
+    /// `seed`: any integer (a negative seed keeps its bits).
+    fn seed(&self) -> Result<Option<u64>, ApiError> {
+        self.get("seed")
+            .map(|v| {
+                v.as_u64()
+                    .or_else(|| v.as_i64().map(|s| s as u64))
+                    .ok_or_else(|| type_error("seed", "an integer", v))
+            })
+            .transpose()
+    }
+
+    /// `top_p`: a number with `0 < top_p <= 1`.
+    fn top_p(&self) -> Result<Option<f32>, ApiError> {
+        match self.number("top_p")? {
+            Some(p) if !(p > 0.0 && p <= 1.0) => Err(ApiError::invalid(
+                Some("top_p"),
+                format!("Invalid 'top_p': {p} is not greater than 0 and at most 1."),
+            )),
+            p => Ok(p.map(|p| p as f32)),
+        }
+    }
+
+    /// A penalty in `-2..=2`, default 0.
+    fn penalty(&self, name: &str) -> Result<f32, ApiError> {
+        let penalty = self.number_between(name, -MAX_PENALTY, MAX_PENALTY)?;
+        Ok(penalty.unwrap_or(0.0) as f32)
+    }
+
     /// An integer of at least 1.
     fn positive_int(&self, name: &str) -> Result<Option<usize>, ApiError> {
         let Some(v) = self.get(name) else {
@@ -391,12 +593,15 @@ mod tests {
 
     use super::*;
 
+    /// The vocabulary size of the tests' model.
+    const VOCAB: usize = 100;
+
     fn chat(body: Value) -> Result<ParsedRequest, ApiError> {
-        parse(Endpoint::Chat, body.to_string().as_bytes(), "m")
+        parse(Endpoint::Chat, body.to_string().as_bytes(), "m", VOCAB)
     }
 
     fn text(body: Value) -> Result<ParsedRequest, ApiError> {
-        parse(Endpoint::Text, body.to_string().as_bytes(), "m")
+        parse(Endpoint::Text, body.to_string().as_bytes(), "m", VOCAB)
     }
 
     fn param_of(result: Result<ParsedRequest, ApiError>) -> Option<String> {
@@ -440,6 +645,12 @@ mod tests {
         assert_eq!(parsed.temperature, 1.0);
         assert_eq!(parsed.top_p, None);
         assert_eq!(parsed.seed, None);
+        assert_eq!(parsed.top_k, None);
+        assert_eq!(parsed.min_p, None);
+        assert_eq!(parsed.presence_penalty, 0.0);
+        assert_eq!(parsed.frequency_penalty, 0.5);
+        assert!(parsed.logit_bias.is_empty());
+        assert_eq!(parsed.logprobs, None);
         assert!(parsed.stop.is_empty());
         assert!(!parsed.stream);
         assert!(!parsed.include_usage);
@@ -459,12 +670,24 @@ mod tests {
             "n": 1,
             "stream": true,
             "stream_options": {"include_usage": true},
-            "user": "u"
+            "user": "u",
+            "top_k": 40,
+            "min_p": 0.05,
+            "presence_penalty": -2,
+            "frequency_penalty": 1.5,
+            "logit_bias": {"7": -100, "0": 2.5, "99": 100}
         }))
         .unwrap();
         assert_eq!(parsed.max_tokens, Some(9));
         assert_eq!(parsed.temperature, 0.0);
         assert_eq!(parsed.top_p, Some(0.5));
+        assert_eq!(parsed.top_k, Some(40));
+        assert_eq!(parsed.min_p, Some(0.05));
+        assert_eq!(parsed.presence_penalty, -2.0);
+        assert_eq!(parsed.frequency_penalty, 1.5);
+        let mut bias = parsed.logit_bias.clone();
+        bias.sort_by_key(|&(id, _)| id);
+        assert_eq!(bias, [(0, 2.5), (7, -100.0), (99, 100.0)]);
         assert_eq!(parsed.seed, Some(u64::MAX));
         assert_eq!(parsed.stop, vec!["x".to_owned(), "y".to_owned()]);
         assert!(parsed.stream);
@@ -491,7 +714,24 @@ mod tests {
         assert_eq!(one.stop, vec!["\n".to_owned()]);
         let array = text(json!({"model": "m", "prompt": ["abc"], "echo": false})).unwrap();
         assert_eq!(array.prompt, PromptInput::Text("abc".into()));
-        for bad in [json!(["a", "b"]), json!([]), json!([1, 2]), json!(3)] {
+        let ids = text(json!({"model": "m", "prompt": [0, 5, 99]})).unwrap();
+        assert_eq!(ids.prompt, PromptInput::Tokens(vec![0, 5, 99]));
+        let nested = text(json!({"model": "m", "prompt": [[7, 8]]})).unwrap();
+        assert_eq!(nested.prompt, PromptInput::Tokens(vec![7, 8]));
+        for bad in [
+            json!(["a", "b"]),
+            json!([[1], [2]]),
+            json!([]),
+            json!([[]]),
+            json!([1, 100]),
+            json!([-1]),
+            json!([1.5]),
+            json!([1, "a"]),
+            json!(["a", 1]),
+            json!([4294967296u64]),
+            json!(3),
+            json!({"text": "a"}),
+        ] {
             assert_eq!(
                 param_of(text(json!({"model": "m", "prompt": bad}))).as_deref(),
                 Some("prompt")
@@ -547,6 +787,55 @@ mod tests {
                 "top_p",
             ),
             (json!({"model": "m", "messages": user, "seed": 1.5}), "seed"),
+            (
+                json!({"model": "m", "messages": user, "presence_penalty": 2.5}),
+                "presence_penalty",
+            ),
+            (
+                json!({"model": "m", "messages": user, "presence_penalty": "high"}),
+                "presence_penalty",
+            ),
+            (
+                json!({"model": "m", "messages": user, "frequency_penalty": -2.01}),
+                "frequency_penalty",
+            ),
+            (json!({"model": "m", "messages": user, "top_k": 0}), "top_k"),
+            (
+                json!({"model": "m", "messages": user, "top_k": 2.5}),
+                "top_k",
+            ),
+            (
+                json!({"model": "m", "messages": user, "min_p": 1.5}),
+                "min_p",
+            ),
+            (
+                json!({"model": "m", "messages": user, "min_p": -0.1}),
+                "min_p",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": [1]}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"the": 1}}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"100": 1}}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"-1": 1}}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"5": 100.5}}),
+                "logit_bias",
+            ),
+            (
+                json!({"model": "m", "messages": user, "logit_bias": {"5": "ban"}}),
+                "logit_bias",
+            ),
             (json!({"model": "m", "messages": user, "n": 2}), "n"),
             (
                 json!({"model": "m", "messages": user, "stop": ["a", "b", "c", "d", "e"]}),
@@ -583,9 +872,117 @@ mod tests {
     }
 
     #[test]
+    fn a_logit_bias_may_ban_all_tokens_but_one() {
+        let bans = |count: usize| -> Map<String, Value> {
+            (0..count).map(|id| (id.to_string(), json!(-100))).collect()
+        };
+        let body =
+            |bias: Map<String, Value>| json!({"model": "m", "prompt": "x", "logit_bias": bias});
+        let parsed = text(body(bans(VOCAB - 1))).unwrap();
+        assert_eq!(parsed.logit_bias.len(), VOCAB - 1);
+        let error = text(body(bans(VOCAB))).unwrap_err();
+        assert_eq!(error.body().error.param.as_deref(), Some("logit_bias"));
+        assert!(error.to_string().contains("every token"), "{error}");
+    }
+
+    #[test]
+    fn tokenize_and_detokenize_bodies() {
+        let tokenize = |body: Value| parse_tokenize(body.to_string().as_bytes());
+        assert_eq!(
+            tokenize(json!({"content": "a b"})).unwrap(),
+            ("a b".to_owned(), false)
+        );
+        assert_eq!(
+            tokenize(json!({"content": "", "add_special": true})).unwrap(),
+            (String::new(), true)
+        );
+        for (body, param) in [
+            (json!({}), "content"),
+            (json!({"content": 3}), "content"),
+            (json!({"content": "a", "add_special": "yes"}), "add_special"),
+        ] {
+            let error = tokenize(body.clone()).unwrap_err();
+            assert_eq!(error.body().error.param.as_deref(), Some(param), "{body}");
+        }
+
+        let detokenize = |body: Value| parse_detokenize(body.to_string().as_bytes(), VOCAB);
+        assert_eq!(
+            detokenize(json!({"tokens": [0, 99, 5]})).unwrap(),
+            [0, 99, 5]
+        );
+        assert!(detokenize(json!({"tokens": []})).unwrap().is_empty());
+        for bad in [
+            json!({}),
+            json!({"tokens": "1 2"}),
+            json!({"tokens": [100]}),
+            json!({"tokens": [-1]}),
+            json!({"tokens": [[1]]}),
+        ] {
+            let error = detokenize(bad.clone()).unwrap_err();
+            assert_eq!(error.body().error.param.as_deref(), Some("tokens"), "{bad}");
+        }
+        assert!(matches!(
+            parse_tokenize(b"[]"),
+            Err(ApiError::InvalidRequest { param: None, .. })
+        ));
+    }
+
+    #[test]
+    fn logprobs_and_top_logprobs() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let request = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": user});
+            for (field, value) in extra.as_object().unwrap() {
+                body[field] = value.clone();
+            }
+            chat(body)
+        };
+        let logprobs = |extra: Value| request(extra).unwrap().logprobs;
+        assert_eq!(logprobs(json!({})), None);
+        assert_eq!(logprobs(json!({"logprobs": false})), None);
+        assert_eq!(logprobs(json!({"logprobs": true})), Some(0));
+        let top = json!({"logprobs": true, "top_logprobs": 20});
+        assert_eq!(logprobs(top), Some(20));
+        let null = json!({"logprobs": true, "top_logprobs": null});
+        assert_eq!(logprobs(null), Some(0));
+        for (extra, param) in [
+            (json!({"logprobs": 1}), "logprobs"),
+            (
+                json!({"logprobs": true, "top_logprobs": 21}),
+                "top_logprobs",
+            ),
+            (
+                json!({"logprobs": true, "top_logprobs": -1}),
+                "top_logprobs",
+            ),
+            (
+                json!({"logprobs": true, "top_logprobs": 1.5}),
+                "top_logprobs",
+            ),
+            (json!({"top_logprobs": 2}), "top_logprobs"),
+            (
+                json!({"logprobs": false, "top_logprobs": 0}),
+                "top_logprobs",
+            ),
+        ] {
+            let error = param_of(request(extra.clone()));
+            assert_eq!(error.as_deref(), Some(param), "{extra}");
+        }
+        let text_logprobs = |value: Value| {
+            text(json!({"model": "m", "prompt": "x", "logprobs": value})).map(|p| p.logprobs)
+        };
+        assert_eq!(text_logprobs(json!(0)).unwrap(), None);
+        assert_eq!(text_logprobs(json!(false)).unwrap(), None);
+        assert_eq!(
+            param_of(text(json!({"model": "m", "prompt": "x", "logprobs": 2}))).as_deref(),
+            Some("logprobs")
+        );
+    }
+
+    #[test]
     fn body_level_failures_have_no_param() {
         for body in ["{", "[]", "\"x\"", ""] {
-            let result = parse(Endpoint::Chat, body.as_bytes(), "m");
+            let result = parse(Endpoint::Chat, body.as_bytes(), "m", VOCAB);
             assert!(
                 matches!(result, Err(ApiError::InvalidRequest { param: None, .. })),
                 "body {body:?}"

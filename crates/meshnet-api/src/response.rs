@@ -2,7 +2,7 @@
 
 use serde::Serialize;
 
-use crate::engine::{FinishReason, ModelInfo};
+use crate::engine::{FinishReason, ModelInfo, TokenLogprob};
 use crate::request::Endpoint;
 
 /// One entry of `GET /v1/models`, also the body of `GET /v1/models/{id}`.
@@ -31,6 +31,18 @@ impl From<ModelInfo> for ModelObject {
             tensor_types: info.tensor_types,
         }
     }
+}
+
+/// The answer of `POST /tokenize`.
+#[derive(Debug, Serialize)]
+pub(crate) struct TokenList {
+    pub tokens: Vec<u32>,
+}
+
+/// The answer of `POST /detokenize`.
+#[derive(Debug, Serialize)]
+pub(crate) struct DecodedText {
+    pub content: String,
 }
 
 /// The body of `GET /v1/models`.
@@ -86,7 +98,14 @@ struct Choice<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     text: Option<&'a str>,
     finish_reason: FinishReason,
-    logprobs: Option<()>,
+    logprobs: Option<ChoiceLogprobs<'a>>,
+}
+
+/// A choice's `logprobs`, as OpenAI's chat answers have it.
+#[derive(Debug, Serialize)]
+struct ChoiceLogprobs<'a> {
+    content: &'a [TokenLogprob],
+    refusal: Option<()>,
 }
 
 #[derive(Debug, Serialize)]
@@ -115,7 +134,7 @@ struct ChunkChoice<'a> {
     delta: Option<Delta<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     text: Option<&'a str>,
-    logprobs: Option<()>,
+    logprobs: Option<ChoiceLogprobs<'a>>,
     finish_reason: Option<FinishReason>,
 }
 
@@ -135,13 +154,16 @@ pub(crate) struct Envelope {
     pub created: u64,
     pub model: String,
     pub include_usage: bool,
+    /// Whether the choices carry the tokens' log-probabilities.
+    pub logprobs: bool,
 }
 
 impl Envelope {
-    /// The whole answer.
+    /// The whole answer, with `logprobs` when they were asked for.
     pub(crate) fn completion<'a>(
         &'a self,
         text: &'a str,
+        logprobs: &'a [TokenLogprob],
         finish_reason: FinishReason,
         usage: Usage,
     ) -> Completion<'a> {
@@ -166,7 +188,7 @@ impl Envelope {
                 message,
                 text,
                 finish_reason,
-                logprobs: None,
+                logprobs: self.choice_logprobs(logprobs),
             }],
             usage,
         }
@@ -186,14 +208,36 @@ impl Envelope {
         }])
     }
 
-    /// A chunk carrying new text.
-    pub(crate) fn text_chunk<'a>(&'a self, text: &'a str) -> Chunk<'a> {
-        self.choice_chunk(Some(text), None)
+    /// A chunk carrying new text, with the log-probabilities of the tokens it completes when
+    /// they were asked for.
+    pub(crate) fn text_chunk<'a>(
+        &'a self,
+        text: &'a str,
+        logprobs: &'a [TokenLogprob],
+    ) -> Chunk<'a> {
+        self.choice_chunk(Some(text), self.choice_logprobs(logprobs), None)
     }
 
-    /// The chunk with the finish reason and no new text.
-    pub(crate) fn finish_chunk(&self, reason: FinishReason) -> Chunk<'_> {
-        self.choice_chunk(None, Some(reason))
+    /// The chunk with the finish reason and no new text; `logprobs` are those of tokens no
+    /// text chunk carried (`null` when there are none).
+    pub(crate) fn finish_chunk<'a>(
+        &'a self,
+        reason: FinishReason,
+        logprobs: &'a [TokenLogprob],
+    ) -> Chunk<'a> {
+        let logprobs = if logprobs.is_empty() {
+            None
+        } else {
+            self.choice_logprobs(logprobs)
+        };
+        self.choice_chunk(None, logprobs, Some(reason))
+    }
+
+    fn choice_logprobs<'a>(&self, content: &'a [TokenLogprob]) -> Option<ChoiceLogprobs<'a>> {
+        self.logprobs.then_some(ChoiceLogprobs {
+            content,
+            refusal: None,
+        })
     }
 
     /// The final chunk with no choices and the token usage.
@@ -206,6 +250,7 @@ impl Envelope {
     fn choice_chunk<'a>(
         &'a self,
         text: Option<&'a str>,
+        logprobs: Option<ChoiceLogprobs<'a>>,
         finish_reason: Option<FinishReason>,
     ) -> Chunk<'a> {
         let choice = match self.endpoint {
@@ -216,14 +261,14 @@ impl Envelope {
                     content: text,
                 }),
                 text: None,
-                logprobs: None,
+                logprobs,
                 finish_reason,
             },
             Endpoint::Text => ChunkChoice {
                 index: 0,
                 delta: None,
                 text: Some(text.unwrap_or("")),
-                logprobs: None,
+                logprobs,
                 finish_reason,
             },
         };
@@ -258,6 +303,7 @@ mod tests {
             created: 7,
             model: "m".into(),
             include_usage,
+            logprobs: false,
         }
     }
 
@@ -275,19 +321,59 @@ mod tests {
                                 "logprobs": null, "finish_reason": null}]})
         );
         assert_eq!(
-            to_value(env.text_chunk("hé"))["choices"][0]["delta"],
+            to_value(env.text_chunk("hé", &[]))["choices"][0]["delta"],
             json!({"content": "hé"})
         );
-        let finish = to_value(env.finish_chunk(FinishReason::Length));
+        let finish = to_value(env.finish_chunk(FinishReason::Length, &[]));
         assert_eq!(finish["choices"][0]["delta"], json!({}));
         assert_eq!(finish["choices"][0]["finish_reason"], "length");
         assert!(finish.get("usage").is_none());
     }
 
     #[test]
+    fn logprobs_have_openais_chat_shape_where_asked_for() {
+        let env = Envelope {
+            logprobs: true,
+            ..envelope(Endpoint::Chat, false)
+        };
+        let entry = TokenLogprob {
+            token: "hé".into(),
+            logprob: -0.5,
+            bytes: "hé".as_bytes().to_vec(),
+            top_logprobs: vec![crate::engine::TopLogprob {
+                token: "a".into(),
+                logprob: -0.25,
+                bytes: vec![97],
+            }],
+        };
+        let expected = json!({
+            "content": [{"token": "hé", "logprob": -0.5, "bytes": [104, 195, 169],
+                         "top_logprobs": [{"token": "a", "logprob": -0.25, "bytes": [97]}]}],
+            "refusal": null
+        });
+        let entries = [entry];
+        let chunk = to_value(env.text_chunk("hé", &entries));
+        assert_eq!(chunk["choices"][0]["logprobs"], expected);
+        let whole = to_value(env.completion("hé", &entries, FinishReason::Stop, Usage::new(1, 1)));
+        assert_eq!(whole["choices"][0]["logprobs"], expected);
+        let finish = to_value(env.finish_chunk(FinishReason::Stop, &entries));
+        assert_eq!(finish["choices"][0]["logprobs"], expected);
+        let finish = to_value(env.finish_chunk(FinishReason::Stop, &[]));
+        assert_eq!(finish["choices"][0]["logprobs"], Value::Null);
+        assert_eq!(
+            to_value(env.role_chunk())["choices"][0]["logprobs"],
+            Value::Null
+        );
+        // Not asked for: null everywhere.
+        let plain = envelope(Endpoint::Chat, false);
+        let chunk = to_value(plain.text_chunk("hé", &entries));
+        assert_eq!(chunk["choices"][0]["logprobs"], Value::Null);
+    }
+
+    #[test]
     fn usage_is_null_until_the_usage_chunk() {
         let env = envelope(Endpoint::Text, true);
-        let text = to_value(env.text_chunk("a"));
+        let text = to_value(env.text_chunk("a", &[]));
         assert_eq!(text["usage"], Value::Null);
         assert!(text.get("usage").is_some());
         assert_eq!(text["choices"][0]["text"], "a");

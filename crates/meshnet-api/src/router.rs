@@ -16,10 +16,11 @@ use serde::Serialize;
 
 use crate::engine::{
     CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream, FinishReason,
+    TokenLogprob,
 };
 use crate::error::ApiError;
 use crate::request::{self, Endpoint};
-use crate::response::{Envelope, ModelList, ModelObject, Usage};
+use crate::response::{DecodedText, Envelope, ModelList, ModelObject, TokenList, Usage};
 
 /// The largest request body accepted, in bytes; larger bodies get 413.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -30,7 +31,7 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(15);
 type SharedEngine = Arc<dyn CompletionEngine>;
 
 /// The router: `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/chat/completions`,
-/// `POST /v1/completions`.
+/// `POST /v1/completions`, and llama-server's `POST /tokenize` and `POST /detokenize`.
 ///
 /// Unknown paths answer 404 and wrong methods 405, both in the OpenAI error shape. The router
 /// has its own fallback, so routers merged into it must not have one.
@@ -40,6 +41,8 @@ pub fn openai_router(engine: Arc<dyn CompletionEngine>) -> Router {
         .route("/v1/models/{*id}", get(retrieve_model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .method_not_allowed_fallback(method_not_allowed)
         .fallback(unknown_url)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -76,6 +79,27 @@ async fn completions(
     complete(engine, Endpoint::Text, body).await
 }
 
+/// `{"content", "add_special"}` in, `{"tokens": [...]}` out.
+async fn tokenize(
+    State(engine): State<SharedEngine>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<TokenList>, ApiError> {
+    let (content, add_special) = request::parse_tokenize(&body.map_err(body_error)?)?;
+    let tokens = engine.tokenize(&content, add_special)?;
+    Ok(Json(TokenList { tokens }))
+}
+
+/// `{"tokens": [...]}` in, `{"content"}` out.
+async fn detokenize(
+    State(engine): State<SharedEngine>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<DecodedText>, ApiError> {
+    let vocab_size = engine.model_info().vocab_size;
+    let tokens = request::parse_detokenize(&body.map_err(body_error)?, vocab_size)?;
+    let content = engine.detokenize(&tokens)?;
+    Ok(Json(DecodedText { content }))
+}
+
 async fn unknown_url(method: Method, uri: Uri) -> ApiError {
     ApiError::UnknownUrl {
         method: method.to_string(),
@@ -102,7 +126,7 @@ async fn complete(
 
     let parsed = match body
         .map_err(body_error)
-        .and_then(|body| request::parse(endpoint, &body, &info.id))
+        .and_then(|body| request::parse(endpoint, &body, &info.id, info.vocab_size))
     {
         Ok(parsed) => parsed,
         Err(error) => return log.reject(error),
@@ -115,6 +139,7 @@ async fn complete(
         created: unix_now(),
         model: info.id,
         include_usage: parsed.include_usage,
+        logprobs: parsed.logprobs.is_some(),
     };
     let request = EngineRequest {
         request_id: id,
@@ -123,6 +148,12 @@ async fn complete(
         temperature: parsed.temperature,
         top_p: parsed.top_p,
         seed: parsed.seed,
+        top_k: parsed.top_k,
+        min_p: parsed.min_p,
+        presence_penalty: parsed.presence_penalty,
+        frequency_penalty: parsed.frequency_penalty,
+        logit_bias: parsed.logit_bias,
+        logprobs: parsed.logprobs,
         stop: parsed.stop,
     };
     let stream = match engine.start(request).await {
@@ -146,8 +177,10 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
         mut events,
     } = stream;
     let mut text = String::new();
+    let mut logprobs = Vec::new();
     loop {
         match events.recv().await {
+            Some(EngineEvent::Logprobs(entries)) => logprobs.extend(entries),
             Some(EngineEvent::Delta(delta)) => text.push_str(&delta),
             Some(EngineEvent::Finished {
                 reason,
@@ -156,7 +189,8 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
                 drop(events);
                 log.finish(reason, completion_tokens);
                 let usage = Usage::new(prompt_tokens, completion_tokens);
-                return Json(envelope.completion(&text, reason, usage)).into_response();
+                let answer = envelope.completion(&text, &logprobs, reason, usage);
+                return Json(answer).into_response();
             }
             Some(EngineEvent::Failed(error)) => return log.reject(error.into()),
             None => return log.reject(ended_without_finishing()),
@@ -176,6 +210,7 @@ fn stream_response(envelope: Envelope, stream: EngineStream, log: RequestLog) ->
         prompt_tokens: stream.prompt_tokens,
         envelope,
         phase,
+        pending_logprobs: Vec::new(),
         log,
     };
     let events = futures::stream::unfold(state, |mut state| async move {
@@ -207,6 +242,8 @@ struct SseState {
     prompt_tokens: usize,
     envelope: Envelope,
     phase: Phase,
+    /// Log-probabilities of tokens whose text has not been sent yet.
+    pending_logprobs: Vec<TokenLogprob>,
     log: RequestLog,
 }
 
@@ -221,9 +258,14 @@ impl SseState {
                 Phase::Generating => {
                     let events = self.events.as_mut()?;
                     match events.recv().await {
+                        Some(EngineEvent::Logprobs(entries)) => {
+                            self.pending_logprobs.extend(entries);
+                        }
                         Some(EngineEvent::Delta(text)) if text.is_empty() => continue,
                         Some(EngineEvent::Delta(text)) => {
-                            return Some(json_event(&self.envelope.text_chunk(&text)));
+                            let logprobs = std::mem::take(&mut self.pending_logprobs);
+                            let chunk = self.envelope.text_chunk(&text, &logprobs);
+                            return Some(json_event(&chunk));
                         }
                         Some(EngineEvent::Finished {
                             reason,
@@ -236,7 +278,9 @@ impl SseState {
                             } else {
                                 Phase::Done
                             };
-                            return Some(json_event(&self.envelope.finish_chunk(reason)));
+                            let logprobs = std::mem::take(&mut self.pending_logprobs);
+                            let chunk = self.envelope.finish_chunk(reason, &logprobs);
+                            return Some(json_event(&chunk));
                         }
                         Some(EngineEvent::Failed(error)) => return Some(self.fail(error.into())),
                         None => return Some(self.fail(ended_without_finishing())),

@@ -8,7 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use meshnet_api::{ChatTurn, EngineError, FinishReason, PromptInput};
 use serde_json::{Value, json};
-use support::{End, MODEL, Script, ScriptedEngine, app, assert_error, call, post};
+use support::{BOS, End, MODEL, Script, ScriptedEngine, VOCAB_SIZE, app, assert_error, call, post};
 
 fn chat_body() -> Value {
     json!({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
@@ -76,7 +76,11 @@ async fn chat_answer_has_the_openai_shape() {
         "stop": "\n\n",
         "n": 1,
         "user": "someone",
-        "presence_penalty": 0.1
+        "presence_penalty": 0.1,
+        "frequency_penalty": -0.5,
+        "logit_bias": {"999": -100},
+        "top_k": 3,
+        "min_p": 0.25
     });
     let answer = post(app(&engine), "/v1/chat/completions", &body).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
@@ -127,6 +131,11 @@ async fn chat_answer_has_the_openai_shape() {
     assert_eq!(request.top_p, Some(0.9));
     assert_eq!(request.seed, Some(42));
     assert_eq!(request.stop, vec!["\n\n".to_owned()]);
+    assert_eq!(request.presence_penalty, 0.1);
+    assert_eq!(request.frequency_penalty, -0.5);
+    assert_eq!(request.logit_bias, [(999, -100.0)]);
+    assert_eq!(request.top_k, Some(3));
+    assert_eq!(request.min_p, Some(0.25));
 }
 
 #[tokio::test]
@@ -158,6 +167,69 @@ async fn completion_answer_has_the_openai_shape() {
     assert_eq!(request.max_tokens, Some(3));
     assert_eq!(request.temperature, 1.0);
     assert_eq!(request.top_p, None);
+    assert_eq!(request.top_k, None);
+    assert_eq!(request.min_p, None);
+    assert_eq!(request.presence_penalty, 0.0);
+    assert_eq!(request.frequency_penalty, 0.0);
+    assert!(request.logit_bias.is_empty());
+}
+
+#[tokio::test]
+async fn a_completion_prompt_may_be_token_ids() {
+    let engine = ScriptedEngine::new(Script::hello());
+    for prompt in [json!([1, 2, 999]), json!([[1, 2, 999]])] {
+        let body = json!({"model": MODEL, "prompt": prompt});
+        let answer = post(app(&engine), "/v1/completions", &body).await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let requests = engine.requests();
+    for request in &requests {
+        assert_eq!(request.prompt, PromptInput::Tokens(vec![1, 2, 999]));
+    }
+    let two = json!({"model": MODEL, "prompt": ["one", "two"]});
+    let answer = post(app(&engine), "/v1/completions", &two).await;
+    assert_eq!(answer.status, 400);
+    assert_error(&answer.body, "invalid_request_error", Some("prompt"), None);
+    let message = answer.body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("2 prompts"), "{message}");
+}
+
+#[tokio::test]
+async fn tokenize_and_detokenize_use_the_engine_tokenizer() {
+    let engine = ScriptedEngine::new(Script::hello());
+    let answer = post(app(&engine), "/tokenize", &json!({"content": "hé"})).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.body, json!({"tokens": [104, 195, 169]}));
+    let body = json!({"content": "hi", "add_special": true});
+    let answer = post(app(&engine), "/tokenize", &body).await;
+    assert_eq!(answer.body, json!({"tokens": [BOS, 104, 105]}));
+
+    let body = json!({"tokens": [BOS, 104, 195, 169]});
+    let answer = post(app(&engine), "/detokenize", &body).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.body, json!({"content": "<s>hé"}));
+    let answer = post(app(&engine), "/detokenize", &json!({"tokens": []})).await;
+    assert_eq!(answer.body, json!({"content": ""}));
+
+    for (path, body, param) in [
+        ("/tokenize", json!({}), "content"),
+        ("/tokenize", json!({"content": ["a"]}), "content"),
+        (
+            "/tokenize",
+            json!({"content": "a", "add_special": 1}),
+            "add_special",
+        ),
+        ("/detokenize", json!({"tokens": [VOCAB_SIZE]}), "tokens"),
+        ("/detokenize", json!({"tokens": [1, -2]}), "tokens"),
+        ("/detokenize", json!({"content": "a"}), "tokens"),
+    ] {
+        let answer = post(app(&engine), path, &body).await;
+        assert_eq!(answer.status, 400, "{path} {body}: {}", answer.body);
+        assert_error(&answer.body, "invalid_request_error", Some(param), None);
+    }
+    let answer = call(app(&engine), "GET", "/tokenize", None).await;
+    assert_eq!(answer.status, 405);
+    assert!(engine.requests().is_empty(), "no generation was started");
 }
 
 #[tokio::test]
@@ -246,6 +318,36 @@ async fn invalid_requests_are_400_naming_the_field() {
         ),
         (
             "/v1/chat/completions",
+            with(chat_body(), "frequency_penalty", json!(-3)).to_string(),
+            Some("frequency_penalty"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}).to_string(),
+            Some("presence_penalty"),
+        ),
+        (
+            "/v1/chat/completions",
+            with(chat_body(), "logit_bias", json!({"1000": 1})).to_string(),
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "logit_bias": {"5": -101}}).to_string(),
+            Some("logit_bias"),
+        ),
+        (
+            "/v1/chat/completions",
+            with(chat_body(), "top_k", json!(0)).to_string(),
+            Some("top_k"),
+        ),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "x", "min_p": 2}).to_string(),
+            Some("min_p"),
+        ),
+        (
+            "/v1/chat/completions",
             with(chat_body(), "stop", json!(["a", "b", "c", "d", "e"])).to_string(),
             Some("stop"),
         ),
@@ -261,7 +363,7 @@ async fn invalid_requests_are_400_naming_the_field() {
         ),
         (
             "/v1/completions",
-            json!({"model": MODEL, "prompt": [1, 2, 3]}).to_string(),
+            json!({"model": MODEL, "prompt": [1, 2, 1000]}).to_string(),
             Some("prompt"),
         ),
         (

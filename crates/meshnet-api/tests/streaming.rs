@@ -7,7 +7,9 @@ mod support;
 use futures::StreamExt;
 use meshnet_api::{EngineError, FinishReason};
 use serde_json::{Value, json};
-use support::{DEADLINE, End, MODEL, Script, ScriptedEngine, assert_error, serve, sse_data};
+use support::{
+    DEADLINE, End, MODEL, Script, ScriptedEngine, assert_error, scripted_logprob, serve, sse_data,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// POSTs `body` and returns the status, content type and whole body text.
@@ -93,6 +95,43 @@ async fn chat_stream_with_usage() {
     assert_eq!(
         chunks[5]["usage"],
         json!({"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8})
+    );
+}
+
+#[tokio::test]
+async fn logprobs_ride_with_the_text_they_complete_streamed_or_whole() {
+    let engine = ScriptedEngine::new(Script::hello());
+    let base = serve(&engine).await;
+    let mut body = streaming_chat(false);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(1);
+    let (status, _, text) = post_text(&base, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200);
+    let data = sse_data(&text);
+    let chunks = parse_json(&data[..data.len() - 1]);
+    // role, 3 deltas, finish
+    assert_eq!(chunks.len(), 5, "{text}");
+    let logprobs_of = |texts: &[&str]| {
+        let content: Vec<_> = texts.iter().map(|t| scripted_logprob(t)).collect();
+        json!({"content": content, "refusal": null})
+    };
+    assert_eq!(chunks[0]["choices"][0]["logprobs"], Value::Null);
+    for (chunk, delta) in chunks[1..4].iter().zip(["Hello", ", ", "wörld"]) {
+        assert_eq!(chunk["choices"][0]["delta"]["content"], delta);
+        assert_eq!(chunk["choices"][0]["logprobs"], logprobs_of(&[delta]));
+    }
+    // The entry of a token without text comes with the finish.
+    assert_eq!(chunks[4]["choices"][0]["finish_reason"], "stop");
+    assert_eq!(chunks[4]["choices"][0]["logprobs"], logprobs_of(&[""]));
+    assert_eq!(engine.requests()[0].logprobs, Some(1));
+
+    body["stream"] = json!(false);
+    let (status, _, text) = post_text(&base, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200);
+    let whole: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        whole["choices"][0]["logprobs"],
+        logprobs_of(&["Hello", ", ", "wörld", ""])
     );
 }
 

@@ -13,7 +13,7 @@ use meshnet_wire::{Activations, PREFILL_CHUNK_TOKENS};
 use crate::detokenizer::IncrementalDecoder;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::SessionId;
-use crate::sampling::{Sampler, SamplingConfig, StopConditions};
+use crate::sampling::{Sampler, SamplingConfig, StopConditions, TokenLogprobs, token_logprobs};
 use crate::tokenizer::ModelTokenizer;
 
 /// A contiguous span of layers, in this process or behind a network hop.
@@ -200,6 +200,9 @@ pub struct GenerationRequest {
     pub chunk_tokens: usize,
     /// Keep the logits of every step in the result (for tests and diagnostics).
     pub record_logits: bool,
+    /// Report each generated token's log-probability with this many of the most likely
+    /// tokens at its step ([`token_logprobs`]); `None` reports none.
+    pub logprobs: Option<usize>,
     /// The session the generation's KV caches are kept under on every stage.
     pub session: SessionId,
 }
@@ -214,6 +217,7 @@ impl GenerationRequest {
             stop: StopConditions::default(),
             chunk_tokens: PREFILL_CHUNK_TOKENS,
             record_logits: false,
+            logprobs: None,
             session: SessionId::new_v4(),
         }
     }
@@ -244,6 +248,8 @@ pub struct Generation {
     /// The logits of each step (after the prompt, then after each generated token that was fed
     /// back), when `record_logits` was set.
     pub logits: Vec<Vec<f32>>,
+    /// The log-probabilities of each generated token, when `logprobs` was set.
+    pub logprobs: Vec<TokenLogprobs>,
 }
 
 /// Generates a continuation of `request.prompt` over `route`: prefill in chunks, then one
@@ -254,17 +260,18 @@ pub fn generate(
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
 ) -> Result<Generation> {
-    generate_observed(route, request, tokenizer, &mut |_| true)
+    generate_observed(route, request, tokenizer, &mut |_, _| true)
 }
 
-/// Like [`generate`], calling `observer` with every token generated so far after each new
-/// token; when it returns `false` generation stops with [`FinishReason::Cancelled`]. The
-/// session is ended on every stage afterwards, also after an error or a cancellation.
+/// Like [`generate`], calling `observer` with every token generated so far (and their
+/// log-probabilities, when requested) after each new token; when it returns `false`
+/// generation stops with [`FinishReason::Cancelled`]. The session is ended on every stage
+/// afterwards, also after an error or a cancellation.
 pub fn generate_observed(
     route: &Route<'_>,
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
-    observer: &mut dyn FnMut(&[u32]) -> bool,
+    observer: &mut dyn FnMut(&[u32], &[TokenLogprobs]) -> bool,
 ) -> Result<Generation> {
     let outcome = run(route, request, tokenizer, observer);
     route.end_session(request.session);
@@ -275,7 +282,7 @@ fn run(
     route: &Route<'_>,
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
-    observer: &mut dyn FnMut(&[u32]) -> bool,
+    observer: &mut dyn FnMut(&[u32], &[TokenLogprobs]) -> bool,
 ) -> Result<Generation> {
     let session = request.session;
     if request.prompt.is_empty() {
@@ -288,12 +295,16 @@ fn run(
     let mut logits = route.head.logits(&last_hidden)?;
 
     let mut generated = Vec::with_capacity(request.max_tokens);
+    let mut logprobs = Vec::new();
     let mut finish = FinishReason::Length;
     let mut text = tokenizer.map(|tokenizer| GeneratedText::new(tokenizer, &request.stop));
     let mut stop_at = None;
     let mut position = request.prompt.len();
     while generated.len() < request.max_tokens {
         let token = sampler.sample(&logits)?;
+        let step_logprobs = request
+            .logprobs
+            .map(|top| token_logprobs(&logits, token, top));
         if request.record_logits {
             recorded.push(std::mem::take(&mut logits));
         }
@@ -302,11 +313,12 @@ fn run(
             break;
         }
         generated.push(token);
+        logprobs.extend(step_logprobs);
         let found = match text.as_mut() {
             Some(text) => text.push(token)?,
             None => None,
         };
-        if !observer(&generated) {
+        if !observer(&generated, &logprobs) {
             finish = FinishReason::Cancelled;
             break;
         }
@@ -337,6 +349,7 @@ fn run(
         text,
         finish,
         logits: recorded,
+        logprobs,
     })
 }
 

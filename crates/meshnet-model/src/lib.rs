@@ -60,7 +60,9 @@ pub use known_models::{DEFAULT_MODEL_NAME, KNOWN_MODELS, KnownModel, PinnedWheel
 pub use kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
 pub use llama::{LlamaSpan, SpanSpec, SplitModel, split_specs};
 pub use model::{GPT2_TOKENIZER_FILE, Model, ModelSpan, TextSide};
-pub use sampling::{Sampler, SamplingConfig, StopConditions, argmax};
+pub use sampling::{
+    BAN_BIAS, Sampler, SamplingConfig, StopConditions, TokenLogprobs, argmax, token_logprobs,
+};
 pub use tokenizer::{EncodeOptions, ModelTokenizer};
 
 /// File name of the default model, SmolLM2-135M-Instruct quantised to Q4_1.

@@ -1,7 +1,14 @@
-//! Choosing the next token from logits, apart from any model: greedy, temperature, top-k,
-//! top-p, with a seeded generator so a seed gives the same text every time.
+//! Choosing the next token from logits, apart from any model: logit bias and repetition
+//! penalties, then greedy, or top-k, temperature, min-p and top-p with a seeded generator so a
+//! seed gives the same text every time.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
 
 use crate::error::{ModelError, Result};
+
+/// A logit bias at or below this bans its token: the token is never chosen.
+pub const BAN_BIAS: f32 = -100.0;
 
 /// How to choose tokens.
 #[derive(Clone, Debug, PartialEq)]
@@ -12,6 +19,16 @@ pub struct SamplingConfig {
     pub top_k: Option<usize>,
     /// Keep the smallest set of most likely tokens whose probability reaches `p`.
     pub top_p: Option<f32>,
+    /// Drop the tokens whose probability (after temperature) is below `min_p` times the most
+    /// likely token's.
+    pub min_p: Option<f32>,
+    /// Subtracted once from the logit of every token generated at least once so far.
+    pub presence_penalty: f32,
+    /// Subtracted from the logit of every token once per time it was generated so far.
+    pub frequency_penalty: f32,
+    /// Added to the logits of the listed token ids, greedy or not; a bias of [`BAN_BIAS`] or
+    /// less bans the token. Ids past the end of the logits are ignored.
+    pub logit_bias: Vec<(u32, f32)>,
     /// Seed of the random generator.
     pub seed: u64,
 }
@@ -23,13 +40,58 @@ impl SamplingConfig {
             temperature: 0.0,
             top_k: None,
             top_p: None,
+            min_p: None,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: 0,
         }
     }
 
-    /// Whether this configuration always takes the most likely token.
+    /// Whether this configuration always takes the most likely token (after bias and
+    /// penalties).
     pub fn is_greedy(&self) -> bool {
         self.temperature <= 0.0 || self.top_k == Some(1)
+    }
+
+    /// Whether logits are changed before choosing: any bias or penalty.
+    fn adjusts_logits(&self) -> bool {
+        !self.logit_bias.is_empty() || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Refuses settings no sampler can follow: a NaN temperature, `top_k = 0`, `top_p`
+    /// outside `(0, 1]`, `min_p` outside `[0, 1]`, and penalties or biases that are not
+    /// finite numbers.
+    fn check(&self) -> Result<()> {
+        let refuse = |reason: String| Err(ModelError::Sampling(reason));
+        if self.temperature.is_nan() {
+            return refuse("temperature is NaN".into());
+        }
+        if self.top_k == Some(0) {
+            return refuse("top-k must be at least 1".into());
+        }
+        if let Some(p) = self.top_p
+            && !(p > 0.0 && p <= 1.0)
+        {
+            return refuse(format!("top-p {p} is not in (0, 1]"));
+        }
+        if let Some(p) = self.min_p
+            && !(0.0..=1.0).contains(&p)
+        {
+            return refuse(format!("min-p {p} is not in [0, 1]"));
+        }
+        for (name, penalty) in [
+            ("presence", self.presence_penalty),
+            ("frequency", self.frequency_penalty),
+        ] {
+            if !penalty.is_finite() {
+                return refuse(format!("the {name} penalty {penalty} is not finite"));
+            }
+        }
+        if let Some((id, bias)) = self.logit_bias.iter().find(|(_, bias)| !bias.is_finite()) {
+            return refuse(format!("the bias {bias} of token {id} is not finite"));
+        }
+        Ok(())
     }
 }
 
@@ -58,29 +120,27 @@ impl SplitMix64 {
     }
 }
 
-/// Picks tokens according to a [`SamplingConfig`].
+/// Picks tokens according to a [`SamplingConfig`], one after another for one completion: the
+/// penalties count the tokens it has picked so far.
 #[derive(Clone, Debug)]
 pub struct Sampler {
     config: SamplingConfig,
     random: SplitMix64,
+    /// How often each token was picked so far.
+    counts: HashMap<u32, u32>,
 }
 
 impl Sampler {
-    /// A sampler; rejects a NaN temperature, `top_k = 0` and `top_p` outside `(0, 1]`.
+    /// A sampler; rejects a NaN temperature, `top_k = 0`, `top_p` outside `(0, 1]`, `min_p`
+    /// outside `[0, 1]`, and penalties or biases that are not finite.
     pub fn new(config: SamplingConfig) -> Result<Self> {
-        if config.temperature.is_nan() {
-            return Err(ModelError::Sampling("temperature is NaN".into()));
-        }
-        if config.top_k == Some(0) {
-            return Err(ModelError::Sampling("top-k must be at least 1".into()));
-        }
-        if let Some(p) = config.top_p
-            && !(p > 0.0 && p <= 1.0)
-        {
-            return Err(ModelError::Sampling(format!("top-p {p} is not in (0, 1]")));
-        }
+        config.check()?;
         let random = SplitMix64(config.seed);
-        Ok(Self { config, random })
+        Ok(Self {
+            config,
+            random,
+            counts: HashMap::new(),
+        })
     }
 
     /// The configuration.
@@ -88,55 +148,167 @@ impl Sampler {
         &self.config
     }
 
-    /// Chooses a token from `logits`.
+    /// Chooses the next token from `logits` and counts it for the penalties of later choices.
+    /// Fails when the logits are empty, or when every token is NaN or banned.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
         if logits.is_empty() {
             return Err(ModelError::Sampling("empty logits".into()));
         }
-        if self.config.is_greedy() {
-            return Ok(argmax(logits));
+        let logits = self.adjusted(logits);
+        let token = if self.config.is_greedy() {
+            best_token(&logits)
+        } else {
+            self.draw(&logits)
         }
+        .ok_or_else(|| ModelError::Sampling("every token is NaN or banned".into()))?;
+        *self.counts.entry(token).or_default() += 1;
+        Ok(token)
+    }
+
+    /// `logits` with the bias and the penalties for the tokens picked so far applied: a
+    /// banned token's logit is negative infinity.
+    pub fn adjusted<'a>(&self, logits: &'a [f32]) -> Cow<'a, [f32]> {
+        if !self.config.adjusts_logits() {
+            return Cow::Borrowed(logits);
+        }
+        let mut adjusted = logits.to_vec();
+        let (presence, frequency) = (self.config.presence_penalty, self.config.frequency_penalty);
+        if presence != 0.0 || frequency != 0.0 {
+            for (&token, &count) in &self.counts {
+                if let Some(logit) = adjusted.get_mut(token as usize) {
+                    *logit -= frequency * count as f32 + presence;
+                }
+            }
+        }
+        for &(token, bias) in &self.config.logit_bias {
+            if let Some(logit) = adjusted.get_mut(token as usize) {
+                *logit = if bias <= BAN_BIAS {
+                    f32::NEG_INFINITY
+                } else {
+                    *logit + bias
+                };
+            }
+        }
+        Cow::Owned(adjusted)
+    }
+
+    /// A random token from the candidates top-k, min-p and top-p leave, in proportion to
+    /// `softmax(logits / temperature)`.
+    fn draw(&mut self, logits: &[f32]) -> Option<u32> {
         let mut candidates: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
-            .filter(|(_, logit)| !logit.is_nan())
+            .filter(|&(_, &logit)| !logit.is_nan() && logit != f32::NEG_INFINITY)
             .map(|(index, &logit)| (index as u32, logit))
             .collect();
-        if candidates.is_empty() {
-            return Err(ModelError::Sampling("all logits are NaN".into()));
-        }
         candidates.sort_by(|a, b| b.1.total_cmp(&a.1));
         if let Some(k) = self.config.top_k {
             candidates.truncate(k);
         }
-        let max = candidates[0].1;
+        let max = candidates.first()?.1;
         let temperature = f64::from(self.config.temperature);
+        // Relative to the most likely token, whose weight is 1.
         let mut weights: Vec<f64> = candidates
             .iter()
             .map(|&(_, logit)| ((f64::from(logit) - f64::from(max)) / temperature).exp())
             .collect();
-        let total: f64 = weights.iter().sum();
+        if let Some(min_p) = self.config.min_p {
+            let keep = weights
+                .iter()
+                .position(|&weight| weight < f64::from(min_p))
+                .unwrap_or(weights.len());
+            weights.truncate(keep.max(1));
+        }
         if let Some(p) = self.config.top_p {
-            let mut cumulative = 0.0;
-            let mut keep = weights.len();
-            for (index, weight) in weights.iter().enumerate() {
-                cumulative += weight / total;
-                if cumulative >= f64::from(p) {
-                    keep = index + 1;
-                    break;
-                }
-            }
-            weights.truncate(keep);
+            weights.truncate(nucleus_size(&weights, f64::from(p)));
         }
         let total: f64 = weights.iter().sum();
         let mut target = self.random.next_unit() * total;
         for (index, weight) in weights.iter().enumerate() {
             if target < *weight {
-                return Ok(candidates[index].0);
+                return Some(candidates[index].0);
             }
             target -= weight;
         }
-        Ok(candidates[weights.len() - 1].0)
+        Some(candidates[weights.len() - 1].0)
+    }
+}
+
+/// How many of the descending `weights` make up the smallest set whose share of their total
+/// reaches `p`.
+fn nucleus_size(weights: &[f64], p: f64) -> usize {
+    let total: f64 = weights.iter().sum();
+    let mut cumulative = 0.0;
+    for (index, weight) in weights.iter().enumerate() {
+        cumulative += weight / total;
+        if cumulative >= p {
+            return index + 1;
+        }
+    }
+    weights.len()
+}
+
+/// The index of the largest logit (the first one on ties), or `None` when every logit is NaN
+/// or negative infinity.
+fn best_token(logits: &[f32]) -> Option<u32> {
+    let best = argmax(logits);
+    (logits[best as usize] > f32::NEG_INFINITY).then_some(best)
+}
+
+/// A generated token's log-probability and the most likely tokens at its step, from the
+/// log-softmax of the raw logits (before bias, penalties, temperature and truncation).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// The most likely tokens with their log-probabilities, most likely first (ties: lower id
+    /// first).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// The log-probability of `token` under `softmax(logits)` and the `top` most likely tokens;
+/// NaN logits count as impossible (negative infinity).
+pub fn token_logprobs(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
+    let clean = |logit: f32| {
+        if logit.is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            logit
+        }
+    };
+    let max = logits
+        .iter()
+        .map(|&logit| clean(logit))
+        .fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits
+        .iter()
+        .map(|&logit| (f64::from(clean(logit)) - f64::from(max)).exp())
+        .sum();
+    let log_total = f64::from(max) + sum.ln();
+    let logprob = |id: u32| {
+        let logit = logits
+            .get(id as usize)
+            .map_or(f32::NEG_INFINITY, |&l| clean(l));
+        (f64::from(logit) - log_total) as f32
+    };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_likelihood = |a: &u32, b: &u32| {
+        clean(logits[*b as usize])
+            .total_cmp(&clean(logits[*a as usize]))
+            .then(a.cmp(b))
+    };
+    let top = top.min(ids.len());
+    if top > 0 && top < ids.len() {
+        ids.select_nth_unstable_by(top - 1, by_likelihood);
+    }
+    ids.truncate(top);
+    ids.sort_by(by_likelihood);
+    TokenLogprobs {
+        token,
+        logprob: logprob(token),
+        top: ids.into_iter().map(|id| (id, logprob(id))).collect(),
     }
 }
 
@@ -176,6 +348,8 @@ impl StopConditions {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
 
     #[test]
@@ -191,6 +365,7 @@ mod tests {
             top_k: Some(1),
             top_p: None,
             seed: 7,
+            ..SamplingConfig::greedy()
         };
         let mut sampler = Sampler::new(config).unwrap();
         for _ in 0..20 {
@@ -205,6 +380,7 @@ mod tests {
             top_k: None,
             top_p: Some(0.6),
             seed: 42,
+            ..SamplingConfig::greedy()
         };
         // Probabilities ~ [0.66, 0.24, 0.09, ...]: top-p 0.6 keeps only the first.
         let logits = [3.0, 2.0, 1.0, 0.0];
@@ -298,7 +474,7 @@ mod tests {
             temperature,
             top_k,
             top_p,
-            seed: 0,
+            ..SamplingConfig::greedy()
         }
     }
 
@@ -461,6 +637,268 @@ mod tests {
             temperature: f32::NAN,
             ..SamplingConfig::greedy()
         }));
+        for min_p in [-0.1, 1.5, f32::NAN] {
+            assert!(bad(SamplingConfig {
+                min_p: Some(min_p),
+                ..SamplingConfig::greedy()
+            }));
+        }
+        assert!(bad(SamplingConfig {
+            presence_penalty: f32::NAN,
+            ..SamplingConfig::greedy()
+        }));
+        assert!(bad(SamplingConfig {
+            frequency_penalty: f32::INFINITY,
+            ..SamplingConfig::greedy()
+        }));
+        assert!(bad(SamplingConfig {
+            logit_bias: vec![(1, f32::NEG_INFINITY)],
+            ..SamplingConfig::greedy()
+        }));
+        assert!(!bad(SamplingConfig {
+            min_p: Some(1.0),
+            presence_penalty: -2.0,
+            frequency_penalty: 2.0,
+            logit_bias: vec![(1, -100.0), (2, 100.0)],
+            ..SamplingConfig::greedy()
+        }));
+    }
+
+    fn biased(config: SamplingConfig, logit_bias: &[(u32, f32)]) -> SamplingConfig {
+        SamplingConfig {
+            logit_bias: logit_bias.to_vec(),
+            ..config
+        }
+    }
+
+    #[test]
+    fn greedy_follows_the_bias_and_never_takes_a_banned_token() {
+        let greedy = |bias: &[(u32, f32)]| {
+            Sampler::new(biased(SamplingConfig::greedy(), bias))
+                .unwrap()
+                .sample(&LOGITS)
+                .unwrap()
+        };
+        // LOGITS ranks 1 (2.5), 4 (1.8), 0 (1.0), ...
+        assert_eq!(greedy(&[]), 1);
+        assert_eq!(greedy(&[(1, -100.0)]), 4);
+        assert_eq!(greedy(&[(1, -100.0), (4, -100.0)]), 0);
+        // A bias short of a ban only moves the logit.
+        assert_eq!(greedy(&[(1, -0.5)]), 1);
+        assert_eq!(greedy(&[(1, -0.8)]), 4);
+        assert_eq!(greedy(&[(5, 3.8)]), 5);
+        // Ids past the vocabulary are ignored.
+        assert_eq!(greedy(&[(99, 100.0)]), 1);
+        // A ban beats any logit, however large.
+        let mut sampler = Sampler::new(biased(SamplingConfig::greedy(), &[(0, -100.0)])).unwrap();
+        assert_eq!(sampler.sample(&[1e30, -1e30]).unwrap(), 1);
+    }
+
+    #[test]
+    fn a_banned_token_is_never_drawn_and_the_rest_keep_their_proportions() {
+        let banned = 1;
+        let config = biased(sampling(1.0, None, None), &[(banned, -100.0)]);
+        let counts = counts(&config, &LOGITS);
+        assert_eq!(counts[banned as usize], 0, "{counts:?}");
+        let full = softmax(&LOGITS, 1.0);
+        let rest = 1.0 - full[banned as usize];
+        let expected: Vec<f64> = (0..LOGITS.len())
+            .map(|token| {
+                if token == banned as usize {
+                    0.0
+                } else {
+                    full[token] / rest
+                }
+            })
+            .collect();
+        let statistic = chi_square(&counts, &expected);
+        assert!(
+            statistic < CHI_SQUARE_CRITICAL_P001[LOGITS.len() - 2],
+            "chi-square {statistic:.2} (counts {counts:?}, expected {expected:?})"
+        );
+    }
+
+    #[test]
+    fn a_positive_bias_of_100_makes_its_token_the_only_one_drawn() {
+        let config = biased(sampling(2.0, None, None), &[(5, 100.0)]);
+        assert_eq!(counts(&config, &LOGITS)[5], DRAWS);
+    }
+
+    #[test]
+    fn banning_every_token_is_an_error_not_a_choice() {
+        let all: Vec<(u32, f32)> = (0..LOGITS.len() as u32).map(|id| (id, -100.0)).collect();
+        for config in [SamplingConfig::greedy(), sampling(1.0, Some(3), Some(0.9))] {
+            let mut sampler = Sampler::new(biased(config, &all)).unwrap();
+            assert!(sampler.sample(&LOGITS).is_err());
+        }
+    }
+
+    #[test]
+    fn a_frequency_penalty_grows_with_each_repeat() {
+        let mut sampler = Sampler::new(SamplingConfig {
+            frequency_penalty: 1.0,
+            ..SamplingConfig::greedy()
+        })
+        .unwrap();
+        let logits = [2.0, 1.5, 0.0];
+        let picks: Vec<u32> = (0..6).map(|_| sampler.sample(&logits).unwrap()).collect();
+        // Adjusted logits before each pick, worked by hand:
+        // [2, 1.5, 0] [1, 1.5, 0] [1, .5, 0] [0, .5, 0] [0, -.5, 0] (tie: first) [-1, -.5, 0]
+        assert_eq!(picks, [0, 1, 0, 1, 0, 2]);
+        assert_eq!(sampler.adjusted(&logits).as_ref(), [-1.0, -0.5, -1.0]);
+    }
+
+    #[test]
+    fn a_presence_penalty_counts_a_token_once() {
+        let mut sampler = Sampler::new(SamplingConfig {
+            presence_penalty: 1.0,
+            ..SamplingConfig::greedy()
+        })
+        .unwrap();
+        let logits = [2.0, 1.5, 0.0];
+        let picks: Vec<u32> = (0..5).map(|_| sampler.sample(&logits).unwrap()).collect();
+        // [2, 1.5, 0] then [1, 1.5, 0] then [1, .5, 0] from then on.
+        assert_eq!(picks, [0, 1, 0, 0, 0]);
+        // A negative penalty favours what was said: token 1, once said, is worth 2 more.
+        let mut sampler = Sampler::new(SamplingConfig {
+            presence_penalty: -2.0,
+            ..SamplingConfig::greedy()
+        })
+        .unwrap();
+        let steps = [[0.0, 1.0], [1.5, 0.0], [2.5, 0.0]];
+        let picks: Vec<u32> = steps
+            .iter()
+            .map(|logits| sampler.sample(logits).unwrap())
+            .collect();
+        assert_eq!(picks, [1, 1, 0]);
+    }
+
+    #[test]
+    fn min_p_keeps_the_tokens_near_the_best_in_proportion() {
+        let min_p = 0.2;
+        let full = softmax(&LOGITS, 1.0);
+        let best = full.iter().copied().fold(0.0, f64::max);
+        let kept: Vec<usize> = (0..LOGITS.len())
+            .filter(|&token| full[token] >= f64::from(min_p) * best)
+            .collect();
+        assert_eq!(kept, [0, 1, 4]);
+        let config = SamplingConfig {
+            min_p: Some(min_p),
+            ..sampling(1.0, None, None)
+        };
+        let counts = counts(&config, &LOGITS);
+        let mass: f64 = kept.iter().map(|&token| full[token]).sum();
+        let expected: Vec<f64> = (0..LOGITS.len())
+            .map(|token| {
+                if kept.contains(&token) {
+                    full[token] / mass
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let statistic = chi_square(&counts, &expected);
+        println!("min-p {min_p}: counts {counts:?}, chi-square {statistic:.2}");
+        assert!(
+            statistic < CHI_SQUARE_CRITICAL_P001[kept.len() - 1],
+            "min-p {min_p}: chi-square {statistic:.2} (counts {counts:?}, expected {expected:?})"
+        );
+        // min-p 1 keeps only the best.
+        let only_best = SamplingConfig {
+            min_p: Some(1.0),
+            ..sampling(1.0, None, None)
+        };
+        assert_eq!(super::tests::counts(&only_best, &LOGITS)[1], DRAWS);
+    }
+
+    /// Any sampling settings, greedy ones included.
+    fn any_config() -> impl Strategy<Value = SamplingConfig> {
+        (
+            prop_oneof![Just(0.0f32), 0.05f32..2.0],
+            proptest::option::of(1usize..8),
+            proptest::option::of(0.05f32..=1.0),
+            proptest::option::of(0.0f32..=1.0),
+            -2.0f32..=2.0,
+            -2.0f32..=2.0,
+            any::<u64>(),
+        )
+            .prop_map(
+                |(temperature, top_k, top_p, min_p, presence, frequency, seed)| SamplingConfig {
+                    temperature,
+                    top_k,
+                    top_p,
+                    min_p,
+                    presence_penalty: presence,
+                    frequency_penalty: frequency,
+                    logit_bias: Vec::new(),
+                    seed,
+                },
+            )
+    }
+
+    proptest! {
+        #[test]
+        fn a_banned_token_is_never_chosen(
+            config in any_config(),
+            logits in proptest::collection::vec(-1e4f32..1e4, 2..40),
+            banned_at in any::<prop::sample::Index>(),
+        ) {
+            let banned = banned_at.index(logits.len()) as u32;
+            let mut sampler = Sampler::new(biased(config, &[(banned, -100.0)])).unwrap();
+            for _ in 0..20 {
+                prop_assert_ne!(sampler.sample(&logits).unwrap(), banned);
+            }
+        }
+
+        #[test]
+        fn penalties_change_exactly_the_counted_tokens_logits(
+            config in any_config(),
+            logits in proptest::collection::vec(-10f32..10.0, 2..12),
+            steps in 0usize..30,
+        ) {
+            let mut sampler = Sampler::new(config.clone()).unwrap();
+            let mut counts = vec![0u32; logits.len()];
+            for _ in 0..steps {
+                counts[sampler.sample(&logits).unwrap() as usize] += 1;
+            }
+            let adjusted = sampler.adjusted(&logits);
+            for (token, (&raw, &now)) in logits.iter().zip(adjusted.iter()).enumerate() {
+                let count = counts[token];
+                let penalty = if count == 0 {
+                    0.0
+                } else {
+                    config.frequency_penalty * count as f32 + config.presence_penalty
+                };
+                prop_assert!(
+                    (raw - penalty - now).abs() <= 1e-4,
+                    "token {token}: raw {raw}, count {count}, adjusted {now}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_raw_logits() {
+        let logits = [1.0f32, 3.0, f32::NAN, 3.0, -2.0];
+        // softmax over e^1, e^3, 0, e^3, e^-2, worked out in f64.
+        let total = 1f64.exp() + 2.0 * 3f64.exp() + (-2f64).exp();
+        let expected = |logit: f64| (logit - total.ln()) as f32;
+        let result = token_logprobs(&logits, 0, 3);
+        assert_eq!(result.token, 0);
+        assert!((result.logprob - expected(1.0)).abs() < 1e-6, "{result:?}");
+        let ids: Vec<u32> = result.top.iter().map(|&(id, _)| id).collect();
+        assert_eq!(ids, [1, 3, 0], "ties keep the lower id first");
+        for &(id, logprob) in &result.top {
+            let logit = f64::from(logits[id as usize]);
+            assert!((logprob - expected(logit)).abs() < 1e-6, "{result:?}");
+        }
+        assert_eq!(token_logprobs(&logits, 2, 0).logprob, f32::NEG_INFINITY);
+        assert!(token_logprobs(&logits, 2, 0).top.is_empty());
+        assert_eq!(token_logprobs(&logits, 4, 9).top.len(), logits.len());
+        // The probabilities add up to one.
+        let all = token_logprobs(&LOGITS, 0, LOGITS.len());
+        let mass: f64 = all.top.iter().map(|&(_, lp)| f64::from(lp).exp()).sum();
+        assert!((mass - 1.0).abs() < 1e-5, "{mass}");
     }
 
     #[test]

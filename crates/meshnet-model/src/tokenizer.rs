@@ -199,6 +199,19 @@ impl ModelTokenizer {
         }
     }
 
+    /// The bytes one token stands for, a control token's text included; a byte-level token
+    /// may hold only part of a character.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        match &self.engine {
+            Engine::Gguf(vocab) => {
+                let mut bytes = Vec::new();
+                vocab.token_bytes(id, true, &mut bytes);
+                Ok(bytes)
+            }
+            Engine::HuggingFace { .. } => Ok(self.decode_with_special(&[id])?.into_bytes()),
+        }
+    }
+
     /// The id of a token's exact text, if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         match &self.engine {
@@ -345,6 +358,18 @@ mod tests {
         assert_eq!(tokenizer.decode(&[6, 6, 5]).unwrap(), "a ab");
         assert_eq!(tokenizer.decode_with_special(&[1, 6]).unwrap(), "<s> a");
         assert_eq!(tokenizer.decode(&[1, 6, 8]).unwrap(), " a!");
+    }
+
+    #[test]
+    fn token_bytes_are_what_one_token_decodes_to_with_no_prefix_space_dropped() {
+        let tokenizer = build(&sentence_piece()).unwrap();
+        assert_eq!(tokenizer.token_bytes(6).unwrap(), b" a");
+        assert_eq!(tokenizer.token_bytes(8).unwrap(), b"!");
+        assert_eq!(tokenizer.token_bytes(1).unwrap(), b"<s>");
+        assert_eq!(tokenizer.token_bytes(99).unwrap(), b"");
+        let tokenizer = build(&byte_pairs("gpt-2")).unwrap();
+        assert_eq!(tokenizer.token_bytes(4).unwrap(), b" ab");
+        assert_eq!(tokenizer.token_bytes(5).unwrap(), b"<|endoftext|>");
     }
 
     #[test]

@@ -267,3 +267,36 @@ fn stop_strings_cut_the_text_at_the_same_token_as_decoding_everything() {
         assert_eq!(generation.tokens, ids[..stopping], "{text:?} / {stops:?}");
     }
 }
+
+#[test]
+fn each_generated_token_gets_its_logprob_and_the_top_tokens_and_a_stop_token_none() {
+    let ids = encode("Hello there, friend");
+    assert!(ids.len() >= 4 && !ids[..3].contains(&0), "{ids:?}");
+    let script = Script::new(ids.clone());
+    let request = GenerationRequest {
+        logprobs: Some(2),
+        stop: StopConditions {
+            tokens: vec![ids[3]],
+            strings: vec![],
+        },
+        ..GenerationRequest::greedy(encode("Say:"), ids.len())
+    };
+    let generation = generate(&script.route(), &request, Some(common::tokenizer())).unwrap();
+    assert_eq!(generation.tokens, ids[..3]);
+    // Each step's logits are 1 for the scripted id and 0 for the other ids.
+    let vocab = common::tokenizer().vocab_size() as f64;
+    let log_total = (1f64.exp() + vocab - 1.0).ln();
+    let (best, rest) = ((1.0 - log_total) as f32, (-log_total) as f32);
+    assert_eq!(generation.logprobs.len(), 3);
+    for (logprobs, &id) in generation.logprobs.iter().zip(&ids) {
+        assert_eq!(logprobs.token, id);
+        assert!((logprobs.logprob - best).abs() < 1e-5, "{logprobs:?}");
+        assert_eq!(logprobs.top.len(), 2);
+        assert_eq!(logprobs.top[0].0, id);
+        // The runner-up is the lowest of the equally likely other ids.
+        assert_eq!(logprobs.top[1].0, 0);
+        assert!((logprobs.top[1].1 - rest).abs() < 1e-5, "{logprobs:?}");
+    }
+    let without = generate_text("Hello there, friend", 3, &[]);
+    assert!(without.logprobs.is_empty());
+}

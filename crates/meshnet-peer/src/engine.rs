@@ -8,12 +8,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use meshnet_api::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput,
+    FinishReason, ModelInfo, PromptInput, TokenLogprob, TopLogprob,
 };
 use meshnet_model::{
-    BoundaryPolicy, ChatMessage, FinishReason as ModelFinish, GenerationRequest, ModelError,
-    ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
-    generate_observed,
+    BoundaryPolicy, ChatMessage, EncodeOptions, FinishReason as ModelFinish, GenerationRequest,
+    ModelError, ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
+    TokenLogprobs, generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
 use meshnet_wire::Encoding;
@@ -59,6 +59,8 @@ impl MeshEngine {
         let context_length = description.context_length;
         let family = description.architecture.clone();
         let tensor_types = description.tensor_types.clone();
+        // Ids clients may send must be both the tokenizer's and rows of the embedding.
+        let vocab_size = text.tokenizer.vocab_size().min(description.vocab_size);
         let quantization = host.model().shipped_format().name().to_owned();
         text.template = text
             .template
@@ -75,6 +77,7 @@ impl MeshEngine {
                 family,
                 quantization,
                 tensor_types,
+                vocab_size,
             },
             text: Arc::new(text),
             host,
@@ -156,30 +159,40 @@ impl MeshEngine {
         Ok(max_tokens)
     }
 
-    /// The prompt as text, and whether it is a chat; a chat needs the model's chat format.
-    fn prompt_text(&self, prompt: PromptInput) -> Result<(String, bool), EngineError> {
-        match prompt {
-            PromptInput::Chat(turns) => {
-                let template =
-                    self.text
-                        .template
-                        .as_ref()
-                        .ok_or_else(|| EngineError::InvalidRequest {
-                            param: Some("messages".to_owned()),
-                            message: format!(
-                                "model {} has no chat format: use /v1/completions with a prompt",
-                                self.info.id
-                            ),
-                        })?;
-                let messages: Vec<ChatMessage> = turns
-                    .into_iter()
-                    .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
-                    .collect();
-                let text = template.render(&messages).map_err(|e| engine_error(&e))?;
-                Ok((text, true))
-            }
-            PromptInput::Text(text) => Ok((text, false)),
-        }
+    /// The prompt's token ids, and whether it is a chat: text is encoded as a sequence starts,
+    /// token ids are taken as they are.
+    fn prompt_tokens(&self, prompt: PromptInput) -> Result<(Vec<u32>, bool), EngineError> {
+        let (text, chat) = match prompt {
+            PromptInput::Chat(turns) => (self.render_chat(turns)?, true),
+            PromptInput::Text(text) => (text, false),
+            PromptInput::Tokens(ids) => return Ok((ids, false)),
+        };
+        let ids = self
+            .text
+            .tokenizer
+            .encode_prompt(&text)
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        Ok((ids, chat))
+    }
+
+    /// A conversation as text in the model's chat format, which it needs to have.
+    fn render_chat(&self, turns: Vec<ChatTurn>) -> Result<String, EngineError> {
+        let template = self
+            .text
+            .template
+            .as_ref()
+            .ok_or_else(|| EngineError::InvalidRequest {
+                param: Some("messages".to_owned()),
+                message: format!(
+                    "model {} has no chat format: use /v1/completions with a prompt",
+                    self.info.id
+                ),
+            })?;
+        let messages: Vec<ChatMessage> = turns
+            .into_iter()
+            .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
+            .collect();
+        template.render(&messages).map_err(|e| engine_error(&e))
     }
 }
 
@@ -191,17 +204,30 @@ impl CompletionEngine for MeshEngine {
     fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>> {
         Box::pin(async move {
             // A request that cannot be served is told so before it waits in line.
-            let (text, chat) = self.prompt_text(request.prompt.clone())?;
+            let (prompt, chat) = self.prompt_tokens(request.prompt.clone())?;
             let prompt_param = if chat { "messages" } else { "prompt" };
-            let prompt = self
-                .text
-                .tokenizer
-                .encode_prompt(&text)
-                .map_err(|e| EngineError::Internal(e.to_string()))?;
             let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
             let permit = self.admission.admit().await?;
             self.begin(request, prompt, chat, max_tokens, permit)
         })
+    }
+
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, EngineError> {
+        let options = EncodeOptions {
+            add_special,
+            parse_special: true,
+        };
+        self.text
+            .tokenizer
+            .encode_with(text, options)
+            .map_err(|e| EngineError::Internal(e.to_string()))
+    }
+
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, EngineError> {
+        self.text
+            .tokenizer
+            .decode_with_special(tokens)
+            .map_err(|e| EngineError::Internal(e.to_string()))
     }
 }
 
@@ -241,10 +267,15 @@ impl MeshEngine {
         let generation = GenerationRequest {
             sampling: SamplingConfig {
                 temperature: request.temperature,
-                top_k: None,
+                top_k: request.top_k,
                 top_p: request.top_p,
+                min_p: request.min_p,
+                presence_penalty: request.presence_penalty,
+                frequency_penalty: request.frequency_penalty,
+                logit_bias: request.logit_bias,
                 seed: request.seed.unwrap_or_else(random_seed),
             },
+            logprobs: request.logprobs,
             stop: StopConditions {
                 tokens: stop_tokens,
                 strings: request.stop,
@@ -446,20 +477,74 @@ fn stream_generation(
     clock: &mut TokenClock<'_>,
 ) -> Result<meshnet_model::Generation, ModelError> {
     let mut streamer = TextStreamer::new(tokenizer, &request.stop.strings);
-    let outcome = generate_observed(route, request, Some(tokenizer), &mut |generated| {
-        clock.tokens_now(generated.len());
-        match streamer.delta(generated) {
-            Some(delta) => events.blocking_send(EngineEvent::Delta(delta)).is_ok(),
-            None => !events.is_closed(),
-        }
-    });
+    let send_logprobs = |tokens: std::ops::Range<usize>, logprobs: &[TokenLogprobs]| {
+        let entries: Vec<TokenLogprob> = logprobs
+            .get(tokens)
+            .unwrap_or_default()
+            .iter()
+            .map(|entry| api_logprob(tokenizer, entry))
+            .collect();
+        entries.is_empty() || events.blocking_send(EngineEvent::Logprobs(entries)).is_ok()
+    };
+    let outcome = generate_observed(
+        route,
+        request,
+        Some(tokenizer),
+        &mut |generated, logprobs| {
+            clock.tokens_now(generated.len());
+            match streamer.delta(generated) {
+                Some(delta) => {
+                    send_logprobs(streamer.release(), logprobs)
+                        && events.blocking_send(EngineEvent::Delta(delta)).is_ok()
+                }
+                None => !events.is_closed(),
+            }
+        },
+    );
     if let Ok(generation) = &outcome
         && generation.finish != ModelFinish::Cancelled
-        && let Some(rest) = streamer.remainder(generation.text.as_deref().unwrap_or_default())
     {
-        let _ = events.blocking_send(EngineEvent::Delta(rest));
+        let rest = streamer.remainder(generation.text.as_deref().unwrap_or_default());
+        // Without a stop string every token is in the text, an unfinished character too.
+        let cut = generation.finish == ModelFinish::StopString;
+        let tokens = if cut {
+            streamer.release()
+        } else {
+            streamer.release_all()
+        };
+        send_logprobs(tokens, &generation.logprobs);
+        if let Some(rest) = rest {
+            let _ = events.blocking_send(EngineEvent::Delta(rest));
+        }
     }
     outcome
+}
+
+/// A token's log-probability with its text and bytes, in the API's shape.
+fn api_logprob(tokenizer: &ModelTokenizer, entry: &TokenLogprobs) -> TokenLogprob {
+    let described = |id: u32| {
+        let bytes = tokenizer.token_bytes(id).unwrap_or_default();
+        (String::from_utf8_lossy(&bytes).into_owned(), bytes)
+    };
+    let (token, bytes) = described(entry.token);
+    let top_logprobs = entry
+        .top
+        .iter()
+        .map(|&(id, logprob)| {
+            let (token, bytes) = described(id);
+            TopLogprob {
+                token,
+                logprob,
+                bytes,
+            }
+        })
+        .collect();
+    TokenLogprob {
+        token,
+        logprob: entry.logprob,
+        bytes,
+        top_logprobs,
+    }
 }
 
 /// Counts a generation's tokens and times them: the first from the admission, each later one
@@ -499,6 +584,10 @@ struct TextStreamer<'a> {
     held: String,
     /// All text shown so far.
     shown: String,
+    /// Where each token's text ends in the decoded text (`usize::MAX` while not known).
+    ends: Vec<usize>,
+    /// How many tokens [`release`](Self::release) has given out.
+    released: usize,
 }
 
 impl<'a> TextStreamer<'a> {
@@ -509,7 +598,45 @@ impl<'a> TextStreamer<'a> {
             decoded: 0,
             held: String::new(),
             shown: String::new(),
+            ends: Vec::new(),
+            released: 0,
         }
+    }
+
+    /// Notes where the newest token's text ends: not known yet when its piece is `empty`
+    /// (part of a character, or nothing); else where the text decoded so far ends, which is
+    /// also where the text of the tokens before it that were not known yet ends.
+    fn note_end(&mut self, empty: bool) {
+        if empty {
+            self.ends.push(usize::MAX);
+            return;
+        }
+        let end = self.shown.len() + self.held.len();
+        for unknown in self.ends.iter_mut().rev() {
+            if *unknown != usize::MAX {
+                break;
+            }
+            *unknown = end;
+        }
+        self.ends.push(end);
+    }
+
+    /// Every token not given out before.
+    fn release_all(&mut self) -> std::ops::Range<usize> {
+        let start = self.released;
+        self.released = self.ends.len();
+        start..self.released
+    }
+
+    /// The tokens not given out before whose text has been shown in full, in order.
+    fn release(&mut self) -> std::ops::Range<usize> {
+        let start = self.released;
+        let shown = self.shown.len();
+        self.released += self.ends[start..]
+            .iter()
+            .take_while(|&&end| end <= shown)
+            .count();
+        start..self.released
     }
 
     /// The new text that is safe to show after `generated`, if any.
@@ -518,6 +645,7 @@ impl<'a> TextStreamer<'a> {
             let piece = self.decoder.push(token).ok()?;
             self.held.push_str(&piece);
             self.decoded += 1;
+            self.note_end(piece.is_empty());
         }
         let safe = shown_len(&self.held, self.stops);
         if safe == 0 {
@@ -739,6 +867,109 @@ mod streaming_tests {
             }
         }
         (deltas, generation)
+    }
+
+    /// Every event streaming the generation of the first `max_tokens` of `text`'s ids sends,
+    /// with log-probabilities.
+    fn events_with_logprobs(text: &str, max_tokens: usize, stops: &[&str]) -> Vec<EngineEvent> {
+        let tokenizer = tokenizer();
+        let ids = tokenizer.encode(text).unwrap();
+        let script = Script {
+            step: Cell::new(0),
+            ids: ids.clone(),
+        };
+        let route = Route {
+            embedder: &script,
+            stages: vec![&script],
+            head: &script,
+            boundary: BoundaryPolicy::F32,
+        };
+        let request = GenerationRequest {
+            logprobs: Some(1),
+            stop: StopConditions {
+                tokens: vec![],
+                strings: stops.iter().map(|stop| (*stop).to_owned()).collect(),
+            },
+            ..GenerationRequest::greedy(tokenizer.encode("Say:").unwrap(), max_tokens)
+        };
+        let (events, mut received) = mpsc::channel(2 * ids.len() + 4);
+        let metrics = meshnet_metrics::Metrics::detached();
+        let mut clock = TokenClock {
+            metrics: &metrics,
+            previous: Instant::now(),
+            counted: 0,
+        };
+        stream_generation(&route, &request, tokenizer, &events, &mut clock).unwrap();
+        let mut sent = Vec::new();
+        while let Ok(event) = received.try_recv() {
+            sent.push(event);
+        }
+        sent
+    }
+
+    #[test]
+    fn logprobs_come_with_the_delta_that_completes_their_tokens() {
+        let tokenizer = tokenizer();
+        let party = "Hello, 世界! Ça va? 🎉";
+        let party_ids = tokenizer.encode(party).unwrap();
+        let cut_emoji = &party_ids[..party_ids.len() - 1];
+        assert!(
+            tokenizer.decode(cut_emoji).unwrap().ends_with('\u{FFFD}'),
+            "the emoji takes several tokens"
+        );
+        // The space before the emoji shares a token with its first byte.
+        let before_emoji = &party_ids[..party_ids.len() - 3];
+        assert_eq!(
+            tokenizer.decode(before_emoji).unwrap(),
+            "Hello, 世界! Ça va?"
+        );
+        let answer = "The answer is forty-two, said the computer.";
+        let before_stop = tokenizer.encode("The answer is forty-").unwrap();
+        assert!(tokenizer.encode(answer).unwrap().starts_with(&before_stop));
+        // (text, tokens generated, stop string, the tokens whose logprobs are sent)
+        let cases: [(&str, usize, Option<&str>, &[u32]); 4] = [
+            (party, party_ids.len(), None, &party_ids),
+            // An unfinished character ends the text: its tokens are in it.
+            (party, cut_emoji.len(), None, cut_emoji),
+            // A stop string cuts the text: only the tokens wholly before it.
+            (answer, 20, Some("two, sa"), &before_stop),
+            // ... also when it starts in a character spread over tokens.
+            (party, party_ids.len(), Some("🎉"), before_emoji),
+        ];
+        for (text, max_tokens, stop, expected) in cases {
+            let events = events_with_logprobs(text, max_tokens, stop.as_slice());
+            let (mut deltas, mut bytes) = (String::new(), Vec::new());
+            for (index, event) in events.iter().enumerate() {
+                match event {
+                    EngineEvent::Logprobs(entries) => {
+                        let next = events.get(index + 1);
+                        assert!(
+                            next.is_none() || matches!(next, Some(EngineEvent::Delta(_))),
+                            "{text:?}: logprobs not followed by their text"
+                        );
+                        for entry in entries {
+                            // The scripted logits make the chosen token the most likely.
+                            assert_eq!(entry.top_logprobs[0].bytes, entry.bytes);
+                            bytes.extend_from_slice(&entry.bytes);
+                        }
+                    }
+                    EngineEvent::Delta(delta) => {
+                        deltas.push_str(delta);
+                        if !delta.contains('\u{FFFD}') {
+                            // The tokens sent so far are never ahead of the text shown.
+                            assert!(deltas.as_bytes().starts_with(&bytes), "{text:?}");
+                        }
+                    }
+                    _ => panic!("only logprobs and deltas are sent while generating"),
+                }
+            }
+            let expected_bytes: Vec<u8> = expected
+                .iter()
+                .flat_map(|&id| tokenizer.token_bytes(id).unwrap())
+                .collect();
+            assert_eq!(bytes, expected_bytes, "{text:?} {max_tokens} {stop:?}");
+            assert!(events.len() > 4, "{text:?} came in one piece");
+        }
     }
 
     #[test]

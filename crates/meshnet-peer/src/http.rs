@@ -26,8 +26,9 @@ use crate::status::StatusReport;
 
 /// Every route this member answers: the activation plane, `/status`, `/health`, `/metrics`
 /// (the text exposition of `registry`), the coverage page at `/`, and the OpenAI-style API
-/// under `/v1` (served by the tracker itself; any other member passes the request on to the
-/// tracker it follows, so clients may point at any member).
+/// under `/v1` with `/tokenize` and `/detokenize` (served by the tracker itself; any other
+/// member passes the request on to the tracker it follows, so clients may point at any
+/// member).
 pub(crate) fn router(
     member: &Arc<Member>,
     client: ForwardClient,
@@ -46,6 +47,8 @@ pub(crate) fn router(
                 .route("/health", get(health_handler))
                 .route("/v1", any(openai_handler))
                 .route("/v1/{*rest}", any(openai_handler))
+                .route("/tokenize", any(openai_handler))
+                .route("/detokenize", any(openai_handler))
                 .fallback(unknown_path)
                 .with_state(Arc::clone(member)),
         )
@@ -68,9 +71,14 @@ const OVERSIZED_DRAIN_BYTES: u64 = 1 << 30;
 /// How long reading an oversized body may take before the answer goes out anyway.
 const OVERSIZED_DRAIN_TIME: Duration = Duration::from_secs(30);
 
+/// Whether `path` belongs to the OpenAI-style API (`/v1/...`, `/tokenize`, `/detokenize`).
+fn is_api_path(path: &str) -> bool {
+    path == "/v1" || path.starts_with("/v1/") || path == "/tokenize" || path == "/detokenize"
+}
+
 /// The largest body `path` accepts.
 fn body_limit(path: &str) -> usize {
-    if path == "/v1" || path.starts_with("/v1/") {
+    if is_api_path(path) {
         meshnet_api::MAX_BODY_BYTES
     } else if path == "/forward" {
         Limits::default().max_body_bytes()
@@ -94,7 +102,7 @@ async fn refuse_oversized_bodies(request: Request, next: axum::middleware::Next)
     let Some(declared) = declared.filter(|&length| length > limit as u64) else {
         return next.run(request).await;
     };
-    let api = request.uri().path().starts_with("/v1");
+    let api = is_api_path(request.uri().path());
     let mut body = request.into_body().into_data_stream();
     let drained = tokio::time::timeout(OVERSIZED_DRAIN_TIME, async {
         let mut read = 0u64;
@@ -126,7 +134,8 @@ const PROXIED_HEADER: &str = "x-meshnet-proxied";
 /// How long a proxied API request may take to start answering (a generation streams after).
 const PROXY_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// `/v1/...`: the tracker's own API, or the tracker's answer to the same request.
+/// `/v1/...`, `/tokenize` and `/detokenize`: the tracker's own API, or the tracker's answer
+/// to the same request.
 async fn openai_handler(State(member): State<Arc<Member>>, request: Request) -> Response {
     if let Some(parts) = member.tracker_parts() {
         return match parts.api.oneshot(request).await {

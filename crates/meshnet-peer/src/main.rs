@@ -874,6 +874,7 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
             top_k: args.top_k,
             top_p: args.top_p,
             seed: args.seed,
+            ..SamplingConfig::greedy()
         },
         stop: StopConditions {
             tokens: stop_tokens,

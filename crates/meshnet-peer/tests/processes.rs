@@ -593,3 +593,318 @@ async fn a_two_process_gpt2_mesh_completes_exactly_like_one_process() {
     drop(mesh);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+impl Mesh {
+    /// The text of the one choice of a request to `path` (chat or completions) that must
+    /// succeed.
+    async fn text_of(&self, path: &str, body: Value) -> String {
+        let (code, answer) = self.post(path, body.clone()).await;
+        assert_eq!(code, 200, "{body}: {answer:#}\n{}", self.logs());
+        let choice = &answer["choices"][0];
+        let text = choice["message"]["content"]
+            .as_str()
+            .or_else(|| choice["text"].as_str())
+            .unwrap();
+        text.to_owned()
+    }
+}
+
+/// `body` with the fields of `extra` set.
+fn merged(mut body: Value, extra: Value) -> Value {
+    for (field, value) in extra.as_object().unwrap() {
+        body[field] = value.clone();
+    }
+    body
+}
+
+/// How often `token` is among the ids of `text`.
+fn occurrences(tokenizer: &meshnet_model::ModelTokenizer, text: &str, token: u32) -> usize {
+    tokenizer
+        .encode(text)
+        .unwrap()
+        .iter()
+        .filter(|&&id| id == token)
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_penalties_top_k_and_min_p_change_the_text_through_a_three_process_mesh() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let tokenizer = meshnet_model::ModelTokenizer::from_gguf_file(common::model_path()).unwrap();
+    let chat = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 12,
+    });
+    let path = "/v1/chat/completions";
+
+    // Banning the greedy answer's first token changes the first token.
+    let greedy = mesh.text_of(path, chat.clone()).await;
+    let first = tokenizer.encode(&greedy).unwrap()[0];
+    let banned = json!({"logit_bias": {first.to_string(): -100}});
+    let other = mesh.text_of(path, merged(chat.clone(), banned)).await;
+    println!("greedy {greedy:?}; without token {first}: {other:?}");
+    assert_ne!(tokenizer.encode(&other).unwrap()[0], first, "{other:?}");
+
+    // +100 on one token makes every generated token that token, greedy or sampled.
+    let favoured = tokenizer.encode(" banana").unwrap()[0];
+    let max_tokens = 6;
+    let expected = tokenizer.decode(&vec![favoured; max_tokens]).unwrap();
+    for sampling in [
+        json!({"temperature": 0}),
+        json!({"temperature": 1, "seed": 3}),
+    ] {
+        let body = merged(
+            chat.clone(),
+            merged(
+                sampling,
+                json!({"max_tokens": max_tokens, "logit_bias": {favoured.to_string(): 100}}),
+            ),
+        );
+        assert_eq!(mesh.text_of(path, body).await, expected);
+    }
+
+    // Counting continues "1, 1, 1, ..." (" ", "1" and "," each a token); a frequency
+    // penalty makes "1" stop repeating, the sooner the larger it is.
+    let ones = json!({
+        "model": model,
+        "prompt": "1, 1, 1, 1, 1, 1, 1, 1,",
+        "temperature": 0,
+        "max_tokens": 24,
+    });
+    let digit_one = tokenizer.token_id("1").unwrap();
+    let mut counts = Vec::new();
+    for penalty in [0, 1, 2] {
+        let body = merged(ones.clone(), json!({"frequency_penalty": penalty}));
+        let text = mesh.text_of("/v1/completions", body).await;
+        println!("frequency penalty {penalty}: {text:?}");
+        counts.push(occurrences(&tokenizer, &text, digit_one));
+    }
+    assert_eq!(counts[0], 8, "{counts:?}");
+    assert!(counts[1] < counts[0] && counts[2] < counts[1], "{counts:?}");
+
+    // "Hello Hello ..." is continued by "\n" twice; a presence penalty leaves the first
+    // (nothing was generated yet) and stops the second.
+    let hello = json!({
+        "model": model,
+        "prompt": "Hello Hello Hello Hello Hello Hello",
+        "temperature": 0,
+        "max_tokens": 2,
+    });
+    let plain = mesh.text_of("/v1/completions", hello.clone()).await;
+    assert_eq!(plain, "\n\n");
+    let body = merged(hello, json!({"presence_penalty": 2}));
+    let penalised = mesh.text_of("/v1/completions", body).await;
+    assert!(
+        penalised.starts_with('\n') && !penalised.starts_with("\n\n"),
+        "{penalised:?}"
+    );
+
+    // top_k 1 and min_p 1 leave only the most likely token: a hot, seeded sample is greedy.
+    let hot = merged(chat.clone(), json!({"temperature": 2, "seed": 11}));
+    let sampled = mesh.text_of(path, hot.clone()).await;
+    assert_ne!(sampled, greedy, "temperature 2 is not greedy by chance");
+    for only_the_best in [json!({"top_k": 1}), json!({"min_p": 1})] {
+        let text = mesh.text_of(path, merged(hot.clone(), only_the_best)).await;
+        assert_eq!(text, greedy);
+    }
+
+    // Token ids are checked against the model's vocabulary.
+    let vocab = tokenizer.vocab_size();
+    let last = json!({"max_tokens": 1, "logit_bias": {(vocab - 1).to_string(): 5}});
+    mesh.text_of(path, merged(chat.clone(), last)).await;
+    let past = json!({"logit_bias": {vocab.to_string(): 5}});
+    let (code, body) = mesh.chat(merged(chat.clone(), past)).await;
+    assert_eq!(code, 400, "{body:#}");
+    assert_eq!(body["error"]["param"], "logit_bias");
+}
+
+/// Posts `body` to `url`; the status and the JSON answer.
+async fn post_json(http: &reqwest::Client, url: &str, body: &Value) -> (u16, Value) {
+    let response = http.post(url).json(body).send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_id_prompts_tokenize_and_detokenize_through_a_three_process_mesh() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let tokenizer = meshnet_model::ModelTokenizer::from_gguf_file(common::model_path()).unwrap();
+    let status = mesh.status().await;
+    // A member that is not the tracker passes the requests on to it.
+    let peer_http = status["peers"][0]["http"].as_str().unwrap().to_owned();
+
+    // Control tokens written in the text are read as their ids, and written out again.
+    let text = "<|im_start|>user\nWhat is the capital of France?<|im_end|>";
+    let ids = tokenizer.encode(text).unwrap();
+    assert_eq!(ids[0], tokenizer.token_id("<|im_start|>").unwrap());
+    for base in [mesh.url(""), peer_http] {
+        let body = json!({"content": text});
+        let (code, answer) = post_json(&mesh.http, &format!("{base}/tokenize"), &body).await;
+        assert_eq!(code, 200, "{base}: {answer:#}");
+        assert_eq!(answer, json!({"tokens": ids}), "{base}");
+        let body = json!({"tokens": ids});
+        let (code, answer) = post_json(&mesh.http, &format!("{base}/detokenize"), &body).await;
+        assert_eq!(code, 200, "{base}: {answer:#}");
+        assert_eq!(answer, json!({"content": text}), "{base}");
+        let body = json!({"tokens": [tokenizer.vocab_size()]});
+        let (code, answer) = post_json(&mesh.http, &format!("{base}/detokenize"), &body).await;
+        assert_eq!(code, 400, "{base}: {answer:#}");
+        assert_eq!(answer["error"]["param"], "tokens");
+    }
+
+    // A prompt of token ids is continued exactly as its text is.
+    let prompt = "The capital of France is";
+    let (_, tokenized) = mesh
+        .post("/tokenize", json!({"content": prompt, "add_special": true}))
+        .await;
+    let ids = tokenized["tokens"].clone();
+    let completion = |prompt: Value| json!({"model": model, "prompt": prompt, "temperature": 0, "max_tokens": 12});
+    let (code, from_text) = mesh
+        .post("/v1/completions", completion(json!(prompt)))
+        .await;
+    assert_eq!(code, 200, "{from_text:#}");
+    for form in [ids.clone(), json!([ids])] {
+        let (code, from_ids) = mesh.post("/v1/completions", completion(form)).await;
+        assert_eq!(code, 200, "{from_ids:#}");
+        assert_eq!(
+            from_ids["choices"][0]["text"],
+            from_text["choices"][0]["text"]
+        );
+        assert_eq!(from_ids["usage"], from_text["usage"]);
+        assert_eq!(
+            from_ids["usage"]["prompt_tokens"],
+            ids.as_array().unwrap().len()
+        );
+    }
+    println!("{prompt:?} {ids} → {}", from_text["choices"][0]["text"]);
+
+    for bad in [
+        json!([1, tokenizer.vocab_size()]),
+        json!([-1]),
+        json!([]),
+        json!(["one", "two"]),
+    ] {
+        let (code, answer) = mesh.post("/v1/completions", completion(bad.clone())).await;
+        assert_eq!(code, 400, "{bad}: {answer:#}");
+        assert_eq!(answer["error"]["param"], "prompt", "{bad}");
+    }
+}
+
+/// The `data:` payloads of a streamed answer to `body`, as JSON, up to `[DONE]`.
+async fn stream_chunks(mesh: &Mesh, body: &Value) -> Vec<Value> {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let response = mesh
+        .http
+        .post(mesh.url("/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let text = response.text().await.unwrap();
+    text.lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .take_while(|data| *data != "[DONE]")
+        .map(|data| serde_json::from_str(data).unwrap())
+        .collect()
+}
+
+/// The bytes of every entry of a `logprobs.content` list, joined.
+fn logprob_bytes(content: &[Value]) -> Vec<u8> {
+    content
+        .iter()
+        .flat_map(|entry| entry["bytes"].as_array().unwrap().clone())
+        .map(|byte| u8::try_from(byte.as_u64().unwrap()).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_logprobs_through_a_three_process_mesh_are_the_raw_distribution_streamed_or_not() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let body = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 12,
+        "logprobs": true,
+        "top_logprobs": 3,
+    });
+    let (code, answer) = mesh.chat(body.clone()).await;
+    assert_eq!(code, 200, "{answer:#}");
+    let text = answer["choices"][0]["message"]["content"].as_str().unwrap();
+    let content = answer["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(logprob_bytes(&content), text.as_bytes());
+    assert_eq!(content.len() as u64, answer["usage"]["completion_tokens"]);
+    for entry in &content {
+        let top = entry["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        let values: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+        assert!(
+            values.windows(2).all(|w| w[0] >= w[1]) && values[0] <= 0.0,
+            "{entry}"
+        );
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(entry["token"], top[0]["token"], "{entry}");
+        assert_eq!(entry["logprob"], top[0]["logprob"], "{entry}");
+    }
+
+    // Streamed: the chunks carry the same entries, each with the text it completes.
+    let chunks = stream_chunks(&mesh, &body).await;
+    let mut streamed = Vec::new();
+    for chunk in &chunks {
+        let choice = &chunk["choices"][0];
+        if let Some(entries) = choice["logprobs"]["content"].as_array() {
+            let delta = choice["delta"]["content"].as_str().unwrap_or_default();
+            assert_eq!(logprob_bytes(entries), delta.as_bytes(), "{chunk}");
+            streamed.extend(entries.iter().cloned());
+        }
+    }
+    assert_eq!(streamed, content);
+
+    // The values are those of the raw logits: banning the greedy first token leaves it the
+    // most likely in top_logprobs, and the token taken is the runner-up.
+    let tokenizer = meshnet_model::ModelTokenizer::from_gguf_file(common::model_path()).unwrap();
+    let first = tokenizer.encode(text).unwrap()[0];
+    let mut banned = body.clone();
+    banned["logit_bias"] = json!({first.to_string(): -100});
+    let (code, other) = mesh.chat(banned).await;
+    assert_eq!(code, 200, "{other:#}");
+    let entry = &other["choices"][0]["logprobs"]["content"][0];
+    assert_eq!(entry["top_logprobs"][0], content[0]["top_logprobs"][0]);
+    assert_eq!(entry["top_logprobs"][1]["token"], entry["token"]);
+    // ... and temperature does not change them.
+    let mut hot = body.clone();
+    hot["temperature"] = json!(1.5);
+    hot["seed"] = json!(5);
+    let (code, sampled) = mesh.chat(hot).await;
+    assert_eq!(code, 200, "{sampled:#}");
+    let entry = &sampled["choices"][0]["logprobs"]["content"][0];
+    assert_eq!(entry["top_logprobs"], content[0]["top_logprobs"]);
+
+    for (path, extra, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"top_logprobs": 21}),
+            "top_logprobs",
+        ),
+        ("/v1/completions", json!({"logprobs": 2}), "logprobs"),
+    ] {
+        let mut request = json!({"model": model, "prompt": "Hi", "messages": body["messages"]});
+        for (field, value) in extra.as_object().unwrap() {
+            request[field] = value.clone();
+        }
+        request["logprobs"] = request.get("logprobs").cloned().unwrap_or(json!(true));
+        let (code, answer) = mesh.post(path, request).await;
+        assert_eq!(code, 400, "{answer:#}");
+        assert_eq!(answer["error"]["param"], param);
+    }
+}

@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use meshnet_api::{
     CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream, FinishReason,
-    ModelInfo, openai_router,
+    ModelInfo, TokenLogprob, TopLogprob, openai_router,
 };
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
@@ -21,6 +21,12 @@ use tower::ServiceExt;
 
 /// The model id the scripted engine serves.
 pub const MODEL: &str = "test-model";
+
+/// How many token ids the scripted engine's model has.
+pub const VOCAB_SIZE: usize = 1000;
+
+/// The scripted tokenizer's beginning-of-sequence id; ids below 256 are bytes.
+pub const BOS: u32 = 256;
 
 /// How long a test waits for something that should happen promptly.
 pub const DEADLINE: Duration = Duration::from_secs(10);
@@ -114,6 +120,25 @@ impl CompletionEngine for ScriptedEngine {
         Box::pin(std::future::ready(self.begin(request)))
     }
 
+    /// One id per byte.
+    fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>, EngineError> {
+        let bos = add_special.then_some(BOS);
+        Ok(bos.into_iter().chain(text.bytes().map(u32::from)).collect())
+    }
+
+    /// The bytes of the ids below 256, `BOS` as `<s>`.
+    fn detokenize(&self, tokens: &[u32]) -> Result<String, EngineError> {
+        let mut bytes = Vec::new();
+        for &token in tokens {
+            match u8::try_from(token) {
+                Ok(byte) => bytes.push(byte),
+                Err(_) if token == BOS => bytes.extend_from_slice(b"<s>"),
+                Err(_) => return Err(EngineError::Internal(format!("no token {token}"))),
+            }
+        }
+        String::from_utf8(bytes).map_err(|e| EngineError::Internal(e.to_string()))
+    }
+
     fn model_info(&self) -> ModelInfo {
         ModelInfo {
             id: MODEL.to_owned(),
@@ -123,13 +148,17 @@ impl CompletionEngine for ScriptedEngine {
             family: "llama".to_owned(),
             quantization: "q4_1".to_owned(),
             tensor_types: [("F32".to_owned(), 61), ("Q4_1".to_owned(), 211)].into(),
+            vocab_size: VOCAB_SIZE,
         }
     }
 }
 
 impl ScriptedEngine {
-    /// Starts the scripted generation at once.
+    /// Starts the scripted generation at once. With log-probabilities asked for, each delta
+    /// comes after [`scripted_logprob`] of its text, and the finish after that of `""` (a
+    /// token without text).
     fn begin(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
+        let logprobs = request.logprobs.is_some();
         self.requests.lock().unwrap().push(request);
         let (prompt_tokens, deltas, end) = match &self.script {
             Script::Refuse(error) => return Err(error()),
@@ -143,11 +172,20 @@ impl ScriptedEngine {
         let closed = self.closed.clone();
         tokio::spawn(async move {
             let record_closed = || closed.send_modify(|n| *n += 1);
+            let entries = |text: &str| EngineEvent::Logprobs(vec![scripted_logprob(text)]);
             for delta in deltas {
+                if logprobs && tx.send(entries(delta)).await.is_err() {
+                    record_closed();
+                    return;
+                }
                 if tx.send(EngineEvent::Delta(delta.to_owned())).await.is_err() {
                     record_closed();
                     return;
                 }
+            }
+            if logprobs && tx.send(entries("")).await.is_err() {
+                record_closed();
+                return;
             }
             let last = match end {
                 End::Finish(reason, completion_tokens) => EngineEvent::Finished {
@@ -171,6 +209,20 @@ impl ScriptedEngine {
             prompt_tokens,
             events: rx,
         })
+    }
+}
+
+/// The log-probability entry the scripted engine sends for a token of `text`.
+pub fn scripted_logprob(text: &str) -> TokenLogprob {
+    TokenLogprob {
+        token: text.to_owned(),
+        logprob: -1.5,
+        bytes: text.as_bytes().to_vec(),
+        top_logprobs: vec![TopLogprob {
+            token: "x".to_owned(),
+            logprob: -0.25,
+            bytes: vec![120],
+        }],
     }
 }
 

@@ -128,7 +128,7 @@ impl Vocab {
     }
 
     /// Appends the bytes one token stands for.
-    fn token_bytes(&self, id: u32, render_special: bool, out: &mut Vec<u8>) {
+    pub(crate) fn token_bytes(&self, id: u32, render_special: bool, out: &mut Vec<u8>) {
         let (Some(text), Some(&attrs)) =
             (self.tokens.get(id as usize), self.attrs.get(id as usize))
         else {
