@@ -21,6 +21,7 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::admission::{Admission, AdmissionLimits};
 use crate::remote::{Failover, RemoteStage, RouteLost};
+use crate::routing::PlannedHop;
 use crate::shard::{LoadedShard, ShardHost};
 
 /// Tokens generated when a request sets no `max_tokens` (bounded by the context).
@@ -260,11 +261,45 @@ impl MeshEngine {
                 ))
             })?;
 
+        let remote = self.remote_stage(start, hops)?;
+        let request_id = request.request_id.clone();
+        let generation = self.generation_request(request, prompt, chat, max_tokens);
+        let prompt_tokens = generation.prompt.len();
+        let (events, receiver) = mpsc::channel(EVENT_BUFFER);
+        let job = GenerationJob {
+            admitted,
+            metrics: self.client.metrics().clone(),
+            request_id,
+            text: Arc::clone(&self.text),
+            entry,
+            remote,
+            request: generation,
+            events,
+            _permit: permit,
+        };
+        tokio::task::spawn_blocking(move || job.run());
+        Ok(EngineStream {
+            prompt_tokens,
+            events: receiver,
+        })
+    }
+}
+
+impl MeshEngine {
+    /// What to generate: `prompt`, `request`'s sampling settings and stop sequences, and the
+    /// model's end-of-text tokens (with its end-of-turn token for a chat).
+    fn generation_request(
+        &self,
+        request: EngineRequest,
+        prompt: Vec<u32>,
+        chat: bool,
+        max_tokens: usize,
+    ) -> GenerationRequest {
         let mut stop_tokens = self.text.stop_tokens.clone();
         if chat {
             stop_tokens.extend(self.text.end_of_turn);
         }
-        let generation = GenerationRequest {
+        GenerationRequest {
             sampling: SamplingConfig {
                 temperature: request.temperature,
                 top_k: request.top_k,
@@ -281,44 +316,33 @@ impl MeshEngine {
                 strings: request.stop,
             },
             ..GenerationRequest::greedy(prompt, max_tokens)
+        }
+    }
+
+    /// The stage that runs the layers from `start` on over `hops` (with grants when this
+    /// member signs them); none when the entry's span reaches the end of the model.
+    fn remote_stage(
+        &self,
+        start: u32,
+        hops: Vec<PlannedHop>,
+    ) -> Result<Option<RemoteStage>, EngineError> {
+        if hops.is_empty() {
+            return Ok(None);
+        }
+        let stage = RemoteStage::new(
+            start,
+            hops,
+            self.client.clone(),
+            tokio::runtime::Handle::current(),
+            self.encoding,
+            self.failover.clone(),
+        )
+        .map_err(|e| EngineError::Internal(e.to_string()))?;
+        let stage = match &self.grants {
+            Some(signer) => stage.with_grants(Arc::clone(signer)),
+            None => stage,
         };
-        let prompt_tokens = generation.prompt.len();
-        let (events, receiver) = mpsc::channel(EVENT_BUFFER);
-        let job = GenerationJob {
-            admitted,
-            metrics: self.client.metrics().clone(),
-            request_id: request.request_id,
-            text: Arc::clone(&self.text),
-            entry,
-            remote: if hops.is_empty() {
-                None
-            } else {
-                Some(
-                    RemoteStage::new(
-                        start,
-                        hops,
-                        self.client.clone(),
-                        tokio::runtime::Handle::current(),
-                        self.encoding,
-                        self.failover.clone(),
-                    )
-                    .map_err(|e| EngineError::Internal(e.to_string()))
-                    .map(|stage| match &self.grants {
-                        Some(signer) => stage.with_grants(Arc::clone(signer)),
-                        None => stage,
-                    })?
-                    .with_prefill_in_flight(self.prefill_in_flight),
-                )
-            },
-            request: generation,
-            events,
-            _permit: permit,
-        };
-        tokio::task::spawn_blocking(move || job.run());
-        Ok(EngineStream {
-            prompt_tokens,
-            events: receiver,
-        })
+        Ok(Some(stage.with_prefill_in_flight(self.prefill_in_flight)))
     }
 }
 
