@@ -3,7 +3,7 @@
 use std::io;
 use std::net::SocketAddr;
 
-/// Everything that can go wrong while relaying.
+/// Everything that can go wrong while relaying or self-testing.
 #[derive(Debug, thiserror::Error)]
 pub enum LinkemError {
     /// The relay (or a self-test server) could not listen on its address.
@@ -38,4 +38,7 @@ pub enum LinkemError {
         /// What the operating system said.
         source: io::Error,
     },
+    /// The self-test's own traffic failed or came back different from what was sent.
+    #[error("self-test: {0}")]
+    Selftest(String),
 }

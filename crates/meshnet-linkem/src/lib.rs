@@ -10,11 +10,17 @@
 //!   rate times time.
 //! - [`relay`]: the tokio relay, one [`Shaper`] per direction shared by all of a link's
 //!   connections, bounded queues, end of stream and errors passed on as a half-close.
+//! - [`selftest`]: an echo server behind a relay, in-process, and the round-trip time and
+//!   throughput measured through it against the setting.
+//!
+//! The `meshnet-linkem` binary runs relays (`relay`) and the self-test (`selftest`).
 
 pub mod error;
 pub mod relay;
+pub mod selftest;
 pub mod shape;
 
 pub use error::LinkemError;
 pub use relay::Relay;
+pub use selftest::SelftestReport;
 pub use shape::{LinkShape, Shaper};
