@@ -23,7 +23,8 @@ fn measured(stdout: &str, label: &str) -> f64 {
 
 #[test]
 fn selftest_measures_the_setting_within_ten_percent() {
-    let output = linkem(&["selftest", "--delay-ms", "20", "--rate-kbit", "20000"]);
+    // 50 ms each way: the 10% bound leaves 10 ms of round trip for a busy machine's scheduling.
+    let output = linkem(&["selftest", "--delay-ms", "50", "--rate-kbit", "20000"]);
     let stdout = String::from_utf8_lossy(&output.stdout);
     let stderr = String::from_utf8_lossy(&output.stderr);
     println!("{stdout}");
@@ -33,7 +34,7 @@ fn selftest_measures_the_setting_within_ten_percent() {
     );
     let rtt_ms = measured(&stdout, "rtt:");
     let kbit = measured(&stdout, "throughput:");
-    assert!((36.0..=44.0).contains(&rtt_ms), "rtt {rtt_ms} ms");
+    assert!((90.0..=110.0).contains(&rtt_ms), "rtt {rtt_ms} ms");
     assert!(
         (18_000.0..=22_000.0).contains(&kbit),
         "throughput {kbit} kbit/s"
