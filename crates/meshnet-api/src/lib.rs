@@ -29,8 +29,10 @@ mod router;
 
 pub use engine::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, TokenLogprob, TopLogprob,
+    FinishReason, ModelInfo, PromptInput, TokenLogprob, ToolCallTurn, ToolChoice, ToolRequest,
+    ToolSpec, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
 pub use request::MAX_STOP_SEQUENCES;
+pub use request::tools::MAX_TOOLS;
 pub use router::{MAX_BODY_BYTES, openai_router};

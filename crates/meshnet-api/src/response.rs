@@ -90,6 +90,23 @@ pub(crate) struct Completion<'a> {
     usage: Usage,
 }
 
+impl<'a> Completion<'a> {
+    /// Gives a chat answer the calls the model made: `message.tool_calls`, and `null`
+    /// content when there is no text besides them.
+    pub(crate) fn with_tool_calls(mut self, calls: &'a [ToolCallOut]) -> Self {
+        if calls.is_empty() {
+            return self;
+        }
+        for choice in &mut self.choices {
+            if let Some(message) = &mut choice.message {
+                message.tool_calls = Some(calls);
+                message.content = message.content.filter(|text| !text.is_empty());
+            }
+        }
+        self
+    }
+}
+
 #[derive(Debug, Serialize)]
 struct Choice<'a> {
     index: u32,
@@ -111,7 +128,63 @@ struct ChoiceLogprobs<'a> {
 #[derive(Debug, Serialize)]
 struct Message<'a> {
     role: &'static str,
-    content: &'a str,
+    /// `null` when the answer is only calls.
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<&'a [ToolCallOut]>,
+}
+
+/// A call the model made, in OpenAI's `message.tool_calls[i]` shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct ToolCallOut {
+    id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: FunctionOut,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+struct FunctionOut {
+    name: String,
+    arguments: String,
+}
+
+impl ToolCallOut {
+    /// A call of `name` with id `id` and no arguments yet.
+    pub(crate) fn new(id: String, name: String) -> Self {
+        Self {
+            id,
+            kind: "function",
+            function: FunctionOut {
+                name,
+                arguments: String::new(),
+            },
+        }
+    }
+
+    /// Appends `text` to the call's arguments.
+    pub(crate) fn push_arguments(&mut self, text: &str) {
+        self.function.arguments.push_str(text);
+    }
+}
+
+/// A piece of a streamed call, in OpenAI's `delta.tool_calls[i]` shape: the first has the
+/// id, type and name (and empty arguments), the others more arguments.
+#[derive(Debug, Serialize)]
+struct ToolCallDelta<'a> {
+    index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+    function: FunctionDelta<'a>,
+}
+
+#[derive(Debug, Serialize)]
+struct FunctionDelta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    arguments: &'a str,
 }
 
 /// One `data:` event of a streamed answer.
@@ -144,6 +217,8 @@ struct Delta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<[ToolCallDelta<'a>; 1]>,
 }
 
 /// What every answer to one request shares: endpoint, id, timestamp and model.
@@ -172,7 +247,8 @@ impl Envelope {
                 "chat.completion",
                 Some(Message {
                     role: "assistant",
-                    content: text,
+                    content: Some(text),
+                    tool_calls: None,
                 }),
                 None,
             ),
@@ -201,6 +277,7 @@ impl Envelope {
             delta: Some(Delta {
                 role: Some("assistant"),
                 content: Some(""),
+                tool_calls: None,
             }),
             text: None,
             logprobs: None,
@@ -240,6 +317,55 @@ impl Envelope {
         })
     }
 
+    /// The chunk that starts call `index` of function `name` with id `id` (chat only).
+    pub(crate) fn tool_call_start_chunk<'a>(
+        &'a self,
+        index: usize,
+        id: &'a str,
+        name: &'a str,
+    ) -> Chunk<'a> {
+        self.tool_call_chunk(ToolCallDelta {
+            index,
+            id: Some(id),
+            kind: Some("function"),
+            function: FunctionDelta {
+                name: Some(name),
+                arguments: "",
+            },
+        })
+    }
+
+    /// A chunk with more of call `index`'s arguments (chat only).
+    pub(crate) fn tool_call_arguments_chunk<'a>(
+        &'a self,
+        index: usize,
+        text: &'a str,
+    ) -> Chunk<'a> {
+        self.tool_call_chunk(ToolCallDelta {
+            index,
+            id: None,
+            kind: None,
+            function: FunctionDelta {
+                name: None,
+                arguments: text,
+            },
+        })
+    }
+
+    fn tool_call_chunk<'a>(&'a self, call: ToolCallDelta<'a>) -> Chunk<'a> {
+        self.chunk(vec![ChunkChoice {
+            index: 0,
+            delta: Some(Delta {
+                role: None,
+                content: None,
+                tool_calls: Some([call]),
+            }),
+            text: None,
+            logprobs: None,
+            finish_reason: None,
+        }])
+    }
+
     /// The final chunk with no choices and the token usage.
     pub(crate) fn usage_chunk(&self, usage: Usage) -> Chunk<'_> {
         let mut chunk = self.chunk(Vec::new());
@@ -259,6 +385,7 @@ impl Envelope {
                 delta: Some(Delta {
                     role: None,
                     content: text,
+                    tool_calls: None,
                 }),
                 text: None,
                 logprobs,
@@ -368,6 +495,55 @@ mod tests {
         let plain = envelope(Endpoint::Chat, false);
         let chunk = to_value(plain.text_chunk("hé", &entries));
         assert_eq!(chunk["choices"][0]["logprobs"], Value::Null);
+    }
+
+    #[test]
+    fn tool_calls_have_openais_shape_whole_and_streamed() {
+        let env = envelope(Endpoint::Chat, false);
+        let mut call = ToolCallOut::new("call_1".into(), "get_weather".into());
+        call.push_arguments("{\"city\"");
+        call.push_arguments(": \"Paris\"}");
+        let calls = [call];
+        let whole = to_value(
+            env.completion("", &[], FinishReason::ToolCalls, Usage::new(1, 2))
+                .with_tool_calls(&calls),
+        );
+        assert_eq!(
+            whole["choices"][0]["message"],
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+            ]})
+        );
+        assert_eq!(whole["choices"][0]["finish_reason"], "tool_calls");
+        // Text beside the calls stays; without calls the message has no tool_calls.
+        let both = to_value(
+            env.completion("Hi.", &[], FinishReason::ToolCalls, Usage::new(1, 2))
+                .with_tool_calls(&calls),
+        );
+        assert_eq!(both["choices"][0]["message"]["content"], "Hi.");
+        let plain = to_value(
+            env.completion("", &[], FinishReason::Stop, Usage::new(1, 2))
+                .with_tool_calls(&[]),
+        );
+        assert_eq!(
+            plain["choices"][0]["message"],
+            json!({"role": "assistant", "content": ""})
+        );
+
+        let start = to_value(env.tool_call_start_chunk(0, "call_1", "get_weather"));
+        assert_eq!(
+            start["choices"][0],
+            json!({"index": 0, "delta": {"tool_calls": [
+                {"index": 0, "id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": ""}}
+            ]}, "logprobs": null, "finish_reason": null})
+        );
+        let more = to_value(env.tool_call_arguments_chunk(1, "{\"a\""));
+        assert_eq!(
+            more["choices"][0]["delta"],
+            json!({"tool_calls": [{"index": 1, "function": {"arguments": "{\"a\""}}]})
+        );
     }
 
     #[test]

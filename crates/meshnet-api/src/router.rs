@@ -20,7 +20,9 @@ use crate::engine::{
 };
 use crate::error::ApiError;
 use crate::request::{self, Endpoint};
-use crate::response::{DecodedText, Envelope, ModelList, ModelObject, TokenList, Usage};
+use crate::response::{
+    DecodedText, Envelope, ModelList, ModelObject, TokenList, ToolCallOut, Usage,
+};
 
 /// The largest request body accepted, in bytes; larger bodies get 413.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -155,6 +157,7 @@ async fn complete(
         logit_bias: parsed.logit_bias,
         logprobs: parsed.logprobs,
         stop: parsed.stop,
+        tools: parsed.tools,
     };
     let stream = match engine.start(request).await {
         Ok(stream) => stream,
@@ -178,10 +181,19 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
     } = stream;
     let mut text = String::new();
     let mut logprobs = Vec::new();
+    let mut calls: Vec<ToolCallOut> = Vec::new();
     loop {
         match events.recv().await {
             Some(EngineEvent::Logprobs(entries)) => logprobs.extend(entries),
             Some(EngineEvent::Delta(delta)) => text.push_str(&delta),
+            Some(EngineEvent::ToolCallStart { id, name, .. }) => {
+                calls.push(ToolCallOut::new(id, name));
+            }
+            Some(EngineEvent::ToolCallArguments { index, text }) => {
+                if let Some(call) = calls.get_mut(index) {
+                    call.push_arguments(&text);
+                }
+            }
             Some(EngineEvent::Finished {
                 reason,
                 completion_tokens,
@@ -189,7 +201,9 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
                 drop(events);
                 log.finish(reason, completion_tokens);
                 let usage = Usage::new(prompt_tokens, completion_tokens);
-                let answer = envelope.completion(&text, &logprobs, reason, usage);
+                let answer = envelope
+                    .completion(&text, &logprobs, reason, usage)
+                    .with_tool_calls(&calls);
                 return Json(answer).into_response();
             }
             Some(EngineEvent::Failed(error)) => return log.reject(error.into()),
@@ -265,6 +279,14 @@ impl SseState {
                         Some(EngineEvent::Delta(text)) => {
                             let logprobs = std::mem::take(&mut self.pending_logprobs);
                             let chunk = self.envelope.text_chunk(&text, &logprobs);
+                            return Some(json_event(&chunk));
+                        }
+                        Some(EngineEvent::ToolCallStart { index, id, name }) => {
+                            let chunk = self.envelope.tool_call_start_chunk(index, &id, &name);
+                            return Some(json_event(&chunk));
+                        }
+                        Some(EngineEvent::ToolCallArguments { index, text }) => {
+                            let chunk = self.envelope.tool_call_arguments_chunk(index, &text);
                             return Some(json_event(&chunk));
                         }
                         Some(EngineEvent::Finished {
