@@ -155,6 +155,7 @@ async fn complete(
         logit_bias: parsed.logit_bias,
         logprobs: parsed.logprobs,
         stop: parsed.stop,
+        response_format: parsed.response_format,
     };
     let stream = match engine.start(request).await {
         Ok(stream) => stream,
