@@ -29,8 +29,8 @@ mod router;
 
 pub use engine::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, TokenLogprob, ToolCallTurn, ToolChoice, ToolRequest,
-    ToolSpec, TopLogprob,
+    FinishReason, JsonSchemaFormat, ModelInfo, PromptInput, ResponseFormat, TokenLogprob,
+    ToolCallTurn, ToolChoice, ToolRequest, ToolSpec, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
 pub use request::MAX_STOP_SEQUENCES;

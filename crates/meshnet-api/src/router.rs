@@ -158,6 +158,7 @@ async fn complete(
         logprobs: parsed.logprobs,
         stop: parsed.stop,
         tools: parsed.tools,
+        response_format: parsed.response_format,
     };
     let stream = match engine.start(request).await {
         Ok(stream) => stream,

@@ -8,12 +8,13 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use meshnet_api::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, TokenLogprob, TopLogprob,
+    FinishReason, ModelInfo, PromptInput, ResponseFormat, TokenLogprob, TopLogprob,
 };
+use meshnet_grammar::{JsonConstraint, JsonFormat, TokenEnvironment};
 use meshnet_model::{
     BoundaryPolicy, ChatMessage, EncodeOptions, FinishReason as ModelFinish, GenerationRequest,
     ModelError, ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
-    TokenLogprobs, generate_observed,
+    TokenConstraint, TokenLogprobs, generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
 use meshnet_wire::Encoding;
@@ -41,6 +42,25 @@ pub struct MeshEngine {
     admission: Admission,
     prefill_in_flight: usize,
     grants: Option<Arc<crate::grants::GrantSigner>>,
+    /// What `response_format` schemas compile against, or why there is nothing.
+    structured: Result<TokenEnvironment, String>,
+}
+
+/// The token environment `response_format` schemas compile against, built once per model from
+/// its tokenizer with its end-of-text tokens (and end-of-turn token); why not, when the
+/// tokenizer cannot back one.
+pub fn structured_output_environment(text: &TextSide) -> Result<TokenEnvironment, String> {
+    let started = Instant::now();
+    let mut ends = text.stop_tokens.clone();
+    ends.extend(text.end_of_turn);
+    let environment = TokenEnvironment::new(&text.tokenizer, &ends).map_err(|e| e.to_string());
+    tracing::info!(
+        vocab = text.tokenizer.vocab_size(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        ready = environment.is_ok(),
+        "structured output: token environment built"
+    );
+    environment
 }
 
 impl MeshEngine {
@@ -88,7 +108,15 @@ impl MeshEngine {
             admission: Admission::new(limits),
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
             grants: None,
+            structured: Err("structured output is not set up on this tracker".to_owned()),
         }
+    }
+
+    /// Serves `response_format` with `environment` ([`structured_output_environment`]); with
+    /// an error, refuses it saying why.
+    pub fn with_structured_output(mut self, environment: Result<TokenEnvironment, String>) -> Self {
+        self.structured = environment;
+        self
     }
 
     /// Every frame of its generations carries a grant `signer` signs (members serve none
@@ -176,6 +204,40 @@ impl MeshEngine {
         Ok((ids, chat))
     }
 
+    /// The constraint `format` asks for, compiled on a blocking thread; none for text. A
+    /// schema the grammar engine cannot compile is a 400 naming `response_format`.
+    async fn constraint(
+        &self,
+        format: &ResponseFormat,
+    ) -> Result<Option<JsonConstraint>, EngineError> {
+        let (format, name) = match format {
+            ResponseFormat::Text => return Ok(None),
+            ResponseFormat::JsonObject => (JsonFormat::AnyObject, "json_object".to_owned()),
+            ResponseFormat::JsonSchema(schema) => (
+                JsonFormat::Schema(schema.schema.clone()),
+                schema.name.clone(),
+            ),
+        };
+        let invalid = |message: String| EngineError::InvalidRequest {
+            param: Some("response_format".to_owned()),
+            message,
+        };
+        let environment = self.structured.clone().map_err(|reason| {
+            invalid(format!(
+                "model {} cannot produce structured output: {reason}",
+                self.info.id
+            ))
+        })?;
+        let compiled = tokio::task::spawn_blocking(move || environment.compile(&format))
+            .await
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        compiled.map(Some).map_err(|error| {
+            invalid(format!(
+                "Invalid schema for response_format '{name}': {error}"
+            ))
+        })
+    }
+
     /// A conversation as text in the model's chat format, which it needs to have.
     fn render_chat(&self, turns: Vec<ChatTurn>) -> Result<String, EngineError> {
         let template = self
@@ -191,7 +253,7 @@ impl MeshEngine {
             })?;
         let messages: Vec<ChatMessage> = turns
             .into_iter()
-            .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
+            .map(|ChatTurn { role, content, .. }| ChatMessage::new(role, content))
             .collect();
         template.render(&messages).map_err(|e| engine_error(&e))
     }
@@ -208,8 +270,9 @@ impl CompletionEngine for MeshEngine {
             let (prompt, chat) = self.prompt_tokens(request.prompt.clone())?;
             let prompt_param = if chat { "messages" } else { "prompt" };
             let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
+            let constraint = self.constraint(&request.response_format).await?;
             let permit = self.admission.admit().await?;
-            self.begin(request, prompt, chat, max_tokens, permit)
+            self.begin(request, prompt, chat, max_tokens, constraint, permit)
         })
     }
 
@@ -240,6 +303,7 @@ impl MeshEngine {
         prompt: Vec<u32>,
         chat: bool,
         max_tokens: usize,
+        constraint: Option<JsonConstraint>,
         permit: OwnedSemaphorePermit,
     ) -> Result<EngineStream, EngineError> {
         let admitted = Instant::now();
@@ -263,7 +327,8 @@ impl MeshEngine {
 
         let remote = self.remote_stage(start, hops)?;
         let request_id = request.request_id.clone();
-        let generation = self.generation_request(request, prompt, chat, max_tokens);
+        let mut generation = self.generation_request(request, prompt, chat, max_tokens);
+        generation.constraint = constraint.map(|c| Box::new(c) as Box<dyn TokenConstraint>);
         let prompt_tokens = generation.prompt.len();
         let (events, receiver) = mpsc::channel(EVENT_BUFFER);
         let job = GenerationJob {
@@ -441,6 +506,12 @@ fn engine_error(error: &ModelError) -> EngineError {
         ModelError::ChatTemplate { .. } => {
             return EngineError::InvalidRequest {
                 param: Some("messages".to_owned()),
+                message: error.to_string(),
+            };
+        }
+        ModelError::Constraint(_) => {
+            return EngineError::InvalidRequest {
+                param: Some("response_format".to_owned()),
                 message: error.to_string(),
             };
         }
