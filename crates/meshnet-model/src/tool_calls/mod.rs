@@ -83,12 +83,36 @@ impl ToolFormat {
             .ok()
             .and_then(|value| to_python_json(&value).ok())
             .unwrap_or_else(|| arguments.to_owned());
+        format!(
+            "{}{arguments}{}",
+            self.call_opening(name),
+            self.call_closing()
+        )
+    }
+
+    /// The text a call of `name` starts with, up to its arguments.
+    pub fn call_opening(self, name: &str) -> String {
         let name = serde_json::to_string(name).unwrap_or_default();
         match self.syntax() {
-            CallSyntax::Tagged => format!(
-                "{TOOL_CALL_OPEN}\n{{\"name\": {name}, \"arguments\": {arguments}}}\n{TOOL_CALL_CLOSE}"
-            ),
-            CallSyntax::Json => format!("{{\"name\": {name}, \"parameters\": {arguments}}}"),
+            CallSyntax::Tagged => format!("{TOOL_CALL_OPEN}\n{{\"name\": {name}, \"arguments\": "),
+            CallSyntax::Json => format!("{{\"name\": {name}, \"parameters\": "),
+        }
+    }
+
+    /// The text a call ends with, after its arguments.
+    pub fn call_closing(self) -> String {
+        match self.syntax() {
+            CallSyntax::Tagged => format!("}}\n{TOOL_CALL_CLOSE}"),
+            CallSyntax::Json => "}".to_owned(),
+        }
+    }
+
+    /// The text between two calls of one answer; `None` when the format's templates take one
+    /// call per answer (Llama 3.x).
+    pub fn call_separator(self) -> Option<&'static str> {
+        match self {
+            ToolFormat::Hermes | ToolFormat::Generic => Some("\n"),
+            ToolFormat::Llama3 => None,
         }
     }
 }
