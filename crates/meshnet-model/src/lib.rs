@@ -48,7 +48,7 @@ pub use family::{
 };
 pub use generation::{
     BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,
-    TokenEmbedder, generate, generate_observed,
+    TokenEmbedder, decode_observed, generate, generate_observed,
 };
 pub use gguf::{GgufModel, ModelDescription, WeightBytes};
 pub use gguf_check::{
