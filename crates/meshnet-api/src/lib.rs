@@ -29,8 +29,8 @@ mod router;
 
 pub use engine::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, TokenLogprob, TopLogprob,
+    FinishReason, ModelInfo, PromptInput, PromptLogprobs, TokenLogprob, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
-pub use request::MAX_STOP_SEQUENCES;
+pub use request::{MAX_CHOICES, MAX_STOP_SEQUENCES};
 pub use router::{MAX_BODY_BYTES, openai_router};

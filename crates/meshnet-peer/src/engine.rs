@@ -8,12 +8,12 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use meshnet_api::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, TokenLogprob, TopLogprob,
+    FinishReason, ModelInfo, PromptInput, PromptLogprobs, TokenLogprob, TopLogprob,
 };
 use meshnet_model::{
     BoundaryPolicy, ChatMessage, EncodeOptions, FinishReason as ModelFinish, GenerationRequest,
-    ModelError, ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
-    TokenLogprobs, generate_observed,
+    ModelError, ModelTokenizer, Route, SessionId, Stage, StopConditions, TextSide, TokenLogprobs,
+    decode_observed, generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
 use meshnet_wire::Encoding;
@@ -263,9 +263,12 @@ impl MeshEngine {
 
         let remote = self.remote_stage(start, hops)?;
         let request_id = request.request_id.clone();
+        let choices = request.n.max(1);
+        let echo = self.echo_text(&request, &prompt)?;
         let generation = self.generation_request(request, prompt, chat, max_tokens);
         let prompt_tokens = generation.prompt.len();
-        let (events, receiver) = mpsc::channel(EVENT_BUFFER);
+        let (events, receivers): (Vec<_>, Vec<_>) =
+            (0..choices).map(|_| mpsc::channel(EVENT_BUFFER)).unzip();
         let job = GenerationJob {
             admitted,
             metrics: self.client.metrics().clone(),
@@ -274,18 +277,35 @@ impl MeshEngine {
             entry,
             remote,
             request: generation,
+            echo,
             events,
             _permit: permit,
         };
         tokio::task::spawn_blocking(move || job.run());
         Ok(EngineStream {
             prompt_tokens,
-            events: receiver,
+            choices: receivers,
         })
     }
 }
 
 impl MeshEngine {
+    /// The text a request that set `echo` echoes: a text prompt as given, token ids as their
+    /// text. `None` without `echo`.
+    fn echo_text(
+        &self,
+        request: &EngineRequest,
+        prompt: &[u32],
+    ) -> Result<Option<String>, EngineError> {
+        if !request.echo {
+            return Ok(None);
+        }
+        match &request.prompt {
+            PromptInput::Text(text) => Ok(Some(text.clone())),
+            _ => self.detokenize(prompt).map(Some),
+        }
+    }
+
     /// What to generate: `prompt`, `request`'s sampling settings and stop sequences, and the
     /// model's end-of-text tokens (with its end-of-turn token for a chat).
     fn generation_request(
@@ -300,16 +320,7 @@ impl MeshEngine {
             stop_tokens.extend(self.text.end_of_turn);
         }
         GenerationRequest {
-            sampling: SamplingConfig {
-                temperature: request.temperature,
-                top_k: request.top_k,
-                top_p: request.top_p,
-                min_p: request.min_p,
-                presence_penalty: request.presence_penalty,
-                frequency_penalty: request.frequency_penalty,
-                logit_bias: request.logit_bias,
-                seed: request.seed.unwrap_or_else(random_seed),
-            },
+            sampling: request.sampling,
             logprobs: request.logprobs,
             stop: StopConditions {
                 tokens: stop_tokens,
@@ -346,11 +357,6 @@ impl MeshEngine {
     }
 }
 
-fn random_seed() -> u64 {
-    let (high, low) = SessionId::new_v4().as_u64_pair();
-    high ^ low
-}
-
 /// One generation, run on a blocking thread.
 struct GenerationJob {
     /// When the request got its session slot (time to first token counts from here).
@@ -362,15 +368,16 @@ struct GenerationJob {
     entry: Arc<LoadedShard>,
     remote: Option<RemoteStage>,
     request: GenerationRequest,
-    events: mpsc::Sender<EngineEvent>,
+    /// The prompt's text, when it is to be echoed before each choice's text.
+    echo: Option<String>,
+    /// One per choice: choice `i` samples with the request's seed plus `i`.
+    events: Vec<mpsc::Sender<EngineEvent>>,
     /// Held until the generation ends, freeing its session slot.
     _permit: OwnedSemaphorePermit,
 }
 
 impl GenerationJob {
     fn run(self) {
-        let started = Instant::now();
-        let session = self.request.session;
         let span: &LoadedShard = &self.entry;
         let mut stages: Vec<&dyn Stage> = vec![span];
         if let Some(remote) = &self.remote {
@@ -384,24 +391,168 @@ impl GenerationJob {
         };
         tracing::info!(
             request = %self.request_id,
-            %session,
+            session = %self.request.session,
             route = %route_description(&self.entry, self.remote.as_ref()),
             prompt_tokens = self.request.prompt.len(),
+            choices = self.events.len(),
             "generation started"
         );
+        let scoring = self.echo.is_some() && self.request.logprobs.is_some();
+        match self.events.as_slice() {
+            [events] if !scoring => {
+                self.send_echo(events, None);
+                let outcome = self.stream_choice(&route, &self.request, None, events);
+                self.report(&self.request, events, outcome);
+            }
+            _ => self.run_shared_prefill(&route, scoring),
+        }
+    }
+
+    /// The prompt prefilled once under the request's session (and scored, when its
+    /// log-probabilities are to be echoed), then one choice decoding on that session, or
+    /// several each on a session that starts as a copy of its caches (locally, and on each
+    /// remote hop with its first frame), decoding side by side, batched by the spans.
+    fn run_shared_prefill(&self, route: &Route<'_>, scoring: bool) {
+        let prefix = self.request.session;
+        let (prompt_logprobs, logits) = match self.prefill(route, scoring) {
+            Ok(prefilled) => prefilled,
+            Err(error) => {
+                route.end_session(prefix);
+                for events in &self.events {
+                    let _ = events.blocking_send(EngineEvent::Failed(engine_error(&error)));
+                }
+                return;
+            }
+        };
+        if let [events] = self.events.as_slice() {
+            self.send_echo(events, prompt_logprobs);
+            let outcome = self.stream_choice(route, &self.request, Some(logits), events);
+            self.report(&self.request, events, outcome);
+            return;
+        }
+        std::thread::scope(|scope| {
+            for (index, events) in self.events.iter().enumerate() {
+                let logits = logits.clone();
+                let prompt_logprobs = prompt_logprobs.clone();
+                scope.spawn(move || {
+                    self.send_echo(events, prompt_logprobs);
+                    self.run_forked_choice(index, prefix, logits, events)
+                });
+            }
+        });
+        route.end_session(prefix);
+    }
+
+    /// Prefills the prompt under the request's session; returns the logits after it and,
+    /// when `scoring`, its tokens' log-probabilities.
+    fn prefill(
+        &self,
+        route: &Route<'_>,
+        scoring: bool,
+    ) -> Result<(Option<PromptLogprobs>, Vec<f32>), ModelError> {
+        let request = &self.request;
+        if !scoring {
+            let hidden = route.prefill(request.session, &request.prompt, request.chunk_tokens)?;
+            return Ok((None, route.head.logits(&hidden)?));
+        }
+        let top = request.logprobs.unwrap_or(0);
+        let (scored, logits) =
+            route.prefill_scoring(request.session, &request.prompt, request.chunk_tokens, top)?;
+        let tokenizer = &self.text.tokenizer;
+        let first = request.prompt[0];
+        let first_token = String::from_utf8_lossy(&tokenizer.token_bytes(first)?).into_owned();
+        let scored = scored
+            .iter()
+            .map(|entry| api_logprob(tokenizer, entry))
+            .collect();
+        Ok((
+            Some(PromptLogprobs {
+                first_token,
+                scored,
+            }),
+            logits,
+        ))
+    }
+
+    /// Echoes the prompt to a choice's receiver, when the request asked for it.
+    fn send_echo(&self, events: &mpsc::Sender<EngineEvent>, logprobs: Option<PromptLogprobs>) {
+        if let Some(text) = &self.echo {
+            let _ = events.blocking_send(EngineEvent::Prompt {
+                text: text.clone(),
+                logprobs,
+            });
+        }
+    }
+
+    /// Choice `index`, forked from the prompt prefilled under `prefix`.
+    fn run_forked_choice(
+        &self,
+        index: usize,
+        prefix: SessionId,
+        logits: Vec<f32>,
+        events: &mpsc::Sender<EngineEvent>,
+    ) {
+        let mut request = self.request.clone();
+        request.session = SessionId::new_v4();
+        request.sampling.seed = request.sampling.seed.wrapping_add(index as u64);
+        let forked = self
+            .entry
+            .fork_session(prefix, request.session, request.prompt.len())
+            .and_then(|()| {
+                self.remote
+                    .as_ref()
+                    .map(|remote| remote.forked(prefix))
+                    .transpose()
+            });
+        let outcome = forked.and_then(|remote| {
+            let span: &LoadedShard = &self.entry;
+            let mut stages: Vec<&dyn Stage> = vec![span];
+            if let Some(remote) = &remote {
+                stages.push(remote);
+            }
+            let route = Route {
+                embedder: span,
+                stages,
+                head: span,
+                boundary: BoundaryPolicy::Bf16,
+            };
+            self.stream_choice(&route, &request, Some(logits), events)
+        });
+        self.report(&request, events, outcome);
+    }
+
+    /// Streams one choice over `route` (from `logits` when its session holds the prompt
+    /// already).
+    fn stream_choice(
+        &self,
+        route: &Route<'_>,
+        request: &GenerationRequest,
+        logits: Option<Vec<f32>>,
+        events: &mpsc::Sender<EngineEvent>,
+    ) -> Result<meshnet_model::Generation, ModelError> {
         let mut clock = TokenClock {
             metrics: &self.metrics,
             previous: self.admitted,
             counted: 0,
         };
-        let outcome = stream_generation(
-            &route,
-            &self.request,
+        stream_generation(
+            route,
+            request,
+            logits,
             &self.text.tokenizer,
-            &self.events,
+            events,
             &mut clock,
-        );
-        let events = &self.events;
+        )
+    }
+
+    /// Logs how a choice ended and tells its receiver.
+    fn report(
+        &self,
+        request: &GenerationRequest,
+        events: &mpsc::Sender<EngineEvent>,
+        outcome: Result<meshnet_model::Generation, ModelError>,
+    ) {
+        let session = request.session;
         match outcome {
             Ok(generation) if generation.finish == ModelFinish::Cancelled => {
                 tracing::info!(request = %self.request_id, %session, "generation cancelled: the client went away");
@@ -415,7 +566,7 @@ impl GenerationJob {
                     request = %self.request_id,
                     %session,
                     completion_tokens = generation.tokens.len(),
-                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    elapsed_ms = self.admitted.elapsed().as_millis() as u64,
                     "generation finished"
                 );
                 let _ = events.blocking_send(EngineEvent::Finished {
@@ -496,6 +647,7 @@ fn shown_len(text: &str, stops: &[String]) -> usize {
 fn stream_generation(
     route: &Route<'_>,
     request: &GenerationRequest,
+    prefilled: Option<Vec<f32>>,
     tokenizer: &ModelTokenizer,
     events: &mpsc::Sender<EngineEvent>,
     clock: &mut TokenClock<'_>,
@@ -510,21 +662,20 @@ fn stream_generation(
             .collect();
         entries.is_empty() || events.blocking_send(EngineEvent::Logprobs(entries)).is_ok()
     };
-    let outcome = generate_observed(
-        route,
-        request,
-        Some(tokenizer),
-        &mut |generated, logprobs| {
-            clock.tokens_now(generated.len());
-            match streamer.delta(generated) {
-                Some(delta) => {
-                    send_logprobs(streamer.release(), logprobs)
-                        && events.blocking_send(EngineEvent::Delta(delta)).is_ok()
-                }
-                None => !events.is_closed(),
+    let mut observer = |generated: &[u32], logprobs: &[TokenLogprobs]| {
+        clock.tokens_now(generated.len());
+        match streamer.delta(generated) {
+            Some(delta) => {
+                send_logprobs(streamer.release(), logprobs)
+                    && events.blocking_send(EngineEvent::Delta(delta)).is_ok()
             }
-        },
-    );
+            None => !events.is_closed(),
+        }
+    };
+    let outcome = match prefilled {
+        Some(logits) => decode_observed(route, request, logits, Some(tokenizer), &mut observer),
+        None => generate_observed(route, request, Some(tokenizer), &mut observer),
+    };
     if let Ok(generation) = &outcome
         && generation.finish != ModelFinish::Cancelled
     {
@@ -880,7 +1031,7 @@ mod streaming_tests {
             counted: 0,
         };
         let generation =
-            stream_generation(&route, &request, tokenizer, &events, &mut clock).unwrap();
+            stream_generation(&route, &request, None, tokenizer, &events, &mut clock).unwrap();
         // Every generated token is counted once, however the text was cut into deltas.
         assert_eq!(metrics.tokens_generated(), generation.tokens.len() as u64);
         let mut deltas = Vec::new();
@@ -923,7 +1074,7 @@ mod streaming_tests {
             previous: Instant::now(),
             counted: 0,
         };
-        stream_generation(&route, &request, tokenizer, &events, &mut clock).unwrap();
+        stream_generation(&route, &request, None, tokenizer, &events, &mut clock).unwrap();
         let mut sent = Vec::new();
         while let Ok(event) = received.try_recv() {
             sent.push(event);
