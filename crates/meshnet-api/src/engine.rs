@@ -145,7 +145,8 @@ impl FinishReason {
     }
 }
 
-/// An accepted generation: the prompt's token count and the event stream.
+/// An accepted generation: the prompt's token count, the members it runs on and the event
+/// stream.
 ///
 /// Dropping `events` cancels the generation (the engine notices and frees the session
 /// everywhere).
@@ -153,8 +154,21 @@ impl FinishReason {
 pub struct EngineStream {
     /// How many tokens the prompt took after templating and tokenization.
     pub prompt_tokens: usize,
+    /// The members the generation runs on, in the order its activations pass through them,
+    /// as chosen when it started (a failover may later move a member's layers to another);
+    /// empty when the engine does not name them.
+    pub route: Vec<RouteMember>,
     /// Deltas, then exactly one `Finished` or `Failed`.
     pub events: mpsc::Receiver<EngineEvent>,
+}
+
+/// One member on a generation's route and the layers it runs for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteMember {
+    /// The member's peer id (`12D3KooW…`).
+    pub peer: String,
+    /// The transformer layers it runs: `start` inclusive, `end` exclusive.
+    pub layers: std::ops::Range<u32>,
 }
 
 /// Something that turns prompts into text: the tracker peer's view of the mesh.

@@ -21,6 +21,7 @@ use crate::engine::{
 use crate::error::ApiError;
 use crate::request::{self, Endpoint};
 use crate::response::{DecodedText, Envelope, ModelList, ModelObject, TokenList, Usage};
+use crate::route;
 
 /// The largest request body accepted, in bytes; larger bodies get 413.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -156,17 +157,19 @@ async fn complete(
         logprobs: parsed.logprobs,
         stop: parsed.stop,
     };
-    let stream = match engine.start(request).await {
+    let mut stream = match engine.start(request).await {
         Ok(stream) => stream,
         Err(error) => return log.reject(error.into()),
     };
     log.prompt_tokens = stream.prompt_tokens;
+    let route = std::mem::take(&mut stream.route);
 
-    if parsed.stream {
+    let response = if parsed.stream {
         stream_response(envelope, stream, log)
     } else {
         whole_response(envelope, stream, log).await
-    }
+    };
+    route::with_route(response, &route)
 }
 
 /// Collects the generation and answers it in one JSON body. Dropping this future drops the
@@ -175,6 +178,7 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
     let EngineStream {
         prompt_tokens,
         mut events,
+        ..
     } = stream;
     let mut text = String::new();
     let mut logprobs = Vec::new();
