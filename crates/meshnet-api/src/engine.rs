@@ -157,7 +157,8 @@ impl FinishReason {
     }
 }
 
-/// An accepted generation: the prompt's token count and one event stream per choice.
+/// An accepted generation: the prompt's token count, the members it runs on and one event
+/// stream per choice.
 ///
 /// Dropping a choice's receiver cancels that choice (the engine notices and frees its session
 /// everywhere).
@@ -165,9 +166,22 @@ impl FinishReason {
 pub struct EngineStream {
     /// How many tokens the prompt took after templating and tokenization.
     pub prompt_tokens: usize,
+    /// The members the generation runs on, in the order its activations pass through them,
+    /// as chosen when it started (a failover may later move a member's layers to another);
+    /// empty when the engine does not name them.
+    pub route: Vec<RouteMember>,
     /// One receiver per choice, in choice order (`n` of them): deltas, then exactly one
     /// `Finished` or `Failed`.
     pub choices: Vec<mpsc::Receiver<EngineEvent>>,
+}
+
+/// One member on a generation's route and the layers it runs for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteMember {
+    /// The member's peer id (`12D3KooW…`).
+    pub peer: String,
+    /// The transformer layers it runs: `start` inclusive, `end` exclusive.
+    pub layers: std::ops::Range<u32>,
 }
 
 /// Something that turns prompts into text: the tracker peer's view of the mesh.

@@ -26,6 +26,7 @@ use crate::request::{self, Endpoint};
 use crate::response::{
     DecodedText, Envelope, FinishedChoice, ModelList, ModelObject, TokenList, Usage,
 };
+use crate::route;
 
 /// The largest request body accepted, in bytes; larger bodies get 413.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -146,22 +147,25 @@ async fn complete(
         include_usage: parsed.include_usage,
         logprobs: parsed.logprobs.is_some(),
     };
-    let stream = match start_all(engine.as_ref(), id, &parsed).await {
+    let mut stream = match start_all(engine.as_ref(), id, &parsed).await {
         Ok(stream) => stream,
         Err(error) => return log.reject(error.into()),
     };
     log.prompt_tokens = stream.prompt_tokens;
+    let route = std::mem::take(&mut stream.route);
 
-    if parsed.stream {
+    let response = if parsed.stream {
         stream_response(envelope, stream, log)
     } else {
         whole_response(envelope, stream, log).await
-    }
+    };
+    route::with_route(response, &route)
 }
 
 /// Starts a generation of `parsed.n` choices for each prompt, in order: the choices of all of
 /// them as one stream (prompt `p`'s choice `i` at index `p × n + i`), their prompt tokens
-/// added up. A refusal of any prompt refuses the request (dropping the ones started).
+/// added up, the first prompt's route. A refusal of any prompt refuses the request (dropping
+/// the ones started).
 async fn start_all(
     engine: &dyn CompletionEngine,
     request_id: String,
@@ -169,6 +173,7 @@ async fn start_all(
 ) -> Result<EngineStream, EngineError> {
     let mut all = EngineStream {
         prompt_tokens: 0,
+        route: Vec::new(),
         choices: Vec::with_capacity(parsed.prompts.len() * parsed.n),
     };
     for prompt in &parsed.prompts {
@@ -183,6 +188,9 @@ async fn start_all(
             stop: parsed.stop.clone(),
         };
         let stream = engine.start(request).await?;
+        if all.route.is_empty() {
+            all.route = stream.route;
+        }
         all.prompt_tokens += stream.prompt_tokens;
         all.choices.extend(stream.choices);
     }
@@ -195,6 +203,7 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
     let EngineStream {
         prompt_tokens,
         choices,
+        ..
     } = stream;
     let collected = futures::future::join_all(choices.into_iter().map(collect_choice)).await;
     let mut finished = Vec::with_capacity(collected.len());

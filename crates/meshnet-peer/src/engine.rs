@@ -8,7 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use meshnet_api::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, PromptLogprobs, TokenLogprob, TopLogprob,
+    FinishReason, ModelInfo, PromptInput, PromptLogprobs, RouteMember, TokenLogprob, TopLogprob,
 };
 use meshnet_model::{
     BoundaryPolicy, ChatMessage, EncodeOptions, FinishReason as ModelFinish, GenerationRequest,
@@ -16,6 +16,7 @@ use meshnet_model::{
     decode_observed, generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
+use meshnet_types::PeerId;
 use meshnet_wire::Encoding;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
@@ -33,6 +34,8 @@ const EVENT_BUFFER: usize = 64;
 /// The OpenAI API's view of the mesh.
 pub struct MeshEngine {
     info: ModelInfo,
+    /// This member's peer id: the first member of every route.
+    local_peer: PeerId,
     text: Arc<TextSide>,
     host: Arc<ShardHost>,
     failover: Failover,
@@ -44,11 +47,12 @@ pub struct MeshEngine {
 }
 
 impl MeshEngine {
-    /// An engine generating with the entry span in `host` and remote hops from the routes of
-    /// `failover` (which also says how a failed hop is routed around), running and queueing
-    /// generations within `limits`. Chats leave out the chat template's default system
-    /// prompt, as `meshnet-peer generate --chat` does.
+    /// An engine of the member `local_peer` generating with the entry span in `host` and
+    /// remote hops from the routes of `failover` (which also says how a failed hop is routed
+    /// around), running and queueing generations within `limits`. Chats leave out the chat
+    /// template's default system prompt, as `meshnet-peer generate --chat` does.
     pub fn new(
+        local_peer: PeerId,
         model_id: String,
         mut text: TextSide,
         host: Arc<ShardHost>,
@@ -80,6 +84,7 @@ impl MeshEngine {
                 tensor_types,
                 vocab_size,
             },
+            local_peer,
             text: Arc::new(text),
             host,
             failover,
@@ -261,6 +266,7 @@ impl MeshEngine {
                 ))
             })?;
 
+        let route = route_members(&self.local_peer, &entry, &hops);
         let remote = self.remote_stage(start, hops)?;
         let request_id = request.request_id.clone();
         let choices = request.n.max(1);
@@ -284,6 +290,7 @@ impl MeshEngine {
         tokio::task::spawn_blocking(move || job.run());
         Ok(EngineStream {
             prompt_tokens,
+            route,
             choices: receivers,
         })
     }
@@ -611,6 +618,25 @@ fn engine_error(error: &ModelError) -> EngineError {
         )),
         None => EngineError::Upstream(error.to_string()),
     }
+}
+
+/// The members a generation starts on: this member (`local_peer`) with the `entry` span,
+/// then every remote hop, each with the layers it runs.
+fn route_members(
+    local_peer: &PeerId,
+    entry: &LoadedShard,
+    hops: &[PlannedHop],
+) -> Vec<RouteMember> {
+    let layers = entry.target.layers;
+    std::iter::once(RouteMember {
+        peer: local_peer.as_str().to_owned(),
+        layers: layers.start..layers.end,
+    })
+    .chain(hops.iter().map(|hop| RouteMember {
+        peer: hop.peer.as_str().to_owned(),
+        layers: hop.layers.start..hop.layers.end,
+    }))
+    .collect()
 }
 
 fn route_description(entry: &LoadedShard, remote: Option<&RemoteStage>) -> String {

@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use meshnet_api::{
     CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream, FinishReason,
-    ModelInfo, PromptLogprobs, TokenLogprob, TopLogprob, openai_router,
+    ModelInfo, PromptLogprobs, RouteMember, TokenLogprob, TopLogprob, openai_router,
 };
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
@@ -68,9 +68,24 @@ impl Script {
     }
 }
 
+/// The route the scripted engine names for its generations unless told another.
+pub fn scripted_route() -> Vec<RouteMember> {
+    vec![
+        RouteMember {
+            peer: "12D3KooWEntry".to_owned(),
+            layers: 0..12,
+        },
+        RouteMember {
+            peer: "12D3KooWLast".to_owned(),
+            layers: 12..24,
+        },
+    ]
+}
+
 /// A `CompletionEngine` that follows a script and records what it saw.
 pub struct ScriptedEngine {
     script: Script,
+    route: Vec<RouteMember>,
     requests: Mutex<Vec<EngineRequest>>,
     started: watch::Sender<usize>,
     closed: watch::Sender<usize>,
@@ -78,8 +93,14 @@ pub struct ScriptedEngine {
 
 impl ScriptedEngine {
     pub fn new(script: Script) -> Arc<Self> {
+        Self::with_route(script, scripted_route())
+    }
+
+    /// An engine that names `route` for its generations.
+    pub fn with_route(script: Script, route: Vec<RouteMember>) -> Arc<Self> {
         Arc::new(Self {
             script,
+            route,
             requests: Mutex::new(Vec::new()),
             started: watch::Sender::new(0),
             closed: watch::Sender::new(0),
@@ -187,6 +208,7 @@ impl ScriptedEngine {
         self.started.send_modify(|n| *n += 1);
         Ok(EngineStream {
             prompt_tokens,
+            route: self.route.clone(),
             choices,
         })
     }
