@@ -1013,6 +1013,19 @@ async fn n_choices_share_one_prefill_and_each_equals_its_own_single_request() {
         assert!(started.elapsed() < common::DEADLINE, "{statuses:#?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // max_completion_tokens bounds a chat's every choice, over max_tokens.
+    let end_of_turn = tokenizer.token_id("<|im_end|>").unwrap();
+    let no_end = json!({eos.to_string(): -100, end_of_turn.to_string(): -100});
+    let bounded = merged(
+        chat,
+        json!({"max_completion_tokens": 3, "max_tokens": 50, "logit_bias": no_end}),
+    );
+    let (code, answer) = mesh.chat(bounded).await;
+    assert_eq!(code, 200, "{answer:#}");
+    assert_eq!(answer["usage"]["completion_tokens"], 6);
+    for choice in answer["choices"].as_array().unwrap() {
+        assert_eq!(choice["finish_reason"], "length", "{choice}");
+    }
     let (code, refused) = mesh
         .post("/v1/completions", merged(body, json!({"n": 9})))
         .await;
