@@ -165,6 +165,36 @@ impl MeshEngine {
         Ok(max_tokens)
     }
 
+    /// Refuses a request whose choices could never fit the entry span's KV cache, even alone:
+    /// `n` choices of `prompt + max_tokens` positions each (and the shared prompt once more
+    /// while they start).
+    fn check_cache_room(
+        &self,
+        prompt: usize,
+        max_tokens: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        let Some(entry) = self.host.current() else {
+            return Ok(());
+        };
+        let store = entry.span.kv_store();
+        let shared_prompt = if n > 1 { prompt } else { 0 };
+        let positions = n * (prompt + max_tokens) + shared_prompt;
+        let needed = positions * store.bytes_per_position();
+        if needed <= store.budget_bytes() {
+            return Ok(());
+        }
+        let param = if n > 1 { "n" } else { "max_tokens" };
+        Err(EngineError::InvalidRequest {
+            param: Some(param.to_owned()),
+            message: format!(
+                "{n} choice(s) of {prompt} prompt and {max_tokens} completion tokens need \
+                 {needed} bytes of KV cache at the entry, which holds {}; ask for fewer",
+                store.budget_bytes()
+            ),
+        })
+    }
+
     /// The prompt's token ids, and whether it is a chat: text is encoded as a sequence starts,
     /// token ids are taken as they are.
     fn prompt_tokens(&self, prompt: PromptInput) -> Result<(Vec<u32>, bool), EngineError> {
@@ -213,6 +243,7 @@ impl CompletionEngine for MeshEngine {
             let (prompt, chat) = self.prompt_tokens(request.prompt.clone())?;
             let prompt_param = if chat { "messages" } else { "prompt" };
             let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
+            self.check_cache_room(prompt.len(), max_tokens, request.n)?;
             let permit = self.admission.admit().await?;
             self.begin(request, prompt, chat, max_tokens, permit)
         })
@@ -590,9 +621,9 @@ impl GenerationJob {
 }
 
 /// How a model error is reported: a chat template that raised or failed as 400 naming the
-/// problem; a route that failed beyond repair as 503 and any other stage failure as 502,
-/// naming the failed hop's peer, endpoint and code when a remote hop failed; anything else
-/// as 500.
+/// problem; the entry's KV cache full as 429 (busy); a route that failed beyond repair as 503
+/// and any other stage failure as 502, naming the failed hop's peer, endpoint and code when a
+/// remote hop failed; anything else as 500.
 fn engine_error(error: &ModelError) -> EngineError {
     let source = match error {
         ModelError::Stage { source, .. } => source,
@@ -600,6 +631,13 @@ fn engine_error(error: &ModelError) -> EngineError {
             return EngineError::InvalidRequest {
                 param: Some("messages".to_owned()),
                 message: error.to_string(),
+            };
+        }
+        // The entry's KV cache is full with other sessions now: it frees as they end.
+        ModelError::CacheBudget { .. } => {
+            return EngineError::Busy {
+                reason: error.to_string(),
+                retry_after_seconds: 1,
             };
         }
         _ => return EngineError::Internal(error.to_string()),
@@ -930,6 +968,19 @@ mod tests {
         assert!(matches!(
             engine_error(&ModelError::InvalidSpan("x".to_owned())),
             EngineError::Internal(_)
+        ));
+    }
+
+    #[test]
+    fn a_full_entry_cache_is_busy_not_an_internal_error() {
+        let full = ModelError::CacheBudget {
+            needed: 10,
+            used: 95,
+            budget: 100,
+        };
+        assert!(matches!(
+            engine_error(&full),
+            EngineError::Busy { reason, retry_after_seconds: 1 } if reason.contains("10 bytes needed")
         ));
     }
 

@@ -1013,6 +1013,19 @@ async fn n_choices_share_one_prefill_and_each_equals_its_own_single_request() {
         assert!(started.elapsed() < common::DEADLINE, "{statuses:#?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Choices that could never fit the entry's KV cache together are refused up front.
+    let huge = merged(body.clone(), json!({"n": 8, "max_tokens": 7000}));
+    let (code, refused) = mesh.post("/v1/completions", huge).await;
+    assert_eq!(code, 400, "{refused:#}");
+    assert_eq!(refused["error"]["param"], "n");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV cache at the entry"),
+        "{refused:#}"
+    );
+
     // max_completion_tokens bounds a chat's every choice, over max_tokens.
     let end_of_turn = tokenizer.token_id("<|im_end|>").unwrap();
     let no_end = json!({eos.to_string(): -100, end_of_turn.to_string(): -100});
