@@ -3,6 +3,7 @@
 use futures::future::BoxFuture;
 use meshnet_types::SamplingConfig;
 use serde::Serialize;
+use serde_json::Value;
 use tokio::sync::mpsc;
 
 /// What the engine serves.
@@ -47,6 +48,32 @@ pub enum PromptInput {
     Tokens(Vec<u32>),
 }
 
+/// The shape the generated text must have: a request's `response_format`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum ResponseFormat {
+    /// Free text: `{"type": "text"}`, or no `response_format`.
+    #[default]
+    Text,
+    /// Any JSON object: `{"type": "json_object"}`.
+    JsonObject,
+    /// A JSON value valid under a schema: `{"type": "json_schema", "json_schema": {...}}`.
+    JsonSchema(JsonSchemaFormat),
+}
+
+/// A `response_format` of type `json_schema`, as received.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JsonSchemaFormat {
+    /// The format's name (1 to 64 of `a-z A-Z 0-9 _ -`).
+    pub name: String,
+    /// What the format is for, if given.
+    pub description: Option<String>,
+    /// The JSON Schema, a JSON object; not yet checked for what the engine can compile.
+    pub schema: Value,
+    /// The client's `strict` (default false). The output is constrained to the schema either
+    /// way.
+    pub strict: bool,
+}
+
 /// A validated generation request handed to the engine.
 #[derive(Debug, Clone, PartialEq)]
 pub struct EngineRequest {
@@ -73,6 +100,9 @@ pub struct EngineRequest {
     /// Up to four non-empty stop sequences; generation ends before the first one produced (which
     /// is not part of the output).
     pub stop: Vec<String>,
+    /// The shape the text must have; the engine refuses a schema it cannot compile (400
+    /// naming `response_format`).
+    pub response_format: ResponseFormat,
 }
 
 /// One of the most likely tokens at a step, in OpenAI's `top_logprobs` shape.

@@ -33,7 +33,8 @@ mod router;
 
 pub use engine::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, PromptLogprobs, RouteMember, TokenLogprob, TopLogprob,
+    FinishReason, JsonSchemaFormat, ModelInfo, PromptInput, PromptLogprobs, ResponseFormat,
+    RouteMember, TokenLogprob, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
 pub use request::{MAX_CHOICES, MAX_STOP_SEQUENCES};

@@ -6,7 +6,7 @@ use serde_json::{Map, Value};
 
 use meshnet_types::SamplingConfig;
 
-use crate::engine::{ChatTurn, PromptInput};
+use crate::engine::{ChatTurn, JsonSchemaFormat, PromptInput, ResponseFormat};
 use crate::error::ApiError;
 
 /// The most stop sequences a request may carry.
@@ -23,6 +23,9 @@ pub const MAX_CHOICES: usize = 8;
 
 /// The most alternatives `top_logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// The longest `response_format.json_schema.name`.
+const MAX_FORMAT_NAME: usize = 64;
 
 /// Which endpoint a body was sent to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +47,7 @@ pub(crate) struct ParsedRequest {
     pub stop: Vec<String>,
     pub n: usize,
     pub echo: bool,
+    pub response_format: ResponseFormat,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -95,6 +99,7 @@ pub(crate) fn parse(
         Endpoint::Text => fields.bool("echo")?.unwrap_or(false),
         Endpoint::Chat => false,
     };
+    let response_format = parse_response_format(&fields)?;
     let stream = fields.bool("stream")?.unwrap_or(false);
     let include_usage = parse_include_usage(&fields)?;
 
@@ -106,9 +111,97 @@ pub(crate) fn parse(
         stop,
         n,
         echo,
+        response_format,
         stream,
         include_usage,
     })
+}
+
+/// `response_format`: `{"type": "text"}`, `{"type": "json_object"}`, or `{"type":
+/// "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}`.
+fn parse_response_format(fields: &Fields<'_>) -> Result<ResponseFormat, ApiError> {
+    let format = match fields.get("response_format") {
+        None => return Ok(ResponseFormat::Text),
+        Some(Value::Object(format)) => Fields(format),
+        Some(v) => return Err(type_error("response_format", "an object", v)),
+    };
+    let kind = format
+        .string_at("response_format", "type")?
+        .ok_or_else(|| missing("response_format.type"))?;
+    match kind {
+        "text" => Ok(ResponseFormat::Text),
+        "json_object" => Ok(ResponseFormat::JsonObject),
+        "json_schema" => match format.get("json_schema") {
+            Some(Value::Object(json_schema)) => {
+                parse_json_schema(&Fields(json_schema)).map(ResponseFormat::JsonSchema)
+            }
+            Some(v) => Err(type_error("response_format.json_schema", "an object", v)),
+            None => Err(missing("response_format.json_schema")),
+        },
+        other => Err(ApiError::invalid(
+            Some("response_format.type"),
+            format!(
+                "Invalid value: '{other}'. Supported values are: 'text', 'json_object' and \
+                 'json_schema'."
+            ),
+        )),
+    }
+}
+
+/// `response_format.json_schema`'s fields: a valid `name`, an object `schema`, and the
+/// optional `strict` and `description`.
+fn parse_json_schema(fields: &Fields<'_>) -> Result<JsonSchemaFormat, ApiError> {
+    let at = "response_format.json_schema";
+    let name = fields
+        .string_at(at, "name")?
+        .ok_or_else(|| missing("response_format.json_schema.name"))?;
+    let name_is_valid = (1..=MAX_FORMAT_NAME).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if !name_is_valid {
+        return Err(ApiError::invalid(
+            Some("response_format.json_schema.name"),
+            format!(
+                "Invalid 'response_format.json_schema.name': '{name}' must be 1 to \
+                 {MAX_FORMAT_NAME} characters of a-z, A-Z, 0-9, '_' and '-'."
+            ),
+        ));
+    }
+    let schema = match fields.get("schema") {
+        Some(schema @ Value::Object(_)) => schema.clone(),
+        Some(v) => {
+            return Err(type_error(
+                "response_format.json_schema.schema",
+                "an object",
+                v,
+            ));
+        }
+        None => return Err(missing("response_format.json_schema.schema")),
+    };
+    let strict = fields
+        .get("strict")
+        .map(|v| {
+            v.as_bool()
+                .ok_or_else(|| type_error("response_format.json_schema.strict", "a boolean", v))
+        })
+        .transpose()?
+        .unwrap_or(false);
+    let description = fields.string_at(at, "description")?.map(str::to_owned);
+    Ok(JsonSchemaFormat {
+        name: name.to_owned(),
+        description,
+        schema,
+        strict,
+    })
+}
+
+/// The 400 for a required parameter that is absent.
+fn missing(param: &str) -> ApiError {
+    ApiError::invalid(
+        Some(param),
+        format!("Missing required parameter: '{param}'."),
+    )
 }
 
 /// The sampling settings: `temperature` (default 1), `top_p`, `top_k`, `min_p`, the two
@@ -528,6 +621,16 @@ impl<'a> Fields<'a> {
     fn string(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
         self.get(name)
             .map(|v| v.as_str().ok_or_else(|| type_error(name, "a string", v)))
+            .transpose()
+    }
+
+    /// A string field of the object at `at`, named `at.name` in errors.
+    fn string_at(&self, at: &str, name: &str) -> Result<Option<&'a str>, ApiError> {
+        self.get(name)
+            .map(|v| {
+                v.as_str()
+                    .ok_or_else(|| type_error(&format!("{at}.{name}"), "a string", v))
+            })
             .transpose()
     }
 
@@ -1051,6 +1154,130 @@ mod tests {
         }
         let echo = text(json!({"model": "m", "prompt": "x", "echo": true})).unwrap();
         assert!(echo.echo);
+    }
+
+    #[test]
+    fn response_formats_are_parsed_on_both_endpoints() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let full = json!({
+            "type": "json_schema",
+            "json_schema": {"name": "A_b-9", "schema": schema, "strict": true, "description": "d"},
+        });
+        let expected = ResponseFormat::JsonSchema(JsonSchemaFormat {
+            name: "A_b-9".to_owned(),
+            description: Some("d".to_owned()),
+            schema: schema.clone(),
+            strict: true,
+        });
+        let minimal = json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}});
+        let minimal_expected = ResponseFormat::JsonSchema(JsonSchemaFormat {
+            name: "x".to_owned(),
+            description: None,
+            schema: json!({}),
+            strict: false,
+        });
+        let cases = [
+            (None, ResponseFormat::Text),
+            (Some(Value::Null), ResponseFormat::Text),
+            (Some(json!({"type": "text"})), ResponseFormat::Text),
+            (
+                Some(json!({"type": "json_object"})),
+                ResponseFormat::JsonObject,
+            ),
+            (Some(full), expected),
+            (Some(minimal), minimal_expected),
+        ];
+        for (format, expected) in cases {
+            let mut body = json!({"model": "m", "messages": user, "prompt": "x"});
+            if let Some(format) = &format {
+                body["response_format"] = format.clone();
+            }
+            assert_eq!(
+                chat(body.clone()).unwrap().response_format,
+                expected,
+                "{body}"
+            );
+            assert_eq!(
+                text(body.clone()).unwrap().response_format,
+                expected,
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn bad_response_formats_name_the_field_at_fault() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let schema_format =
+            |json_schema: Value| json!({"type": "json_schema", "json_schema": json_schema});
+        let cases = [
+            (json!("json_object"), "response_format"),
+            (json!([]), "response_format"),
+            (json!({}), "response_format.type"),
+            (json!({"type": 1}), "response_format.type"),
+            (json!({"type": "xml"}), "response_format.type"),
+            (
+                json!({"type": "json_schema"}),
+                "response_format.json_schema",
+            ),
+            (
+                json!({"type": "json_schema", "json_schema": "s"}),
+                "response_format.json_schema",
+            ),
+            (
+                schema_format(json!({"schema": {}})),
+                "response_format.json_schema.name",
+            ),
+            (
+                schema_format(json!({"name": 3, "schema": {}})),
+                "response_format.json_schema.name",
+            ),
+            (
+                schema_format(json!({"name": "has space", "schema": {}})),
+                "response_format.json_schema.name",
+            ),
+            (
+                schema_format(json!({"name": "", "schema": {}})),
+                "response_format.json_schema.name",
+            ),
+            (
+                schema_format(json!({"name": "n".repeat(65), "schema": {}})),
+                "response_format.json_schema.name",
+            ),
+            (
+                schema_format(json!({"name": "n"})),
+                "response_format.json_schema.schema",
+            ),
+            (
+                schema_format(json!({"name": "n", "schema": "{}"})),
+                "response_format.json_schema.schema",
+            ),
+            (
+                schema_format(json!({"name": "n", "schema": true})),
+                "response_format.json_schema.schema",
+            ),
+            (
+                schema_format(json!({"name": "n", "schema": {}, "strict": "yes"})),
+                "response_format.json_schema.strict",
+            ),
+            (
+                schema_format(json!({"name": "n", "schema": {}, "description": 1})),
+                "response_format.json_schema.description",
+            ),
+        ];
+        for (format, param) in cases {
+            let body = json!({"model": "m", "messages": user, "response_format": format});
+            assert_eq!(
+                param_of(chat(body.clone())).as_deref(),
+                Some(param),
+                "{body}"
+            );
+        }
+        let name = "n".repeat(64);
+        let longest = schema_format(json!({"name": name, "schema": {}}));
+        let body = json!({"model": "m", "messages": user, "response_format": longest});
+        assert!(chat(body).is_ok());
     }
 
     #[test]

@@ -186,6 +186,7 @@ async fn start_all(
             echo: parsed.echo,
             n: parsed.n,
             stop: parsed.stop.clone(),
+            response_format: parsed.response_format.clone(),
         };
         let stream = engine.start(request).await?;
         if all.route.is_empty() {

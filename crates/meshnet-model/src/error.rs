@@ -166,6 +166,9 @@ pub enum ModelError {
     /// A sampling parameter is out of range.
     #[error("invalid sampling setting: {0}")]
     Sampling(String),
+    /// A token constraint (structured output) failed, or left no token that may be chosen.
+    #[error("token constraint: {0}")]
+    Constraint(String),
     /// Converting hidden states to or from the wire format failed.
     #[error("activation conversion: {0}")]
     Wire(#[from] meshnet_wire::WireError),

@@ -13,7 +13,9 @@ use meshnet_wire::{Activations, PREFILL_CHUNK_TOKENS};
 use crate::detokenizer::IncrementalDecoder;
 use crate::error::{ModelError, Result};
 use crate::kv_cache::SessionId;
-use crate::sampling::{Sampler, SamplingConfig, StopConditions, TokenLogprobs, token_logprobs};
+use crate::sampling::{
+    Sampler, SamplingConfig, StopConditions, TokenLogprobs, TokenMask, token_logprobs,
+};
 use crate::tokenizer::ModelTokenizer;
 
 /// A contiguous span of layers, in this process or behind a network hop.
@@ -217,6 +219,33 @@ impl Route<'_> {
     }
 }
 
+/// Limits which tokens may come next (structured output): before each token the generation
+/// loop asks it which tokens are allowed and samples among those only; after each token it
+/// commits the token; once it is complete, generation stops ([`FinishReason::Complete`]).
+///
+/// A request holds a constraint in its starting state; each generation runs on a copy
+/// ([`TokenConstraint::boxed_clone`]), so a request can be generated more than once.
+pub trait TokenConstraint: Send + Sync + std::fmt::Debug {
+    /// Writes the set of tokens allowed next into `mask` (end-of-text tokens among them only
+    /// where the constrained text may end).
+    fn allowed_tokens(&mut self, mask: &mut TokenMask) -> Result<()>;
+
+    /// Advances past `token`, which the last mask allowed.
+    fn commit(&mut self, token: u32) -> Result<()>;
+
+    /// Whether the constrained text is complete and allows no further token.
+    fn is_complete(&self) -> bool;
+
+    /// A copy in the same state.
+    fn boxed_clone(&self) -> Box<dyn TokenConstraint>;
+}
+
+impl Clone for Box<dyn TokenConstraint> {
+    fn clone(&self) -> Self {
+        self.boxed_clone()
+    }
+}
+
 /// What to generate.
 #[derive(Clone, Debug)]
 pub struct GenerationRequest {
@@ -237,6 +266,8 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// The session the generation's KV caches are kept under on every stage.
     pub session: SessionId,
+    /// Limits the tokens that may be generated (structured output); `None` allows any.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 impl GenerationRequest {
@@ -251,6 +282,7 @@ impl GenerationRequest {
             record_logits: false,
             logprobs: None,
             session: SessionId::new_v4(),
+            constraint: None,
         }
     }
 }
@@ -266,6 +298,8 @@ pub enum FinishReason {
     StopString,
     /// The observer asked to stop (for example, the client went away).
     Cancelled,
+    /// The token constraint is complete and allows no further token.
+    Complete,
 }
 
 /// The result of a generation.
@@ -359,8 +393,10 @@ fn decode(
     let mut text = tokenizer.map(|tokenizer| GeneratedText::new(tokenizer, &request.stop));
     let mut stop_at = None;
     let mut position = request.prompt.len();
+    let mut constraint = request.constraint.clone();
+    let mut allowed = TokenMask::default();
     while generated.len() < request.max_tokens {
-        let token = sampler.sample(&logits)?;
+        let token = next_token(&mut sampler, &logits, constraint.as_mut(), &mut allowed)?;
         let step_logprobs = request
             .logprobs
             .map(|top| token_logprobs(&logits, token, top));
@@ -370,6 +406,9 @@ fn decode(
         if request.stop.tokens.contains(&token) {
             finish = FinishReason::StopToken;
             break;
+        }
+        if let Some(constraint) = constraint.as_mut() {
+            constraint.commit(token)?;
         }
         generated.push(token);
         logprobs.extend(step_logprobs);
@@ -384,6 +423,10 @@ fn decode(
         if found.is_some() {
             stop_at = found;
             finish = FinishReason::StopString;
+            break;
+        }
+        if constraint.as_ref().is_some_and(|c| c.is_complete()) {
+            finish = FinishReason::Complete;
             break;
         }
         if generated.len() == request.max_tokens {
@@ -410,6 +453,23 @@ fn decode(
         logits: recorded,
         logprobs,
     })
+}
+
+/// The next token from `logits`: among the tokens `constraint` allows (written into
+/// `allowed`) when there is one.
+fn next_token(
+    sampler: &mut Sampler,
+    logits: &[f32],
+    constraint: Option<&mut Box<dyn TokenConstraint>>,
+    allowed: &mut TokenMask,
+) -> Result<u32> {
+    match constraint {
+        Some(constraint) => {
+            constraint.allowed_tokens(allowed)?;
+            sampler.sample_within(logits, Some(allowed))
+        }
+        None => sampler.sample(logits),
+    }
 }
 
 /// The text of the generated ids, decoded as they come, and the search for stop strings in it.
@@ -509,6 +569,214 @@ fn find_stop_after(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A route over a small vocabulary whose logits are the same at every step.
+    struct Fixed {
+        logits: Vec<f32>,
+    }
+
+    impl Fixed {
+        fn route(&self) -> Route<'_> {
+            Route {
+                embedder: self,
+                stages: vec![self],
+                head: self,
+                boundary: BoundaryPolicy::F32,
+            }
+        }
+    }
+
+    impl TokenEmbedder for Fixed {
+        fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+            Ok(Tensor::zeros(
+                (1, tokens.len(), 1),
+                DType::F32,
+                &Device::Cpu,
+            )?)
+        }
+    }
+
+    impl Stage for Fixed {
+        fn forward(&self, _: SessionId, _: usize, hidden: Tensor) -> Result<Tensor> {
+            Ok(hidden)
+        }
+
+        fn end_session(&self, _: SessionId) {}
+
+        fn name(&self) -> String {
+            "fixed".to_owned()
+        }
+    }
+
+    impl LogitsHead for Fixed {
+        fn logits(&self, _: &Tensor) -> Result<Vec<f32>> {
+            Ok(self.logits.clone())
+        }
+    }
+
+    /// A constraint that allows exactly the next id of `ids`; after the last, only `end`
+    /// when there is one, else nothing (complete).
+    #[derive(Clone, Debug)]
+    struct Scripted {
+        ids: Vec<u32>,
+        end: Option<u32>,
+        at: usize,
+    }
+
+    impl TokenConstraint for Scripted {
+        fn allowed_tokens(&mut self, mask: &mut TokenMask) -> Result<()> {
+            let next = self.ids.get(self.at).copied().or(self.end);
+            *mask = TokenMask::of(next.as_slice());
+            Ok(())
+        }
+
+        fn commit(&mut self, token: u32) -> Result<()> {
+            if self.ids.get(self.at) != Some(&token) {
+                return Err(ModelError::Constraint(format!("{token} was not allowed")));
+            }
+            self.at += 1;
+            Ok(())
+        }
+
+        fn is_complete(&self) -> bool {
+            self.at == self.ids.len() && self.end.is_none()
+        }
+
+        fn boxed_clone(&self) -> Box<dyn TokenConstraint> {
+            Box::new(self.clone())
+        }
+    }
+
+    /// Logits of eight tokens, token 0 by far the most likely, then 1, 2, ...
+    const RAW: [f32; 8] = [9.0, 4.0, 3.5, 3.0, 2.5, 2.0, 1.5, 1.0];
+
+    /// The ids the constraint forces: never token 0, some of the least likely, one twice.
+    const FORCED: [u32; 5] = [7, 3, 6, 3, 5];
+
+    fn constrained(sampling: SamplingConfig, end: Option<u32>) -> GenerationRequest {
+        GenerationRequest {
+            sampling,
+            constraint: Some(Box::new(Scripted {
+                ids: FORCED.to_vec(),
+                end,
+                at: 0,
+            })),
+            ..GenerationRequest::greedy(vec![1, 2], 20)
+        }
+    }
+
+    /// Greedy and sampled settings of every kind, with biases that favour masked tokens.
+    fn every_kind_of_sampling() -> Vec<SamplingConfig> {
+        let hot = |seed| SamplingConfig {
+            temperature: 1.5,
+            seed,
+            ..SamplingConfig::greedy()
+        };
+        let mut configs = vec![
+            SamplingConfig::greedy(),
+            SamplingConfig {
+                logit_bias: vec![(0, 100.0), (1, 50.0), (7, -20.0)],
+                ..SamplingConfig::greedy()
+            },
+            SamplingConfig {
+                top_k: Some(1),
+                ..hot(1)
+            },
+            SamplingConfig {
+                top_k: Some(2),
+                top_p: Some(0.3),
+                min_p: Some(0.9),
+                ..hot(2)
+            },
+            SamplingConfig {
+                presence_penalty: -2.0,
+                frequency_penalty: 2.0,
+                logit_bias: vec![(0, 100.0), (2, 100.0)],
+                ..hot(3)
+            },
+        ];
+        configs.extend((10..30).map(hot));
+        configs
+    }
+
+    #[test]
+    fn a_constraint_forces_its_tokens_under_greedy_and_every_kind_of_sampling() {
+        let route = Fixed {
+            logits: RAW.to_vec(),
+        };
+        for sampling in every_kind_of_sampling() {
+            let request = constrained(sampling.clone(), None);
+            let generation = generate(&route.route(), &request, None).unwrap();
+            assert_eq!(generation.tokens, FORCED, "{sampling:?}");
+            assert_eq!(generation.finish, FinishReason::Complete, "{sampling:?}");
+            // The request's constraint is left in its starting state: it runs again.
+            let again = generate(&route.route(), &request, None).unwrap();
+            assert_eq!(again.tokens, FORCED, "{sampling:?}");
+        }
+        // Without the constraint the same settings choose other tokens.
+        let free = GenerationRequest {
+            constraint: None,
+            ..constrained(SamplingConfig::greedy(), None)
+        };
+        let generation = generate(&route.route(), &free, None).unwrap();
+        assert_eq!(generation.tokens, [0; 20]);
+    }
+
+    #[test]
+    fn logprobs_of_a_constrained_generation_are_those_of_the_raw_logits() {
+        let route = Fixed {
+            logits: RAW.to_vec(),
+        };
+        let request = GenerationRequest {
+            logprobs: Some(2),
+            ..constrained(SamplingConfig::greedy(), None)
+        };
+        let generation = generate(&route.route(), &request, None).unwrap();
+        assert_eq!(generation.logprobs.len(), FORCED.len());
+        for (entry, &token) in generation.logprobs.iter().zip(&FORCED) {
+            assert_eq!(*entry, token_logprobs(&RAW, token, 2));
+            // The masked-out favourite is still listed first.
+            assert_eq!(entry.top[0].0, 0);
+        }
+    }
+
+    #[test]
+    fn an_end_token_the_constraint_allows_stops_and_max_tokens_cuts_with_length() {
+        let route = Fixed {
+            logits: RAW.to_vec(),
+        };
+        let end = 4;
+        for sampling in every_kind_of_sampling() {
+            let mut request = constrained(sampling.clone(), Some(end));
+            request.stop.tokens = vec![end];
+            let generation = generate(&route.route(), &request, None).unwrap();
+            assert_eq!(generation.tokens, FORCED, "{sampling:?}");
+            assert_eq!(generation.finish, FinishReason::StopToken, "{sampling:?}");
+            request.max_tokens = 3;
+            let generation = generate(&route.route(), &request, None).unwrap();
+            assert_eq!(generation.tokens, FORCED[..3], "{sampling:?}");
+            assert_eq!(generation.finish, FinishReason::Length, "{sampling:?}");
+        }
+    }
+
+    #[test]
+    fn banning_every_token_the_constraint_allows_is_a_constraint_error() {
+        let route = Fixed {
+            logits: RAW.to_vec(),
+        };
+        for temperature in [0.0, 1.0] {
+            let sampling = SamplingConfig {
+                temperature,
+                logit_bias: vec![(FORCED[1], crate::sampling::BAN_BIAS)],
+                ..SamplingConfig::greedy()
+            };
+            let outcome = generate(&route.route(), &constrained(sampling, None), None);
+            assert!(
+                matches!(outcome, Err(ModelError::Constraint(_))),
+                "{outcome:?}"
+            );
+        }
+    }
 
     fn stops(strings: &[&str]) -> StopConditions {
         StopConditions {

@@ -5,7 +5,8 @@
 //! tensors a span needs; keeps each session's keys and values in a [`KvStore`] beside the
 //! weights; rebuilds the model's tokenizer and chat format from the file's metadata
 //! ([`ModelTokenizer`], [`ChatTemplate`]) and turns generated ids back into text as they come
-//! ([`IncrementalDecoder`]); samples tokens apart from the model ([`Sampler`]);
+//! ([`IncrementalDecoder`]); samples tokens apart from the model ([`Sampler`]), within the
+//! tokens a [`TokenConstraint`] allows when a request has one (structured output);
 //! and runs the one generation loop ([`generate`]) over a [`Route`] of [`Stage`]s, with the
 //! hand-off between stages either f32 (bit-identical to one process) or bfloat16 as on the
 //! wire ([`BoundaryPolicy`]).
@@ -48,7 +49,7 @@ pub use family::{
 };
 pub use generation::{
     BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,
-    TokenEmbedder, decode_observed, generate, generate_observed,
+    TokenConstraint, TokenEmbedder, decode_observed, generate, generate_observed,
 };
 pub use gguf::{GgufModel, ModelDescription, WeightBytes};
 pub use gguf_check::{
@@ -61,7 +62,8 @@ pub use kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
 pub use llama::{LlamaSpan, SpanSpec, SplitModel, split_specs};
 pub use model::{GPT2_TOKENIZER_FILE, Model, ModelSpan, TextSide};
 pub use sampling::{
-    BAN_BIAS, Sampler, SamplingConfig, StopConditions, TokenLogprobs, argmax, token_logprobs,
+    BAN_BIAS, Sampler, SamplingConfig, StopConditions, TokenLogprobs, TokenMask, argmax,
+    token_logprobs,
 };
 pub use tokenizer::{EncodeOptions, ModelTokenizer};
 

@@ -1,6 +1,7 @@
 //! Choosing the next token from logits, apart from any model: logit bias and repetition
 //! penalties, then greedy, or top-k, temperature, min-p and top-p with a seeded generator so a
-//! seed gives the same text every time.
+//! seed gives the same text every time. A [`TokenMask`] (from a token constraint) limits the
+//! choice to the tokens it allows, before any of these.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -45,6 +46,61 @@ fn check(config: &SamplingConfig) -> Result<()> {
         return refuse(format!("the bias {bias} of token {id} is not finite"));
     }
     Ok(())
+}
+
+/// A set of token ids: the tokens a token constraint allows at one step.
+///
+/// Bit `id % 32` of word `id / 32` stands for token `id`; ids past the last word are not in
+/// the set.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TokenMask {
+    words: Vec<u32>,
+}
+
+impl TokenMask {
+    /// The set whose members are the set bits of `words` (bit `id % 32` of word `id / 32`).
+    pub fn from_words(words: Vec<u32>) -> Self {
+        Self { words }
+    }
+
+    /// Makes this the set of the set bits of `words`, reusing its memory.
+    pub fn set_words(&mut self, words: &[u32]) {
+        self.words.clear();
+        self.words.extend_from_slice(words);
+    }
+
+    /// The set of exactly `ids`.
+    pub fn of(ids: &[u32]) -> Self {
+        let mut mask = Self::default();
+        for &id in ids {
+            mask.allow(id);
+        }
+        mask
+    }
+
+    /// Adds `id` to the set.
+    pub fn allow(&mut self, id: u32) {
+        let word = id as usize / 32;
+        if self.words.len() <= word {
+            self.words.resize(word + 1, 0);
+        }
+        self.words[word] |= 1 << (id % 32);
+    }
+
+    /// Whether `id` is in the set.
+    pub fn allows(&self, id: u32) -> bool {
+        self.words
+            .get(id as usize / 32)
+            .is_some_and(|word| word & (1 << (id % 32)) != 0)
+    }
+
+    /// How many ids the set holds.
+    pub fn count(&self) -> usize {
+        self.words
+            .iter()
+            .map(|word| word.count_ones() as usize)
+            .sum()
+    }
 }
 
 /// A small, fast, seedable generator (SplitMix64); enough for sampling, not for secrets.
@@ -97,16 +153,35 @@ impl Sampler {
     /// Chooses the next token from `logits` and counts it for the penalties of later choices.
     /// Fails when the logits are empty, or when every token is NaN or banned.
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32> {
+        self.sample_within(logits, None)
+    }
+
+    /// Like [`Sampler::sample`], choosing only among the tokens `allowed` holds (all tokens
+    /// when `None`): every other token is banned before bias, penalties, top-k, min-p and
+    /// top-p, so they work on the allowed tokens alone. Fails, with
+    /// [`ModelError::Constraint`], when every allowed token is NaN or banned.
+    pub fn sample_within(&mut self, logits: &[f32], allowed: Option<&TokenMask>) -> Result<u32> {
         if logits.is_empty() {
             return Err(ModelError::Sampling("empty logits".into()));
         }
-        let logits = self.adjusted(logits);
+        let logits = self.adjusted_within(logits, allowed);
         let token = if self.config.is_greedy() {
             best_token(&logits)
         } else {
             self.draw(&logits)
-        }
-        .ok_or_else(|| ModelError::Sampling("every token is NaN or banned".into()))?;
+        };
+        let token = match (token, allowed) {
+            (Some(token), _) => token,
+            (None, None) => {
+                return Err(ModelError::Sampling("every token is NaN or banned".into()));
+            }
+            (None, Some(_)) => {
+                return Err(ModelError::Constraint(
+                    "every token the constraint allows next is banned by the logit bias or NaN"
+                        .into(),
+                ));
+            }
+        };
         *self.counts.entry(token).or_default() += 1;
         Ok(token)
     }
@@ -114,10 +189,26 @@ impl Sampler {
     /// `logits` with the bias and the penalties for the tokens picked so far applied: a
     /// banned token's logit is negative infinity.
     pub fn adjusted<'a>(&self, logits: &'a [f32]) -> Cow<'a, [f32]> {
-        if !self.config.adjusts_logits() {
+        self.adjusted_within(logits, None)
+    }
+
+    /// [`Sampler::adjusted`], with every token `allowed` does not hold banned too.
+    fn adjusted_within<'a>(
+        &self,
+        logits: &'a [f32],
+        allowed: Option<&TokenMask>,
+    ) -> Cow<'a, [f32]> {
+        if !self.config.adjusts_logits() && allowed.is_none() {
             return Cow::Borrowed(logits);
         }
         let mut adjusted = logits.to_vec();
+        if let Some(allowed) = allowed {
+            for (token, logit) in adjusted.iter_mut().enumerate() {
+                if !allowed.allows(token as u32) {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+        }
         let (presence, frequency) = (self.config.presence_penalty, self.config.frequency_penalty);
         if presence != 0.0 || frequency != 0.0 {
             for (&token, &count) in &self.counts {
@@ -797,6 +888,27 @@ mod tests {
         }
 
         #[test]
+        fn a_token_outside_the_mask_is_never_chosen_whatever_its_bias(
+            config in any_config(),
+            logits in proptest::collection::vec(-1e4f32..1e4, 2..70),
+            allowed_bits in proptest::collection::vec(any::<bool>(), 70),
+            favoured_at in any::<prop::sample::Index>(),
+        ) {
+            let ids: Vec<u32> = (0..logits.len() as u32)
+                .filter(|&id| allowed_bits[id as usize])
+                .collect();
+            prop_assume!(!ids.is_empty());
+            let mask = TokenMask::of(&ids);
+            // The largest bias on some token, most often one the mask leaves out.
+            let favoured = favoured_at.index(logits.len()) as u32;
+            let mut sampler = Sampler::new(biased(config, &[(favoured, 100.0)])).unwrap();
+            for _ in 0..20 {
+                let token = sampler.sample_within(&logits, Some(&mask)).unwrap();
+                prop_assert!(mask.allows(token), "token {} is outside {:?}", token, ids);
+            }
+        }
+
+        #[test]
         fn penalties_change_exactly_the_counted_tokens_logits(
             config in any_config(),
             logits in proptest::collection::vec(-10f32..10.0, 2..12),
@@ -845,6 +957,54 @@ mod tests {
         let all = token_logprobs(&LOGITS, 0, LOGITS.len());
         let mass: f64 = all.top.iter().map(|&(_, lp)| f64::from(lp).exp()).sum();
         assert!((mass - 1.0).abs() < 1e-5, "{mass}");
+    }
+
+    #[test]
+    fn a_mask_is_a_set_of_ids() {
+        let mask = TokenMask::of(&[0, 31, 32, 100]);
+        let members: Vec<u32> = (0..200).filter(|&id| mask.allows(id)).collect();
+        assert_eq!(members, [0, 31, 32, 100]);
+        assert_eq!(mask.count(), 4);
+        assert_eq!(
+            TokenMask::from_words(vec![0b101, 1]),
+            TokenMask::of(&[0, 2, 32])
+        );
+        let mut reused = TokenMask::of(&[500]);
+        reused.set_words(&[0b10]);
+        assert_eq!(reused, TokenMask::of(&[1]));
+        assert!(!TokenMask::default().allows(0));
+    }
+
+    #[test]
+    fn a_mask_keeps_top_k_and_top_p_to_the_allowed_tokens_in_proportion() {
+        // LOGITS ranks 1, 4, 0, 3, 2, 5: without 1 and 4, top-k 2 keeps 0 and 3.
+        let mask = TokenMask::of(&[0, 2, 3, 5]);
+        let config = sampling(1.0, Some(2), None);
+        let mut counts = [0u64; 6];
+        for seed in 0..DRAWS {
+            let mut sampler = Sampler::new(SamplingConfig {
+                seed,
+                ..config.clone()
+            })
+            .unwrap();
+            counts[sampler.sample_within(&LOGITS, Some(&mask)).unwrap() as usize] += 1;
+        }
+        let full = softmax(&LOGITS, 1.0);
+        let kept = full[0] + full[3];
+        let expected: Vec<f64> = (0..LOGITS.len())
+            .map(|token| match token {
+                0 | 3 => full[token] / kept,
+                _ => 0.0,
+            })
+            .collect();
+        let statistic = chi_square(&counts, &expected);
+        assert!(
+            statistic < CHI_SQUARE_CRITICAL_P001[1],
+            "chi-square {statistic:.2} (counts {counts:?}, expected {expected:?})"
+        );
+        // Greedy takes the best allowed token.
+        let mut greedy = Sampler::new(SamplingConfig::greedy()).unwrap();
+        assert_eq!(greedy.sample_within(&LOGITS, Some(&mask)).unwrap(), 0);
     }
 
     #[test]

@@ -212,6 +212,19 @@ impl ModelTokenizer {
         }
     }
 
+    /// Whether `id` is a control token (`<|im_end|>`, `<s>`) or the unknown token: one that
+    /// stands for no text and is written out only when asked for. An id outside the
+    /// vocabulary is not.
+    pub fn is_control(&self, id: u32) -> bool {
+        match &self.engine {
+            Engine::Gguf(vocab) => vocab.is_control(id),
+            Engine::HuggingFace { parsing, .. } => parsing
+                .get_added_tokens_decoder()
+                .get(&id)
+                .is_some_and(|token| token.special),
+        }
+    }
+
     /// The id of a token's exact text, if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         match &self.engine {
@@ -370,6 +383,18 @@ mod tests {
         let tokenizer = build(&byte_pairs("gpt-2")).unwrap();
         assert_eq!(tokenizer.token_bytes(4).unwrap(), b" ab");
         assert_eq!(tokenizer.token_bytes(5).unwrap(), b"<|endoftext|>");
+    }
+
+    #[test]
+    fn control_and_unknown_tokens_are_control_and_the_rest_are_not() {
+        let tokenizer = build(&sentence_piece()).unwrap();
+        let control: Vec<u32> = (0..12).filter(|&id| tokenizer.is_control(id)).collect();
+        // <unk>, <s>, </s>, and <|end|> (an end-of-generation text makes it control); the
+        // user-defined <|user|> is text.
+        assert_eq!(control, [0, 1, 2, 10]);
+        let tokenizer = build(&byte_pairs("gpt-2")).unwrap();
+        let control: Vec<u32> = (0..7).filter(|&id| tokenizer.is_control(id)).collect();
+        assert_eq!(control, [5]);
     }
 
     #[test]

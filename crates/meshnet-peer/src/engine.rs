@@ -8,12 +8,14 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use meshnet_api::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, PromptLogprobs, RouteMember, TokenLogprob, TopLogprob,
+    FinishReason, ModelInfo, PromptInput, PromptLogprobs, ResponseFormat, RouteMember,
+    TokenLogprob, TopLogprob,
 };
+use meshnet_grammar::{JsonConstraint, JsonFormat, TokenEnvironment};
 use meshnet_model::{
     BoundaryPolicy, ChatMessage, EncodeOptions, FinishReason as ModelFinish, GenerationRequest,
-    ModelError, ModelTokenizer, Route, SessionId, Stage, StopConditions, TextSide, TokenLogprobs,
-    decode_observed, generate_observed,
+    ModelError, ModelTokenizer, Route, SessionId, Stage, StopConditions, TextSide, TokenConstraint,
+    TokenLogprobs, decode_observed, generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
 use meshnet_types::PeerId;
@@ -44,6 +46,25 @@ pub struct MeshEngine {
     admission: Admission,
     prefill_in_flight: usize,
     grants: Option<Arc<crate::grants::GrantSigner>>,
+    /// What `response_format` schemas compile against, or why there is nothing.
+    structured: Result<TokenEnvironment, String>,
+}
+
+/// The token environment `response_format` schemas compile against, built once per model from
+/// its tokenizer with its end-of-text tokens (and end-of-turn token); why not, when the
+/// tokenizer cannot back one.
+pub fn structured_output_environment(text: &TextSide) -> Result<TokenEnvironment, String> {
+    let started = Instant::now();
+    let mut ends = text.stop_tokens.clone();
+    ends.extend(text.end_of_turn);
+    let environment = TokenEnvironment::new(&text.tokenizer, &ends).map_err(|e| e.to_string());
+    tracing::info!(
+        vocab = text.tokenizer.vocab_size(),
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        ready = environment.is_ok(),
+        "structured output: token environment built"
+    );
+    environment
 }
 
 impl MeshEngine {
@@ -93,7 +114,15 @@ impl MeshEngine {
             admission: Admission::new(limits),
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
             grants: None,
+            structured: Err("structured output is not set up on this tracker".to_owned()),
         }
+    }
+
+    /// Serves `response_format` with `environment` ([`structured_output_environment`]); with
+    /// an error, refuses it saying why.
+    pub fn with_structured_output(mut self, environment: Result<TokenEnvironment, String>) -> Self {
+        self.structured = environment;
+        self
     }
 
     /// Every frame of its generations carries a grant `signer` signs (members serve none
@@ -211,6 +240,40 @@ impl MeshEngine {
         Ok((ids, chat))
     }
 
+    /// The constraint `format` asks for, compiled on a blocking thread; none for text. A
+    /// schema the grammar engine cannot compile is a 400 naming `response_format`.
+    async fn constraint(
+        &self,
+        format: &ResponseFormat,
+    ) -> Result<Option<JsonConstraint>, EngineError> {
+        let (format, name) = match format {
+            ResponseFormat::Text => return Ok(None),
+            ResponseFormat::JsonObject => (JsonFormat::AnyObject, "json_object".to_owned()),
+            ResponseFormat::JsonSchema(schema) => (
+                JsonFormat::Schema(schema.schema.clone()),
+                schema.name.clone(),
+            ),
+        };
+        let invalid = |message: String| EngineError::InvalidRequest {
+            param: Some("response_format".to_owned()),
+            message,
+        };
+        let environment = self.structured.clone().map_err(|reason| {
+            invalid(format!(
+                "model {} cannot produce structured output: {reason}",
+                self.info.id
+            ))
+        })?;
+        let compiled = tokio::task::spawn_blocking(move || environment.compile(&format))
+            .await
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        compiled.map(Some).map_err(|error| {
+            invalid(format!(
+                "Invalid schema for response_format '{name}': {error}"
+            ))
+        })
+    }
+
     /// A conversation as text in the model's chat format, which it needs to have.
     fn render_chat(&self, turns: Vec<ChatTurn>) -> Result<String, EngineError> {
         let template = self
@@ -244,8 +307,9 @@ impl CompletionEngine for MeshEngine {
             let prompt_param = if chat { "messages" } else { "prompt" };
             let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
             self.check_cache_room(prompt.len(), max_tokens, request.n)?;
+            let constraint = self.constraint(&request.response_format).await?;
             let permit = self.admission.admit().await?;
-            self.begin(request, prompt, chat, max_tokens, permit)
+            self.begin(request, prompt, chat, max_tokens, constraint, permit)
         })
     }
 
@@ -276,6 +340,7 @@ impl MeshEngine {
         prompt: Vec<u32>,
         chat: bool,
         max_tokens: usize,
+        constraint: Option<JsonConstraint>,
         permit: OwnedSemaphorePermit,
     ) -> Result<EngineStream, EngineError> {
         let admitted = Instant::now();
@@ -302,7 +367,8 @@ impl MeshEngine {
         let request_id = request.request_id.clone();
         let choices = request.n.max(1);
         let echo = self.echo_text(&request, &prompt)?;
-        let generation = self.generation_request(request, prompt, chat, max_tokens);
+        let mut generation = self.generation_request(request, prompt, chat, max_tokens);
+        generation.constraint = constraint.map(|c| Box::new(c) as Box<dyn TokenConstraint>);
         let prompt_tokens = generation.prompt.len();
         let (events, receivers): (Vec<_>, Vec<_>) =
             (0..choices).map(|_| mpsc::channel(EVENT_BUFFER)).unzip();
@@ -405,6 +471,7 @@ struct GenerationJob {
     text: Arc<TextSide>,
     entry: Arc<LoadedShard>,
     remote: Option<RemoteStage>,
+    /// What to generate (with the structured-output constraint in its starting state).
     request: GenerationRequest,
     /// The prompt's text, when it is to be echoed before each choice's text.
     echo: Option<String>,
@@ -415,6 +482,14 @@ struct GenerationJob {
 }
 
 impl GenerationJob {
+    /// Choice `index`'s request: the job's (its constraint copied in its starting state),
+    /// seeded with its seed plus `index`.
+    fn choice_request(&self, index: usize) -> GenerationRequest {
+        let mut request = self.request.clone();
+        request.sampling.seed = request.sampling.seed.wrapping_add(index as u64);
+        request
+    }
+
     fn run(self) {
         let span: &LoadedShard = &self.entry;
         let mut stages: Vec<&dyn Stage> = vec![span];
@@ -439,8 +514,9 @@ impl GenerationJob {
         match self.events.as_slice() {
             [events] if !scoring => {
                 self.send_echo(events, None);
-                let outcome = self.stream_choice(&route, &self.request, None, events);
-                self.report(&self.request, events, outcome);
+                let request = self.choice_request(0);
+                let outcome = self.stream_choice(&route, &request, None, events);
+                self.report(&request, events, outcome);
             }
             _ => self.run_shared_prefill(&route, scoring),
         }
@@ -464,8 +540,9 @@ impl GenerationJob {
         };
         if let [events] = self.events.as_slice() {
             self.send_echo(events, prompt_logprobs);
-            let outcome = self.stream_choice(route, &self.request, Some(logits), events);
-            self.report(&self.request, events, outcome);
+            let request = self.choice_request(0);
+            let outcome = self.stream_choice(route, &request, Some(logits), events);
+            self.report(&request, events, outcome);
             return;
         }
         std::thread::scope(|scope| {
@@ -530,9 +607,8 @@ impl GenerationJob {
         logits: Vec<f32>,
         events: &mpsc::Sender<EngineEvent>,
     ) {
-        let mut request = self.request.clone();
+        let mut request = self.choice_request(index);
         request.session = SessionId::new_v4();
-        request.sampling.seed = request.sampling.seed.wrapping_add(index as u64);
         let forked = self
             .entry
             .fork_session(prefix, request.session, request.prompt.len())
@@ -638,6 +714,12 @@ fn engine_error(error: &ModelError) -> EngineError {
             return EngineError::Busy {
                 reason: error.to_string(),
                 retry_after_seconds: 1,
+            };
+        }
+        ModelError::Constraint(_) => {
+            return EngineError::InvalidRequest {
+                param: Some("response_format".to_owned()),
+                message: error.to_string(),
             };
         }
         _ => return EngineError::Internal(error.to_string()),

@@ -1,7 +1,8 @@
 #![allow(clippy::unwrap_used)]
 //! The binary as users run it: a tracker and two peers as separate processes on loopback
 //! converge, answer chats exactly as `meshnet-peer generate --chat --boundaries` does, free
-//! sessions on every hop when a client goes away, and refuse a peer with another model.
+//! sessions on every hop when a client goes away, refuse a peer with another model, and
+//! answer in the JSON a `response_format` asks for.
 
 mod common;
 
@@ -1169,5 +1170,226 @@ async fn completions_echo_the_prompt_with_its_logprobs_through_a_three_process_m
                 .map(|o| o.as_u64().unwrap())
                 .collect::<Vec<_>>()
         );
+    }
+}
+
+/// A schema of the structured-output test and a check, by hand, that a value matches it.
+struct SchemaCase {
+    name: &'static str,
+    prompt: &'static str,
+    schema: Value,
+    matches: fn(&Value) -> bool,
+}
+
+/// Whether `value` is a string of `min..=max` characters.
+fn string_of(value: &Value, min: usize, max: usize) -> bool {
+    value
+        .as_str()
+        .is_some_and(|text| (min..=max).contains(&text.chars().count()))
+}
+
+/// Whether `value` is an object with exactly the keys `keys`.
+fn object_with(value: &Value, keys: &[&str]) -> bool {
+    value.as_object().is_some_and(|object| {
+        object.len() == keys.len() && keys.iter().all(|key| object.contains_key(*key))
+    })
+}
+
+fn schema_cases() -> Vec<SchemaCase> {
+    let closed = |properties: Value| {
+        let required: Vec<&String> = properties.as_object().unwrap().keys().collect();
+        json!({
+            "type": "object",
+            "properties": properties,
+            "required": required,
+            "additionalProperties": false,
+        })
+    };
+    vec![
+        SchemaCase {
+            name: "person",
+            prompt: "Describe a fictional person as JSON with a name and an age.",
+            schema: closed(json!({
+                "name": {"type": "string", "minLength": 1, "maxLength": 16},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            })),
+            matches: |v| {
+                object_with(v, &["name", "age"])
+                    && string_of(&v["name"], 1, 16)
+                    && v["age"]
+                        .as_i64()
+                        .is_some_and(|age| (0..=120).contains(&age))
+            },
+        },
+        SchemaCase {
+            name: "fruits",
+            prompt: "List some fruits as a JSON object with an array of names.",
+            schema: closed(json!({
+                "fruits": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 12},
+                    "minItems": 1,
+                    "maxItems": 3,
+                },
+            })),
+            matches: |v| {
+                object_with(v, &["fruits"])
+                    && v["fruits"].as_array().is_some_and(|fruits| {
+                        (1..=3).contains(&fruits.len())
+                            && fruits.iter().all(|fruit| string_of(fruit, 0, 12))
+                    })
+            },
+        },
+        SchemaCase {
+            name: "verdict",
+            prompt: "Is the sky blue? Answer in JSON with your confidence.",
+            schema: closed(json!({
+                "answer": {"enum": ["yes", "no"]},
+                "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            })),
+            matches: |v| {
+                object_with(v, &["answer", "confidence"])
+                    && (v["answer"] == "yes" || v["answer"] == "no")
+                    && v["confidence"]
+                        .as_f64()
+                        .is_some_and(|c| (0.0..=1.0).contains(&c))
+            },
+        },
+        SchemaCase {
+            name: "flight",
+            prompt: "Make up a flight code like ABC-12 and give it as JSON.",
+            schema: closed(json!({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}})),
+            matches: |v| {
+                object_with(v, &["code"])
+                    && v["code"].as_str().is_some_and(|code| {
+                        let bytes = code.as_bytes();
+                        bytes.len() == 6
+                            && bytes[..3].iter().all(u8::is_ascii_uppercase)
+                            && bytes[3] == b'-'
+                            && bytes[4..].iter().all(u8::is_ascii_digit)
+                    })
+            },
+        },
+    ]
+}
+
+/// The text and finish reason of the one choice of a request that must succeed.
+async fn answer_of(mesh: &Mesh, path: &str, body: &Value) -> (String, String) {
+    let (code, answer) = mesh.post(path, body.clone()).await;
+    assert_eq!(code, 200, "{body}: {answer:#}\n{}", mesh.logs());
+    let choice = &answer["choices"][0];
+    let text = choice["message"]["content"]
+        .as_str()
+        .or_else(|| choice["text"].as_str())
+        .unwrap();
+    let finish = choice["finish_reason"].as_str().unwrap();
+    (text.to_owned(), finish.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_through_a_three_process_mesh_parses_and_matches_every_schema() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    for case in schema_cases() {
+        let format = json!({
+            "type": "json_schema",
+            "json_schema": {"name": case.name, "schema": case.schema, "strict": true},
+        });
+        for sampling in [
+            json!({"temperature": 0}),
+            json!({"temperature": 0.8, "seed": 7}),
+        ] {
+            let chat = json!({
+                "model": model,
+                "messages": [{"role": "user", "content": case.prompt}],
+                "max_tokens": 96,
+                "response_format": format,
+            });
+            let completion = json!({
+                "model": model,
+                "prompt": format!("{}\nJSON:", case.prompt),
+                "max_tokens": 96,
+                "response_format": format,
+            });
+            for (path, body) in [
+                ("/v1/chat/completions", chat),
+                ("/v1/completions", completion),
+            ] {
+                let body = merged(body, sampling.clone());
+                let (text, finish) = answer_of(&mesh, path, &body).await;
+                println!("{} {path} {sampling}: {text}", case.name);
+                assert_eq!(finish, "stop", "{}: {text:?}", case.name);
+                let value: Value = serde_json::from_str(&text)
+                    .unwrap_or_else(|e| panic!("{}: {text:?} is not JSON: {e}", case.name));
+                assert!(
+                    (case.matches)(&value),
+                    "{}: {text} does not match",
+                    case.name
+                );
+            }
+        }
+    }
+
+    // Any object, streamed: the pieces make one object, and the stream finishes with stop.
+    let object = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Give the name and age of a person as JSON."}],
+        "temperature": 0,
+        "max_tokens": 96,
+        "response_format": {"type": "json_object"},
+    });
+    let chunks = stream_chunks(&mesh, &object).await;
+    let text: String = chunks
+        .iter()
+        .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    let finish = chunks
+        .iter()
+        .rev()
+        .find_map(|c| c["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("stop"), "{chunks:?}");
+    let value: Value = serde_json::from_str(&text).unwrap();
+    assert!(value.is_object(), "{text}");
+
+    // A token budget too small for the JSON ends with length: the text is the beginning of
+    // the whole greedy answer, cut off.
+    let case = &schema_cases()[0];
+    let short = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": case.prompt}],
+        "temperature": 0,
+        "max_tokens": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": case.schema}},
+    });
+    let (text, finish) = answer_of(&mesh, "/v1/chat/completions", &short).await;
+    assert_eq!(finish, "length", "{text:?}");
+    let whole = merged(short.clone(), json!({"max_tokens": 96}));
+    let (whole, finish) = answer_of(&mesh, "/v1/chat/completions", &whole).await;
+    assert_eq!(finish, "stop", "{whole:?}");
+    assert!(
+        whole.starts_with(&text) && whole.len() > text.len(),
+        "{text:?} / {whole:?}"
+    );
+    assert!(serde_json::from_str::<Value>(&text).is_err(), "{text:?}");
+
+    // A schema the engine cannot compile, and a malformed format, are refused naming the field.
+    for (format, param, word) in [
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "u", "schema": {"type": "array", "uniqueItems": true}}}),
+            "response_format",
+            "uniqueItems",
+        ),
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "u"}}),
+            "response_format.json_schema.schema",
+            "schema",
+        ),
+    ] {
+        let body = merged(short.clone(), json!({"response_format": format}));
+        let (code, answer) = mesh.chat(body).await;
+        assert_eq!(code, 400, "{answer:#}");
+        assert_eq!(answer["error"]["param"], param, "{answer:#}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(word), "{message}");
     }
 }

@@ -127,6 +127,13 @@ impl Vocab {
         String::from_utf8_lossy(&bytes).into_owned()
     }
 
+    /// Whether `id` is a control or the unknown token (no text unless rendered).
+    pub(crate) fn is_control(&self, id: u32) -> bool {
+        self.attrs
+            .get(id as usize)
+            .is_some_and(|&attrs| attrs & (attr::CONTROL | attr::UNKNOWN) != 0)
+    }
+
     /// Appends the bytes one token stands for.
     pub(crate) fn token_bytes(&self, id: u32, render_special: bool, out: &mut Vec<u8>) {
         let (Some(text), Some(&attrs)) =
