@@ -9,7 +9,9 @@ streaming (temperature 0, so both must produce the same text), checks logprobs (
 SDK's own types, streamed and not), logit_bias, the penalties, the top_k and min_p extensions,
 a completion from token ids and the /tokenize and /detokenize extensions, n choices (each equal
 to its own single request, streamed too), completions' echo with legacy logprobs and several
-prompts, and that an invalid request is refused with 400. Prints a short summary; exits non-zero on the first failure.
+prompts, tool calls (`tool_choice` required and a named function, whole and streamed, read by
+the SDK's own types, and a tool's result continuing the conversation), and that an invalid
+request is refused with 400. Prints a short summary; exits non-zero on the first failure.
 """
 
 import argparse
@@ -232,6 +234,116 @@ def echoed_completion(client, model):
     check(len(several.choices) == 4, f"2 prompts x n=2 gave {len(several.choices)} choices")
     check(several.choices[1].text == several.choices[0].text, "greedy choices of one prompt differ")
     return echoed
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city over the next days.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time in a time zone.",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                "required": ["zone"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def checked_arguments(name, arguments):
+    """The call's arguments (JSON text), checked against TOOLS' schemas by hand."""
+    values = json.loads(arguments)
+    check(isinstance(values, dict), f"{name} arguments are not an object: {arguments!r}")
+    if name == "get_weather":
+        check(values.get("city") in ("Paris", "Rome", "Tokyo"), f"bad city in {arguments!r}")
+        check(set(values) <= {"city", "days"}, f"unexpected arguments {arguments!r}")
+        check(values.get("days", 1) in range(1, 8), f"bad days in {arguments!r}")
+    elif name == "get_time":
+        check(values == {"zone": "UTC"} or values == {"zone": "CET"}, f"bad {arguments!r}")
+    else:
+        raise CheckFailed(f"the model called {name!r}, which was not offered")
+    return values
+
+
+def tool_calls(client, model):
+    """tool_choice required and a named function, whole and streamed, parsed by the SDK's own
+    types; then the call's result continues the conversation."""
+    asked = dict(
+        model=model, messages=WEATHER_QUESTION, tools=TOOLS, temperature=0, max_tokens=64,
+        parallel_tool_calls=False,
+    )
+    answer = client.chat.completions.create(tool_choice="required", **asked)
+    choice = answer.choices[0]
+    check(choice.finish_reason == "tool_calls", f"finish_reason {choice.finish_reason!r}")
+    check(choice.message.content is None, f"content {choice.message.content!r} beside the call")
+    calls = choice.message.tool_calls
+    check(calls is not None and len(calls) == 1, f"expected one call, got {calls!r}")
+    call = calls[0]
+    check(call.type == "function" and call.id.startswith("call_"), f"bad call {call!r}")
+    checked_arguments(call.function.name, call.function.arguments)
+
+    named = dict(tool_choice={"type": "function", "function": {"name": "get_time"}}, **asked)
+    whole = client.chat.completions.create(**named).choices[0].message.tool_calls
+    check(len(whole) == 1 and whole[0].function.name == "get_time", f"named gave {whole!r}")
+    checked_arguments("get_time", whole[0].function.arguments)
+    streamed = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **named):
+        for streamed_choice in chunk.choices:
+            check(not streamed_choice.delta.content, "text streamed beside a required call")
+            for piece in streamed_choice.delta.tool_calls or []:
+                entry = streamed.setdefault(piece.index, {"id": None, "name": None, "arguments": ""})
+                if piece.id is not None:
+                    check(entry["id"] is None, "a call's id came twice")
+                    entry["id"], entry["name"] = piece.id, piece.function.name
+                entry["arguments"] += piece.function.arguments or ""
+            finish = streamed_choice.finish_reason or finish
+    check(list(streamed) == [0], f"streamed calls {streamed!r}")
+    check(streamed[0]["name"] == "get_time", f"streamed {streamed!r}")
+    check(
+        streamed[0]["arguments"] == whole[0].function.arguments,
+        f"streamed arguments {streamed[0]['arguments']!r} differ from "
+        f"{whole[0].function.arguments!r}",
+    )
+    check(finish == "tool_calls", f"the stream finished with {finish!r}")
+
+    result = [
+        *WEATHER_QUESTION,
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18}'},
+    ]
+    followed = client.chat.completions.create(
+        model=model, messages=result, tools=TOOLS, tool_choice="none", temperature=0,
+        max_tokens=MAX_TOKENS,
+    ).choices[0]
+    check(followed.message.tool_calls is None, "tool_choice none answered with a call")
+    check(isinstance(followed.message.content, str), "no text after the tool's result")
+    try:
+        client.chat.completions.create(
+            tool_choice={"type": "function", "function": {"name": "nope"}}, **asked
+        )
+        raise CheckFailed("a tool_choice naming no offered function was accepted")
+    except openai.BadRequestError as e:
+        check(e.param == "tool_choice", f"the refusal names {e.param!r}")
+    return call, whole[0], followed.message.content
 
 
 def bad_request(client, model):
@@ -298,6 +410,14 @@ def main():
         step = "completions echo and legacy logprobs"
         echoed = echoed_completion(client, model)
         print(f"echo:         {echoed.text!r}, {len(echoed.logprobs.tokens)} tokens scored")
+
+        step = "tool calls"
+        call, named, followed = tool_calls(client, model)
+        print(
+            f"tool calls:   required -> {call.function.name}({call.function.arguments}), "
+            f"named -> {named.function.name}({named.function.arguments}), the same streamed; "
+            f"after the result: {followed!r}"
+        )
 
         step = "invalid request"
         error = bad_request(client, model)

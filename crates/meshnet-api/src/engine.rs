@@ -28,12 +28,76 @@ pub struct ModelInfo {
 }
 
 /// One chat turn as received.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ChatTurn {
-    /// `"system"`, `"user"` or `"assistant"` (an OpenAI `"developer"` turn arrives as `"system"`).
+    /// `"system"`, `"user"`, `"assistant"` or `"tool"` (an OpenAI `"developer"` turn arrives
+    /// as `"system"`).
     pub role: String,
-    /// The turn's text; multiple text parts are joined with `\n`.
+    /// The turn's text; multiple text parts are joined with `\n`. Empty for an assistant
+    /// turn that only made calls (`null` content).
     pub content: String,
+    /// The calls an assistant turn made, in order (none for other turns).
+    pub tool_calls: Vec<ToolCallTurn>,
+    /// The id of the call a `tool` turn answers.
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatTurn {
+    /// A turn of `role` with text `content` and no tool use.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// A call an assistant turn made, as the client sent it back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCallTurn {
+    /// The call's id.
+    pub id: String,
+    /// The function called.
+    pub name: String,
+    /// Its arguments: JSON text (checked to be JSON).
+    pub arguments: String,
+}
+
+/// A function the client offers the model (`tools[i]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    /// `function.name`: 1 to 64 letters, digits, `_` or `-`, unique in the request.
+    pub name: String,
+    /// `function.parameters`: the JSON Schema of its arguments (an empty object schema when
+    /// the client gave none).
+    pub parameters: serde_json::Value,
+    /// The whole `{"type": "function", "function": {...}}` object as the client wrote it, so
+    /// templates see its keys in the client's order.
+    pub json: String,
+}
+
+/// Which calls the model is asked to make (`tool_choice`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolChoice {
+    /// `"auto"`: calls or text, as the model decides.
+    Auto,
+    /// `"required"`: at least one call.
+    Required,
+    /// `{"type": "function", "function": {"name"}}`: a call of this function.
+    Function(String),
+}
+
+/// The tools a chat request offers and what it asks of them; absent when it offers none or
+/// sets `tool_choice` to `"none"`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolRequest {
+    /// The functions offered, in the request's order.
+    pub tools: Vec<ToolSpec>,
+    /// Which calls are asked for.
+    pub choice: ToolChoice,
+    /// `parallel_tool_calls` (default true): whether an answer may hold several calls.
+    pub parallel: bool,
 }
 
 /// What to generate from.
@@ -100,6 +164,8 @@ pub struct EngineRequest {
     /// Up to four non-empty stop sequences; generation ends before the first one produced (which
     /// is not part of the output).
     pub stop: Vec<String>,
+    /// The tools offered (chat only), when the model may call any.
+    pub tools: Option<ToolRequest>,
     /// The shape the text must have; the engine refuses a schema it cannot compile (400
     /// naming `response_format`).
     pub response_format: ResponseFormat,
@@ -156,6 +222,23 @@ pub enum EngineEvent {
     Logprobs(Vec<TokenLogprob>),
     /// New text, never cut in the middle of a UTF-8 character.
     Delta(String),
+    /// The model began a call (only when the request offered tools): its place among the
+    /// answer's calls (from 0), a new id, and the function's name.
+    ToolCallStart {
+        /// The call's place among the answer's calls.
+        index: usize,
+        /// The call's id (`call_…`).
+        id: String,
+        /// The function called.
+        name: String,
+    },
+    /// More of a call's arguments (JSON text, appended to what came before).
+    ToolCallArguments {
+        /// The call's place among the answer's calls.
+        index: usize,
+        /// The next piece of its arguments.
+        text: String,
+    },
     /// The generation ended normally; no further events follow.
     Finished {
         /// Why it ended.
@@ -167,22 +250,25 @@ pub enum EngineEvent {
     Failed(EngineError),
 }
 
-/// Why a generation ended. Serialises as `"stop"` / `"length"`.
+/// Why a generation ended. Serialises as `"stop"` / `"length"` / `"tool_calls"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// The model produced an end-of-text token or a stop sequence.
     Stop,
     /// `max_tokens` or the context window was reached.
     Length,
+    /// The model ended its answer after calling tools.
+    ToolCalls,
 }
 
 impl FinishReason {
-    /// The OpenAI spelling: `"stop"` or `"length"`.
+    /// The OpenAI spelling: `"stop"`, `"length"` or `"tool_calls"`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Stop => "stop",
             Self::Length => "length",
+            Self::ToolCalls => "tool_calls",
         }
     }
 }

@@ -34,9 +34,10 @@ mod router;
 pub use engine::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
     FinishReason, JsonSchemaFormat, ModelInfo, PromptInput, PromptLogprobs, ResponseFormat,
-    RouteMember, TokenLogprob, TopLogprob,
+    RouteMember, TokenLogprob, ToolCallTurn, ToolChoice, ToolRequest, ToolSpec, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
+pub use request::tools::MAX_TOOLS;
 pub use request::{MAX_CHOICES, MAX_STOP_SEQUENCES};
 pub use route::ROUTE_HEADER;
 pub use router::{MAX_BODY_BYTES, openai_router};

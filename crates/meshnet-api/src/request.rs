@@ -6,8 +6,10 @@ use serde_json::{Map, Value};
 
 use meshnet_types::SamplingConfig;
 
-use crate::engine::{ChatTurn, JsonSchemaFormat, PromptInput, ResponseFormat};
+use crate::engine::{ChatTurn, JsonSchemaFormat, PromptInput, ResponseFormat, ToolRequest};
 use crate::error::ApiError;
+
+pub(crate) mod tools;
 
 /// The most stop sequences a request may carry.
 pub const MAX_STOP_SEQUENCES: usize = 4;
@@ -50,6 +52,7 @@ pub(crate) struct ParsedRequest {
     pub response_format: ResponseFormat,
     pub stream: bool,
     pub include_usage: bool,
+    pub tools: Option<ToolRequest>,
 }
 
 /// Parses `body` sent to `endpoint`, checking `model` against `model_id` and token ids
@@ -73,6 +76,10 @@ pub(crate) fn parse(
     let prompts = match endpoint {
         Endpoint::Chat => vec![PromptInput::Chat(parse_messages(&fields)?)],
         Endpoint::Text => parse_prompt(&fields, vocab_size)?,
+    };
+    let tools = match endpoint {
+        Endpoint::Chat => tools::parse_tool_request(&fields, body)?,
+        Endpoint::Text => None,
     };
 
     let max_tokens = match endpoint {
@@ -114,6 +121,7 @@ pub(crate) fn parse(
         response_format,
         stream,
         include_usage,
+        tools,
     })
 }
 
@@ -324,11 +332,13 @@ fn parse_messages(fields: &Fields<'_>) -> Result<Vec<ChatTurn>, ApiError> {
             "Invalid 'messages': empty array. Expected an array with minimum length 1.",
         ));
     }
-    messages
+    let turns = messages
         .iter()
         .enumerate()
         .map(|(i, message)| parse_message(i, message))
-        .collect()
+        .collect::<Result<Vec<_>, _>>()?;
+    tools::check_tool_results(&turns)?;
+    Ok(turns)
 }
 
 fn parse_message(index: usize, message: &Value) -> Result<ChatTurn, ApiError> {
@@ -353,19 +363,24 @@ fn parse_message(index: usize, message: &Value) -> Result<ChatTurn, ApiError> {
         "system" | "developer" => "system",
         "user" => "user",
         "assistant" => "assistant",
+        "tool" => "tool",
         other => {
             return Err(ApiError::invalid(
                 Some(&role_param),
                 format!(
                     "Invalid value: '{other}'. Supported values are: 'system', 'developer', \
-                     'user' and 'assistant'."
+                     'user', 'assistant' and 'tool'."
                 ),
             ));
         }
     };
+    let tool_calls = tools::message_tool_calls(&at, role, &fields)?;
+    let tool_call_id = tools::message_tool_call_id(&at, role, &fields)?;
 
     let content_param = format!("{at}.content");
     let content = match fields.get("content") {
+        // An assistant message that only calls tools has no text.
+        None if !tool_calls.is_empty() => String::new(),
         None => {
             return Err(ApiError::invalid(
                 Some(&content_param),
@@ -385,6 +400,8 @@ fn parse_message(index: usize, message: &Value) -> Result<ChatTurn, ApiError> {
     Ok(ChatTurn {
         role: role.to_owned(),
         content,
+        tool_calls,
+        tool_call_id,
     })
 }
 
@@ -765,18 +782,9 @@ mod tests {
         assert_eq!(
             parsed.prompts,
             [PromptInput::Chat(vec![
-                ChatTurn {
-                    role: "system".into(),
-                    content: "be brief".into()
-                },
-                ChatTurn {
-                    role: "user".into(),
-                    content: "a\nb".into()
-                },
-                ChatTurn {
-                    role: "assistant".into(),
-                    content: "ok".into()
-                },
+                ChatTurn::new("system", "be brief"),
+                ChatTurn::new("user", "a\nb"),
+                ChatTurn::new("assistant", "ok"),
             ])]
         );
         assert_eq!(parsed.max_tokens, None);
@@ -920,7 +928,7 @@ mod tests {
             (json!({"model": "m", "messages": "hi"}), "messages"),
             (json!({"model": "m", "messages": [3]}), "messages[0]"),
             (
-                json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}),
+                json!({"model": "m", "messages": [{"role": "function", "content": "x"}]}),
                 "messages[0].role",
             ),
             (

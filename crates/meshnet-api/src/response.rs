@@ -100,6 +100,8 @@ pub(crate) struct FinishedChoice {
     pub logprobs: Vec<TokenLogprob>,
     /// The echoed prompt's log-probabilities, when the prompt was echoed with them.
     pub prompt_logprobs: Option<PromptLogprobs>,
+    /// The calls the model made (chat with tools), in order.
+    pub tool_calls: Vec<ToolCallOut>,
     pub finish_reason: Option<FinishReason>,
 }
 
@@ -168,7 +170,63 @@ impl LegacyLogprobs {
 #[derive(Debug, Serialize)]
 struct Message<'a> {
     role: &'static str,
-    content: &'a str,
+    /// `null` when the answer is only calls.
+    content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<&'a [ToolCallOut]>,
+}
+
+/// A call the model made, in OpenAI's `message.tool_calls[i]` shape.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct ToolCallOut {
+    id: String,
+    #[serde(rename = "type")]
+    kind: &'static str,
+    function: FunctionOut,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+struct FunctionOut {
+    name: String,
+    arguments: String,
+}
+
+impl ToolCallOut {
+    /// A call of `name` with id `id` and no arguments yet.
+    pub(crate) fn new(id: String, name: String) -> Self {
+        Self {
+            id,
+            kind: "function",
+            function: FunctionOut {
+                name,
+                arguments: String::new(),
+            },
+        }
+    }
+
+    /// Appends `text` to the call's arguments.
+    pub(crate) fn push_arguments(&mut self, text: &str) {
+        self.function.arguments.push_str(text);
+    }
+}
+
+/// A piece of a streamed call, in OpenAI's `delta.tool_calls[i]` shape: the first has the
+/// id, type and name (and empty arguments), the others more arguments.
+#[derive(Debug, Serialize)]
+struct ToolCallDelta<'a> {
+    index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    id: Option<&'a str>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    kind: Option<&'static str>,
+    function: FunctionDelta<'a>,
+}
+
+#[derive(Debug, Serialize)]
+struct FunctionDelta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<&'a str>,
+    arguments: &'a str,
 }
 
 /// One `data:` event of a streamed answer.
@@ -201,6 +259,8 @@ struct Delta<'a> {
     role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     content: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_calls: Option<[ToolCallDelta<'a>; 1]>,
 }
 
 /// What every answer to one request shares: endpoint, id, timestamp and model.
@@ -243,11 +303,14 @@ impl Envelope {
 
     fn choice<'a>(&'a self, index: u32, finished: &'a FinishedChoice) -> Choice<'a> {
         let text = finished.text.as_str();
+        let calls = &finished.tool_calls;
         let (message, text) = match self.endpoint {
+            // An answer that is only calls has `null` content.
             Endpoint::Chat => (
                 Some(Message {
                     role: "assistant",
-                    content: text,
+                    content: Some(text).filter(|text| calls.is_empty() || !text.is_empty()),
+                    tool_calls: (!calls.is_empty()).then_some(calls.as_slice()),
                 }),
                 None,
             ),
@@ -273,6 +336,7 @@ impl Envelope {
             delta: Some(Delta {
                 role: Some("assistant"),
                 content: Some(""),
+                tool_calls: None,
             }),
             text: None,
             logprobs: None,
@@ -333,6 +397,64 @@ impl Envelope {
         Some(ChoiceLogprobs::Legacy(legacy))
     }
 
+    /// The chunk that starts choice `choice`'s call `index` of function `name` with id `id`
+    /// (chat only).
+    pub(crate) fn tool_call_start_chunk<'a>(
+        &'a self,
+        choice: u32,
+        index: usize,
+        id: &'a str,
+        name: &'a str,
+    ) -> Chunk<'a> {
+        self.tool_call_chunk(
+            choice,
+            ToolCallDelta {
+                index,
+                id: Some(id),
+                kind: Some("function"),
+                function: FunctionDelta {
+                    name: Some(name),
+                    arguments: "",
+                },
+            },
+        )
+    }
+
+    /// A chunk with more of choice `choice`'s call `index`'s arguments (chat only).
+    pub(crate) fn tool_call_arguments_chunk<'a>(
+        &'a self,
+        choice: u32,
+        index: usize,
+        text: &'a str,
+    ) -> Chunk<'a> {
+        self.tool_call_chunk(
+            choice,
+            ToolCallDelta {
+                index,
+                id: None,
+                kind: None,
+                function: FunctionDelta {
+                    name: None,
+                    arguments: text,
+                },
+            },
+        )
+    }
+
+    fn tool_call_chunk<'a>(&'a self, choice: u32, call: ToolCallDelta<'a>) -> Chunk<'a> {
+        self.chunk(vec![ChunkChoice {
+            index: choice,
+            delta: Some(Delta {
+                role: None,
+                content: None,
+                tool_calls: Some([call]),
+            }),
+            text: None,
+            logprobs: None,
+            finish_reason: None,
+        }])
+    }
+
     /// The final chunk with no choices and the token usage.
     pub(crate) fn usage_chunk(&self, usage: Usage) -> Chunk<'_> {
         let mut chunk = self.chunk(Vec::new());
@@ -353,6 +475,7 @@ impl Envelope {
                 delta: Some(Delta {
                     role: None,
                     content: text,
+                    tool_calls: None,
                 }),
                 text: None,
                 logprobs,
@@ -450,6 +573,7 @@ mod tests {
             text: "hé".into(),
             logprobs: entries.to_vec(),
             prompt_logprobs: None,
+            tool_calls: Vec::new(),
             finish_reason: Some(FinishReason::Stop),
         }];
         let chunk = to_value(env.text_chunk(0, "hé", env.choice_logprobs(None, &entries, &mut 0)));
@@ -473,6 +597,61 @@ mod tests {
         let chunk =
             to_value(plain.text_chunk(0, "hé", plain.choice_logprobs(None, &entries, &mut 0)));
         assert_eq!(chunk["choices"][0]["logprobs"], Value::Null);
+    }
+
+    #[test]
+    fn tool_calls_have_openais_shape_whole_and_streamed() {
+        let env = envelope(Endpoint::Chat, false);
+        let mut call = ToolCallOut::new("call_1".into(), "get_weather".into());
+        call.push_arguments("{\"city\"");
+        call.push_arguments(": \"Paris\"}");
+        let calls = vec![call];
+        let finished = |text: &str, tool_calls: Vec<ToolCallOut>, reason| FinishedChoice {
+            text: text.into(),
+            tool_calls,
+            finish_reason: Some(reason),
+            ..FinishedChoice::default()
+        };
+        let whole = to_value(env.completion(
+            &[finished("", calls.clone(), FinishReason::ToolCalls)],
+            Usage::new(1, 2),
+        ));
+        assert_eq!(
+            whole["choices"][0]["message"],
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}
+            ]})
+        );
+        assert_eq!(whole["choices"][0]["finish_reason"], "tool_calls");
+        // Text beside the calls stays; without calls the message has no tool_calls.
+        let both = to_value(env.completion(
+            &[finished("Hi.", calls.clone(), FinishReason::ToolCalls)],
+            Usage::new(1, 2),
+        ));
+        assert_eq!(both["choices"][0]["message"]["content"], "Hi.");
+        let plain = to_value(env.completion(
+            &[finished("", Vec::new(), FinishReason::Stop)],
+            Usage::new(1, 2),
+        ));
+        assert_eq!(
+            plain["choices"][0]["message"],
+            json!({"role": "assistant", "content": ""})
+        );
+
+        let start = to_value(env.tool_call_start_chunk(2, 0, "call_1", "get_weather"));
+        assert_eq!(
+            start["choices"][0],
+            json!({"index": 2, "delta": {"tool_calls": [
+                {"index": 0, "id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": ""}}
+            ]}, "logprobs": null, "finish_reason": null})
+        );
+        let more = to_value(env.tool_call_arguments_chunk(0, 1, "{\"a\""));
+        assert_eq!(
+            more["choices"][0]["delta"],
+            json!({"tool_calls": [{"index": 1, "function": {"arguments": "{\"a\""}}]})
+        );
     }
 
     #[test]
@@ -500,6 +679,7 @@ mod tests {
                 text: (*text).into(),
                 logprobs: Vec::new(),
                 prompt_logprobs: None,
+                tool_calls: Vec::new(),
                 finish_reason: Some(FinishReason::Length),
             })
             .collect();
@@ -553,6 +733,7 @@ mod tests {
             text: "Once upon a".into(),
             logprobs: generated.to_vec(),
             prompt_logprobs: Some(prompt.clone()),
+            tool_calls: Vec::new(),
             finish_reason: Some(FinishReason::Length),
         }];
         let whole = to_value(env.completion(&finished, Usage::new(2, 1)));

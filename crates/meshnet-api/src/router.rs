@@ -24,7 +24,7 @@ use crate::engine::{
 use crate::error::ApiError;
 use crate::request::{self, Endpoint};
 use crate::response::{
-    DecodedText, Envelope, FinishedChoice, ModelList, ModelObject, TokenList, Usage,
+    DecodedText, Envelope, FinishedChoice, ModelList, ModelObject, TokenList, ToolCallOut, Usage,
 };
 use crate::route;
 
@@ -186,6 +186,7 @@ async fn start_all(
             echo: parsed.echo,
             n: parsed.n,
             stop: parsed.stop.clone(),
+            tools: parsed.tools.clone(),
             response_format: parsed.response_format.clone(),
         };
         let stream = engine.start(request).await?;
@@ -240,6 +241,14 @@ async fn collect_choice(
             }
             Some(EngineEvent::Logprobs(entries)) => choice.logprobs.extend(entries),
             Some(EngineEvent::Delta(delta)) => choice.text.push_str(&delta),
+            Some(EngineEvent::ToolCallStart { id, name, .. }) => {
+                choice.tool_calls.push(ToolCallOut::new(id, name));
+            }
+            Some(EngineEvent::ToolCallArguments { index, text }) => {
+                if let Some(call) = choice.tool_calls.get_mut(index) {
+                    call.push_arguments(&text);
+                }
+            }
             Some(EngineEvent::Finished {
                 reason,
                 completion_tokens,
@@ -388,6 +397,18 @@ impl SseState {
                 Some(json_event(
                     &self.envelope.text_chunk(index, &text, logprobs),
                 ))
+            }
+            EngineEvent::ToolCallStart {
+                index: call,
+                id,
+                name,
+            } => {
+                let chunk = self.envelope.tool_call_start_chunk(index, call, &id, &name);
+                Some(json_event(&chunk))
+            }
+            EngineEvent::ToolCallArguments { index: call, text } => {
+                let chunk = self.envelope.tool_call_arguments_chunk(index, call, &text);
+                Some(json_event(&chunk))
             }
             EngineEvent::Finished {
                 reason,

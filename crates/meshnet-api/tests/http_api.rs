@@ -117,14 +117,8 @@ async fn chat_answer_has_the_openai_shape() {
     assert_eq!(
         request.prompt,
         PromptInput::Chat(vec![
-            ChatTurn {
-                role: "system".into(),
-                content: "Be nice.".into()
-            },
-            ChatTurn {
-                role: "user".into(),
-                content: "Hi".into()
-            },
+            ChatTurn::new("system", "Be nice."),
+            ChatTurn::new("user", "Hi"),
         ])
     );
     assert_eq!(request.max_tokens, Some(16));

@@ -21,7 +21,7 @@ pub enum JsonFormat {
 impl JsonFormat {
     /// The schema the engine compiles: the format's own, laid out compactly (one space after
     /// `,` and `:`, no other whitespace) whatever layout options it carries.
-    fn layout_schema(&self) -> Result<Value, GrammarError> {
+    pub(crate) fn layout_schema(&self) -> Result<Value, GrammarError> {
         let mut schema = match self {
             Self::AnyObject => serde_json::json!({"type": "object"}),
             Self::Schema(schema) => schema.clone(),
@@ -47,7 +47,15 @@ impl TokenEnvironment {
     /// cannot compile (an unsupported keyword, a bad pattern, one no value satisfies, one
     /// too large) is a [`GrammarError::Schema`] saying why.
     pub fn compile(&self, format: &JsonFormat) -> Result<JsonConstraint, GrammarError> {
-        let grammar = TopLevelGrammar::from_json_schema(format.layout_schema()?);
+        self.compile_grammar(TopLevelGrammar::from_json_schema(format.layout_schema()?))
+    }
+
+    /// Compiles any grammar of the engine into a constraint at the start of the text; one
+    /// it cannot compile is a [`GrammarError::Schema`] saying why.
+    pub(crate) fn compile_grammar(
+        &self,
+        grammar: TopLevelGrammar,
+    ) -> Result<JsonConstraint, GrammarError> {
         let parser = self
             .factory()
             .create_parser(grammar)

@@ -10,6 +10,10 @@
 //! - [`JsonConstraint`] is a `meshnet_model::TokenConstraint`: the generation loop asks it for
 //!   the allowed tokens before each sample, commits each token taken, and stops once the JSON
 //!   is complete.
+//! - [`TokenEnvironment::compile_tool_calls`] compiles the calls a chat request asks for
+//!   (`tool_choice` `required` or a named function) into the same kind of constraint: calls in
+//!   the syntax of the template's family ([`tool_call_grammar`]), each function's arguments
+//!   valid under its parameters' JSON Schema.
 //!
 //! The JSON it allows is written compactly with one space after `,` and `:` (`{"a": 1, "b":
 //! [2, 3]}`), with no other whitespace, so a model cannot run on in spaces or newlines.
@@ -21,7 +25,9 @@ mod environment;
 mod error;
 #[cfg(test)]
 mod test_vocabulary;
+mod tool_calls;
 
 pub use constraint::{JsonConstraint, JsonFormat};
 pub use environment::TokenEnvironment;
 pub use error::GrammarError;
+pub use tool_calls::{ToolCallSpec, tool_call_grammar};

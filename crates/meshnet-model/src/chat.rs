@@ -10,14 +10,19 @@ use minijinja::{Environment, Value};
 
 use crate::error::{ModelError, Result};
 use crate::template_env::{self, Clock, Raised, TEMPLATE_NAME};
+use crate::tool_calls::{self, ToolCall, ToolDefinition, ToolFormat};
 
 /// One turn of a conversation.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ChatMessage {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The turn's text.
     pub content: String,
+    /// The calls an assistant turn made (none for other turns).
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` turn answers.
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
@@ -26,7 +31,53 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
         }
+    }
+
+    /// An assistant message that made `calls` (after `content`, which may be empty).
+    pub fn assistant_calls(content: impl Into<String>, calls: Vec<ToolCall>) -> Self {
+        Self {
+            tool_calls: calls,
+            ..Self::new("assistant", content)
+        }
+    }
+
+    /// A tool's result `content` for the call `call_id`.
+    pub fn tool(call_id: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            tool_call_id: Some(call_id.into()),
+            ..Self::new("tool", content)
+        }
+    }
+
+    /// Whether the message is part of tool use: a call or a result.
+    fn uses_tools(&self) -> bool {
+        !self.tool_calls.is_empty() || self.role == "tool"
+    }
+
+    /// The message as a template sees it: `role` and `content` (a string, also for an
+    /// assistant turn with only calls: Qwen 3's template raises on `none` there), and
+    /// `tool_calls` and `tool_call_id` only when there are some (templates test whether they
+    /// are defined).
+    fn template_value(&self) -> Value {
+        let mut pairs = vec![
+            ("role", Value::from(self.role.as_str())),
+            ("content", Value::from(self.content.as_str())),
+        ];
+        if !self.tool_calls.is_empty() {
+            let calls: Vec<Value> = self
+                .tool_calls
+                .iter()
+                .map(ToolCall::template_value)
+                .collect();
+            pairs.push(("tool_calls", Value::from(calls)));
+        }
+        if let Some(id) = &self.tool_call_id {
+            pairs.push(("tool_call_id", Value::from(id.as_str())));
+        }
+        Value::from_pairs(pairs)
     }
 
     /// A user message.
@@ -165,6 +216,7 @@ pub struct ChatTemplate {
     tokens: SpecialTokens,
     default_system: Option<String>,
     include_default_system: bool,
+    tool_format: ToolFormat,
 }
 
 impl fmt::Debug for ChatTemplate {
@@ -174,6 +226,7 @@ impl fmt::Debug for ChatTemplate {
             .field("tokens", &self.tokens)
             .field("default_system", &self.default_system)
             .field("include_default_system", &self.include_default_system)
+            .field("tool_format", &self.tool_format)
             .finish_non_exhaustive()
     }
 }
@@ -184,14 +237,19 @@ impl ChatTemplate {
     pub fn new(jinja: &str, source: TemplateSource, tokens: SpecialTokens) -> Result<Self> {
         let env = template_env::compile(jinja, Clock::System)
             .map_err(|error| template_error(&source, &error))?;
-        Ok(ChatTemplate {
+        let mut template = ChatTemplate {
             jinja: Arc::from(jinja),
             env: Arc::new(env),
             default_system: chatml_default_system(jinja),
             source,
             tokens,
             include_default_system: true,
-        })
+            tool_format: ToolFormat::Generic,
+        };
+        let tool_format =
+            tool_calls::probe_format(|messages, tools| template.render_text(messages, tools, true));
+        template.tool_format = tool_format;
+        Ok(template)
     }
 
     /// A model file's own template, with empty `bos_token` / `eos_token`.
@@ -247,6 +305,13 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// How the template's family writes tool calls (found by probing it when it was
+    /// compiled): what [`ChatTemplate::render_chat`] does with tools and how answers are
+    /// read for calls.
+    pub fn tool_format(&self) -> ToolFormat {
+        self.tool_format
+    }
+
     /// The default system prompt the template puts first when a ChatML conversation has
     /// none (SmolLM2's has one), as written in it.
     pub fn default_system(&self) -> Option<&str> {
@@ -282,28 +347,36 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let turns: Vec<Value> = messages
-            .iter()
-            .map(|m| {
-                Value::from_pairs([
-                    ("role", Value::from(m.role.as_str())),
-                    ("content", Value::from(m.content.as_str())),
-                ])
-            })
-            .collect();
-        let context = Value::from_pairs([
-            ("messages", Value::from(turns)),
-            ("add_generation_prompt", Value::from(add_generation_prompt)),
-            ("bos_token", Value::from(self.tokens.bos.as_str())),
-            ("eos_token", Value::from(self.tokens.eos.as_str())),
-            ("tools", Value::from(())),
-            ("documents", Value::from(())),
-        ]);
-        let text = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .and_then(|template| template.render(context))
-            .map_err(|error| template_error(&self.source, &error))?;
+        self.render_chat(messages, &[], add_generation_prompt)
+    }
+
+    /// Renders a conversation that may offer `tools` and hold calls and their results. A
+    /// template of a family that writes calls in a format read here ([`ToolFormat::Hermes`],
+    /// [`ToolFormat::Llama3`]) gets them as Hugging Face's `apply_chat_template` passes
+    /// them: `tools` as a list (`none` when empty), each call's arguments as a mapping.
+    /// Any other template gets them folded into plain turns ([`ToolFormat::Generic`]).
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[ToolDefinition],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let uses_tools = !tools.is_empty() || messages.iter().any(ChatMessage::uses_tools);
+        if self.tool_format == ToolFormat::Generic && uses_tools {
+            let turns = tool_calls::fold_tools_into_turns(messages, tools);
+            return self.render_without_default_system(&turns, &[], add_generation_prompt);
+        }
+        self.render_without_default_system(messages, tools, add_generation_prompt)
+    }
+
+    /// Renders as the template says, then takes its default system prompt out if asked to.
+    fn render_without_default_system(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[ToolDefinition],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let text = self.render_text(messages, tools, add_generation_prompt)?;
         let starts_with_system = messages.first().is_some_and(|m| m.role == "system");
         if let (Some(system), false, false) = (
             &self.default_system,
@@ -316,6 +389,38 @@ impl ChatTemplate {
             }
         }
         Ok(text)
+    }
+
+    /// The template's own rendering of `messages` with `tools` (`none` when empty).
+    fn render_text(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[ToolDefinition],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let turns: Vec<Value> = messages.iter().map(ChatMessage::template_value).collect();
+        let tools = if tools.is_empty() {
+            Value::from(())
+        } else {
+            Value::from(
+                tools
+                    .iter()
+                    .map(|tool| tool.template_value().clone())
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let context = Value::from_pairs([
+            ("messages", Value::from(turns)),
+            ("add_generation_prompt", Value::from(add_generation_prompt)),
+            ("bos_token", Value::from(self.tokens.bos.as_str())),
+            ("eos_token", Value::from(self.tokens.eos.as_str())),
+            ("tools", tools),
+            ("documents", Value::from(())),
+        ]);
+        self.env
+            .get_template(TEMPLATE_NAME)
+            .and_then(|template| template.render(context))
+            .map_err(|error| template_error(&self.source, &error))
     }
 }
 

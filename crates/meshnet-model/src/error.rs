@@ -190,6 +190,9 @@ pub enum ModelError {
     /// A quantized kernel refused its operands.
     #[error("quantized kernel: {0}")]
     Kernel(#[from] meshnet_kernels::KernelError),
+    /// A tool definition is not the object chat templates take.
+    #[error("invalid tool definition: {0}")]
+    Tool(String),
     /// A chat template did not compile, failed while rendering, or raised an error itself
     /// (`raise_exception`): the conversation cannot be formatted as the template asks.
     #[error("chat template ({origin}): {reason}")]

@@ -37,6 +37,7 @@ mod sampling;
 mod strftime;
 mod template_env;
 mod tokenizer;
+mod tool_calls;
 
 pub use batch::BatchItem;
 pub use chat::{
@@ -66,6 +67,10 @@ pub use sampling::{
     token_logprobs,
 };
 pub use tokenizer::{EncodeOptions, ModelTokenizer};
+pub use tool_calls::{
+    ParsedAnswer, ParsedCall, ToolCall, ToolCallParser, ToolDefinition, ToolEvent, ToolFormat,
+    generic_tools_prompt, parse_answer,
+};
 
 /// File name of the default model, SmolLM2-135M-Instruct quantised to Q4_1.
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";

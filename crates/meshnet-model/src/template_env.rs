@@ -357,6 +357,91 @@ fn write_json_string(out: &mut String, text: &str, style: &JsonStyle) {
     out.push('"');
 }
 
+/// JSON text as a template value, as Python's `json.loads` gives it to a template: objects
+/// keep their keys in the text's order (a repeated key keeps its first place and its last
+/// value), integers stay integers and other numbers are floats.
+pub(crate) fn value_from_json(text: &str) -> Result<Value, serde_json::Error> {
+    use serde::de::DeserializeSeed as _;
+    let mut deserializer = serde_json::Deserializer::from_str(text);
+    let value = JsonToValue.deserialize(&mut deserializer)?;
+    deserializer.end()?;
+    Ok(value)
+}
+
+/// `value | tojson` with `json.dumps`' default layout (`", "` and `": "` separators).
+pub(crate) fn to_python_json(value: &Value) -> Result<String, Error> {
+    let style = JsonStyle {
+        ensure_ascii: false,
+        indent: None,
+        item_separator: ", ".to_owned(),
+        key_separator: ": ".to_owned(),
+        sort_keys: false,
+    };
+    let mut out = String::new();
+    write_json(&mut out, value, &style, 0)?;
+    Ok(out)
+}
+
+/// Builds a template value from any JSON as it is read, in order.
+struct JsonToValue;
+
+impl<'de> serde::de::DeserializeSeed<'de> for JsonToValue {
+    type Value = Value;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for JsonToValue {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::from(()))
+    }
+
+    fn visit_bool<E>(self, value: bool) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_i64<E>(self, value: i64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_u64<E>(self, value: u64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_f64<E>(self, value: f64) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_str<E>(self, value: &str) -> Result<Value, E> {
+        Ok(Value::from(value))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element_seed(JsonToValue)? {
+            items.push(item);
+        }
+        Ok(Value::from(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut pairs: Vec<(String, Value)> = Vec::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let value = map.next_value_seed(JsonToValue)?;
+            pairs.push((key, value));
+        }
+        Ok(Value::from_pairs(pairs))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -401,6 +486,27 @@ mod tests {
             render("{{ x.a | tojson(separators=(',', ':')) }}", ctx),
             "[1,2.0,null]"
         );
+    }
+
+    #[test]
+    fn json_text_keeps_its_key_order_and_number_kinds() {
+        let value = value_from_json(
+            r#"{"z": 1, "a": [2.0, null, true], "m": {"y": "é", "b": 1e2}, "z": 3}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            to_python_json(&value).unwrap(),
+            r#"{"z": 3, "a": [2.0, null, true], "m": {"y": "é", "b": 100.0}}"#
+        );
+        assert_eq!(
+            render(
+                "{{ v.m.y }} {{ v.a | length }}",
+                Value::from_pairs([("v", value)])
+            ),
+            "é 3"
+        );
+        assert!(value_from_json("{\"a\": 1} x").is_err());
+        assert!(value_from_json("{\"a\": ").is_err());
     }
 
     #[test]

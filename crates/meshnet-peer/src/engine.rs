@@ -9,13 +9,13 @@ use futures::future::BoxFuture;
 use meshnet_api::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
     FinishReason, ModelInfo, PromptInput, PromptLogprobs, ResponseFormat, RouteMember,
-    TokenLogprob, TopLogprob,
+    TokenLogprob, ToolChoice, ToolRequest, TopLogprob,
 };
 use meshnet_grammar::{JsonConstraint, JsonFormat, TokenEnvironment};
 use meshnet_model::{
-    BoundaryPolicy, ChatMessage, EncodeOptions, FinishReason as ModelFinish, GenerationRequest,
-    ModelError, ModelTokenizer, Route, SessionId, Stage, StopConditions, TextSide, TokenConstraint,
-    TokenLogprobs, decode_observed, generate_observed,
+    BoundaryPolicy, EncodeOptions, FinishReason as ModelFinish, GenerationRequest, ModelError,
+    ModelTokenizer, Route, SessionId, Stage, StopConditions, TextSide, TokenConstraint,
+    TokenLogprobs, ToolFormat, decode_observed, generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
 use meshnet_types::PeerId;
@@ -26,6 +26,7 @@ use crate::admission::{Admission, AdmissionLimits};
 use crate::remote::{Failover, RemoteStage, RouteLost};
 use crate::routing::PlannedHop;
 use crate::shard::{LoadedShard, ShardHost};
+use crate::tool_use::{self, CallReader};
 
 /// Tokens generated when a request sets no `max_tokens` (bounded by the context).
 pub const DEFAULT_MAX_TOKENS: usize = 256;
@@ -226,9 +227,13 @@ impl MeshEngine {
 
     /// The prompt's token ids, and whether it is a chat: text is encoded as a sequence starts,
     /// token ids are taken as they are.
-    fn prompt_tokens(&self, prompt: PromptInput) -> Result<(Vec<u32>, bool), EngineError> {
+    fn prompt_tokens(
+        &self,
+        prompt: PromptInput,
+        tools: Option<&ToolRequest>,
+    ) -> Result<(Vec<u32>, bool), EngineError> {
         let (text, chat) = match prompt {
-            PromptInput::Chat(turns) => (self.render_chat(turns)?, true),
+            PromptInput::Chat(turns) => (self.render_chat(turns, tools)?, true),
             PromptInput::Text(text) => (text, false),
             PromptInput::Tokens(ids) => return Ok((ids, false)),
         };
@@ -274,8 +279,13 @@ impl MeshEngine {
         })
     }
 
-    /// A conversation as text in the model's chat format, which it needs to have.
-    fn render_chat(&self, turns: Vec<ChatTurn>) -> Result<String, EngineError> {
+    /// A conversation (offering `tools`, if any) as text in the model's chat format, which it
+    /// needs to have.
+    fn render_chat(
+        &self,
+        turns: Vec<ChatTurn>,
+        tools: Option<&ToolRequest>,
+    ) -> Result<String, EngineError> {
         let template = self
             .text
             .template
@@ -287,11 +297,46 @@ impl MeshEngine {
                     self.info.id
                 ),
             })?;
-        let messages: Vec<ChatMessage> = turns
-            .into_iter()
-            .map(|ChatTurn { role, content }| ChatMessage::new(role, content))
-            .collect();
-        template.render(&messages).map_err(|e| engine_error(&e))
+        let messages = tool_use::chat_messages(turns);
+        let tools = tool_use::tool_definitions(tools)?;
+        template
+            .render_chat(&messages, &tools, true)
+            .map_err(|e| engine_error(&e))
+    }
+
+    /// How the model's template writes tool calls (the generic format without a template).
+    fn tool_format(&self) -> ToolFormat {
+        self.text
+            .template
+            .as_ref()
+            .map_or(ToolFormat::Generic, |template| template.tool_format())
+    }
+
+    /// The constraint that makes the model call a tool when `tools` requires one, compiled
+    /// on a blocking thread; none when it does not.
+    async fn tool_constraint(
+        &self,
+        tools: Option<&ToolRequest>,
+    ) -> Result<Option<JsonConstraint>, EngineError> {
+        let Some(tools) = tools.filter(|tools| tools.choice != ToolChoice::Auto) else {
+            return Ok(None);
+        };
+        let environment =
+            self.structured
+                .clone()
+                .map_err(|reason| EngineError::InvalidRequest {
+                    param: Some("tool_choice".to_owned()),
+                    message: format!(
+                        "model {} cannot be made to call a tool: {reason}",
+                        self.info.id
+                    ),
+                })?;
+        let (format, tools) = (self.tool_format(), tools.clone());
+        tokio::task::spawn_blocking(move || {
+            tool_use::required_call_constraint(&environment, format, &tools)
+        })
+        .await
+        .map_err(|e| EngineError::Internal(e.to_string()))?
     }
 }
 
@@ -303,11 +348,17 @@ impl CompletionEngine for MeshEngine {
     fn start(&self, request: EngineRequest) -> BoxFuture<'_, Result<EngineStream, EngineError>> {
         Box::pin(async move {
             // A request that cannot be served is told so before it waits in line.
-            let (prompt, chat) = self.prompt_tokens(request.prompt.clone())?;
+            let (prompt, chat) =
+                self.prompt_tokens(request.prompt.clone(), request.tools.as_ref())?;
             let prompt_param = if chat { "messages" } else { "prompt" };
             let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
             self.check_cache_room(prompt.len(), max_tokens, request.n)?;
             let constraint = self.constraint(&request.response_format).await?;
+            // A required call's grammar takes the place of the answer's format.
+            let constraint = match self.tool_constraint(request.tools.as_ref()).await? {
+                Some(calls) => Some(calls),
+                None => constraint,
+            };
             let permit = self.admission.admit().await?;
             self.begin(request, prompt, chat, max_tokens, constraint, permit)
         })
@@ -367,6 +418,10 @@ impl MeshEngine {
         let request_id = request.request_id.clone();
         let choices = request.n.max(1);
         let echo = self.echo_text(&request, &prompt)?;
+        let calls = request
+            .tools
+            .as_ref()
+            .map(|tools| CallReader::new(self.tool_format(), tools.parallel));
         let mut generation = self.generation_request(request, prompt, chat, max_tokens);
         generation.constraint = constraint.map(|c| Box::new(c) as Box<dyn TokenConstraint>);
         let prompt_tokens = generation.prompt.len();
@@ -382,6 +437,7 @@ impl MeshEngine {
             request: generation,
             echo,
             events,
+            calls,
             _permit: permit,
         };
         tokio::task::spawn_blocking(move || job.run());
@@ -477,6 +533,9 @@ struct GenerationJob {
     echo: Option<String>,
     /// One per choice: choice `i` samples with the request's seed plus `i`.
     events: Vec<mpsc::Sender<EngineEvent>>,
+    /// Reads tool calls out of an answer, when the request offered tools: each choice reads
+    /// with a copy of this one.
+    calls: Option<CallReader>,
     /// Held until the generation ends, freeing its session slot.
     _permit: OwnedSemaphorePermit,
 }
@@ -618,53 +677,60 @@ impl GenerationJob {
                     .map(|remote| remote.forked(prefix))
                     .transpose()
             });
-        let outcome = forked.and_then(|remote| {
-            let span: &LoadedShard = &self.entry;
-            let mut stages: Vec<&dyn Stage> = vec![span];
-            if let Some(remote) = &remote {
-                stages.push(remote);
+        let outcome = match forked {
+            Ok(remote) => {
+                let span: &LoadedShard = &self.entry;
+                let mut stages: Vec<&dyn Stage> = vec![span];
+                if let Some(remote) = &remote {
+                    stages.push(remote);
+                }
+                let route = Route {
+                    embedder: span,
+                    stages,
+                    head: span,
+                    boundary: BoundaryPolicy::Bf16,
+                };
+                self.stream_choice(&route, &request, Some(logits), events)
             }
-            let route = Route {
-                embedder: span,
-                stages,
-                head: span,
-                boundary: BoundaryPolicy::Bf16,
-            };
-            self.stream_choice(&route, &request, Some(logits), events)
-        });
+            Err(error) => (Err(error), false),
+        };
         self.report(&request, events, outcome);
     }
 
     /// Streams one choice over `route` (from `logits` when its session holds the prompt
-    /// already).
+    /// already); also says whether the answer made tool calls.
     fn stream_choice(
         &self,
         route: &Route<'_>,
         request: &GenerationRequest,
         logits: Option<Vec<f32>>,
         events: &mpsc::Sender<EngineEvent>,
-    ) -> Result<meshnet_model::Generation, ModelError> {
+    ) -> (Result<meshnet_model::Generation, ModelError>, bool) {
         let mut clock = TokenClock {
             metrics: &self.metrics,
             previous: self.admitted,
             counted: 0,
         };
-        stream_generation(
+        let mut calls = self.calls.clone();
+        let outcome = stream_generation(
             route,
             request,
             logits,
             &self.text.tokenizer,
             events,
+            calls.as_mut(),
             &mut clock,
-        )
+        );
+        let called = calls.as_ref().is_some_and(|calls| calls.calls() > 0);
+        (outcome, called)
     }
 
-    /// Logs how a choice ended and tells its receiver.
+    /// Logs how a choice ended (with tool calls when `called`) and tells its receiver.
     fn report(
         &self,
         request: &GenerationRequest,
         events: &mpsc::Sender<EngineEvent>,
-        outcome: Result<meshnet_model::Generation, ModelError>,
+        (outcome, called): (Result<meshnet_model::Generation, ModelError>, bool),
     ) {
         let session = request.session;
         match outcome {
@@ -674,6 +740,7 @@ impl GenerationJob {
             Ok(generation) => {
                 let reason = match generation.finish {
                     ModelFinish::Length => FinishReason::Length,
+                    _ if called => FinishReason::ToolCalls,
                     _ => FinishReason::Stop,
                 };
                 tracing::info!(
@@ -787,15 +854,37 @@ fn shown_len(text: &str, stops: &[String]) -> usize {
     safe
 }
 
+/// Sends the answer's next `text` to `events`: as it is, or, when `calls` reads tool calls
+/// out of the answer, as the text and call events it makes of it. False once the client went
+/// away.
+fn send_text(
+    events: &mpsc::Sender<EngineEvent>,
+    calls: Option<&mut CallReader>,
+    text: String,
+) -> bool {
+    match calls {
+        None => events.blocking_send(EngineEvent::Delta(text)).is_ok(),
+        Some(calls) => {
+            let sent = calls
+                .read(&text)
+                .into_iter()
+                .all(|event| events.blocking_send(event).is_ok());
+            sent && !events.is_closed()
+        }
+    }
+}
+
 /// Runs `request` over `route`, sending text deltas to `events` as they become safe to show
 /// and, once it has ended (unless cancelled), whatever the final text adds to them: the deltas
-/// add up to the generation's text.
+/// add up to the generation's text. With `calls`, the text goes through it, and what it held
+/// back is sent at the end.
 fn stream_generation(
     route: &Route<'_>,
     request: &GenerationRequest,
     prefilled: Option<Vec<f32>>,
     tokenizer: &ModelTokenizer,
     events: &mpsc::Sender<EngineEvent>,
+    mut calls: Option<&mut CallReader>,
     clock: &mut TokenClock<'_>,
 ) -> Result<meshnet_model::Generation, ModelError> {
     let mut streamer = TextStreamer::new(tokenizer, &request.stop.strings);
@@ -813,7 +902,7 @@ fn stream_generation(
         match streamer.delta(generated) {
             Some(delta) => {
                 send_logprobs(streamer.release(), logprobs)
-                    && events.blocking_send(EngineEvent::Delta(delta)).is_ok()
+                    && send_text(events, calls.as_deref_mut(), delta)
             }
             None => !events.is_closed(),
         }
@@ -835,7 +924,10 @@ fn stream_generation(
         };
         send_logprobs(tokens, &generation.logprobs);
         if let Some(rest) = rest {
-            let _ = events.blocking_send(EngineEvent::Delta(rest));
+            send_text(events, calls.as_deref_mut(), rest);
+        }
+        for event in calls.map(CallReader::finish).unwrap_or_default() {
+            let _ = events.blocking_send(event);
         }
     }
     outcome
@@ -1190,7 +1282,8 @@ mod streaming_tests {
             counted: 0,
         };
         let generation =
-            stream_generation(&route, &request, None, tokenizer, &events, &mut clock).unwrap();
+            stream_generation(&route, &request, None, tokenizer, &events, None, &mut clock)
+                .unwrap();
         // Every generated token is counted once, however the text was cut into deltas.
         assert_eq!(metrics.tokens_generated(), generation.tokens.len() as u64);
         let mut deltas = Vec::new();
@@ -1233,7 +1326,7 @@ mod streaming_tests {
             previous: Instant::now(),
             counted: 0,
         };
-        stream_generation(&route, &request, None, tokenizer, &events, &mut clock).unwrap();
+        stream_generation(&route, &request, None, tokenizer, &events, None, &mut clock).unwrap();
         let mut sent = Vec::new();
         while let Ok(event) = received.try_recv() {
             sent.push(event);

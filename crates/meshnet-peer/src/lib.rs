@@ -16,6 +16,8 @@
 //! - [`routing`]: choosing the hops of a generation over ready peers.
 //! - [`remote`]: the remote part of a route as one stage of the generation loop.
 //! - [`engine`]: the completion engine behind the OpenAI-style API.
+//! - `tool_use`: a chat's tools and calls through the template, the grammar that makes the
+//!   model call one, and the calls read out of the answer.
 //! - [`status`]: the JSON of `GET /status`.
 //! - [`console`]: the text table of `meshnet-peer status` and the server-sent-event decoder of
 //!   `meshnet-peer chat`.
@@ -39,6 +41,7 @@ pub mod routing;
 pub mod runtime;
 pub mod shard;
 pub mod status;
+mod tool_use;
 pub mod tracker;
 
 pub use config::PeerConfig;

@@ -1393,3 +1393,252 @@ async fn structured_output_through_a_three_process_mesh_parses_and_matches_every
         assert!(message.contains(word), "{message}");
     }
 }
+
+/// The functions the tool tests offer: arguments from small enums and ranges, so even the
+/// tiny default model's calls are short.
+fn offered_tools() -> Value {
+    json!([
+        {"type": "function", "function": {
+            "name": "get_weather",
+            "description": "The weather in a city over the next days.",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Rome", "Tokyo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7}
+            }, "required": ["city"], "additionalProperties": false}}},
+        {"type": "function", "function": {
+            "name": "get_time",
+            "description": "The time in a time zone.",
+            "parameters": {"type": "object", "properties": {
+                "zone": {"type": "string", "enum": ["UTC", "CET"]}
+            }, "required": ["zone"], "additionalProperties": false}}}
+    ])
+}
+
+/// Checks a call against [`offered_tools`]' schemas by hand; returns its name.
+fn checked_call(call: &Value) -> String {
+    assert!(call["id"].as_str().unwrap().starts_with("call_"), "{call}");
+    assert_eq!(call["type"], "function", "{call}");
+    let arguments: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    let arguments = arguments.as_object().unwrap();
+    let name = call["function"]["name"].as_str().unwrap();
+    match name {
+        "get_weather" => {
+            assert!(["Paris", "Rome", "Tokyo"].contains(&arguments["city"].as_str().unwrap()));
+            if let Some(days) = arguments.get("days") {
+                assert!((1..=7).contains(&days.as_i64().unwrap()), "{call}");
+            }
+            assert!(
+                arguments.keys().all(|k| k == "city" || k == "days"),
+                "{call}"
+            );
+        }
+        "get_time" => {
+            assert!(["UTC", "CET"].contains(&arguments["zone"].as_str().unwrap()));
+            assert_eq!(arguments.len(), 1, "{call}");
+        }
+        other => panic!("{other} was not offered"),
+    }
+    name.to_owned()
+}
+
+/// The default model's template as the tracker uses it (without its default system prompt),
+/// with its tokenizer.
+fn local_chat_side() -> meshnet_model::TextSide {
+    let model = meshnet_model::Model::open(&common::model_path()).unwrap();
+    let mut text = meshnet_model::TextSide::of(&model, None).unwrap();
+    text.template = text
+        .template
+        .take()
+        .map(meshnet_model::ChatTemplate::without_default_system);
+    text
+}
+
+/// `messages` (OpenAI's shape) as the model crate's chat messages.
+fn chat_messages(messages: &Value) -> Vec<meshnet_model::ChatMessage> {
+    messages
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| meshnet_model::ChatMessage {
+            tool_calls: m["tool_calls"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|call| meshnet_model::ToolCall {
+                    id: call["id"].as_str().unwrap().to_owned(),
+                    name: call["function"]["name"].as_str().unwrap().to_owned(),
+                    arguments: call["function"]["arguments"].as_str().unwrap().to_owned(),
+                })
+                .collect(),
+            tool_call_id: m["tool_call_id"].as_str().map(str::to_owned),
+            ..meshnet_model::ChatMessage::new(
+                m["role"].as_str().unwrap(),
+                m["content"].as_str().unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_calls_through_a_three_process_mesh_required_named_none_streamed_and_answered() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let boundaries: Vec<u64> = mesh.status().await["route_boundaries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b.as_u64().unwrap())
+        .collect();
+    let question = "What is the weather in Paris?";
+    let messages = json!([{"role": "user", "content": question}]);
+    let base = json!({
+        "model": model, "messages": messages, "tools": offered_tools(),
+        "temperature": 0, "max_tokens": 64, "parallel_tool_calls": false,
+    });
+    let local = local_chat_side();
+    let template = local.template.as_ref().unwrap();
+    // SmolLM2's template renders no tools: the generic format describes them.
+    assert_eq!(template.tool_format(), meshnet_model::ToolFormat::Generic);
+    let definitions: Vec<meshnet_model::ToolDefinition> = offered_tools()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|tool| meshnet_model::ToolDefinition::from_json(&tool.to_string()).unwrap())
+        .collect();
+
+    // `required`: one call of an offered function, its arguments valid, and no text; the
+    // prompt is the conversation with the tools, rendered as this process renders it.
+    let (code, answer) = mesh
+        .chat(merged(base.clone(), json!({"tool_choice": "required"})))
+        .await;
+    assert_eq!(code, 200, "{answer:#}");
+    let choice = &answer["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{answer:#}");
+    assert_eq!(choice["message"]["content"], Value::Null, "{answer:#}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{answer:#}");
+    checked_call(&calls[0]);
+    let required_call = calls[0].clone();
+    let rendered = template
+        .render_chat(&chat_messages(&messages), &definitions, true)
+        .unwrap();
+    let prompt_tokens = local.tokenizer.encode_prompt(&rendered).unwrap().len();
+    assert_eq!(answer["usage"]["prompt_tokens"], json!(prompt_tokens));
+
+    // A named function: a call of that one.
+    let named = merged(
+        base.clone(),
+        json!({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
+    );
+    let (code, answer) = mesh.chat(named.clone()).await;
+    assert_eq!(code, 200, "{answer:#}");
+    let calls = answer["choices"][0]["message"]["tool_calls"]
+        .as_array()
+        .unwrap();
+    assert_eq!(calls.len(), 1, "{answer:#}");
+    assert_eq!(checked_call(&calls[0]), "get_time");
+    let named_arguments = calls[0]["function"]["arguments"].clone();
+
+    // Streamed: the call comes as delta.tool_calls, its id, type and name first, then the
+    // same arguments in pieces; no text.
+    let chunks = stream_chunks(&mesh, &named).await;
+    let mut pieces = Vec::new();
+    for chunk in &chunks {
+        let delta = &chunk["choices"][0]["delta"];
+        if let Some(content) = delta["content"].as_str() {
+            assert_eq!(content, "", "{chunk}");
+        }
+        if let Some(calls) = delta["tool_calls"].as_array() {
+            assert_eq!(calls.len(), 1);
+            pieces.push(calls[0].clone());
+        }
+    }
+    assert!(pieces.len() >= 2, "{chunks:#?}");
+    assert_eq!(pieces[0]["index"], 0);
+    assert!(pieces[0]["id"].as_str().unwrap().starts_with("call_"));
+    assert_eq!(pieces[0]["type"], "function");
+    assert_eq!(pieces[0]["function"]["name"], "get_time");
+    assert_eq!(pieces[0]["function"]["arguments"], "");
+    let mut streamed = String::new();
+    for piece in &pieces[1..] {
+        assert_eq!(piece["index"], 0);
+        assert!(piece.get("id").is_none() && piece["function"].get("name").is_none());
+        streamed.push_str(piece["function"]["arguments"].as_str().unwrap());
+    }
+    assert_eq!(json!(streamed), named_arguments);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+
+    // `none`: the tools are not shown; the answer is the one without them.
+    let (code, answer) = mesh
+        .chat(merged(base.clone(), json!({"tool_choice": "none"})))
+        .await;
+    assert_eq!(code, 200, "{answer:#}");
+    let message = &answer["choices"][0]["message"];
+    assert!(message.get("tool_calls").is_none(), "{answer:#}");
+    assert_eq!(
+        message["content"].as_str().unwrap(),
+        reference_answer(question, &boundaries, 64)
+    );
+
+    // The call's result continues the conversation: the answer is what generating from the
+    // conversation rendered here gives, read for calls the same way.
+    let id = required_call["id"].as_str().unwrap();
+    let conversation = json!([
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": null, "tool_calls": [required_call]},
+        {"role": "tool", "tool_call_id": id, "content": "{\"temperature\": 18, \"sky\": \"clear\"}"}
+    ]);
+    let (code, answer) = mesh
+        .chat(merged(
+            base.clone(),
+            json!({"messages": conversation, "max_tokens": 48}),
+        ))
+        .await;
+    assert_eq!(code, 200, "{answer:#}");
+    let rendered = template
+        .render_chat(&chat_messages(&conversation), &definitions, true)
+        .unwrap();
+    assert!(
+        rendered.contains("<tool_response>\n{\"temperature\": 18"),
+        "{rendered}"
+    );
+    let raw = reference_generation(&["--prompt", &rendered], &boundaries, 48);
+    let expected = meshnet_model::parse_answer(meshnet_model::ToolFormat::Generic, &raw, false);
+    let message = &answer["choices"][0]["message"];
+    assert_eq!(
+        message["content"].as_str().unwrap_or_default(),
+        expected.content
+    );
+    let calls: Vec<(String, String)> = message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|call| {
+            let function = &call["function"];
+            (
+                function["name"].as_str().unwrap().to_owned(),
+                function["arguments"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    let expected_calls: Vec<(String, String)> = expected
+        .calls
+        .into_iter()
+        .map(|call| (call.name, call.arguments))
+        .collect();
+    assert_eq!(calls, expected_calls, "raw answer {raw:?}");
+
+    // A parameters schema the grammar engine cannot compile is a 400 naming it.
+    let mut bad = offered_tools();
+    bad[1]["function"]["parameters"] = json!({"type": "string", "pattern": "(("});
+    let (code, answer) = mesh
+        .chat(merged(
+            base,
+            json!({"tools": bad, "tool_choice": "required"}),
+        ))
+        .await;
+    assert_eq!(code, 400, "{answer:#}");
+    assert_eq!(answer["error"]["param"], "tools[1].function.parameters");
+}

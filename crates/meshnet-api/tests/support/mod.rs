@@ -55,6 +55,12 @@ pub enum Script {
         deltas: Vec<&'static str>,
         end: End,
     },
+    /// `start` succeeds, then the events `events` makes are sent, then `end` (a `Finish`).
+    Events {
+        prompt_tokens: usize,
+        events: fn() -> Vec<EngineEvent>,
+        end: End,
+    },
 }
 
 impl Script {
@@ -185,6 +191,11 @@ impl ScriptedEngine {
         self.requests.lock().unwrap().push(request);
         let (prompt_tokens, deltas, end) = match &self.script {
             Script::Refuse(error) => return Err(error()),
+            Script::Events {
+                prompt_tokens,
+                events,
+                end,
+            } => return Ok(self.send_events(*prompt_tokens, events(), *end)),
             Script::Generate {
                 prompt_tokens,
                 deltas,
@@ -276,6 +287,34 @@ pub fn scripted_prompt(logprobs: bool) -> EngineEvent {
             first_token: "On".to_owned(),
             scored: vec![scripted_logprob("ce")],
         }),
+    }
+}
+
+impl ScriptedEngine {
+    /// Starts a generation that sends `events`, then finishes as `end` says (`Finish` only).
+    fn send_events(
+        &self,
+        prompt_tokens: usize,
+        events: Vec<EngineEvent>,
+        end: End,
+    ) -> EngineStream {
+        let (tx, rx) = mpsc::channel(events.len() + 1);
+        for event in events {
+            tx.try_send(event).unwrap();
+        }
+        if let End::Finish(reason, completion_tokens) = end {
+            tx.try_send(EngineEvent::Finished {
+                reason,
+                completion_tokens,
+            })
+            .unwrap();
+        }
+        self.started.send_modify(|n| *n += 1);
+        EngineStream {
+            prompt_tokens,
+            route: self.route.clone(),
+            choices: vec![rx],
+        }
     }
 }
 

@@ -1,0 +1,458 @@
+use proptest::prelude::*;
+
+use super::*;
+use crate::chat::{ChatMessage, ChatTemplate};
+
+fn call(name: &str, arguments: &str) -> ParsedCall {
+    ParsedCall {
+        name: name.to_owned(),
+        arguments: arguments.to_owned(),
+    }
+}
+
+/// Feeds `text` one character at a time and joins what comes out.
+fn parse_by_characters(format: ToolFormat, text: &str, parallel: bool) -> ParsedAnswer {
+    let mut parser = ToolCallParser::new(format, parallel);
+    let mut answer = ParsedAnswer::default();
+    for ch in text.chars() {
+        for event in parser.push(&ch.to_string()) {
+            answer.apply(event);
+        }
+    }
+    for event in parser.finish() {
+        answer.apply(event);
+    }
+    answer
+}
+
+#[test]
+fn hermes_calls_are_read_out_of_the_text() {
+    let text = "Let me look.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>\n";
+    let answer = parse_answer(ToolFormat::Hermes, text, true);
+    assert_eq!(answer.content, "Let me look.");
+    assert_eq!(
+        answer.calls,
+        [
+            call("get_weather", r#"{"city": "Paris"}"#),
+            call("get_time", "{}")
+        ]
+    );
+    assert_eq!(parse_by_characters(ToolFormat::Hermes, text, true), answer);
+    // Without parallel calls, only the first counts.
+    let first = parse_answer(ToolFormat::Hermes, text, false);
+    assert_eq!(first.calls, [call("get_weather", r#"{"city": "Paris"}"#)]);
+    assert_eq!(first.content, "Let me look.");
+}
+
+#[test]
+fn a_streamed_call_is_announced_then_its_arguments_come_in_pieces() {
+    let mut parser = ToolCallParser::new(ToolFormat::Hermes, true);
+    let mut events = Vec::new();
+    for piece in [
+        "Sure",
+        ". <tool",
+        "_call>\n{\"name\": \"f\"",
+        ", \"arguments\": {\"a\"",
+        ": [1, 2]}}\n</tool",
+        "_call>",
+    ] {
+        events.extend(parser.push(piece));
+    }
+    events.extend(parser.finish());
+    assert_eq!(
+        events,
+        [
+            ToolEvent::Content("Sure".into()),
+            ToolEvent::Content(".".into()),
+            ToolEvent::CallStart {
+                index: 0,
+                name: "f".into()
+            },
+            ToolEvent::CallArguments {
+                index: 0,
+                text: "{\"a\"".into()
+            },
+            ToolEvent::CallArguments {
+                index: 0,
+                text: ": [1, 2]}".into()
+            },
+        ]
+    );
+    assert_eq!(parser.calls(), 1);
+}
+
+#[test]
+fn text_that_only_looks_like_a_call_stays_text() {
+    for text in [
+        "Use <tool_call> tags.",
+        "<tool_call>not json</tool_call> after",
+        "<tool_call>\n{\"city\": \"Paris\"}\n</tool_call>",
+        "<tool_call>{\"name\": 3}</tool_call>",
+        "a <tool_ca",
+        "Plain answer with trailing space ",
+    ] {
+        let answer = parse_answer(ToolFormat::Hermes, text, true);
+        assert_eq!(answer.content, text, "{text:?}");
+        assert!(answer.calls.is_empty(), "{text:?}");
+        assert_eq!(parse_by_characters(ToolFormat::Hermes, text, true), answer);
+    }
+}
+
+#[test]
+fn llama3_calls_are_json_objects_at_the_start_or_after_the_python_tag() {
+    let text = " {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}";
+    let answer = parse_answer(ToolFormat::Llama3, text, true);
+    assert_eq!(answer.content, "");
+    assert_eq!(answer.calls, [call("get_weather", r#"{"city": "Paris"}"#)]);
+
+    let two = "{\"type\": \"function\", \"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"arguments\": {\"x\": 1}}";
+    assert_eq!(
+        parse_answer(ToolFormat::Llama3, two, true).calls,
+        [call("a", "{}"), call("b", r#"{"x": 1}"#)]
+    );
+
+    let tagged = "Calling.<|python_tag|>{\"name\": \"f\", \"parameters\": {\"q\": \"x\"}}";
+    let answer = parse_answer(ToolFormat::Llama3, tagged, true);
+    assert_eq!(answer.content, "Calling.");
+    assert_eq!(answer.calls, [call("f", r#"{"q": "x"}"#)]);
+
+    // JSON that is not a call, and a call after prose, are text.
+    for text in [
+        "{\"answer\": 42}",
+        "The call would be {\"name\": \"f\", \"parameters\": {}}",
+        "{\"name\": \"f\" oops",
+    ] {
+        let answer = parse_answer(ToolFormat::Llama3, text, true);
+        assert_eq!(answer.content, text);
+        assert!(answer.calls.is_empty(), "{text:?}");
+        assert_eq!(parse_by_characters(ToolFormat::Llama3, text, true), answer);
+    }
+}
+
+#[test]
+fn arguments_written_as_a_string_are_decoded_and_a_call_without_any_has_none() {
+    let text = "<tool_call>{\"name\": \"f\", \"arguments\": \"{\\\"a\\\": 1}\"}</tool_call>";
+    let answer = parse_answer(ToolFormat::Hermes, text, true);
+    assert_eq!(answer.calls, [call("f", r#"{"a": 1}"#)]);
+    assert_eq!(parse_by_characters(ToolFormat::Hermes, text, true), answer);
+    let bare = parse_answer(
+        ToolFormat::Hermes,
+        "<tool_call>{\"name\": \"f\"}</tool_call>",
+        true,
+    );
+    assert_eq!(bare.calls, [call("f", "{}")]);
+}
+
+#[test]
+fn a_call_cut_off_keeps_the_arguments_it_has_and_a_broken_block_is_dropped() {
+    let cut = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Pa";
+    let answer = parse_answer(ToolFormat::Hermes, cut, true);
+    assert_eq!(answer.calls, [call("f", r#"{"city": "Pa"#)]);
+    assert_eq!(answer.content, "");
+    // Cut before the arguments: no call, the text is kept.
+    let early = "Hi <tool_call>{\"name\": \"f\"";
+    let answer = parse_answer(ToolFormat::Hermes, early, true);
+    assert!(answer.calls.is_empty());
+    assert_eq!(answer.content, early);
+    // Broken inside the arguments: the call keeps what came before the break, and the rest of
+    // the block up to its closing tag is dropped.
+    let broken = "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1]}</tool_call> Done.";
+    let answer = parse_answer(ToolFormat::Hermes, broken, true);
+    assert_eq!(answer.calls, [call("f", r#"{"a": 1"#)]);
+    assert_eq!(answer.content, "Done.");
+    assert_eq!(
+        parse_by_characters(ToolFormat::Hermes, broken, true),
+        answer
+    );
+}
+
+#[test]
+fn rendered_calls_have_each_format_s_syntax() {
+    assert_eq!(
+        ToolFormat::Hermes.render_call("f", r#"{"b":1,"a":[true,null]}"#),
+        "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"b\": 1, \"a\": [true, null]}}\n</tool_call>"
+    );
+    assert_eq!(
+        ToolFormat::Llama3.render_call("f", "{}"),
+        "{\"name\": \"f\", \"parameters\": {}}"
+    );
+    assert_eq!(
+        ToolFormat::Generic.render_call("f", "not json"),
+        "<tool_call>\n{\"name\": \"f\", \"arguments\": not json}\n</tool_call>"
+    );
+}
+
+fn weather_tool() -> ToolDefinition {
+    ToolDefinition::from_json(
+        r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}"#,
+    )
+    .unwrap()
+}
+
+#[test]
+fn tool_definitions_keep_their_key_order_and_need_a_name() {
+    let tool = weather_tool();
+    assert_eq!(tool.name(), "get_weather");
+    assert_eq!(tool.parameters()["required"], serde_json::json!(["city"]));
+    assert_eq!(
+        to_python_json(tool.template_value()).unwrap(),
+        r#"{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}"#
+    );
+    let bare =
+        ToolDefinition::from_json(r#"{"type": "function", "function": {"name": "f"}}"#).unwrap();
+    assert_eq!(
+        bare.parameters(),
+        &serde_json::json!({"type": "object", "properties": {}})
+    );
+    for bad in [
+        "{",
+        r#"{"type": "function"}"#,
+        r#"{"type": "code", "function": {"name": "f"}}"#,
+        r#"{"type": "function", "function": {"name": 3}}"#,
+    ] {
+        assert!(
+            matches!(ToolDefinition::from_json(bad), Err(ModelError::Tool(_))),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
+fn the_generic_format_folds_tools_calls_and_results_into_plain_turns() {
+    let messages = [
+        ChatMessage::system("Be brief."),
+        ChatMessage::user("Weather in Paris and Rome?"),
+        ChatMessage::assistant_calls(
+            "",
+            vec![
+                ToolCall {
+                    id: "call_1".into(),
+                    name: "get_weather".into(),
+                    arguments: r#"{"city": "Paris"}"#.into(),
+                },
+                ToolCall {
+                    id: "call_2".into(),
+                    name: "get_weather".into(),
+                    arguments: r#"{"city": "Rome"}"#.into(),
+                },
+            ],
+        ),
+        ChatMessage::tool("call_1", "18 C"),
+        ChatMessage::tool("call_2", "25 C"),
+    ];
+    let turns = fold_tools_into_turns(&messages, &[weather_tool()]);
+    let expected_system = format!("Be brief.\n\n{}", generic_tools_prompt(&[weather_tool()]));
+    assert_eq!(
+        turns,
+        [
+            ChatMessage::system(expected_system),
+            ChatMessage::user("Weather in Paris and Rome?"),
+            ChatMessage::assistant(
+                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
+                 <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>"
+            ),
+            ChatMessage::user(
+                "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n25 C\n</tool_response>"
+            ),
+        ]
+    );
+    assert!(
+        generic_tools_prompt(&[weather_tool()]).contains(
+            "\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""
+        )
+    );
+    // Without tools, nothing is added, and a conversation without a system turn gets one
+    // when tools are offered.
+    assert_eq!(fold_tools_into_turns(&messages[1..2], &[]), &messages[1..2]);
+    assert_eq!(
+        fold_tools_into_turns(&messages[1..2], &[weather_tool()])[0].role,
+        "system"
+    );
+}
+
+#[test]
+fn formats_are_found_by_probing_the_template() {
+    let hermes = "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}{% for t in tools %}{{ t.function.name }}{% endfor %}";
+    let llama = "{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{% for m in messages %}{% if 'tool_calls' in m %}{\"name\": \"{{ m.tool_calls[0].function.name }}\", \"parameters\": {{ m.tool_calls[0].function.arguments | tojson }}}{% else %}{{ m.content }}{% endif %}{% endfor %}";
+    // Renders tools but writes calls in a syntax of its own.
+    let other = "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}{% for m in messages %}{% for c in m.tool_calls or [] %}<function={{ c.function.name }}>{% endfor %}{% endfor %}";
+    for (jinja, format) in [
+        (hermes, ToolFormat::Hermes),
+        (llama, ToolFormat::Llama3),
+        (other, ToolFormat::Generic),
+    ] {
+        assert_eq!(
+            ChatTemplate::from_jinja(jinja).unwrap().tool_format(),
+            format,
+            "{jinja}"
+        );
+    }
+    assert_eq!(
+        ChatTemplate::chatml().unwrap().tool_format(),
+        ToolFormat::Generic
+    );
+}
+
+/// Any JSON value, up to a few levels deep, with strings that hold the formats' own tags.
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    let text = prop_oneof![
+        "[a-zA-Z0-9 _.,!?-]{0,12}",
+        Just("</tool_call>".to_owned()),
+        Just("<tool_call>{\"name\"".to_owned()),
+        Just("\"quoted\" \\ back\\slash\n\t".to_owned()),
+        Just("é 世界 🎉".to_owned()),
+    ];
+    let leaf = prop_oneof![
+        Just(serde_json::Value::Null),
+        any::<bool>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        (-1e12f64..1e12).prop_map(serde_json::Value::from),
+        text.clone().prop_map(serde_json::Value::from),
+    ];
+    leaf.prop_recursive(3, 24, 4, move |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+            prop::collection::vec(("[a-z_]{1,8}", inner), 0..4)
+                .prop_map(|pairs| { serde_json::Value::Object(pairs.into_iter().collect()) }),
+        ]
+    })
+}
+
+/// A call's arguments: a JSON object.
+fn arguments() -> impl Strategy<Value = serde_json::Value> {
+    prop::collection::vec(("[a-z_]{1,8}", json_value()), 0..4)
+        .prop_map(|pairs| serde_json::Value::Object(pairs.into_iter().collect()))
+}
+
+/// Pieces of text made of the formats' own syntax, for answers that may be anything.
+fn syntax_soup() -> impl Strategy<Value = String> {
+    let piece = prop_oneof![
+        Just("<tool_call>\n{\"name\": \"f\", \"arguments\": "),
+        Just("{\"name\": \"g\", \"parameters\": "),
+        Just("<tool_call>"),
+        Just("</tool_call>"),
+        Just("<|python_tag|>"),
+        Just("{"),
+        Just("}"),
+        Just("["),
+        Just("]"),
+        Just("\"name\""),
+        Just("\"arguments\""),
+        Just("\"parameters\""),
+        Just(": "),
+        Just(", "),
+        Just("\"f\""),
+        Just("\""),
+        Just("\\"),
+        Just("1"),
+        Just("tru"),
+        Just(";"),
+        Just(" "),
+        Just("\n"),
+        Just("a"),
+        Just("é"),
+        Just("<tool"),
+    ];
+    prop::collection::vec(piece, 0..40).prop_map(|pieces| pieces.concat())
+}
+
+fn format() -> impl Strategy<Value = ToolFormat> {
+    prop_oneof![
+        Just(ToolFormat::Hermes),
+        Just(ToolFormat::Llama3),
+        Just(ToolFormat::Generic)
+    ]
+}
+
+/// Splits `text` at the (character-aligned) positions `cuts` points to.
+fn split_at(text: &str, cuts: &[usize]) -> Vec<String> {
+    let bounds: Vec<usize> = (0..=text.len())
+        .filter(|&i| text.is_char_boundary(i))
+        .collect();
+    let mut points: Vec<usize> = cuts.iter().map(|c| bounds[c % bounds.len()]).collect();
+    points.push(0);
+    points.push(text.len());
+    points.sort_unstable();
+    points.dedup();
+    points
+        .windows(2)
+        .map(|w| text[w[0]..w[1]].to_owned())
+        .collect()
+}
+
+proptest! {
+    #[test]
+    fn rendered_calls_parse_back_to_themselves(
+        format in format(),
+        names in prop::collection::vec("[a-zA-Z0-9_-]{1,64}", 1..4),
+        all_arguments in prop::collection::vec(arguments(), 4),
+        before in "[a-zA-Z .,!?é\n]{0,20}",
+        after in "[a-zA-Z .,!?é\n]{0,20}",
+        cuts in prop::collection::vec(any::<usize>(), 0..12),
+    ) {
+        let calls: Vec<(String, String)> = names
+            .iter()
+            .zip(&all_arguments)
+            .map(|(name, arguments)| (name.clone(), arguments.to_string()))
+            .collect();
+        let rendered: Vec<String> = calls
+            .iter()
+            .map(|(name, arguments)| format.render_call(name, arguments))
+            .collect();
+        // Llama 3.x answers are the calls alone; the tagged formats may have text around them.
+        let (text, content) = match format {
+            ToolFormat::Llama3 => (rendered.join("; "), String::new()),
+            _ => (
+                format!("{before}\n{}\n{after}", rendered.join("\n")),
+                format!("{}{}", before.trim_end(), after.trim()),
+            ),
+        };
+        let mut parser = ToolCallParser::new(format, true);
+        let mut answer = ParsedAnswer::default();
+        for piece in split_at(&text, &cuts) {
+            for event in parser.push(&piece) {
+                answer.apply(event);
+            }
+        }
+        for event in parser.finish() {
+            answer.apply(event);
+        }
+        prop_assert_eq!(&answer.content, &content);
+        prop_assert_eq!(answer.calls.len(), calls.len());
+        for (found, (name, arguments)) in answer.calls.iter().zip(&calls) {
+            prop_assert_eq!(&found.name, name);
+            let found: serde_json::Value = serde_json::from_str(&found.arguments).unwrap();
+            let expected: serde_json::Value = serde_json::from_str(arguments).unwrap();
+            prop_assert_eq!(found, expected);
+        }
+    }
+
+    #[test]
+    fn any_text_parses_the_same_whole_or_in_pieces(
+        format in format(),
+        parallel in any::<bool>(),
+        text in syntax_soup(),
+        cuts in prop::collection::vec(any::<usize>(), 0..16),
+    ) {
+        let whole = parse_answer(format, &text, parallel);
+        let mut parser = ToolCallParser::new(format, parallel);
+        let mut pieces = ParsedAnswer::default();
+        for piece in split_at(&text, &cuts) {
+            for event in parser.push(&piece) {
+                pieces.apply(event);
+            }
+        }
+        for event in parser.finish() {
+            pieces.apply(event);
+        }
+        prop_assert_eq!(&pieces, &whole);
+        prop_assert_eq!(parser.calls(), whole.calls.len());
+        if !parallel {
+            prop_assert!(whole.calls.len() <= 1);
+        }
+        // Text with no call in it comes out whole.
+        if whole.calls.is_empty() {
+            prop_assert_eq!(&whole.content, &text);
+        }
+    }
+}
