@@ -11,8 +11,8 @@
 #
 # A target already built is printed without building; the source is downloaded and unpacked
 # once into DIR/llama.cpp and shared by every target (remove that folder to take another
-# version). Needs python3 with pip, a C and C++ compiler and make; CMake comes from PyPI when the
-# machine has none. Builds with -DGGML_NATIVE=ON for the CPU it runs on.
+# version). Needs python3 with pip, a C and C++ compiler and make; CMake comes from PyPI (once,
+# into DIR/cmake) when the machine has none. Builds with -DGGML_NATIVE=ON for the CPU it runs on.
 set -euo pipefail
 
 anchors=${MESHNET_ANCHORS:-$HOME/.cache/meshnet/anchors}
@@ -31,7 +31,11 @@ for tool in python3 cc c++ make; do
   command -v "$tool" >/dev/null || { echo "llamacpp.sh: $tool is missing" >&2; exit 1; }
 done
 
+# CMake: the machine's, else the one an earlier run installed, else one from PyPI.
 cmake=$(command -v cmake || true)
+if [ -z "$cmake" ] && [ -d "$anchors/cmake" ]; then
+  cmake=$(find "$anchors/cmake" -path '*/bin/cmake' -type f | head -n 1)
+fi
 if [ -z "$cmake" ]; then
   echo "llamacpp.sh: no cmake here, installing CMake from PyPI into $anchors/cmake" >&2
   python3 -m pip install --quiet --target "$anchors/cmake" cmake
