@@ -4,10 +4,10 @@
 # fuzz run fails the script; only MESHNET_FUZZ_SECONDS=0 skips fuzzing.
 #
 #   MESHNET_FUZZ_SECONDS=N   seconds per fuzz target (default 20; 0 skips fuzzing explicitly)
-#   MESHNET_SKIP_MESH=1      skip the process-level mesh tests: the OpenAI client, /metrics and
-#                            coverage-page (headless Chromium) checks against a local 3-process
-#                            mesh, and the self-healing checks (testnet/chaos.py) on a 5-process
-#                            mesh with redundancy 2
+#   MESHNET_SKIP_MESH=1      skip the process-level mesh tests: the OpenAI client, /metrics,
+#                            coverage-page and chat-panel (headless Chromium) checks against a
+#                            local 3-process mesh, and the self-healing checks (testnet/chaos.py)
+#                            on a 5-process mesh with redundancy 2
 #   MESHNET_SKIP_NAT=1       skip the NAT testbed (testnet/nat.sh run: network namespaces, as
 #                            root; without root, ip or iptables it is skipped with a loud note)
 #   MESHNET_SKIP_DOCKER=1    skip the ten-peer Docker testnet (testnet/docker.sh smoke and
@@ -56,7 +56,7 @@ step "a hundred members in one process (release build): converge, ten leave, re-
 RUST_LOG="${RUST_LOG:-meshnet_peer::tracker=warn}" \
   bounded 1800 cargo test --release --locked -p meshnet-testkit --test scale -- --ignored --nocapture
 
-step "a 3-process mesh: the OpenAI client, structured output, /metrics, and the coverage page in Chromium"
+step "a 3-process mesh: the OpenAI client, structured output, /metrics, and the coverage page and chat in Chromium"
 if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
   echo "skipped: MESHNET_SKIP_MESH=1"
 else
@@ -80,6 +80,8 @@ else
   bounded 300 "$venv/bin/python" scripts/metrics_check.py "$base_url"
   # The page's DOM and screenshots stay under target/test-output/page for a look afterwards.
   bounded 300 python3 scripts/page_check.py "$base_url" --layers 30 --peers 3 --out target/test-output/page
+  # The chat panel, driven in Chromium: streamed answers, their figures, errors.
+  bounded 600 python3 scripts/chat_page_check.py "$base_url" --out target/test-output/chat-page
   testnet/local.sh down
   trap - EXIT
   rm -rf "$MESHNET_TESTNET_DIR"
