@@ -7,10 +7,11 @@ Usage:
 Needs `pip install openai`. Lists the models, asks for a chat completion with and without
 streaming (temperature 0, so both must produce the same text), checks logprobs (parsed by the
 SDK's own types, streamed and not), logit_bias, the penalties, the top_k and min_p extensions,
-a completion from token ids and the /tokenize and /detokenize extensions, tool calls
-(`tool_choice` required and a named function, whole and streamed, read by the SDK's own types,
-and a tool's result continuing the conversation), and that an invalid request is refused with
-400. Prints a short summary; exits non-zero on the first failure.
+a completion from token ids and the /tokenize and /detokenize extensions, n choices (each equal
+to its own single request, streamed too), completions' echo with legacy logprobs and several
+prompts, tool calls (`tool_choice` required and a named function, whole and streamed, read by
+the SDK's own types, and a tool's result continuing the conversation), and that an invalid
+request is refused with 400. Prints a short summary; exits non-zero on the first failure.
 """
 
 import argparse
@@ -192,6 +193,47 @@ def token_prompt(client, base_url, model):
     return ids, from_ids
 
 
+def several_choices(client, model):
+    """n=3 sampled chats: choice i equals a single chat with seed 7 + i; streamed, the
+    choices' pieces come under their indexes and add up to the same texts."""
+    asked = dict(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0.9)
+    answer = client.chat.completions.create(n=3, seed=7, **asked)
+    texts = [choice.message.content for choice in answer.choices]
+    check([c.index for c in answer.choices] == [0, 1, 2], f"indexes {answer.choices}")
+    for index, text in enumerate(texts):
+        alone = client.chat.completions.create(seed=7 + index, **asked).choices[0].message.content
+        check(alone == text, f"choice {index} is {text!r}, alone with seed {7 + index}: {alone!r}")
+    streamed = ["", "", ""]
+    for chunk in client.chat.completions.create(n=3, seed=7, stream=True, **asked):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    check(streamed == texts, f"streamed choices {streamed!r} differ from {texts!r}")
+    return texts
+
+
+def echoed_completion(client, model):
+    """Legacy completions logprobs with echo: the prompt's tokens come first, unscored first."""
+    prompt = "The capital of France is"
+    asked = dict(model=model, prompt=prompt, temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
+    plain = client.completions.create(**asked).choices[0]
+    echoed = client.completions.create(echo=True, **asked).choices[0]
+    check(echoed.text == prompt + plain.text, f"echo gave {echoed.text!r}")
+    logprobs = echoed.logprobs
+    check("".join(logprobs.tokens) == echoed.text, f"tokens {logprobs.tokens} are not the text")
+    check(logprobs.token_logprobs[0] is None, "the first prompt token has a logprob")
+    generated = len(plain.logprobs.tokens)
+    check(
+        logprobs.token_logprobs[-generated:] == plain.logprobs.token_logprobs,
+        "the generated tokens' logprobs differ with echo",
+    )
+    offsets = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    check(logprobs.text_offset == offsets, f"text_offset {logprobs.text_offset} != {offsets}")
+    several = client.completions.create(
+        model=model, prompt=[prompt, "Once upon a time"], n=2, temperature=0, max_tokens=4
+    )
+    check(len(several.choices) == 4, f"2 prompts x n=2 gave {len(several.choices)} choices")
+    check(several.choices[1].text == several.choices[0].text, "greedy choices of one prompt differ")
+    return echoed
 TOOLS = [
     {
         "type": "function",
@@ -360,6 +402,14 @@ def main():
         step = "token-id prompt, /tokenize and /detokenize"
         ids, continued = token_prompt(client, args.base_url, model)
         print(f"token ids:    {ids} -> {continued!r}, as from their text")
+
+        step = "n choices"
+        texts = several_choices(client, model)
+        print(f"n=3:          {texts!r}, each its own single request with seed 7 + i, streamed too")
+
+        step = "completions echo and legacy logprobs"
+        echoed = echoed_completion(client, model)
+        print(f"echo:         {echoed.text!r}, {len(echoed.logprobs.tokens)} tokens scored")
 
         step = "tool calls"
         call, named, followed = tool_calls(client, model)

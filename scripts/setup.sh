@@ -8,8 +8,9 @@
 #                            the fuzz targets, a compose tool and strip for the Docker testnet
 #                            (when a Docker engine is installed), iproute2, iptables and curl
 #                            for the NAT testbed (testnet/nat.sh), Chromium for the
-#                            coverage-page test, a Python virtualenv with the `openai` and
-#                            `prometheus_client` packages for the API and /metrics checks (and
+#                            coverage-page test, a Python virtualenv with the `openai`,
+#                            `prometheus_client` and `jsonschema` packages for the API,
+#                            structured-output and /metrics checks (and
 #                            `gguf` and `numpy` for the family fixtures' check), and
 #                            llama.cpp's reference files (scripts/fetch-llama-references.sh)
 #
@@ -84,16 +85,17 @@ fi
 
 # The virtualenv for scripts/openai_client_check.py and scripts/metrics_check.py.
 venv=${MESHNET_VENV:-$repo/.venv}
-if ! "$venv/bin/python" -c 'import openai, prometheus_client, gguf, numpy' >/dev/null 2>&1; then
-  echo "installing the openai, prometheus_client, gguf and numpy packages into $venv"
+if ! "$venv/bin/python" -c 'import openai, prometheus_client, gguf, numpy, jsonschema' >/dev/null 2>&1; then
+  echo "installing the openai, prometheus_client, jsonschema, gguf and numpy packages into $venv"
   # Creating over an existing venv keeps it and (re)installs pip into it.
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
     python3 -m venv "$venv"
   fi
   # gguf (pinned: the family fixtures' bytes depend on its writer) and numpy let
-  # scripts/make_family_fixtures.py check that the committed fixtures are what it writes.
+  # scripts/make_family_fixtures.py check that the committed fixtures are what it writes;
+  # jsonschema (pinned) validates scripts/structured_output_check.py's answers.
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check openai prometheus_client \
-    gguf==0.19.0 numpy
+    gguf==0.19.0 numpy jsonschema==4.26.0
 fi
 # llama.cpp's tokenizer vectors and chat templates, which the reference tests read (pip, from
 # the virtualenv, downloads them).

@@ -4,17 +4,17 @@
 # fuzz run fails the script; only MESHNET_FUZZ_SECONDS=0 skips fuzzing.
 #
 #   MESHNET_FUZZ_SECONDS=N   seconds per fuzz target (default 20; 0 skips fuzzing explicitly)
-#   MESHNET_SKIP_MESH=1      skip the process-level mesh tests: the OpenAI client, /metrics and
-#                            coverage-page (headless Chromium) checks against a local 3-process
-#                            mesh, and the self-healing checks (testnet/chaos.py) on a 5-process
-#                            mesh with redundancy 2
+#   MESHNET_SKIP_MESH=1      skip the process-level mesh tests: the OpenAI client, /metrics,
+#                            coverage-page and chat-panel (headless Chromium) checks against a
+#                            local 3-process mesh, and the self-healing checks (testnet/chaos.py)
+#                            on a 5-process mesh with redundancy 2
 #   MESHNET_SKIP_NAT=1       skip the NAT testbed (testnet/nat.sh run: network namespaces, as
 #                            root; without root, ip or iptables it is skipped with a loud note)
 #   MESHNET_SKIP_DOCKER=1    skip the ten-peer Docker testnet (testnet/docker.sh smoke and
 #                            chaos, then testnet/gemma_docker.sh: Gemma 3 under memory limits);
 #                            without a Docker engine they are skipped with a loud note
-#   MESHNET_VENV=DIR         virtualenv with the `openai` and `prometheus_client` packages
-#                            (default .venv, made by setup.sh --dev)
+#   MESHNET_VENV=DIR         virtualenv with the `openai`, `prometheus_client` and `jsonschema`
+#                            packages (default .venv, made by setup.sh --dev)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,13 +56,13 @@ step "a hundred members in one process (release build): converge, ten leave, re-
 RUST_LOG="${RUST_LOG:-meshnet_peer::tracker=warn}" \
   bounded 1800 cargo test --release --locked -p meshnet-testkit --test scale -- --ignored --nocapture
 
-step "a 3-process mesh: the OpenAI client, /metrics, and the coverage page in Chromium"
+step "a 3-process mesh: the OpenAI client, structured output, /metrics, and the coverage page and chat in Chromium"
 if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
   echo "skipped: MESHNET_SKIP_MESH=1"
 else
   venv=${MESHNET_VENV:-.venv}
-  if ! "$venv/bin/python" -c 'import openai, prometheus_client' >/dev/null 2>&1; then
-    echo "no virtualenv with the openai and prometheus_client packages at $venv:" \
+  if ! "$venv/bin/python" -c 'import openai, prometheus_client, jsonschema' >/dev/null 2>&1; then
+    echo "no virtualenv with the openai, prometheus_client and jsonschema packages at $venv:" \
       "run scripts/setup.sh --dev first" >&2
     exit 1
   fi
@@ -75,9 +75,13 @@ else
   MESHNET_BIN=$PWD/target/debug/meshnet-peer testnet/local.sh up 3 | tee "$MESHNET_TESTNET_DIR/up.out"
   base_url=$(tail -n 1 "$MESHNET_TESTNET_DIR/up.out")
   bounded 300 "$venv/bin/python" scripts/openai_client_check.py "$base_url"
+  # 22 schemas, greedy and sampled, every answer parsed and validated; json_object; the 400s.
+  bounded 600 "$venv/bin/python" scripts/structured_output_check.py "$base_url"
   bounded 300 "$venv/bin/python" scripts/metrics_check.py "$base_url"
   # The page's DOM and screenshots stay under target/test-output/page for a look afterwards.
   bounded 300 python3 scripts/page_check.py "$base_url" --layers 30 --peers 3 --out target/test-output/page
+  # The chat panel, driven in Chromium: streamed answers, their figures, errors.
+  bounded 600 python3 scripts/chat_page_check.py "$base_url" --out target/test-output/chat-page
   testnet/local.sh down
   trap - EXIT
   rm -rf "$MESHNET_TESTNET_DIR"

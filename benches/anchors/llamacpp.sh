@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's `llama-bench`, the anchor the `model` bench compares against, from the
-# source distribution of the `llama-cpp-python` package on PyPI (it vendors llama.cpp), and
-# prints the binary's path. Not part of CI: the bench uses the binary when it exists.
+# Builds a llama.cpp program from the source distribution of the `llama-cpp-python` package on
+# PyPI (it vendors llama.cpp) and prints the binary's path. By default that is `llama-bench`, the
+# anchor the `model` bench compares against; `llama-server` is what
+# scripts/llama_server_compare.py runs. Not part of CI: the bench uses the binary when it exists.
 #
-#   bash benches/anchors/llamacpp.sh           # build once, print the path
-#   MESHNET_ANCHORS=DIR                         # where to build (default ~/.cache/meshnet/anchors)
-#   LLAMA_CPP_PYTHON_VERSION=0.3.36             # which source distribution (default: newest)
+#   bash benches/anchors/llamacpp.sh               # build llama-bench once, print the path
+#   bash benches/anchors/llamacpp.sh llama-server  # any other CMake target of llama.cpp
+#   MESHNET_ANCHORS=DIR                             # where to build (default ~/.cache/meshnet/anchors)
+#   LLAMA_CPP_PYTHON_VERSION=0.3.36                 # which source distribution (default: newest)
 #
-# Needs python3 with pip, a C and C++ compiler and make; CMake comes from PyPI when the
-# machine has none. Builds with -DGGML_NATIVE=ON for the CPU it runs on.
+# A target already built is printed without building; the source is downloaded and unpacked
+# once into DIR/llama.cpp and shared by every target (remove that folder to take another
+# version). Needs python3 with pip, a C and C++ compiler and make; CMake comes from PyPI (once,
+# into DIR/cmake) when the machine has none. Builds with -DGGML_NATIVE=ON for the CPU it runs on.
 set -euo pipefail
 
 anchors=${MESHNET_ANCHORS:-$HOME/.cache/meshnet/anchors}
-binary=$anchors/llama.cpp/build/bin/llama-bench
+target=${1:-llama-bench}
+source_root=$anchors/llama.cpp
+binary=$source_root/build/bin/$target
 if [ -x "$binary" ]; then
   echo "$binary"
   exit 0
@@ -25,7 +31,11 @@ for tool in python3 cc c++ make; do
   command -v "$tool" >/dev/null || { echo "llamacpp.sh: $tool is missing" >&2; exit 1; }
 done
 
+# CMake: the machine's, else the one an earlier run installed, else one from PyPI.
 cmake=$(command -v cmake || true)
+if [ -z "$cmake" ] && [ -d "$anchors/cmake" ]; then
+  cmake=$(find "$anchors/cmake" -path '*/bin/cmake' -type f | head -n 1)
+fi
 if [ -z "$cmake" ]; then
   echo "llamacpp.sh: no cmake here, installing CMake from PyPI into $anchors/cmake" >&2
   python3 -m pip install --quiet --target "$anchors/cmake" cmake
@@ -36,10 +46,11 @@ fi
 
 # The source distribution, located through PyPI's JSON API (a plain `pip download` of an
 # sdist would build its metadata first, which for this package means building llama.cpp).
-index=${PIP_INDEX_JSON:-https://pypi.org/pypi}
-version=${LLAMA_CPP_PYTHON_VERSION:-}
-json_url=$index/llama-cpp-python${version:+/$version}/json
-url=$(curl -fsSL --max-time 60 "$json_url" | python3 -c '
+if [ ! -f "$source_root/CMakeLists.txt" ]; then
+  index=${PIP_INDEX_JSON:-https://pypi.org/pypi}
+  version=${LLAMA_CPP_PYTHON_VERSION:-}
+  json_url=$index/llama-cpp-python${version:+/$version}/json
+  url=$(curl -fsSL --max-time 60 "$json_url" | python3 -c '
 import json, sys, urllib.parse
 base = sys.argv[1]
 data = json.load(sys.stdin)
@@ -48,16 +59,17 @@ if not sdists:
     sys.exit("no source distribution in " + base)
 print(urllib.parse.urljoin(base, sdists[0]))
 ' "$json_url")
-echo "llamacpp.sh: downloading $url" >&2
-curl -fsSL --max-time 600 -o "$work/source.tar.gz" "$url"
-tar -xzf "$work/source.tar.gz" -C "$work"
-source_dir=$(find "$work" -maxdepth 3 -type d -path '*/vendor/llama.cpp' | head -n 1)
-[ -n "$source_dir" ] || { echo "llamacpp.sh: no vendor/llama.cpp in $url" >&2; exit 1; }
-rm -rf "$anchors/llama.cpp"
-mv "$source_dir" "$anchors/llama.cpp"
+  echo "llamacpp.sh: downloading $url" >&2
+  curl -fsSL --max-time 600 -o "$work/source.tar.gz" "$url"
+  tar -xzf "$work/source.tar.gz" -C "$work"
+  source_dir=$(find "$work" -maxdepth 3 -type d -path '*/vendor/llama.cpp' | head -n 1)
+  [ -n "$source_dir" ] || { echo "llamacpp.sh: no vendor/llama.cpp in $url" >&2; exit 1; }
+  rm -rf "$source_root"
+  mv "$source_dir" "$source_root"
+fi
 
-"$cmake" -S "$anchors/llama.cpp" -B "$anchors/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release \
+"$cmake" -S "$source_root" -B "$source_root/build" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >&2
-"$cmake" --build "$anchors/llama.cpp/build" --target llama-bench -j "$(nproc)" >&2
+"$cmake" --build "$source_root/build" --target "$target" -j "$(nproc)" >&2
 [ -x "$binary" ] || { echo "llamacpp.sh: the build made no $binary" >&2; exit 1; }
 echo "$binary"

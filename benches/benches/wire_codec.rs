@@ -32,6 +32,7 @@ fn normal_frame(dims: &[usize]) -> ActivationFrame {
             layers: LayerSpan::new(0, 10),
             route: Route::default(),
             grant: None,
+            fork_from: None,
         },
         activations: Activations::new(shape, values).unwrap(),
     }

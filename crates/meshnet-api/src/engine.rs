@@ -1,6 +1,7 @@
 //! The contract between the HTTP layer and whatever produces the text.
 
 use futures::future::BoxFuture;
+use meshnet_types::SamplingConfig;
 use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -146,27 +147,20 @@ pub struct EngineRequest {
     pub prompt: PromptInput,
     /// The most tokens to generate; `None` means up to the end of the context window.
     pub max_tokens: Option<usize>,
-    /// Sampling temperature in `0.0..=2.0`; `0.0` means greedy.
-    pub temperature: f32,
-    /// Nucleus sampling mass in `(0.0, 1.0]`, if requested.
-    pub top_p: Option<f32>,
-    /// Seed for reproducible sampling, if requested.
-    pub seed: Option<u64>,
-    /// Sample only from the `k` most likely tokens, if requested (at least 1).
-    pub top_k: Option<usize>,
-    /// Drop the tokens less likely than `min_p` times the most likely one, if requested
-    /// (in `0.0..=1.0`).
-    pub min_p: Option<f32>,
-    /// In `-2.0..=2.0`: subtracted once from the logit of every token already generated.
-    pub presence_penalty: f32,
-    /// In `-2.0..=2.0`: subtracted from a token's logit once per time it was generated.
-    pub frequency_penalty: f32,
-    /// Token ids (in the vocabulary) and the bias in `-100.0..=100.0` added to their logits;
-    /// `-100` bans the token.
-    pub logit_bias: Vec<(u32, f32)>,
+    /// How to choose tokens: temperature in `0.0..=2.0` (`0.0` is greedy), `top_p` in
+    /// `(0.0, 1.0]`, `top_k` at least 1, `min_p` in `0.0..=1.0`, the presence and frequency
+    /// penalties in `-2.0..=2.0`, biases in `-100.0..=100.0` on token ids of the vocabulary
+    /// (`-100` bans the token), and the seed (random when the client gave none).
+    pub sampling: SamplingConfig,
     /// When set, report each generated token's log-probability with this many (0 to 20) of
     /// the most likely tokens at its step, as [`EngineEvent::Logprobs`].
     pub logprobs: Option<usize>,
+    /// Echo the prompt before each choice's text (`/v1/completions`' `echo`), with its tokens'
+    /// log-probabilities when `logprobs` is set: see [`EngineEvent::Prompt`].
+    pub echo: bool,
+    /// How many choices to generate (`1..=8`): each samples its own continuation of the
+    /// prompt (choice `i` with seed `sampling.seed + i`), all sharing one prefill.
+    pub n: usize,
     /// Up to four non-empty stop sequences; generation ends before the first one produced (which
     /// is not part of the output).
     pub stop: Vec<String>,
@@ -202,9 +196,27 @@ pub struct TokenLogprob {
     pub top_logprobs: Vec<TopLogprob>,
 }
 
+/// The log-probabilities of a prompt's tokens, each after the ones before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptLogprobs {
+    /// The first token's text, which has no log-probability (nothing comes before it).
+    pub first_token: String,
+    /// Every later token's entry, in order.
+    pub scored: Vec<TokenLogprob>,
+}
+
 /// What the engine streams back.
 #[derive(Debug)]
 pub enum EngineEvent {
+    /// The prompt, echoed before anything else when the request set `echo`: its text (the
+    /// prompt's own, or its tokens' text), with its tokens' log-probabilities when
+    /// `logprobs` was set too.
+    Prompt {
+        /// The prompt's text.
+        text: String,
+        /// Its tokens' log-probabilities, when asked for.
+        logprobs: Option<PromptLogprobs>,
+    },
     /// The log-probabilities of the tokens whose text the next `Delta` completes (only when
     /// requested); those of a token whose text is cut off by a stop sequence are never sent.
     Logprobs(Vec<TokenLogprob>),
@@ -261,16 +273,31 @@ impl FinishReason {
     }
 }
 
-/// An accepted generation: the prompt's token count and the event stream.
+/// An accepted generation: the prompt's token count, the members it runs on and one event
+/// stream per choice.
 ///
-/// Dropping `events` cancels the generation (the engine notices and frees the session
+/// Dropping a choice's receiver cancels that choice (the engine notices and frees its session
 /// everywhere).
 #[derive(Debug)]
 pub struct EngineStream {
     /// How many tokens the prompt took after templating and tokenization.
     pub prompt_tokens: usize,
-    /// Deltas, then exactly one `Finished` or `Failed`.
-    pub events: mpsc::Receiver<EngineEvent>,
+    /// The members the generation runs on, in the order its activations pass through them,
+    /// as chosen when it started (a failover may later move a member's layers to another);
+    /// empty when the engine does not name them.
+    pub route: Vec<RouteMember>,
+    /// One receiver per choice, in choice order (`n` of them): deltas, then exactly one
+    /// `Finished` or `Failed`.
+    pub choices: Vec<mpsc::Receiver<EngineEvent>>,
+}
+
+/// One member on a generation's route and the layers it runs for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteMember {
+    /// The member's peer id (`12D3KooW…`).
+    pub peer: String,
+    /// The transformer layers it runs: `start` inclusive, `end` exclusive.
+    pub layers: std::ops::Range<u32>,
 }
 
 /// Something that turns prompts into text: the tracker peer's view of the mesh.

@@ -19,20 +19,25 @@
 //! when a client disconnects, the response future or body is dropped, the receiver with it, and
 //! the engine sees its sender closed and frees the session across the mesh.
 //!
+//! Completion answers name the members serving them in the [`ROUTE_HEADER`] extension header,
+//! from the engine's [`EngineStream::route`].
+//!
 //! `docs/openai-api.md` describes the wire format for clients.
 
 mod engine;
 mod error;
 mod request;
 mod response;
+mod route;
 mod router;
 
 pub use engine::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, JsonSchemaFormat, ModelInfo, PromptInput, ResponseFormat, TokenLogprob,
-    ToolCallTurn, ToolChoice, ToolRequest, ToolSpec, TopLogprob,
+    FinishReason, JsonSchemaFormat, ModelInfo, PromptInput, PromptLogprobs, ResponseFormat,
+    RouteMember, TokenLogprob, ToolCallTurn, ToolChoice, ToolRequest, ToolSpec, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
-pub use request::MAX_STOP_SEQUENCES;
 pub use request::tools::MAX_TOOLS;
+pub use request::{MAX_CHOICES, MAX_STOP_SEQUENCES};
+pub use route::ROUTE_HEADER;
 pub use router::{MAX_BODY_BYTES, openai_router};

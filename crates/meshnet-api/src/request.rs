@@ -4,6 +4,8 @@
 
 use serde_json::{Map, Value};
 
+use meshnet_types::SamplingConfig;
+
 use crate::engine::{ChatTurn, JsonSchemaFormat, PromptInput, ResponseFormat, ToolRequest};
 use crate::error::ApiError;
 
@@ -17,6 +19,9 @@ const MAX_LOGIT_BIAS: f64 = 100.0;
 
 /// The largest `presence_penalty` and `frequency_penalty`; their negatives are the smallest.
 const MAX_PENALTY: f64 = 2.0;
+
+/// The most choices `n` may ask for.
+pub const MAX_CHOICES: usize = 8;
 
 /// The most alternatives `top_logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
@@ -36,18 +41,14 @@ pub(crate) enum Endpoint {
 /// A request that passed validation.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct ParsedRequest {
-    pub prompt: PromptInput,
+    /// One prompt (a chat, or a completion's), or a completion's several prompts.
+    pub prompts: Vec<PromptInput>,
     pub max_tokens: Option<usize>,
-    pub temperature: f32,
-    pub top_p: Option<f32>,
-    pub top_k: Option<usize>,
-    pub min_p: Option<f32>,
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    pub logit_bias: Vec<(u32, f32)>,
+    pub sampling: SamplingConfig,
     pub logprobs: Option<usize>,
-    pub seed: Option<u64>,
     pub stop: Vec<String>,
+    pub n: usize,
+    pub echo: bool,
     pub response_format: ResponseFormat,
     pub stream: bool,
     pub include_usage: bool,
@@ -72,8 +73,8 @@ pub(crate) fn parse(
         return Err(ApiError::ModelNotFound(model.to_owned()));
     }
 
-    let prompt = match endpoint {
-        Endpoint::Chat => PromptInput::Chat(parse_messages(&fields)?),
+    let prompts = match endpoint {
+        Endpoint::Chat => vec![PromptInput::Chat(parse_messages(&fields)?)],
         Endpoint::Text => parse_prompt(&fields, vocab_size)?,
     };
     let tools = match endpoint {
@@ -88,38 +89,35 @@ pub(crate) fn parse(
         }
         Endpoint::Text => fields.positive_int("max_tokens")?,
     };
-    let temperature = fields
-        .number_between("temperature", 0.0, 2.0)?
-        .unwrap_or(1.0) as f32;
-    let top_p = fields.top_p()?;
-
-    let seed = fields.seed()?;
-
-    let top_k = fields.positive_int("top_k")?;
-    let min_p = fields.number_between("min_p", 0.0, 1.0)?.map(|p| p as f32);
-    let presence_penalty = fields.penalty("presence_penalty")?;
-    let frequency_penalty = fields.penalty("frequency_penalty")?;
-    let logit_bias = parse_logit_bias(&fields, vocab_size)?;
+    let sampling = parse_sampling(&fields, vocab_size)?;
     let logprobs = parse_logprobs(endpoint, &fields)?;
     let stop = parse_stop(&fields)?;
+    let n = parse_n(&fields)?;
+    if prompts.len() * n > MAX_CHOICES {
+        return Err(ApiError::invalid(
+            Some("n"),
+            format!(
+                "Invalid 'n': {n} choices for each of {} prompts make more than {MAX_CHOICES}.",
+                prompts.len()
+            ),
+        ));
+    }
+    let echo = match endpoint {
+        Endpoint::Text => fields.bool("echo")?.unwrap_or(false),
+        Endpoint::Chat => false,
+    };
     let response_format = parse_response_format(&fields)?;
-    refuse_unbuilt(endpoint, &fields)?;
     let stream = fields.bool("stream")?.unwrap_or(false);
     let include_usage = parse_include_usage(&fields)?;
 
     Ok(ParsedRequest {
-        prompt,
+        prompts,
         max_tokens,
-        temperature,
-        top_p,
-        top_k,
-        min_p,
-        presence_penalty,
-        frequency_penalty,
-        logit_bias,
+        sampling,
         logprobs,
-        seed,
         stop,
+        n,
+        echo,
         response_format,
         stream,
         include_usage,
@@ -214,26 +212,44 @@ fn missing(param: &str) -> ApiError {
     )
 }
 
-/// Refuses what is not built: `n` other than 1, and completions' `echo: true`.
-fn refuse_unbuilt(endpoint: Endpoint, fields: &Fields<'_>) -> Result<(), ApiError> {
-    match fields.get("n") {
-        None => {}
-        Some(v) if v.as_u64() == Some(1) => {}
-        Some(v) if v.is_number() => {
-            return Err(ApiError::invalid(
-                Some("n"),
-                format!("Invalid 'n': only n=1 is supported, got {v}."),
-            ));
-        }
-        Some(v) => return Err(type_error("n", "an integer", v)),
+/// The sampling settings: `temperature` (default 1), `top_p`, `top_k`, `min_p`, the two
+/// penalties, `logit_bias`, and `seed` (a random one when absent).
+fn parse_sampling(fields: &Fields<'_>, vocab_size: usize) -> Result<SamplingConfig, ApiError> {
+    Ok(SamplingConfig {
+        temperature: fields
+            .number_between("temperature", 0.0, 2.0)?
+            .unwrap_or(1.0) as f32,
+        top_p: fields.top_p()?,
+        top_k: fields.positive_int("top_k")?,
+        min_p: fields.number_between("min_p", 0.0, 1.0)?.map(|p| p as f32),
+        presence_penalty: fields.penalty("presence_penalty")?,
+        frequency_penalty: fields.penalty("frequency_penalty")?,
+        logit_bias: parse_logit_bias(fields, vocab_size)?,
+        seed: fields.seed()?.unwrap_or_else(random_seed),
+    })
+}
+
+/// A seed for a request that gave none.
+fn random_seed() -> u64 {
+    let (high, low) = uuid::Uuid::new_v4().as_u64_pair();
+    high ^ low
+}
+
+/// `n`: how many choices, `1..=MAX_CHOICES` (default 1).
+fn parse_n(fields: &Fields<'_>) -> Result<usize, ApiError> {
+    let Some(v) = fields.get("n") else {
+        return Ok(1);
+    };
+    if !v.is_number() {
+        return Err(type_error("n", "an integer", v));
     }
-    if endpoint == Endpoint::Text && fields.bool("echo")? == Some(true) {
-        return Err(ApiError::invalid(
-            Some("echo"),
-            "'echo' is not supported by this server.",
-        ));
+    match v.as_u64() {
+        Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => Ok(n as usize),
+        _ => Err(ApiError::invalid(
+            Some("n"),
+            format!("Invalid 'n': {v} is not an integer from 1 to {MAX_CHOICES}."),
+        )),
     }
-    Ok(())
 }
 
 /// `stream_options.include_usage`, default false.
@@ -424,29 +440,43 @@ fn text_part<'a>(at: &str, part: &'a Value) -> Result<&'a str, ApiError> {
 }
 
 /// `prompt`: a string or an array of token ids, alone or as the one item of an array.
-fn parse_prompt(fields: &Fields<'_>, vocab_size: usize) -> Result<PromptInput, ApiError> {
+fn parse_prompt(fields: &Fields<'_>, vocab_size: usize) -> Result<Vec<PromptInput>, ApiError> {
     let invalid = |message: String| ApiError::invalid(Some("prompt"), message);
     let items = match fields.get("prompt") {
         None => return Err(invalid("Missing required parameter: 'prompt'.".to_owned())),
-        Some(Value::String(prompt)) => return Ok(PromptInput::Text(prompt.clone())),
+        Some(Value::String(prompt)) => return Ok(vec![PromptInput::Text(prompt.clone())]),
         Some(Value::Array(items)) => items,
         Some(v) => return Err(type_error("prompt", "a string or an array", v)),
     };
-    match items.as_slice() {
-        [] => Err(invalid(
-            "Invalid 'prompt': empty array. Expected a string, token ids, or an array with one \
-             of them."
-                .to_owned(),
-        )),
-        [Value::String(prompt)] => Ok(PromptInput::Text(prompt.clone())),
-        [Value::Array(ids)] => token_ids("prompt", ids, vocab_size).map(PromptInput::Tokens),
-        [Value::String(_) | Value::Array(_), _, ..] => Err(invalid(format!(
-            "Invalid 'prompt': {} prompts given; only one prompt per request is supported \
-             (n is 1).",
-            items.len()
-        ))),
-        ids => token_ids("prompt", ids, vocab_size).map(PromptInput::Tokens),
+    let prompts = match items.first() {
+        None => {
+            return Err(invalid(
+                "Invalid 'prompt': empty array. Expected a string, token ids, or an array of \
+                 them."
+                    .to_owned(),
+            ));
+        }
+        Some(Value::String(_) | Value::Array(_)) => items
+            .iter()
+            .map(|item| match item {
+                Value::String(prompt) => Ok(PromptInput::Text(prompt.clone())),
+                Value::Array(ids) => token_ids("prompt", ids, vocab_size).map(PromptInput::Tokens),
+                other => Err(type_error(
+                    "prompt",
+                    "strings or arrays of token ids",
+                    other,
+                )),
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(_) => vec![PromptInput::Tokens(token_ids("prompt", items, vocab_size)?)],
+    };
+    if prompts.len() > MAX_CHOICES {
+        return Err(invalid(format!(
+            "Invalid 'prompt': {} prompts given; at most {MAX_CHOICES} per request.",
+            prompts.len()
+        )));
     }
+    Ok(prompts)
 }
 
 /// A non-empty list of token ids of a vocabulary of `vocab_size`, for `param`.
@@ -527,13 +557,18 @@ fn parse_logit_bias(fields: &Fields<'_>, vocab_size: usize) -> Result<Vec<(u32, 
 fn parse_logprobs(endpoint: Endpoint, fields: &Fields<'_>) -> Result<Option<usize>, ApiError> {
     if endpoint == Endpoint::Text {
         return match fields.get("logprobs") {
-            None => Ok(None),
-            Some(v) if v.as_u64() == Some(0) || v.as_bool() == Some(false) => Ok(None),
-            Some(_) => Err(ApiError::invalid(
-                Some("logprobs"),
-                "'logprobs' is not supported on /v1/completions by this server; use \
-                 /v1/chat/completions.",
-            )),
+            None | Some(Value::Bool(false)) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(top) if top <= MAX_TOP_LOGPROBS as u64 => Ok(Some(top as usize)),
+                _ if v.is_number() => Err(ApiError::invalid(
+                    Some("logprobs"),
+                    format!(
+                        "Invalid 'logprobs': {v} is not an integer between 0 and \
+                         {MAX_TOP_LOGPROBS}."
+                    ),
+                )),
+                _ => Err(type_error("logprobs", "an integer", v)),
+            },
         };
     }
     let wanted = fields.bool("logprobs")?.unwrap_or(false);
@@ -745,22 +780,21 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(
-            parsed.prompt,
-            PromptInput::Chat(vec![
+            parsed.prompts,
+            [PromptInput::Chat(vec![
                 ChatTurn::new("system", "be brief"),
                 ChatTurn::new("user", "a\nb"),
                 ChatTurn::new("assistant", "ok"),
-            ])
+            ])]
         );
         assert_eq!(parsed.max_tokens, None);
-        assert_eq!(parsed.temperature, 1.0);
-        assert_eq!(parsed.top_p, None);
-        assert_eq!(parsed.seed, None);
-        assert_eq!(parsed.top_k, None);
-        assert_eq!(parsed.min_p, None);
-        assert_eq!(parsed.presence_penalty, 0.0);
-        assert_eq!(parsed.frequency_penalty, 0.5);
-        assert!(parsed.logit_bias.is_empty());
+        let sampling = SamplingConfig {
+            temperature: 1.0,
+            frequency_penalty: 0.5,
+            seed: parsed.sampling.seed,
+            ..SamplingConfig::greedy()
+        };
+        assert_eq!(parsed.sampling, sampling);
         assert_eq!(parsed.logprobs, None);
         assert!(parsed.stop.is_empty());
         assert!(!parsed.stream);
@@ -790,16 +824,19 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(parsed.max_tokens, Some(9));
-        assert_eq!(parsed.temperature, 0.0);
-        assert_eq!(parsed.top_p, Some(0.5));
-        assert_eq!(parsed.top_k, Some(40));
-        assert_eq!(parsed.min_p, Some(0.05));
-        assert_eq!(parsed.presence_penalty, -2.0);
-        assert_eq!(parsed.frequency_penalty, 1.5);
-        let mut bias = parsed.logit_bias.clone();
-        bias.sort_by_key(|&(id, _)| id);
-        assert_eq!(bias, [(0, 2.5), (7, -100.0), (99, 100.0)]);
-        assert_eq!(parsed.seed, Some(u64::MAX));
+        let mut sampling = parsed.sampling.clone();
+        sampling.logit_bias.sort_by_key(|&(id, _)| id);
+        let expected = SamplingConfig {
+            temperature: 0.0,
+            top_p: Some(0.5),
+            top_k: Some(40),
+            min_p: Some(0.05),
+            presence_penalty: -2.0,
+            frequency_penalty: 1.5,
+            logit_bias: vec![(0, 2.5), (7, -100.0), (99, 100.0)],
+            seed: u64::MAX,
+        };
+        assert_eq!(sampling, expected);
         assert_eq!(parsed.stop, vec!["x".to_owned(), "y".to_owned()]);
         assert!(parsed.stream);
         assert!(parsed.include_usage);
@@ -815,30 +852,60 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(parsed.max_tokens, None);
-        assert_eq!(parsed.temperature, 1.0);
+        assert_eq!(parsed.sampling.temperature, 1.0);
+        assert_eq!(parsed.n, 1);
+    }
+
+    #[test]
+    fn n_takes_one_to_eight_choices() {
+        for n in 1..=MAX_CHOICES {
+            let body =
+                json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": n});
+            assert_eq!(chat(body).unwrap().n, n);
+        }
+    }
+
+    #[test]
+    fn requests_without_a_seed_get_different_random_seeds() {
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        let seeds: std::collections::HashSet<u64> = (0..8)
+            .map(|_| chat(body.clone()).unwrap().sampling.seed)
+            .collect();
+        assert_eq!(seeds.len(), 8);
     }
 
     #[test]
     fn completion_prompt_forms() {
         let one = text(json!({"model": "m", "prompt": "abc", "stop": "\n"})).unwrap();
-        assert_eq!(one.prompt, PromptInput::Text("abc".into()));
+        assert_eq!(one.prompts, [PromptInput::Text("abc".into())]);
         assert_eq!(one.stop, vec!["\n".to_owned()]);
         let array = text(json!({"model": "m", "prompt": ["abc"], "echo": false})).unwrap();
-        assert_eq!(array.prompt, PromptInput::Text("abc".into()));
+        assert_eq!(array.prompts, [PromptInput::Text("abc".into())]);
         let ids = text(json!({"model": "m", "prompt": [0, 5, 99]})).unwrap();
-        assert_eq!(ids.prompt, PromptInput::Tokens(vec![0, 5, 99]));
+        assert_eq!(ids.prompts, [PromptInput::Tokens(vec![0, 5, 99])]);
         let nested = text(json!({"model": "m", "prompt": [[7, 8]]})).unwrap();
-        assert_eq!(nested.prompt, PromptInput::Tokens(vec![7, 8]));
+        assert_eq!(nested.prompts, [PromptInput::Tokens(vec![7, 8])]);
+        let several = text(json!({"model": "m", "prompt": ["a", [1, 2], "b"], "n": 2})).unwrap();
+        assert_eq!(
+            several.prompts,
+            [
+                PromptInput::Text("a".into()),
+                PromptInput::Tokens(vec![1, 2]),
+                PromptInput::Text("b".into())
+            ]
+        );
+        let too_many = json!({"model": "m", "prompt": ["a", "b", "c"], "n": 3});
+        assert_eq!(param_of(text(too_many)).as_deref(), Some("n"));
         for bad in [
-            json!(["a", "b"]),
-            json!([[1], [2]]),
+            json!(vec!["a"; 9]),
+            json!([[1], [100]]),
+            json!(["a", 1]),
             json!([]),
             json!([[]]),
             json!([1, 100]),
             json!([-1]),
             json!([1.5]),
             json!([1, "a"]),
-            json!(["a", 1]),
             json!([4294967296u64]),
             json!(3),
             json!({"text": "a"}),
@@ -947,7 +1014,10 @@ mod tests {
                 json!({"model": "m", "messages": user, "logit_bias": {"5": "ban"}}),
                 "logit_bias",
             ),
-            (json!({"model": "m", "messages": user, "n": 2}), "n"),
+            (json!({"model": "m", "messages": user, "n": 0}), "n"),
+            (json!({"model": "m", "messages": user, "n": 9}), "n"),
+            (json!({"model": "m", "messages": user, "n": 1.5}), "n"),
+            (json!({"model": "m", "messages": user, "n": "2"}), "n"),
             (
                 json!({"model": "m", "messages": user, "stop": ["a", "b", "c", "d", "e"]}),
                 "stop",
@@ -973,7 +1043,7 @@ mod tests {
             );
         }
         assert_eq!(
-            param_of(text(json!({"model": "m", "prompt": "x", "echo": true}))).as_deref(),
+            param_of(text(json!({"model": "m", "prompt": "x", "echo": 1}))).as_deref(),
             Some("echo")
         );
         assert_eq!(
@@ -990,7 +1060,7 @@ mod tests {
         let body =
             |bias: Map<String, Value>| json!({"model": "m", "prompt": "x", "logit_bias": bias});
         let parsed = text(body(bans(VOCAB - 1))).unwrap();
-        assert_eq!(parsed.logit_bias.len(), VOCAB - 1);
+        assert_eq!(parsed.sampling.logit_bias.len(), VOCAB - 1);
         let error = text(body(bans(VOCAB))).unwrap_err();
         assert_eq!(error.body().error.param.as_deref(), Some("logit_bias"));
         assert!(error.to_string().contains("every token"), "{error}");
@@ -1082,12 +1152,16 @@ mod tests {
         let text_logprobs = |value: Value| {
             text(json!({"model": "m", "prompt": "x", "logprobs": value})).map(|p| p.logprobs)
         };
-        assert_eq!(text_logprobs(json!(0)).unwrap(), None);
+        assert_eq!(text_logprobs(json!(0)).unwrap(), Some(0));
+        assert_eq!(text_logprobs(json!(5)).unwrap(), Some(5));
+        assert_eq!(text_logprobs(json!(20)).unwrap(), Some(20));
         assert_eq!(text_logprobs(json!(false)).unwrap(), None);
-        assert_eq!(
-            param_of(text(json!({"model": "m", "prompt": "x", "logprobs": 2}))).as_deref(),
-            Some("logprobs")
-        );
+        for bad in [json!(21), json!(-1), json!(1.5), json!(true), json!("2")] {
+            let body = json!({"model": "m", "prompt": "x", "logprobs": bad});
+            assert_eq!(param_of(text(body)).as_deref(), Some("logprobs"), "{bad}");
+        }
+        let echo = text(json!({"model": "m", "prompt": "x", "echo": true})).unwrap();
+        assert!(echo.echo);
     }
 
     #[test]

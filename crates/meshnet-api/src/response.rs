@@ -1,8 +1,10 @@
 //! The JSON shapes of successful answers: model objects, completions and stream chunks.
 
+use std::collections::BTreeMap;
+
 use serde::Serialize;
 
-use crate::engine::{FinishReason, ModelInfo, TokenLogprob};
+use crate::engine::{FinishReason, ModelInfo, PromptLogprobs, TokenLogprob};
 use crate::request::Endpoint;
 
 /// One entry of `GET /v1/models`, also the body of `GET /v1/models/{id}`.
@@ -86,25 +88,21 @@ pub(crate) struct Completion<'a> {
     object: &'static str,
     created: u64,
     model: &'a str,
-    choices: [Choice<'a>; 1],
+    choices: Vec<Choice<'a>>,
     usage: Usage,
 }
 
-impl<'a> Completion<'a> {
-    /// Gives a chat answer the calls the model made: `message.tool_calls`, and `null`
-    /// content when there is no text besides them.
-    pub(crate) fn with_tool_calls(mut self, calls: &'a [ToolCallOut]) -> Self {
-        if calls.is_empty() {
-            return self;
-        }
-        for choice in &mut self.choices {
-            if let Some(message) = &mut choice.message {
-                message.tool_calls = Some(calls);
-                message.content = message.content.filter(|text| !text.is_empty());
-            }
-        }
-        self
-    }
+/// One choice as it ended: its text, its tokens' log-probabilities (when asked for) and why
+/// it ended.
+#[derive(Debug, Default)]
+pub(crate) struct FinishedChoice {
+    pub text: String,
+    pub logprobs: Vec<TokenLogprob>,
+    /// The echoed prompt's log-probabilities, when the prompt was echoed with them.
+    pub prompt_logprobs: Option<PromptLogprobs>,
+    /// The calls the model made (chat with tools), in order.
+    pub tool_calls: Vec<ToolCallOut>,
+    pub finish_reason: Option<FinishReason>,
 }
 
 #[derive(Debug, Serialize)]
@@ -118,11 +116,55 @@ struct Choice<'a> {
     logprobs: Option<ChoiceLogprobs<'a>>,
 }
 
-/// A choice's `logprobs`, as OpenAI's chat answers have it.
+/// A choice's `logprobs`: OpenAI's chat shape, or the legacy shape of `/v1/completions`.
 #[derive(Debug, Serialize)]
-struct ChoiceLogprobs<'a> {
-    content: &'a [TokenLogprob],
-    refusal: Option<()>,
+#[serde(untagged)]
+pub(crate) enum ChoiceLogprobs<'a> {
+    /// `{"content": [...], "refusal": null}`.
+    Chat {
+        content: &'a [TokenLogprob],
+        refusal: Option<()>,
+    },
+    /// `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+    Legacy(LegacyLogprobs),
+}
+
+/// The legacy `logprobs` of a completion: per token its text, its log-probability (`null`
+/// for a prompt's first token), the most likely tokens at its position with the token itself
+/// among them (`null` for the prompt's first token), and where its text starts in the
+/// choice's text.
+#[derive(Debug, Default, Serialize)]
+pub(crate) struct LegacyLogprobs {
+    tokens: Vec<String>,
+    token_logprobs: Vec<Option<f32>>,
+    top_logprobs: Vec<Option<BTreeMap<String, f32>>>,
+    text_offset: Vec<usize>,
+}
+
+impl LegacyLogprobs {
+    /// Adds a token that has no log-probability (a prompt's first), its text at `*offset`.
+    fn push_unscored(&mut self, token: &str, offset: &mut usize) {
+        self.tokens.push(token.to_owned());
+        self.token_logprobs.push(None);
+        self.top_logprobs.push(None);
+        self.text_offset.push(*offset);
+        *offset += token.len();
+    }
+
+    /// Adds `entry`, its text at `*offset`.
+    fn push(&mut self, entry: &TokenLogprob, offset: &mut usize) {
+        let mut top: BTreeMap<String, f32> = entry
+            .top_logprobs
+            .iter()
+            .map(|alternative| (alternative.token.clone(), alternative.logprob))
+            .collect();
+        top.insert(entry.token.clone(), entry.logprob);
+        self.tokens.push(entry.token.clone());
+        self.token_logprobs.push(Some(entry.logprob));
+        self.top_logprobs.push(Some(top));
+        self.text_offset.push(*offset);
+        *offset += entry.token.len();
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -234,46 +276,63 @@ pub(crate) struct Envelope {
 }
 
 impl Envelope {
-    /// The whole answer, with `logprobs` when they were asked for.
+    /// The whole answer, one entry per choice in order, with `logprobs` when they were asked
+    /// for.
     pub(crate) fn completion<'a>(
         &'a self,
-        text: &'a str,
-        logprobs: &'a [TokenLogprob],
-        finish_reason: FinishReason,
+        finished: &'a [FinishedChoice],
         usage: Usage,
     ) -> Completion<'a> {
-        let (object, message, text) = match self.endpoint {
-            Endpoint::Chat => (
-                "chat.completion",
-                Some(Message {
-                    role: "assistant",
-                    content: Some(text),
-                    tool_calls: None,
-                }),
-                None,
-            ),
-            Endpoint::Text => ("text_completion", None, Some(text)),
-        };
+        let choices = finished
+            .iter()
+            .enumerate()
+            .map(|(index, choice)| self.choice(index as u32, choice))
+            .collect();
         Completion {
             id: &self.id,
-            object,
+            object: match self.endpoint {
+                Endpoint::Chat => "chat.completion",
+                Endpoint::Text => "text_completion",
+            },
             created: self.created,
             model: &self.model,
-            choices: [Choice {
-                index: 0,
-                message,
-                text,
-                finish_reason,
-                logprobs: self.choice_logprobs(logprobs),
-            }],
+            choices,
             usage,
         }
     }
 
-    /// The chat stream's opening chunk, announcing the assistant role.
-    pub(crate) fn role_chunk(&self) -> Chunk<'_> {
+    fn choice<'a>(&'a self, index: u32, finished: &'a FinishedChoice) -> Choice<'a> {
+        let text = finished.text.as_str();
+        let calls = &finished.tool_calls;
+        let (message, text) = match self.endpoint {
+            // An answer that is only calls has `null` content.
+            Endpoint::Chat => (
+                Some(Message {
+                    role: "assistant",
+                    content: Some(text).filter(|text| calls.is_empty() || !text.is_empty()),
+                    tool_calls: (!calls.is_empty()).then_some(calls.as_slice()),
+                }),
+                None,
+            ),
+            Endpoint::Text => (None, Some(text)),
+        };
+        Choice {
+            index,
+            message,
+            text,
+            finish_reason: finished.finish_reason.unwrap_or(FinishReason::Stop),
+            logprobs: self.choice_logprobs(
+                finished.prompt_logprobs.as_ref(),
+                &finished.logprobs,
+                &mut 0,
+            ),
+        }
+    }
+
+    /// The chat stream's opening chunk of choice `index`, announcing the assistant role.
+    pub(crate) fn role_chunk(&self, index: u32) -> Chunk<'_> {
         self.chunk(vec![ChunkChoice {
-            index: 0,
+            index,
             delta: Some(Delta {
                 role: Some("assistant"),
                 content: Some(""),
@@ -285,76 +344,106 @@ impl Envelope {
         }])
     }
 
-    /// A chunk carrying new text, with the log-probabilities of the tokens it completes when
-    /// they were asked for.
+    /// A chunk carrying new text of choice `index`, with the log-probabilities of the tokens
+    /// it completes when they were asked for.
     pub(crate) fn text_chunk<'a>(
         &'a self,
+        index: u32,
         text: &'a str,
-        logprobs: &'a [TokenLogprob],
+        logprobs: Option<ChoiceLogprobs<'a>>,
     ) -> Chunk<'a> {
-        self.choice_chunk(Some(text), self.choice_logprobs(logprobs), None)
+        self.choice_chunk(index, Some(text), logprobs, None)
     }
 
-    /// The chunk with the finish reason and no new text; `logprobs` are those of tokens no
-    /// text chunk carried (`null` when there are none).
+    /// The chunk with choice `index`'s finish reason and no new text; `logprobs` are those of
+    /// tokens no text chunk carried (give `None` when there are none).
     pub(crate) fn finish_chunk<'a>(
         &'a self,
+        index: u32,
         reason: FinishReason,
-        logprobs: &'a [TokenLogprob],
+        logprobs: Option<ChoiceLogprobs<'a>>,
     ) -> Chunk<'a> {
-        let logprobs = if logprobs.is_empty() {
-            None
-        } else {
-            self.choice_logprobs(logprobs)
-        };
-        self.choice_chunk(None, logprobs, Some(reason))
+        self.choice_chunk(index, None, logprobs, Some(reason))
     }
 
-    fn choice_logprobs<'a>(&self, content: &'a [TokenLogprob]) -> Option<ChoiceLogprobs<'a>> {
-        self.logprobs.then_some(ChoiceLogprobs {
-            content,
-            refusal: None,
-        })
+    /// The `logprobs` of a choice (or of one chunk of it) when they were asked for: the chat
+    /// shape of `content`, or for completions the legacy shape of the echoed `prompt`'s tokens
+    /// and then `content`'s, their text offsets counted on from `*offset`.
+    pub(crate) fn choice_logprobs<'a>(
+        &self,
+        prompt: Option<&PromptLogprobs>,
+        content: &'a [TokenLogprob],
+        offset: &mut usize,
+    ) -> Option<ChoiceLogprobs<'a>> {
+        if !self.logprobs {
+            return None;
+        }
+        if self.endpoint == Endpoint::Chat {
+            return Some(ChoiceLogprobs::Chat {
+                content,
+                refusal: None,
+            });
+        }
+        let mut legacy = LegacyLogprobs::default();
+        if let Some(prompt) = prompt {
+            legacy.push_unscored(&prompt.first_token, offset);
+            for entry in &prompt.scored {
+                legacy.push(entry, offset);
+            }
+        }
+        for entry in content {
+            legacy.push(entry, offset);
+        }
+        Some(ChoiceLogprobs::Legacy(legacy))
     }
 
-    /// The chunk that starts call `index` of function `name` with id `id` (chat only).
+    /// The chunk that starts choice `choice`'s call `index` of function `name` with id `id`
+    /// (chat only).
     pub(crate) fn tool_call_start_chunk<'a>(
         &'a self,
+        choice: u32,
         index: usize,
         id: &'a str,
         name: &'a str,
     ) -> Chunk<'a> {
-        self.tool_call_chunk(ToolCallDelta {
-            index,
-            id: Some(id),
-            kind: Some("function"),
-            function: FunctionDelta {
-                name: Some(name),
-                arguments: "",
+        self.tool_call_chunk(
+            choice,
+            ToolCallDelta {
+                index,
+                id: Some(id),
+                kind: Some("function"),
+                function: FunctionDelta {
+                    name: Some(name),
+                    arguments: "",
+                },
             },
-        })
+        )
     }
 
-    /// A chunk with more of call `index`'s arguments (chat only).
+    /// A chunk with more of choice `choice`'s call `index`'s arguments (chat only).
     pub(crate) fn tool_call_arguments_chunk<'a>(
         &'a self,
+        choice: u32,
         index: usize,
         text: &'a str,
     ) -> Chunk<'a> {
-        self.tool_call_chunk(ToolCallDelta {
-            index,
-            id: None,
-            kind: None,
-            function: FunctionDelta {
-                name: None,
-                arguments: text,
+        self.tool_call_chunk(
+            choice,
+            ToolCallDelta {
+                index,
+                id: None,
+                kind: None,
+                function: FunctionDelta {
+                    name: None,
+                    arguments: text,
+                },
             },
-        })
+        )
     }
 
-    fn tool_call_chunk<'a>(&'a self, call: ToolCallDelta<'a>) -> Chunk<'a> {
+    fn tool_call_chunk<'a>(&'a self, choice: u32, call: ToolCallDelta<'a>) -> Chunk<'a> {
         self.chunk(vec![ChunkChoice {
-            index: 0,
+            index: choice,
             delta: Some(Delta {
                 role: None,
                 content: None,
@@ -375,13 +464,14 @@ impl Envelope {
 
     fn choice_chunk<'a>(
         &'a self,
+        index: u32,
         text: Option<&'a str>,
         logprobs: Option<ChoiceLogprobs<'a>>,
         finish_reason: Option<FinishReason>,
     ) -> Chunk<'a> {
         let choice = match self.endpoint {
             Endpoint::Chat => ChunkChoice {
-                index: 0,
+                index,
                 delta: Some(Delta {
                     role: None,
                     content: text,
@@ -392,7 +482,7 @@ impl Envelope {
                 finish_reason,
             },
             Endpoint::Text => ChunkChoice {
-                index: 0,
+                index,
                 delta: None,
                 text: Some(text.unwrap_or("")),
                 logprobs,
@@ -442,16 +532,16 @@ mod tests {
     fn chat_chunks() {
         let env = envelope(Endpoint::Chat, false);
         assert_eq!(
-            to_value(env.role_chunk()),
+            to_value(env.role_chunk(0)),
             json!({"id": "x-1", "object": "chat.completion.chunk", "created": 7, "model": "m",
                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": null, "finish_reason": null}]})
         );
         assert_eq!(
-            to_value(env.text_chunk("hé", &[]))["choices"][0]["delta"],
+            to_value(env.text_chunk(0, "hé", None))["choices"][0]["delta"],
             json!({"content": "hé"})
         );
-        let finish = to_value(env.finish_chunk(FinishReason::Length, &[]));
+        let finish = to_value(env.finish_chunk(0, FinishReason::Length, None));
         assert_eq!(finish["choices"][0]["delta"], json!({}));
         assert_eq!(finish["choices"][0]["finish_reason"], "length");
         assert!(finish.get("usage").is_none());
@@ -479,21 +569,33 @@ mod tests {
             "refusal": null
         });
         let entries = [entry];
-        let chunk = to_value(env.text_chunk("hé", &entries));
+        let finished = [FinishedChoice {
+            text: "hé".into(),
+            logprobs: entries.to_vec(),
+            prompt_logprobs: None,
+            tool_calls: Vec::new(),
+            finish_reason: Some(FinishReason::Stop),
+        }];
+        let chunk = to_value(env.text_chunk(0, "hé", env.choice_logprobs(None, &entries, &mut 0)));
         assert_eq!(chunk["choices"][0]["logprobs"], expected);
-        let whole = to_value(env.completion("hé", &entries, FinishReason::Stop, Usage::new(1, 1)));
+        let whole = to_value(env.completion(&finished, Usage::new(1, 1)));
         assert_eq!(whole["choices"][0]["logprobs"], expected);
-        let finish = to_value(env.finish_chunk(FinishReason::Stop, &entries));
+        let finish = to_value(env.finish_chunk(
+            0,
+            FinishReason::Stop,
+            env.choice_logprobs(None, &entries, &mut 0),
+        ));
         assert_eq!(finish["choices"][0]["logprobs"], expected);
-        let finish = to_value(env.finish_chunk(FinishReason::Stop, &[]));
+        let finish = to_value(env.finish_chunk(0, FinishReason::Stop, None));
         assert_eq!(finish["choices"][0]["logprobs"], Value::Null);
         assert_eq!(
-            to_value(env.role_chunk())["choices"][0]["logprobs"],
+            to_value(env.role_chunk(0))["choices"][0]["logprobs"],
             Value::Null
         );
         // Not asked for: null everywhere.
         let plain = envelope(Endpoint::Chat, false);
-        let chunk = to_value(plain.text_chunk("hé", &entries));
+        let chunk =
+            to_value(plain.text_chunk(0, "hé", plain.choice_logprobs(None, &entries, &mut 0)));
         assert_eq!(chunk["choices"][0]["logprobs"], Value::Null);
     }
 
@@ -503,11 +605,17 @@ mod tests {
         let mut call = ToolCallOut::new("call_1".into(), "get_weather".into());
         call.push_arguments("{\"city\"");
         call.push_arguments(": \"Paris\"}");
-        let calls = [call];
-        let whole = to_value(
-            env.completion("", &[], FinishReason::ToolCalls, Usage::new(1, 2))
-                .with_tool_calls(&calls),
-        );
+        let calls = vec![call];
+        let finished = |text: &str, tool_calls: Vec<ToolCallOut>, reason| FinishedChoice {
+            text: text.into(),
+            tool_calls,
+            finish_reason: Some(reason),
+            ..FinishedChoice::default()
+        };
+        let whole = to_value(env.completion(
+            &[finished("", calls.clone(), FinishReason::ToolCalls)],
+            Usage::new(1, 2),
+        ));
         assert_eq!(
             whole["choices"][0]["message"],
             json!({"role": "assistant", "content": null, "tool_calls": [
@@ -517,29 +625,29 @@ mod tests {
         );
         assert_eq!(whole["choices"][0]["finish_reason"], "tool_calls");
         // Text beside the calls stays; without calls the message has no tool_calls.
-        let both = to_value(
-            env.completion("Hi.", &[], FinishReason::ToolCalls, Usage::new(1, 2))
-                .with_tool_calls(&calls),
-        );
+        let both = to_value(env.completion(
+            &[finished("Hi.", calls.clone(), FinishReason::ToolCalls)],
+            Usage::new(1, 2),
+        ));
         assert_eq!(both["choices"][0]["message"]["content"], "Hi.");
-        let plain = to_value(
-            env.completion("", &[], FinishReason::Stop, Usage::new(1, 2))
-                .with_tool_calls(&[]),
-        );
+        let plain = to_value(env.completion(
+            &[finished("", Vec::new(), FinishReason::Stop)],
+            Usage::new(1, 2),
+        ));
         assert_eq!(
             plain["choices"][0]["message"],
             json!({"role": "assistant", "content": ""})
         );
 
-        let start = to_value(env.tool_call_start_chunk(0, "call_1", "get_weather"));
+        let start = to_value(env.tool_call_start_chunk(2, 0, "call_1", "get_weather"));
         assert_eq!(
             start["choices"][0],
-            json!({"index": 0, "delta": {"tool_calls": [
+            json!({"index": 2, "delta": {"tool_calls": [
                 {"index": 0, "id": "call_1", "type": "function",
                  "function": {"name": "get_weather", "arguments": ""}}
             ]}, "logprobs": null, "finish_reason": null})
         );
-        let more = to_value(env.tool_call_arguments_chunk(1, "{\"a\""));
+        let more = to_value(env.tool_call_arguments_chunk(0, 1, "{\"a\""));
         assert_eq!(
             more["choices"][0]["delta"],
             json!({"tool_calls": [{"index": 1, "function": {"arguments": "{\"a\""}}]})
@@ -549,7 +657,7 @@ mod tests {
     #[test]
     fn usage_is_null_until_the_usage_chunk() {
         let env = envelope(Endpoint::Text, true);
-        let text = to_value(env.text_chunk("a", &[]));
+        let text = to_value(env.text_chunk(0, "a", None));
         assert_eq!(text["usage"], Value::Null);
         assert!(text.get("usage").is_some());
         assert_eq!(text["choices"][0]["text"], "a");
@@ -559,6 +667,99 @@ mod tests {
         assert_eq!(
             usage["usage"],
             json!({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7})
+        );
+    }
+
+    #[test]
+    fn every_choice_keeps_its_index_whole_and_streamed() {
+        let env = envelope(Endpoint::Text, false);
+        let finished: Vec<FinishedChoice> = ["a", "b", "c"]
+            .iter()
+            .map(|text| FinishedChoice {
+                text: (*text).into(),
+                logprobs: Vec::new(),
+                prompt_logprobs: None,
+                tool_calls: Vec::new(),
+                finish_reason: Some(FinishReason::Length),
+            })
+            .collect();
+        let whole = to_value(env.completion(&finished, Usage::new(2, 3)));
+        assert_eq!(
+            whole["choices"],
+            json!([
+                {"index": 0, "text": "a", "finish_reason": "length", "logprobs": null},
+                {"index": 1, "text": "b", "finish_reason": "length", "logprobs": null},
+                {"index": 2, "text": "c", "finish_reason": "length", "logprobs": null}
+            ])
+        );
+        let chat = envelope(Endpoint::Chat, false);
+        assert_eq!(to_value(chat.role_chunk(2))["choices"][0]["index"], 2);
+        assert_eq!(
+            to_value(chat.text_chunk(5, "x", None))["choices"][0]["index"],
+            5
+        );
+        let finish = to_value(chat.finish_chunk(7, FinishReason::Stop, None));
+        assert_eq!(finish["choices"][0]["index"], 7);
+    }
+
+    fn entry(token: &str, logprob: f32, alternatives: &[(&str, f32)]) -> TokenLogprob {
+        TokenLogprob {
+            token: token.into(),
+            logprob,
+            bytes: token.as_bytes().to_vec(),
+            top_logprobs: alternatives
+                .iter()
+                .map(|&(token, logprob)| crate::engine::TopLogprob {
+                    token: token.into(),
+                    logprob,
+                    bytes: token.as_bytes().to_vec(),
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn completions_logprobs_have_the_legacy_shape_with_the_echoed_prompt_first() {
+        let env = Envelope {
+            logprobs: true,
+            ..envelope(Endpoint::Text, false)
+        };
+        let prompt = PromptLogprobs {
+            first_token: "Once".into(),
+            scored: vec![entry(" upon", -0.5, &[(" upon", -0.5), (" more", -1.0)])],
+        };
+        let generated = [entry(" a", -0.25, &[(" the", -0.125)])];
+        let finished = [FinishedChoice {
+            text: "Once upon a".into(),
+            logprobs: generated.to_vec(),
+            prompt_logprobs: Some(prompt.clone()),
+            tool_calls: Vec::new(),
+            finish_reason: Some(FinishReason::Length),
+        }];
+        let whole = to_value(env.completion(&finished, Usage::new(2, 1)));
+        assert_eq!(
+            whole["choices"][0]["logprobs"],
+            json!({
+                "tokens": ["Once", " upon", " a"],
+                "token_logprobs": [null, -0.5, -0.25],
+                "top_logprobs": [null, {" upon": -0.5, " more": -1.0}, {" a": -0.25, " the": -0.125}],
+                "text_offset": [0, 4, 9]
+            })
+        );
+        // Streamed, the offsets run on from chunk to chunk.
+        let mut offset = 0;
+        let first = env.choice_logprobs(Some(&prompt), &[], &mut offset);
+        assert_eq!(offset, 9);
+        let second = env.choice_logprobs(None, &generated, &mut offset);
+        let chunk = to_value(env.text_chunk(0, " a", second));
+        assert_eq!(chunk["choices"][0]["logprobs"]["text_offset"], json!([9]));
+        assert_eq!(to_value(first.unwrap())["tokens"], json!(["Once", " upon"]));
+        // Not asked for: null.
+        let plain = envelope(Endpoint::Text, false);
+        assert!(
+            plain
+                .choice_logprobs(Some(&prompt), &generated, &mut 0)
+                .is_none()
         );
     }
 }

@@ -1,6 +1,7 @@
 //! The axum router: handlers for the four endpoints, the SSE stream and the per-request log line.
 
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -13,6 +14,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use serde::Serialize;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::{StreamExt, StreamMap};
 
 use crate::engine::{
     CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream, FinishReason,
@@ -21,8 +24,9 @@ use crate::engine::{
 use crate::error::ApiError;
 use crate::request::{self, Endpoint};
 use crate::response::{
-    DecodedText, Envelope, ModelList, ModelObject, TokenList, ToolCallOut, Usage,
+    DecodedText, Envelope, FinishedChoice, ModelList, ModelObject, TokenList, ToolCallOut, Usage,
 };
+use crate::route;
 
 /// The largest request body accepted, in bytes; larger bodies get 413.
 pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
@@ -143,55 +147,105 @@ async fn complete(
         include_usage: parsed.include_usage,
         logprobs: parsed.logprobs.is_some(),
     };
-    let request = EngineRequest {
-        request_id: id,
-        prompt: parsed.prompt,
-        max_tokens: parsed.max_tokens,
-        temperature: parsed.temperature,
-        top_p: parsed.top_p,
-        seed: parsed.seed,
-        top_k: parsed.top_k,
-        min_p: parsed.min_p,
-        presence_penalty: parsed.presence_penalty,
-        frequency_penalty: parsed.frequency_penalty,
-        logit_bias: parsed.logit_bias,
-        logprobs: parsed.logprobs,
-        stop: parsed.stop,
-        tools: parsed.tools,
-        response_format: parsed.response_format,
-    };
-    let stream = match engine.start(request).await {
+    let mut stream = match start_all(engine.as_ref(), id, &parsed).await {
         Ok(stream) => stream,
         Err(error) => return log.reject(error.into()),
     };
     log.prompt_tokens = stream.prompt_tokens;
+    let route = std::mem::take(&mut stream.route);
 
-    if parsed.stream {
+    let response = if parsed.stream {
         stream_response(envelope, stream, log)
     } else {
         whole_response(envelope, stream, log).await
-    }
+    };
+    route::with_route(response, &route)
 }
 
-/// Collects the generation and answers it in one JSON body. Dropping this future drops the
-/// receiver, which cancels the generation.
+/// Starts a generation of `parsed.n` choices for each prompt, in order: the choices of all of
+/// them as one stream (prompt `p`'s choice `i` at index `p × n + i`), their prompt tokens
+/// added up, the first prompt's route. A refusal of any prompt refuses the request (dropping
+/// the ones started).
+async fn start_all(
+    engine: &dyn CompletionEngine,
+    request_id: String,
+    parsed: &request::ParsedRequest,
+) -> Result<EngineStream, EngineError> {
+    let mut all = EngineStream {
+        prompt_tokens: 0,
+        route: Vec::new(),
+        choices: Vec::with_capacity(parsed.prompts.len() * parsed.n),
+    };
+    for prompt in &parsed.prompts {
+        let request = EngineRequest {
+            request_id: request_id.clone(),
+            prompt: prompt.clone(),
+            max_tokens: parsed.max_tokens,
+            sampling: parsed.sampling.clone(),
+            logprobs: parsed.logprobs,
+            echo: parsed.echo,
+            n: parsed.n,
+            stop: parsed.stop.clone(),
+            tools: parsed.tools.clone(),
+            response_format: parsed.response_format.clone(),
+        };
+        let stream = engine.start(request).await?;
+        if all.route.is_empty() {
+            all.route = stream.route;
+        }
+        all.prompt_tokens += stream.prompt_tokens;
+        all.choices.extend(stream.choices);
+    }
+    Ok(all)
+}
+
+/// Collects every choice and answers them in one JSON body. Dropping this future drops the
+/// receivers, which cancels the generations.
 async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: RequestLog) -> Response {
     let EngineStream {
         prompt_tokens,
-        mut events,
+        choices,
+        ..
     } = stream;
-    let mut text = String::new();
-    let mut logprobs = Vec::new();
-    let mut calls: Vec<ToolCallOut> = Vec::new();
+    let collected = futures::future::join_all(choices.into_iter().map(collect_choice)).await;
+    let mut finished = Vec::with_capacity(collected.len());
+    let mut completion_tokens = 0;
+    for outcome in collected {
+        match outcome {
+            Ok((choice, tokens)) => {
+                completion_tokens += tokens;
+                finished.push(choice);
+            }
+            Err(error) => return log.reject(error),
+        }
+    }
+    let reason = finished
+        .first()
+        .and_then(|choice| choice.finish_reason)
+        .unwrap_or(FinishReason::Stop);
+    log.finish(reason, completion_tokens);
+    let usage = Usage::new(prompt_tokens, completion_tokens);
+    Json(envelope.completion(&finished, usage)).into_response()
+}
+
+/// One choice's text, log-probabilities and finish reason, and how many tokens it generated.
+async fn collect_choice(
+    mut events: tokio::sync::mpsc::Receiver<EngineEvent>,
+) -> Result<(FinishedChoice, usize), ApiError> {
+    let mut choice = FinishedChoice::default();
     loop {
         match events.recv().await {
-            Some(EngineEvent::Logprobs(entries)) => logprobs.extend(entries),
-            Some(EngineEvent::Delta(delta)) => text.push_str(&delta),
+            Some(EngineEvent::Prompt { text, logprobs }) => {
+                choice.text.insert_str(0, &text);
+                choice.prompt_logprobs = logprobs;
+            }
+            Some(EngineEvent::Logprobs(entries)) => choice.logprobs.extend(entries),
+            Some(EngineEvent::Delta(delta)) => choice.text.push_str(&delta),
             Some(EngineEvent::ToolCallStart { id, name, .. }) => {
-                calls.push(ToolCallOut::new(id, name));
+                choice.tool_calls.push(ToolCallOut::new(id, name));
             }
             Some(EngineEvent::ToolCallArguments { index, text }) => {
-                if let Some(call) = calls.get_mut(index) {
+                if let Some(call) = choice.tool_calls.get_mut(index) {
                     call.push_arguments(&text);
                 }
             }
@@ -199,33 +253,37 @@ async fn whole_response(envelope: Envelope, stream: EngineStream, mut log: Reque
                 reason,
                 completion_tokens,
             }) => {
-                drop(events);
-                log.finish(reason, completion_tokens);
-                let usage = Usage::new(prompt_tokens, completion_tokens);
-                let answer = envelope
-                    .completion(&text, &logprobs, reason, usage)
-                    .with_tool_calls(&calls);
-                return Json(answer).into_response();
+                choice.finish_reason = Some(reason);
+                return Ok((choice, completion_tokens));
             }
-            Some(EngineEvent::Failed(error)) => return log.reject(error.into()),
-            None => return log.reject(ended_without_finishing()),
+            Some(EngineEvent::Failed(error)) => return Err(error.into()),
+            None => return Err(ended_without_finishing()),
         }
     }
 }
 
-/// Answers with an SSE stream that owns the receiver: when the client goes away, hyper drops
-/// the body, which drops the receiver, which cancels the generation.
+/// Answers with an SSE stream that owns the receivers: when the client goes away, hyper drops
+/// the body, which drops the receivers, which cancels the generations. The choices' chunks
+/// interleave as their tokens come, each naming its choice's index.
 fn stream_response(envelope: Envelope, stream: EngineStream, log: RequestLog) -> Response {
+    let choice_count = stream.choices.len();
+    let mut events = StreamMap::new();
+    for (index, receiver) in stream.choices.into_iter().enumerate() {
+        events.insert(index as u32, choice_events(receiver));
+    }
     let phase = match envelope.endpoint {
-        Endpoint::Chat => Phase::Role,
+        Endpoint::Chat => Phase::Role(0),
         Endpoint::Text => Phase::Generating,
     };
     let state = SseState {
-        events: Some(stream.events),
+        events,
+        choice_count,
         prompt_tokens: stream.prompt_tokens,
+        completion_tokens: 0,
         envelope,
         phase,
-        pending_logprobs: Vec::new(),
+        pending_logprobs: vec![Vec::new(); choice_count],
+        text_offsets: vec![0; choice_count],
         log,
     };
     let events = futures::stream::unfold(state, |mut state| async move {
@@ -240,8 +298,8 @@ fn stream_response(envelope: Envelope, stream: EngineStream, log: RequestLog) ->
 /// Where a stream is in its fixed sequence of events.
 #[derive(Debug, Clone, Copy)]
 enum Phase {
-    /// Next: the chat role chunk.
-    Role,
+    /// Next: the chat role chunk of this choice.
+    Role(u32),
     /// Next: whatever the engine sends.
     Generating,
     /// Next: the usage chunk.
@@ -252,13 +310,31 @@ enum Phase {
     Ended,
 }
 
+/// A choice's engine events, then `None` when its sender is gone (a choice that finished is
+/// taken out of the stream map before that).
+type ChoiceEvents = Pin<Box<dyn futures::Stream<Item = Option<EngineEvent>> + Send>>;
+
+fn choice_events(receiver: tokio::sync::mpsc::Receiver<EngineEvent>) -> ChoiceEvents {
+    Box::pin(
+        ReceiverStream::new(receiver)
+            .map(Some)
+            .chain(tokio_stream::once(None)),
+    )
+}
+
 struct SseState {
-    events: Option<tokio::sync::mpsc::Receiver<EngineEvent>>,
+    /// The choices still generating, by index.
+    events: StreamMap<u32, ChoiceEvents>,
+    choice_count: usize,
     prompt_tokens: usize,
+    /// Tokens of the choices finished so far.
+    completion_tokens: usize,
     envelope: Envelope,
     phase: Phase,
-    /// Log-probabilities of tokens whose text has not been sent yet.
-    pending_logprobs: Vec<TokenLogprob>,
+    /// Per choice: log-probabilities of tokens whose text has not been sent yet.
+    pending_logprobs: Vec<Vec<TokenLogprob>>,
+    /// Per choice: where the next token's text starts (completions' legacy `text_offset`).
+    text_offsets: Vec<usize>,
     log: RequestLog,
 }
 
@@ -266,47 +342,20 @@ impl SseState {
     async fn next_event(&mut self) -> Option<Event> {
         loop {
             match self.phase {
-                Phase::Role => {
-                    self.phase = Phase::Generating;
-                    return Some(json_event(&self.envelope.role_chunk()));
+                Phase::Role(index) => {
+                    self.phase = if index as usize + 1 < self.choice_count {
+                        Phase::Role(index + 1)
+                    } else {
+                        Phase::Generating
+                    };
+                    return Some(json_event(&self.envelope.role_chunk(index)));
                 }
                 Phase::Generating => {
-                    let events = self.events.as_mut()?;
-                    match events.recv().await {
-                        Some(EngineEvent::Logprobs(entries)) => {
-                            self.pending_logprobs.extend(entries);
-                        }
-                        Some(EngineEvent::Delta(text)) if text.is_empty() => continue,
-                        Some(EngineEvent::Delta(text)) => {
-                            let logprobs = std::mem::take(&mut self.pending_logprobs);
-                            let chunk = self.envelope.text_chunk(&text, &logprobs);
-                            return Some(json_event(&chunk));
-                        }
-                        Some(EngineEvent::ToolCallStart { index, id, name }) => {
-                            let chunk = self.envelope.tool_call_start_chunk(index, &id, &name);
-                            return Some(json_event(&chunk));
-                        }
-                        Some(EngineEvent::ToolCallArguments { index, text }) => {
-                            let chunk = self.envelope.tool_call_arguments_chunk(index, &text);
-                            return Some(json_event(&chunk));
-                        }
-                        Some(EngineEvent::Finished {
-                            reason,
-                            completion_tokens,
-                        }) => {
-                            self.events = None;
-                            self.log.finish(reason, completion_tokens);
-                            self.phase = if self.envelope.include_usage {
-                                Phase::Usage(Usage::new(self.prompt_tokens, completion_tokens))
-                            } else {
-                                Phase::Done
-                            };
-                            let logprobs = std::mem::take(&mut self.pending_logprobs);
-                            let chunk = self.envelope.finish_chunk(reason, &logprobs);
-                            return Some(json_event(&chunk));
-                        }
-                        Some(EngineEvent::Failed(error)) => return Some(self.fail(error.into())),
-                        None => return Some(self.fail(ended_without_finishing())),
+                    let Some((index, Some(event))) = self.events.next().await else {
+                        return Some(self.fail(ended_without_finishing()));
+                    };
+                    if let Some(event) = self.on_engine_event(index, event) {
+                        return Some(event);
                     }
                 }
                 Phase::Usage(usage) => {
@@ -322,9 +371,80 @@ impl SseState {
         }
     }
 
-    /// Ends the stream with an error event (and no `[DONE]`).
+    /// The SSE event for choice `index`'s engine event, if it makes one.
+    fn on_engine_event(&mut self, index: u32, event: EngineEvent) -> Option<Event> {
+        let choice = index as usize;
+        match event {
+            EngineEvent::Prompt { text, logprobs } => {
+                let offset = &mut self.text_offsets[choice];
+                let logprobs = match &logprobs {
+                    Some(prompt) => self.envelope.choice_logprobs(Some(prompt), &[], offset),
+                    None => None,
+                };
+                Some(json_event(
+                    &self.envelope.text_chunk(index, &text, logprobs),
+                ))
+            }
+            EngineEvent::Logprobs(entries) => {
+                self.pending_logprobs[choice].extend(entries);
+                None
+            }
+            EngineEvent::Delta(text) if text.is_empty() => None,
+            EngineEvent::Delta(text) => {
+                let entries = std::mem::take(&mut self.pending_logprobs[choice]);
+                let offset = &mut self.text_offsets[choice];
+                let logprobs = self.envelope.choice_logprobs(None, &entries, offset);
+                Some(json_event(
+                    &self.envelope.text_chunk(index, &text, logprobs),
+                ))
+            }
+            EngineEvent::ToolCallStart {
+                index: call,
+                id,
+                name,
+            } => {
+                let chunk = self.envelope.tool_call_start_chunk(index, call, &id, &name);
+                Some(json_event(&chunk))
+            }
+            EngineEvent::ToolCallArguments { index: call, text } => {
+                let chunk = self.envelope.tool_call_arguments_chunk(index, call, &text);
+                Some(json_event(&chunk))
+            }
+            EngineEvent::Finished {
+                reason,
+                completion_tokens,
+            } => Some(self.on_finished(index, reason, completion_tokens)),
+            EngineEvent::Failed(error) => Some(self.fail(error.into())),
+        }
+    }
+
+    /// Choice `index` finished: its finish chunk, and the usage and `[DONE]` to come once it
+    /// was the last.
+    fn on_finished(&mut self, index: u32, reason: FinishReason, completion_tokens: usize) -> Event {
+        let choice = index as usize;
+        self.events.remove(&index);
+        self.completion_tokens += completion_tokens;
+        if self.events.is_empty() {
+            self.log.finish(reason, self.completion_tokens);
+            self.phase = if self.envelope.include_usage {
+                Phase::Usage(Usage::new(self.prompt_tokens, self.completion_tokens))
+            } else {
+                Phase::Done
+            };
+        }
+        let entries = std::mem::take(&mut self.pending_logprobs[choice]);
+        let offset = &mut self.text_offsets[choice];
+        let logprobs = if entries.is_empty() {
+            None
+        } else {
+            self.envelope.choice_logprobs(None, &entries, offset)
+        };
+        json_event(&self.envelope.finish_chunk(index, reason, logprobs))
+    }
+
+    /// Ends the stream with an error event (and no `[DONE]`), cancelling every choice.
     fn fail(&mut self, error: ApiError) -> Event {
-        self.events = None;
+        self.events.clear();
         self.phase = Phase::Ended;
         let event = json_event(&error.body());
         self.log.fail(&error);

@@ -7,6 +7,7 @@ mod support;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use meshnet_api::{ChatTurn, EngineError, FinishReason, PromptInput};
+use meshnet_types::SamplingConfig;
 use serde_json::{Value, json};
 use support::{BOS, End, MODEL, Script, ScriptedEngine, VOCAB_SIZE, app, assert_error, call, post};
 
@@ -121,15 +122,18 @@ async fn chat_answer_has_the_openai_shape() {
         ])
     );
     assert_eq!(request.max_tokens, Some(16));
-    assert_eq!(request.temperature, 0.0);
-    assert_eq!(request.top_p, Some(0.9));
-    assert_eq!(request.seed, Some(42));
     assert_eq!(request.stop, vec!["\n\n".to_owned()]);
-    assert_eq!(request.presence_penalty, 0.1);
-    assert_eq!(request.frequency_penalty, -0.5);
-    assert_eq!(request.logit_bias, [(999, -100.0)]);
-    assert_eq!(request.top_k, Some(3));
-    assert_eq!(request.min_p, Some(0.25));
+    let sampling = SamplingConfig {
+        temperature: 0.0,
+        top_p: Some(0.9),
+        seed: 42,
+        presence_penalty: 0.1,
+        frequency_penalty: -0.5,
+        logit_bias: vec![(999, -100.0)],
+        top_k: Some(3),
+        min_p: Some(0.25),
+    };
+    assert_eq!(request.sampling, sampling);
 }
 
 #[tokio::test]
@@ -159,13 +163,65 @@ async fn completion_answer_has_the_openai_shape() {
     assert_eq!(request.request_id, id);
     assert_eq!(request.prompt, PromptInput::Text("Once".into()));
     assert_eq!(request.max_tokens, Some(3));
-    assert_eq!(request.temperature, 1.0);
-    assert_eq!(request.top_p, None);
-    assert_eq!(request.top_k, None);
-    assert_eq!(request.min_p, None);
-    assert_eq!(request.presence_penalty, 0.0);
-    assert_eq!(request.frequency_penalty, 0.0);
-    assert!(request.logit_bias.is_empty());
+    let sampling = SamplingConfig {
+        temperature: 1.0,
+        seed: request.sampling.seed,
+        ..SamplingConfig::greedy()
+    };
+    assert_eq!(request.sampling, sampling);
+}
+
+#[tokio::test]
+async fn n_choices_come_whole_in_index_order_with_their_tokens_added_up() {
+    let engine = ScriptedEngine::new(Script::hello());
+    let body = json!({"model": MODEL, "prompt": "Hi", "n": 2, "seed": 5});
+    let answer = post(app(&engine), "/v1/completions", &body).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(
+        answer.body["choices"],
+        json!([
+            {"index": 0, "text": "Hello, wörld", "finish_reason": "stop", "logprobs": null},
+            {"index": 1, "text": "Hello#1, #1wörld#1", "finish_reason": "stop", "logprobs": null}
+        ])
+    );
+    assert_eq!(
+        answer.body["usage"],
+        json!({"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11})
+    );
+    let request = &engine.requests()[0];
+    assert_eq!((request.n, request.sampling.seed), (2, 5));
+}
+
+#[tokio::test]
+async fn completions_echo_the_prompt_with_legacy_logprobs() {
+    let engine = ScriptedEngine::new(Script::hello());
+    let body = json!({"model": MODEL, "prompt": "Once", "echo": true, "logprobs": 1});
+    let answer = post(app(&engine), "/v1/completions", &body).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let choice = &answer.body["choices"][0];
+    assert_eq!(choice["text"], "OnceHello, wörld");
+    // The scripted entries: "ce" and each delta at -1.5 with "x" at -0.25 beside it, and a
+    // last token without text.
+    let scored = json!({"x": -0.25, "ce": -1.5});
+    assert_eq!(
+        choice["logprobs"],
+        json!({
+            "tokens": ["On", "ce", "Hello", ", ", "wörld", ""],
+            "token_logprobs": [null, -1.5, -1.5, -1.5, -1.5, -1.5],
+            "top_logprobs": [null, scored,
+                             {"x": -0.25, "Hello": -1.5}, {"x": -0.25, ", ": -1.5},
+                             {"x": -0.25, "wörld": -1.5}, {"x": -0.25, "": -1.5}],
+            "text_offset": [0, 2, 4, 9, 11, 17]
+        })
+    );
+    let request = &engine.requests()[0];
+    assert_eq!((request.echo, request.logprobs), (true, Some(1)));
+
+    // Echo alone: the text only.
+    let body = json!({"model": MODEL, "prompt": "Once", "echo": true});
+    let answer = post(app(&engine), "/v1/completions", &body).await;
+    assert_eq!(answer.body["choices"][0]["text"], "OnceHello, wörld");
+    assert_eq!(answer.body["choices"][0]["logprobs"], Value::Null);
 }
 
 #[tokio::test]
@@ -180,12 +236,45 @@ async fn a_completion_prompt_may_be_token_ids() {
     for request in &requests {
         assert_eq!(request.prompt, PromptInput::Tokens(vec![1, 2, 999]));
     }
-    let two = json!({"model": MODEL, "prompt": ["one", "two"]});
+}
+
+#[tokio::test]
+async fn several_prompts_each_get_n_choices_in_prompt_order() {
+    let engine = ScriptedEngine::new(Script::hello());
+    let two = json!({"model": MODEL, "prompt": ["one", [7, 8]], "n": 2});
     let answer = post(app(&engine), "/v1/completions", &two).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let texts: Vec<&str> = answer.body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(index, choice)| {
+            assert_eq!(choice["index"], index);
+            choice["text"].as_str().unwrap()
+        })
+        .collect();
+    let other = "Hello#1, #1wörld#1";
+    assert_eq!(texts, ["Hello, wörld", other, "Hello, wörld", other]);
+    assert_eq!(
+        answer.body["usage"],
+        json!({"prompt_tokens": 10, "completion_tokens": 12, "total_tokens": 22})
+    );
+    let prompts: Vec<PromptInput> = engine.requests().iter().map(|r| r.prompt.clone()).collect();
+    assert_eq!(
+        prompts,
+        [
+            PromptInput::Text("one".into()),
+            PromptInput::Tokens(vec![7, 8])
+        ]
+    );
+
+    let nine = json!({"model": MODEL, "prompt": vec!["x"; 9]});
+    let answer = post(app(&engine), "/v1/completions", &nine).await;
     assert_eq!(answer.status, 400);
     assert_error(&answer.body, "invalid_request_error", Some("prompt"), None);
     let message = answer.body["error"]["message"].as_str().unwrap();
-    assert!(message.contains("2 prompts"), "{message}");
+    assert!(message.contains("9 prompts"), "{message}");
 }
 
 #[tokio::test]
@@ -307,7 +396,7 @@ async fn invalid_requests_are_400_naming_the_field() {
         ),
         (
             "/v1/chat/completions",
-            with(chat_body(), "n", json!(2)).to_string(),
+            with(chat_body(), "n", json!(9)).to_string(),
             Some("n"),
         ),
         (
@@ -362,7 +451,7 @@ async fn invalid_requests_are_400_naming_the_field() {
         ),
         (
             "/v1/completions",
-            json!({"model": MODEL, "prompt": "x", "echo": true}).to_string(),
+            json!({"model": MODEL, "prompt": "x", "echo": "yes"}).to_string(),
             Some("echo"),
         ),
     ];

@@ -333,3 +333,69 @@ async fn client_leaving_a_whole_answer_cancels_the_generation() {
         "the engine's sender did not see the receiver dropped"
     );
 }
+
+/// Every choice of `n` streams under its own index: the texts put back together per index
+/// are each choice's whole text, each index finishes once, and the usage adds up every
+/// choice's tokens.
+#[tokio::test]
+async fn n_choices_stream_under_their_own_indexes() {
+    let engine = ScriptedEngine::new(Script::hello());
+    let base = serve(&engine).await;
+    let mut body = streaming_chat(true);
+    body["n"] = json!(3);
+    let (status, _, text) = post_text(&base, "/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let data = sse_data(&text);
+    assert_eq!(data.last().unwrap(), "[DONE]", "{text}");
+    let chunks = parse_json(&data[..data.len() - 1]);
+    let mut texts = vec![String::new(); 3];
+    let mut roles = vec![0; 3];
+    let mut finishes = vec![0; 3];
+    for chunk in &chunks[..chunks.len() - 1] {
+        let choices = chunk["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 1, "{chunk}");
+        let index = choices[0]["index"].as_u64().unwrap() as usize;
+        let delta = &choices[0]["delta"];
+        if delta["role"] == "assistant" {
+            roles[index] += 1;
+        }
+        texts[index].push_str(delta["content"].as_str().unwrap_or(""));
+        if !choices[0]["finish_reason"].is_null() {
+            finishes[index] += 1;
+        }
+    }
+    assert_eq!(roles, [1, 1, 1]);
+    assert_eq!(finishes, [1, 1, 1]);
+    assert_eq!(
+        texts,
+        ["Hello, wörld", "Hello#1, #1wörld#1", "Hello#2, #2wörld#2"]
+    );
+    assert_eq!(
+        chunks.last().unwrap()["usage"],
+        json!({"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14})
+    );
+    assert_eq!(engine.requests()[0].n, 3);
+}
+
+/// A choice that fails ends the whole stream with the error, and the other choices are
+/// cancelled.
+#[tokio::test]
+async fn one_failing_choice_fails_the_stream_of_all() {
+    let engine = ScriptedEngine::new(Script::Generate {
+        prompt_tokens: 5,
+        deltas: vec!["a"],
+        end: End::Fail(|| EngineError::Upstream("peer 9 went away".into())),
+    });
+    let base = serve(&engine).await;
+    let body = json!({"model": MODEL, "prompt": "p", "stream": true, "n": 2});
+    let (status, _, text) = post_text(&base, "/v1/completions", &body).await;
+    assert_eq!(status, 200);
+    let events = parse_json(&sse_data(&text));
+    assert!(!text.contains("[DONE]"), "{text}");
+    assert_error(
+        events.last().unwrap(),
+        "server_error",
+        None,
+        Some("upstream_error"),
+    );
+}

@@ -211,6 +211,18 @@ mod tests {
     }
 
     #[test]
+    fn control_tokens_are_never_allowed_even_where_their_text_would_be() {
+        let mut constraint = compile(JsonFormat::Schema(json!({"type": "string"})));
+        commit(&mut constraint, "\"");
+        let inside = allowed(&mut constraint);
+        // "<|im_end|>" is text a string may hold, written with other tokens.
+        assert!(inside.contains(&ids(&["<"])[0]) && inside.contains(&ids(&["|"])[0]));
+        assert!(!inside.contains(&IM_END) && !inside.contains(&END_OF_TEXT));
+        commit(&mut constraint, "\"");
+        assert!(constraint.is_complete());
+    }
+
+    #[test]
     fn a_copy_goes_on_from_where_the_original_was_and_leaves_it_there() {
         let mut original = compile(JsonFormat::AnyObject);
         commit(&mut original, "{");

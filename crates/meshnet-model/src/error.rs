@@ -123,6 +123,9 @@ pub enum ModelError {
         /// "gap" or "overlap".
         kind: &'static str,
     },
+    /// A session could not start as a copy of another's cache.
+    #[error("cannot fork the KV cache: {0}")]
+    Fork(String),
     /// Appending a chunk would exceed the KV cache's byte budget.
     #[error(
         "KV cache budget exceeded: {needed} bytes needed on top of {used} in use, budget {budget}"

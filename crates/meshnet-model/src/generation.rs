@@ -173,6 +173,38 @@ impl Route<'_> {
         Ok(hidden)
     }
 
+    /// Runs the whole prompt through every stage chunk by chunk (not pipelined: every chunk's
+    /// output is needed) and scores it: the log-probability of each prompt token after the
+    /// ones before it, with `top` of the most likely tokens at its position (the first token
+    /// has none). Returns those and the logits after the last prompt token, from which
+    /// decoding goes on.
+    pub fn prefill_scoring(
+        &self,
+        session: SessionId,
+        prompt: &[u32],
+        chunk_tokens: usize,
+        top: usize,
+    ) -> Result<(Vec<TokenLogprobs>, Vec<f32>)> {
+        if prompt.is_empty() || chunk_tokens == 0 {
+            return Err(ModelError::InvalidSpan(
+                "scoring needs a prompt and chunks of at least one token".into(),
+            ));
+        }
+        let mut scored = Vec::with_capacity(prompt.len() - 1);
+        let mut last_logits = Vec::new();
+        for range in chunk_ranges(prompt.len(), chunk_tokens) {
+            let hidden = self.forward_hidden(session, range.start, &prompt[range.clone()])?;
+            for (row, position) in range.enumerate() {
+                let logits = self.head.logits(&hidden.narrow(1, row, 1)?)?;
+                match prompt.get(position + 1) {
+                    Some(&next) => scored.push(token_logprobs(&logits, next, top)),
+                    None => last_logits = logits,
+                }
+            }
+        }
+        Ok((scored, last_logits))
+    }
+
     /// Runs one chunk and returns the logits of its last position.
     pub fn forward(&self, session: SessionId, position: usize, tokens: &[u32]) -> Result<Vec<f32>> {
         let hidden = self.forward_hidden(session, position, tokens)?;
@@ -193,7 +225,7 @@ impl Route<'_> {
 ///
 /// A request holds a constraint in its starting state; each generation runs on a copy
 /// ([`TokenConstraint::boxed_clone`]), so a request can be generated more than once.
-pub trait TokenConstraint: Send + std::fmt::Debug {
+pub trait TokenConstraint: Send + Sync + std::fmt::Debug {
     /// Writes the set of tokens allowed next into `mask` (end-of-text tokens among them only
     /// where the constrained text may end).
     fn allowed_tokens(&mut self, mask: &mut TokenMask) -> Result<()>;
@@ -312,21 +344,48 @@ pub fn generate_observed(
     outcome
 }
 
+/// Like [`generate_observed`] for a session whose caches already hold the prompt on every
+/// stage (forked from a prefill shared by several continuations): decoding starts from
+/// `logits`, the logits after the prompt's last token. The session is ended on every stage
+/// afterwards, also after an error or a cancellation.
+pub fn decode_observed(
+    route: &Route<'_>,
+    request: &GenerationRequest,
+    logits: Vec<f32>,
+    tokenizer: Option<&ModelTokenizer>,
+    observer: &mut dyn FnMut(&[u32], &[TokenLogprobs]) -> bool,
+) -> Result<Generation> {
+    let outcome = decode(route, request, logits, tokenizer, observer);
+    route.end_session(request.session);
+    outcome
+}
+
 fn run(
     route: &Route<'_>,
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
     observer: &mut dyn FnMut(&[u32], &[TokenLogprobs]) -> bool,
 ) -> Result<Generation> {
-    let session = request.session;
     if request.prompt.is_empty() {
         return Err(ModelError::InvalidSpan("the prompt has no tokens".into()));
     }
+    let last_hidden = route.prefill(request.session, &request.prompt, request.chunk_tokens)?;
+    let logits = route.head.logits(&last_hidden)?;
+    decode(route, request, logits, tokenizer, observer)
+}
+
+/// Samples from `logits` (those after the prompt), then feeds each token back one at a time
+/// until a stop condition or the token limit.
+fn decode(
+    route: &Route<'_>,
+    request: &GenerationRequest,
+    mut logits: Vec<f32>,
+    tokenizer: Option<&ModelTokenizer>,
+    observer: &mut dyn FnMut(&[u32], &[TokenLogprobs]) -> bool,
+) -> Result<Generation> {
+    let session = request.session;
     let mut sampler = Sampler::new(request.sampling.clone())?;
     let mut recorded = Vec::new();
-
-    let last_hidden = route.prefill(session, &request.prompt, request.chunk_tokens)?;
-    let mut logits = route.head.logits(&last_hidden)?;
 
     let mut generated = Vec::with_capacity(request.max_tokens);
     let mut logprobs = Vec::new();

@@ -132,6 +132,29 @@ impl SessionCache {
         Ok((heads_first(&layer.keys)?, heads_first(&layer.values)?))
     }
 
+    /// A new cache holding this one's first `len` positions (at most [`Self::len`]).
+    fn prefix(&self, len: usize) -> SessionCache {
+        let len = len.min(self.len);
+        let layers: Vec<LayerCache> = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let width = layer.keys.len().checked_div(self.len).unwrap_or(0);
+                LayerCache {
+                    keys: layer.keys[..len * width].to_vec(),
+                    values: layer.values[..len * width].to_vec(),
+                }
+            })
+            .collect();
+        let floats: usize = layers.iter().map(|l| l.keys.len() + l.values.len()).sum();
+        SessionCache {
+            layers,
+            len,
+            bytes: floats * std::mem::size_of::<f32>(),
+            last_used: Instant::now(),
+        }
+    }
+
     /// Cuts every layer back to its first `lengths[i]` values (a failed chunk's rollback).
     fn truncate(&mut self, lengths: &[usize]) {
         for (layer, &length) in self.layers.iter_mut().zip(lengths) {
@@ -227,6 +250,39 @@ impl KvStore {
             .sessions
             .get(&session)
             .map_or(0, SessionCache::len)
+    }
+
+    /// Starts `child` as a copy of the first `len` positions of `parent`'s cache, so that
+    /// several continuations of one prompt share its prefill. Refused when `parent` holds fewer
+    /// than `len` positions (or is unknown or computing), when `child` already exists, and
+    /// when the copy does not fit the budget.
+    pub fn fork(&self, parent: SessionId, child: SessionId, len: usize) -> Result<()> {
+        let mut state = self.lock();
+        if state.sessions.contains_key(&child) || state.computing.contains(&child) {
+            return Err(ModelError::Fork(format!("session {child} already exists")));
+        }
+        let source = state.sessions.get(&parent).ok_or_else(|| {
+            ModelError::Fork(format!(
+                "session {parent} is not cached here (or is computing)"
+            ))
+        })?;
+        if source.len < len {
+            return Err(ModelError::Fork(format!(
+                "session {parent} holds {} positions, not the {len} to copy",
+                source.len
+            )));
+        }
+        let copy = source.prefix(len);
+        if state.used_bytes + copy.bytes > self.budget_bytes {
+            return Err(ModelError::CacheBudget {
+                needed: copy.bytes,
+                used: state.used_bytes,
+                budget: self.budget_bytes,
+            });
+        }
+        state.used_bytes += copy.bytes;
+        state.sessions.insert(child, copy);
+        Ok(())
     }
 
     /// Drops a session's cache, freeing its bytes; a session computing a chunk right now is
@@ -452,6 +508,88 @@ mod tests {
         store.end_session(session);
         assert_eq!(store.session_len(session), 0);
         assert_eq!(store.used_bytes(), 0);
+    }
+
+    /// Rows whose values name their position, `[tokens, 2]` for keys and negated for values.
+    fn numbered_rows(first: usize, tokens: usize) -> (Vec<f32>, Vec<f32>) {
+        let keys: Vec<f32> = (first..first + tokens)
+            .flat_map(|at| [at as f32, at as f32 + 0.5])
+            .collect();
+        let values = keys.iter().map(|k| -k).collect();
+        (keys, values)
+    }
+
+    fn append_numbered(store: &KvStore, session: SessionId, position: usize, tokens: usize) {
+        store
+            .with_session(session, position, tokens, |cache| {
+                let (keys, values) = numbered_rows(position, tokens);
+                cache.append_rows(0, &keys, &values)?;
+                cache.append_rows(1, &keys, &values)?;
+                Ok(())
+            })
+            .unwrap();
+    }
+
+    fn layer_rows(store: &KvStore, session: SessionId, layer: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut state = store.lock();
+        let cache = state.sessions.get_mut(&session).unwrap();
+        let layer = cache.layer(layer).unwrap();
+        (layer.keys().to_vec(), layer.values().to_vec())
+    }
+
+    #[test]
+    fn a_fork_copies_the_parents_first_positions_and_then_lives_on_its_own() {
+        // Two layers of width 2: 16 bytes per position each for keys and values.
+        let store = KvStore::new(2, 2 * 2 * 2 * 4, 1 << 20);
+        let parent = SessionId::new_v4();
+        let child = SessionId::new_v4();
+        append_numbered(&store, parent, 0, 5);
+        store.fork(parent, child, 3).unwrap();
+        assert_eq!(store.session_len(child), 3);
+        assert_eq!(store.used_bytes(), 8 * 32);
+        for layer in 0..2 {
+            assert_eq!(layer_rows(&store, child, layer), numbered_rows(0, 3));
+        }
+        // The child continues at its own position 3; the parent is untouched.
+        append_numbered(&store, child, 3, 1);
+        assert_eq!(layer_rows(&store, child, 1), numbered_rows(0, 4));
+        assert_eq!(layer_rows(&store, parent, 1), numbered_rows(0, 5));
+        store.end_session(parent);
+        assert_eq!(layer_rows(&store, child, 0), numbered_rows(0, 4));
+        store.end_session(child);
+        assert_eq!(store.used_bytes(), 0);
+    }
+
+    #[test]
+    fn a_fork_is_refused_without_enough_parent_an_existing_child_or_room() {
+        let store = KvStore::new(2, 2 * 2 * 2 * 4, 9 * 32);
+        let parent = SessionId::new_v4();
+        let child = SessionId::new_v4();
+        append_numbered(&store, parent, 0, 5);
+        let short = store.fork(parent, child, 6).unwrap_err().to_string();
+        assert!(short.contains("holds 5 positions, not the 6"), "{short}");
+        let unknown = store
+            .fork(child, SessionId::new_v4(), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(unknown.contains("is not cached here"), "{unknown}");
+        let exists = store.fork(parent, parent, 1).unwrap_err().to_string();
+        assert!(exists.contains("already exists"), "{exists}");
+        let full = store.fork(parent, child, 5).unwrap_err();
+        assert!(
+            matches!(
+                full,
+                ModelError::CacheBudget {
+                    needed: 160,
+                    used: 160,
+                    ..
+                }
+            ),
+            "{full}"
+        );
+        assert!(!store.has_session(child));
+        store.fork(parent, child, 4).unwrap();
+        assert_eq!(store.used_bytes(), 9 * 32);
     }
 
     #[test]

@@ -50,7 +50,7 @@ pub use family::{
 };
 pub use generation::{
     BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,
-    TokenConstraint, TokenEmbedder, generate, generate_observed,
+    TokenConstraint, TokenEmbedder, decode_observed, generate, generate_observed,
 };
 pub use gguf::{GgufModel, ModelDescription, WeightBytes};
 pub use gguf_check::{

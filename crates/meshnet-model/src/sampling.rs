@@ -11,95 +11,41 @@ use crate::error::{ModelError, Result};
 /// A logit bias at or below this bans its token: the token is never chosen.
 pub const BAN_BIAS: f32 = -100.0;
 
-/// How to choose tokens.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SamplingConfig {
-    /// Softmax temperature; 0 (or below) picks the most likely token (greedy).
-    pub temperature: f32,
-    /// Keep only the `k` most likely tokens before sampling.
-    pub top_k: Option<usize>,
-    /// Keep the smallest set of most likely tokens whose probability reaches `p`.
-    pub top_p: Option<f32>,
-    /// Drop the tokens whose probability (after temperature) is below `min_p` times the most
-    /// likely token's.
-    pub min_p: Option<f32>,
-    /// Subtracted once from the logit of every token generated at least once so far.
-    pub presence_penalty: f32,
-    /// Subtracted from the logit of every token once per time it was generated so far.
-    pub frequency_penalty: f32,
-    /// Added to the logits of the listed token ids, greedy or not; a bias of [`BAN_BIAS`] or
-    /// less bans the token. Ids past the end of the logits are ignored.
-    pub logit_bias: Vec<(u32, f32)>,
-    /// Seed of the random generator.
-    pub seed: u64,
-}
+pub use meshnet_types::SamplingConfig;
 
-impl SamplingConfig {
-    /// Greedy decoding.
-    pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: None,
-            top_p: None,
-            min_p: None,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            logit_bias: Vec::new(),
-            seed: 0,
+/// Refuses settings no sampler can follow: a NaN temperature, `top_k = 0`, `top_p`
+/// outside `(0, 1]`, `min_p` outside `[0, 1]`, and penalties or biases that are not
+/// finite numbers.
+fn check(config: &SamplingConfig) -> Result<()> {
+    let refuse = |reason: String| Err(ModelError::Sampling(reason));
+    if config.temperature.is_nan() {
+        return refuse("temperature is NaN".into());
+    }
+    if config.top_k == Some(0) {
+        return refuse("top-k must be at least 1".into());
+    }
+    if let Some(p) = config.top_p
+        && !(p > 0.0 && p <= 1.0)
+    {
+        return refuse(format!("top-p {p} is not in (0, 1]"));
+    }
+    if let Some(p) = config.min_p
+        && !(0.0..=1.0).contains(&p)
+    {
+        return refuse(format!("min-p {p} is not in [0, 1]"));
+    }
+    for (name, penalty) in [
+        ("presence", config.presence_penalty),
+        ("frequency", config.frequency_penalty),
+    ] {
+        if !penalty.is_finite() {
+            return refuse(format!("the {name} penalty {penalty} is not finite"));
         }
     }
-
-    /// Whether this configuration always takes the most likely token (after bias and
-    /// penalties).
-    pub fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 || self.top_k == Some(1)
+    if let Some((id, bias)) = config.logit_bias.iter().find(|(_, bias)| !bias.is_finite()) {
+        return refuse(format!("the bias {bias} of token {id} is not finite"));
     }
-
-    /// Whether logits are changed before choosing: any bias or penalty.
-    fn adjusts_logits(&self) -> bool {
-        !self.logit_bias.is_empty() || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
-    }
-
-    /// Refuses settings no sampler can follow: a NaN temperature, `top_k = 0`, `top_p`
-    /// outside `(0, 1]`, `min_p` outside `[0, 1]`, and penalties or biases that are not
-    /// finite numbers.
-    fn check(&self) -> Result<()> {
-        let refuse = |reason: String| Err(ModelError::Sampling(reason));
-        if self.temperature.is_nan() {
-            return refuse("temperature is NaN".into());
-        }
-        if self.top_k == Some(0) {
-            return refuse("top-k must be at least 1".into());
-        }
-        if let Some(p) = self.top_p
-            && !(p > 0.0 && p <= 1.0)
-        {
-            return refuse(format!("top-p {p} is not in (0, 1]"));
-        }
-        if let Some(p) = self.min_p
-            && !(0.0..=1.0).contains(&p)
-        {
-            return refuse(format!("min-p {p} is not in [0, 1]"));
-        }
-        for (name, penalty) in [
-            ("presence", self.presence_penalty),
-            ("frequency", self.frequency_penalty),
-        ] {
-            if !penalty.is_finite() {
-                return refuse(format!("the {name} penalty {penalty} is not finite"));
-            }
-        }
-        if let Some((id, bias)) = self.logit_bias.iter().find(|(_, bias)| !bias.is_finite()) {
-            return refuse(format!("the bias {bias} of token {id} is not finite"));
-        }
-        Ok(())
-    }
-}
-
-impl Default for SamplingConfig {
-    fn default() -> Self {
-        Self::greedy()
-    }
+    Ok(())
 }
 
 /// A set of token ids: the tokens a token constraint allows at one step.
@@ -190,7 +136,7 @@ impl Sampler {
     /// A sampler; rejects a NaN temperature, `top_k = 0`, `top_p` outside `(0, 1]`, `min_p`
     /// outside `[0, 1]`, and penalties or biases that are not finite.
     pub fn new(config: SamplingConfig) -> Result<Self> {
-        config.check()?;
+        check(&config)?;
         let random = SplitMix64(config.seed);
         Ok(Self {
             config,

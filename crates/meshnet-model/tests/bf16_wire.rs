@@ -37,6 +37,7 @@ impl Stage for OverTheWire<'_> {
                 layers,
                 route: WireRoute::default(),
                 grant: None,
+                fork_from: None,
             },
             activations: Activations::from_tensor(&hidden)?,
         };

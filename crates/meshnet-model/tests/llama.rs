@@ -412,3 +412,75 @@ fn batched_sessions_give_the_bits_of_each_alone() {
     }
     assert!(!span.kv_store().has_session(intruder));
 }
+
+/// Continuations forked from one shared prefill (the prompt computed once, its KV cache copied
+/// per continuation) give exactly the tokens and logits each would give with its own prefill,
+/// greedy and sampled; the parent's cache stays as it was.
+#[test]
+fn continuations_forked_from_a_shared_prefill_equal_their_own_prefill() {
+    let prompt = long_prompt();
+    let route = whole_q8_route();
+    let parent = SessionId::new_v4();
+    let hidden = route.prefill(parent, &prompt, 128).unwrap();
+    let logits = meshnet_model::LogitsHead::logits(whole_q8(), &hidden).unwrap();
+    let store = whole_q8().kv_store();
+    for (index, temperature) in [0.0, 0.8, 1.2].into_iter().enumerate() {
+        let mut request = GenerationRequest::greedy(prompt.clone(), 6);
+        request.sampling.temperature = temperature;
+        request.sampling.seed = 40 + index as u64;
+        request.record_logits = true;
+        let alone = generate(&route, &request, None).unwrap();
+
+        let child = SessionId::new_v4();
+        store.fork(parent, child, prompt.len()).unwrap();
+        let forked_request = GenerationRequest {
+            session: child,
+            ..request.clone()
+        };
+        let forked = meshnet_model::decode_observed(
+            &route,
+            &forked_request,
+            logits.clone(),
+            None,
+            &mut |_, _| true,
+        )
+        .unwrap();
+        assert_eq!(forked.tokens, alone.tokens, "temperature {temperature}");
+        assert_eq!(forked.logits, alone.logits, "temperature {temperature}");
+        assert!(
+            !store.has_session(child),
+            "the continuation's session is ended"
+        );
+        assert_eq!(store.session_len(parent), prompt.len());
+    }
+    route.end_session(parent);
+}
+
+/// Scoring a prompt gives, at each position, exactly the log-probabilities (and the same
+/// most likely tokens) that feeding the prompt one token at a time from a fresh session gives,
+/// across a chunk boundary, and ends with the logits a plain prefill ends with.
+#[test]
+fn a_scored_prompt_has_the_logprobs_of_feeding_it_token_by_token() {
+    let prompt: Vec<u32> = long_prompt()[..140].to_vec();
+    let route = whole_q8_route();
+    let session = SessionId::new_v4();
+    let (scored, last) = route.prefill_scoring(session, &prompt, 128, 3).unwrap();
+    route.end_session(session);
+    assert_eq!(scored.len(), prompt.len() - 1);
+
+    let plain = SessionId::new_v4();
+    let hidden = route.prefill(plain, &prompt, 128).unwrap();
+    let plain_last = meshnet_model::LogitsHead::logits(whole_q8(), &hidden).unwrap();
+    route.end_session(plain);
+    assert_eq!(last, plain_last);
+
+    let stepwise = SessionId::new_v4();
+    for position in 0..prompt.len() - 1 {
+        let logits = route
+            .forward(stepwise, position, &prompt[position..=position])
+            .unwrap();
+        let expected = meshnet_model::token_logprobs(&logits, prompt[position + 1], 3);
+        assert_eq!(scored[position], expected, "position {position}");
+    }
+    route.end_session(stepwise);
+}

@@ -155,6 +155,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 layers: LayerSpan::new(0, 10),
                 route: route.clone(),
                 grant: None,
+                fork_from: None,
             },
             activations: chunk.activations,
         };
@@ -202,6 +203,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 layers: LayerSpan::new(0, 10),
                 route: route.clone(),
                 grant: None,
+                fork_from: None,
             },
             activations: one,
         };

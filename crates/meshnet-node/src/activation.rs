@@ -100,6 +100,7 @@ impl ActivationPlane {
             let mut meta = meta;
             meta.route = Default::default();
             meta.grant = None;
+            meta.fork_from = None;
             return Ok(ActivationFrame {
                 meta,
                 activations: output,

@@ -79,6 +79,7 @@ impl NodeError {
                 ExecutorError::PositionConflict { .. } => {
                     (StatusCode::CONFLICT, "position_conflict")
                 }
+                ExecutorError::ForkSource(_) => (StatusCode::CONFLICT, "fork_source_missing"),
                 ExecutorError::BadActivations(_) => {
                     (StatusCode::UNPROCESSABLE_ENTITY, "bad_activations")
                 }

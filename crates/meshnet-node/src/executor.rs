@@ -52,6 +52,10 @@ pub enum ExecutorError {
         /// The position the frame declared.
         got: u64,
     },
+    /// The frame's session was to start as a copy of another session's cache
+    /// (`X-Meshnet-Fork-From`), which this peer does not hold (or not far enough).
+    #[error("the session cannot start from the one named in X-Meshnet-Fork-From: {0}")]
+    ForkSource(String),
     /// The frame's activations do not fit the model (for example a wrong hidden size).
     #[error("activations do not fit the model: {0}")]
     BadActivations(String),

@@ -86,6 +86,7 @@ fn frame(layers: (u32, u32), route: Vec<Hop>, tokens: usize) -> ActivationFrame 
             layers: LayerSpan::new(layers.0, layers.1),
             route: Route::new(route).unwrap(),
             grant: None,
+            fork_from: None,
         },
         activations: Activations::new(shape, values).unwrap(),
     }

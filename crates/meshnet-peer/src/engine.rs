@@ -8,16 +8,17 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use futures::future::BoxFuture;
 use meshnet_api::{
     ChatTurn, CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream,
-    FinishReason, ModelInfo, PromptInput, ResponseFormat, TokenLogprob, ToolChoice, ToolRequest,
-    TopLogprob,
+    FinishReason, ModelInfo, PromptInput, PromptLogprobs, ResponseFormat, RouteMember,
+    TokenLogprob, ToolChoice, ToolRequest, TopLogprob,
 };
 use meshnet_grammar::{JsonConstraint, JsonFormat, TokenEnvironment};
 use meshnet_model::{
     BoundaryPolicy, EncodeOptions, FinishReason as ModelFinish, GenerationRequest, ModelError,
-    ModelTokenizer, Route, SamplingConfig, SessionId, Stage, StopConditions, TextSide,
-    TokenConstraint, TokenLogprobs, ToolFormat, generate_observed,
+    ModelTokenizer, Route, SessionId, Stage, StopConditions, TextSide, TokenConstraint,
+    TokenLogprobs, ToolFormat, decode_observed, generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
+use meshnet_types::PeerId;
 use meshnet_wire::Encoding;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
@@ -36,6 +37,8 @@ const EVENT_BUFFER: usize = 64;
 /// The OpenAI API's view of the mesh.
 pub struct MeshEngine {
     info: ModelInfo,
+    /// This member's peer id: the first member of every route.
+    local_peer: PeerId,
     text: Arc<TextSide>,
     host: Arc<ShardHost>,
     failover: Failover,
@@ -66,11 +69,12 @@ pub fn structured_output_environment(text: &TextSide) -> Result<TokenEnvironment
 }
 
 impl MeshEngine {
-    /// An engine generating with the entry span in `host` and remote hops from the routes of
-    /// `failover` (which also says how a failed hop is routed around), running and queueing
-    /// generations within `limits`. Chats leave out the chat template's default system
-    /// prompt, as `meshnet-peer generate --chat` does.
+    /// An engine of the member `local_peer` generating with the entry span in `host` and
+    /// remote hops from the routes of `failover` (which also says how a failed hop is routed
+    /// around), running and queueing generations within `limits`. Chats leave out the chat
+    /// template's default system prompt, as `meshnet-peer generate --chat` does.
     pub fn new(
+        local_peer: PeerId,
         model_id: String,
         mut text: TextSide,
         host: Arc<ShardHost>,
@@ -102,6 +106,7 @@ impl MeshEngine {
                 tensor_types,
                 vocab_size,
             },
+            local_peer,
             text: Arc::new(text),
             host,
             failover,
@@ -188,6 +193,36 @@ impl MeshEngine {
             });
         }
         Ok(max_tokens)
+    }
+
+    /// Refuses a request whose choices could never fit the entry span's KV cache, even alone:
+    /// `n` choices of `prompt + max_tokens` positions each (and the shared prompt once more
+    /// while they start).
+    fn check_cache_room(
+        &self,
+        prompt: usize,
+        max_tokens: usize,
+        n: usize,
+    ) -> Result<(), EngineError> {
+        let Some(entry) = self.host.current() else {
+            return Ok(());
+        };
+        let store = entry.span.kv_store();
+        let shared_prompt = if n > 1 { prompt } else { 0 };
+        let positions = n * (prompt + max_tokens) + shared_prompt;
+        let needed = positions * store.bytes_per_position();
+        if needed <= store.budget_bytes() {
+            return Ok(());
+        }
+        let param = if n > 1 { "n" } else { "max_tokens" };
+        Err(EngineError::InvalidRequest {
+            param: Some(param.to_owned()),
+            message: format!(
+                "{n} choice(s) of {prompt} prompt and {max_tokens} completion tokens need \
+                 {needed} bytes of KV cache at the entry, which holds {}; ask for fewer",
+                store.budget_bytes()
+            ),
+        })
     }
 
     /// The prompt's token ids, and whether it is a chat: text is encoded as a sequence starts,
@@ -317,6 +352,7 @@ impl CompletionEngine for MeshEngine {
                 self.prompt_tokens(request.prompt.clone(), request.tools.as_ref())?;
             let prompt_param = if chat { "messages" } else { "prompt" };
             let max_tokens = self.completion_budget(&prompt, prompt_param, request.max_tokens)?;
+            self.check_cache_room(prompt.len(), max_tokens, request.n)?;
             let constraint = self.constraint(&request.response_format).await?;
             // A required call's grammar takes the place of the answer's format.
             let constraint = match self.tool_constraint(request.tools.as_ref()).await? {
@@ -377,8 +413,11 @@ impl MeshEngine {
                 ))
             })?;
 
+        let route = route_members(&self.local_peer, &entry, &hops);
         let remote = self.remote_stage(start, hops)?;
         let request_id = request.request_id.clone();
+        let choices = request.n.max(1);
+        let echo = self.echo_text(&request, &prompt)?;
         let calls = request
             .tools
             .as_ref()
@@ -386,7 +425,8 @@ impl MeshEngine {
         let mut generation = self.generation_request(request, prompt, chat, max_tokens);
         generation.constraint = constraint.map(|c| Box::new(c) as Box<dyn TokenConstraint>);
         let prompt_tokens = generation.prompt.len();
-        let (events, receiver) = mpsc::channel(EVENT_BUFFER);
+        let (events, receivers): (Vec<_>, Vec<_>) =
+            (0..choices).map(|_| mpsc::channel(EVENT_BUFFER)).unzip();
         let job = GenerationJob {
             admitted,
             metrics: self.client.metrics().clone(),
@@ -395,6 +435,7 @@ impl MeshEngine {
             entry,
             remote,
             request: generation,
+            echo,
             events,
             calls,
             _permit: permit,
@@ -402,12 +443,29 @@ impl MeshEngine {
         tokio::task::spawn_blocking(move || job.run());
         Ok(EngineStream {
             prompt_tokens,
-            events: receiver,
+            route,
+            choices: receivers,
         })
     }
 }
 
 impl MeshEngine {
+    /// The text a request that set `echo` echoes: a text prompt as given, token ids as their
+    /// text. `None` without `echo`.
+    fn echo_text(
+        &self,
+        request: &EngineRequest,
+        prompt: &[u32],
+    ) -> Result<Option<String>, EngineError> {
+        if !request.echo {
+            return Ok(None);
+        }
+        match &request.prompt {
+            PromptInput::Text(text) => Ok(Some(text.clone())),
+            _ => self.detokenize(prompt).map(Some),
+        }
+    }
+
     /// What to generate: `prompt`, `request`'s sampling settings and stop sequences, and the
     /// model's end-of-text tokens (with its end-of-turn token for a chat).
     fn generation_request(
@@ -422,16 +480,7 @@ impl MeshEngine {
             stop_tokens.extend(self.text.end_of_turn);
         }
         GenerationRequest {
-            sampling: SamplingConfig {
-                temperature: request.temperature,
-                top_k: request.top_k,
-                top_p: request.top_p,
-                min_p: request.min_p,
-                presence_penalty: request.presence_penalty,
-                frequency_penalty: request.frequency_penalty,
-                logit_bias: request.logit_bias,
-                seed: request.seed.unwrap_or_else(random_seed),
-            },
+            sampling: request.sampling,
             logprobs: request.logprobs,
             stop: StopConditions {
                 tokens: stop_tokens,
@@ -468,11 +517,6 @@ impl MeshEngine {
     }
 }
 
-fn random_seed() -> u64 {
-    let (high, low) = SessionId::new_v4().as_u64_pair();
-    high ^ low
-}
-
 /// One generation, run on a blocking thread.
 struct GenerationJob {
     /// When the request got its session slot (time to first token counts from here).
@@ -483,18 +527,29 @@ struct GenerationJob {
     text: Arc<TextSide>,
     entry: Arc<LoadedShard>,
     remote: Option<RemoteStage>,
+    /// What to generate (with the structured-output constraint in its starting state).
     request: GenerationRequest,
-    events: mpsc::Sender<EngineEvent>,
-    /// Reads tool calls out of the answer, when the request offered tools.
+    /// The prompt's text, when it is to be echoed before each choice's text.
+    echo: Option<String>,
+    /// One per choice: choice `i` samples with the request's seed plus `i`.
+    events: Vec<mpsc::Sender<EngineEvent>>,
+    /// Reads tool calls out of an answer, when the request offered tools: each choice reads
+    /// with a copy of this one.
     calls: Option<CallReader>,
     /// Held until the generation ends, freeing its session slot.
     _permit: OwnedSemaphorePermit,
 }
 
 impl GenerationJob {
-    fn run(mut self) {
-        let started = Instant::now();
-        let session = self.request.session;
+    /// Choice `index`'s request: the job's (its constraint copied in its starting state),
+    /// seeded with its seed plus `index`.
+    fn choice_request(&self, index: usize) -> GenerationRequest {
+        let mut request = self.request.clone();
+        request.sampling.seed = request.sampling.seed.wrapping_add(index as u64);
+        request
+    }
+
+    fn run(self) {
         let span: &LoadedShard = &self.entry;
         let mut stages: Vec<&dyn Stage> = vec![span];
         if let Some(remote) = &self.remote {
@@ -508,27 +563,176 @@ impl GenerationJob {
         };
         tracing::info!(
             request = %self.request_id,
-            %session,
+            session = %self.request.session,
             route = %route_description(&self.entry, self.remote.as_ref()),
             prompt_tokens = self.request.prompt.len(),
+            choices = self.events.len(),
             "generation started"
         );
+        let scoring = self.echo.is_some() && self.request.logprobs.is_some();
+        match self.events.as_slice() {
+            [events] if !scoring => {
+                self.send_echo(events, None);
+                let request = self.choice_request(0);
+                let outcome = self.stream_choice(&route, &request, None, events);
+                self.report(&request, events, outcome);
+            }
+            _ => self.run_shared_prefill(&route, scoring),
+        }
+    }
+
+    /// The prompt prefilled once under the request's session (and scored, when its
+    /// log-probabilities are to be echoed), then one choice decoding on that session, or
+    /// several each on a session that starts as a copy of its caches (locally, and on each
+    /// remote hop with its first frame), decoding side by side, batched by the spans.
+    fn run_shared_prefill(&self, route: &Route<'_>, scoring: bool) {
+        let prefix = self.request.session;
+        let (prompt_logprobs, logits) = match self.prefill(route, scoring) {
+            Ok(prefilled) => prefilled,
+            Err(error) => {
+                route.end_session(prefix);
+                for events in &self.events {
+                    let _ = events.blocking_send(EngineEvent::Failed(engine_error(&error)));
+                }
+                return;
+            }
+        };
+        if let [events] = self.events.as_slice() {
+            self.send_echo(events, prompt_logprobs);
+            let request = self.choice_request(0);
+            let outcome = self.stream_choice(route, &request, Some(logits), events);
+            self.report(&request, events, outcome);
+            return;
+        }
+        std::thread::scope(|scope| {
+            for (index, events) in self.events.iter().enumerate() {
+                let logits = logits.clone();
+                let prompt_logprobs = prompt_logprobs.clone();
+                scope.spawn(move || {
+                    self.send_echo(events, prompt_logprobs);
+                    self.run_forked_choice(index, prefix, logits, events)
+                });
+            }
+        });
+        route.end_session(prefix);
+    }
+
+    /// Prefills the prompt under the request's session; returns the logits after it and,
+    /// when `scoring`, its tokens' log-probabilities.
+    fn prefill(
+        &self,
+        route: &Route<'_>,
+        scoring: bool,
+    ) -> Result<(Option<PromptLogprobs>, Vec<f32>), ModelError> {
+        let request = &self.request;
+        if !scoring {
+            let hidden = route.prefill(request.session, &request.prompt, request.chunk_tokens)?;
+            return Ok((None, route.head.logits(&hidden)?));
+        }
+        let top = request.logprobs.unwrap_or(0);
+        let (scored, logits) =
+            route.prefill_scoring(request.session, &request.prompt, request.chunk_tokens, top)?;
+        let tokenizer = &self.text.tokenizer;
+        let first = request.prompt[0];
+        let first_token = String::from_utf8_lossy(&tokenizer.token_bytes(first)?).into_owned();
+        let scored = scored
+            .iter()
+            .map(|entry| api_logprob(tokenizer, entry))
+            .collect();
+        Ok((
+            Some(PromptLogprobs {
+                first_token,
+                scored,
+            }),
+            logits,
+        ))
+    }
+
+    /// Echoes the prompt to a choice's receiver, when the request asked for it.
+    fn send_echo(&self, events: &mpsc::Sender<EngineEvent>, logprobs: Option<PromptLogprobs>) {
+        if let Some(text) = &self.echo {
+            let _ = events.blocking_send(EngineEvent::Prompt {
+                text: text.clone(),
+                logprobs,
+            });
+        }
+    }
+
+    /// Choice `index`, forked from the prompt prefilled under `prefix`.
+    fn run_forked_choice(
+        &self,
+        index: usize,
+        prefix: SessionId,
+        logits: Vec<f32>,
+        events: &mpsc::Sender<EngineEvent>,
+    ) {
+        let mut request = self.choice_request(index);
+        request.session = SessionId::new_v4();
+        let forked = self
+            .entry
+            .fork_session(prefix, request.session, request.prompt.len())
+            .and_then(|()| {
+                self.remote
+                    .as_ref()
+                    .map(|remote| remote.forked(prefix))
+                    .transpose()
+            });
+        let outcome = match forked {
+            Ok(remote) => {
+                let span: &LoadedShard = &self.entry;
+                let mut stages: Vec<&dyn Stage> = vec![span];
+                if let Some(remote) = &remote {
+                    stages.push(remote);
+                }
+                let route = Route {
+                    embedder: span,
+                    stages,
+                    head: span,
+                    boundary: BoundaryPolicy::Bf16,
+                };
+                self.stream_choice(&route, &request, Some(logits), events)
+            }
+            Err(error) => (Err(error), false),
+        };
+        self.report(&request, events, outcome);
+    }
+
+    /// Streams one choice over `route` (from `logits` when its session holds the prompt
+    /// already); also says whether the answer made tool calls.
+    fn stream_choice(
+        &self,
+        route: &Route<'_>,
+        request: &GenerationRequest,
+        logits: Option<Vec<f32>>,
+        events: &mpsc::Sender<EngineEvent>,
+    ) -> (Result<meshnet_model::Generation, ModelError>, bool) {
         let mut clock = TokenClock {
             metrics: &self.metrics,
             previous: self.admitted,
             counted: 0,
         };
-        let mut calls = self.calls.take();
+        let mut calls = self.calls.clone();
         let outcome = stream_generation(
-            &route,
-            &self.request,
+            route,
+            request,
+            logits,
             &self.text.tokenizer,
-            &self.events,
+            events,
             calls.as_mut(),
             &mut clock,
         );
         let called = calls.as_ref().is_some_and(|calls| calls.calls() > 0);
-        let events = &self.events;
+        (outcome, called)
+    }
+
+    /// Logs how a choice ended (with tool calls when `called`) and tells its receiver.
+    fn report(
+        &self,
+        request: &GenerationRequest,
+        events: &mpsc::Sender<EngineEvent>,
+        (outcome, called): (Result<meshnet_model::Generation, ModelError>, bool),
+    ) {
+        let session = request.session;
         match outcome {
             Ok(generation) if generation.finish == ModelFinish::Cancelled => {
                 tracing::info!(request = %self.request_id, %session, "generation cancelled: the client went away");
@@ -543,7 +747,7 @@ impl GenerationJob {
                     request = %self.request_id,
                     %session,
                     completion_tokens = generation.tokens.len(),
-                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    elapsed_ms = self.admitted.elapsed().as_millis() as u64,
                     "generation finished"
                 );
                 let _ = events.blocking_send(EngineEvent::Finished {
@@ -560,9 +764,9 @@ impl GenerationJob {
 }
 
 /// How a model error is reported: a chat template that raised or failed as 400 naming the
-/// problem; a route that failed beyond repair as 503 and any other stage failure as 502,
-/// naming the failed hop's peer, endpoint and code when a remote hop failed; anything else
-/// as 500.
+/// problem; the entry's KV cache full as 429 (busy); a route that failed beyond repair as 503
+/// and any other stage failure as 502, naming the failed hop's peer, endpoint and code when a
+/// remote hop failed; anything else as 500.
 fn engine_error(error: &ModelError) -> EngineError {
     let source = match error {
         ModelError::Stage { source, .. } => source,
@@ -570,6 +774,13 @@ fn engine_error(error: &ModelError) -> EngineError {
             return EngineError::InvalidRequest {
                 param: Some("messages".to_owned()),
                 message: error.to_string(),
+            };
+        }
+        // The entry's KV cache is full with other sessions now: it frees as they end.
+        ModelError::CacheBudget { .. } => {
+            return EngineError::Busy {
+                reason: error.to_string(),
+                retry_after_seconds: 1,
             };
         }
         ModelError::Constraint(_) => {
@@ -594,6 +805,25 @@ fn engine_error(error: &ModelError) -> EngineError {
         )),
         None => EngineError::Upstream(error.to_string()),
     }
+}
+
+/// The members a generation starts on: this member (`local_peer`) with the `entry` span,
+/// then every remote hop, each with the layers it runs.
+fn route_members(
+    local_peer: &PeerId,
+    entry: &LoadedShard,
+    hops: &[PlannedHop],
+) -> Vec<RouteMember> {
+    let layers = entry.target.layers;
+    std::iter::once(RouteMember {
+        peer: local_peer.as_str().to_owned(),
+        layers: layers.start..layers.end,
+    })
+    .chain(hops.iter().map(|hop| RouteMember {
+        peer: hop.peer.as_str().to_owned(),
+        layers: hop.layers.start..hop.layers.end,
+    }))
+    .collect()
 }
 
 fn route_description(entry: &LoadedShard, remote: Option<&RemoteStage>) -> String {
@@ -651,6 +881,7 @@ fn send_text(
 fn stream_generation(
     route: &Route<'_>,
     request: &GenerationRequest,
+    prefilled: Option<Vec<f32>>,
     tokenizer: &ModelTokenizer,
     events: &mpsc::Sender<EngineEvent>,
     mut calls: Option<&mut CallReader>,
@@ -666,21 +897,20 @@ fn stream_generation(
             .collect();
         entries.is_empty() || events.blocking_send(EngineEvent::Logprobs(entries)).is_ok()
     };
-    let outcome = generate_observed(
-        route,
-        request,
-        Some(tokenizer),
-        &mut |generated, logprobs| {
-            clock.tokens_now(generated.len());
-            match streamer.delta(generated) {
-                Some(delta) => {
-                    send_logprobs(streamer.release(), logprobs)
-                        && send_text(events, calls.as_deref_mut(), delta)
-                }
-                None => !events.is_closed(),
+    let mut observer = |generated: &[u32], logprobs: &[TokenLogprobs]| {
+        clock.tokens_now(generated.len());
+        match streamer.delta(generated) {
+            Some(delta) => {
+                send_logprobs(streamer.release(), logprobs)
+                    && send_text(events, calls.as_deref_mut(), delta)
             }
-        },
-    );
+            None => !events.is_closed(),
+        }
+    };
+    let outcome = match prefilled {
+        Some(logits) => decode_observed(route, request, logits, Some(tokenizer), &mut observer),
+        None => generate_observed(route, request, Some(tokenizer), &mut observer),
+    };
     if let Ok(generation) = &outcome
         && generation.finish != ModelFinish::Cancelled
     {
@@ -916,6 +1146,19 @@ mod tests {
     }
 
     #[test]
+    fn a_full_entry_cache_is_busy_not_an_internal_error() {
+        let full = ModelError::CacheBudget {
+            needed: 10,
+            used: 95,
+            budget: 100,
+        };
+        assert!(matches!(
+            engine_error(&full),
+            EngineError::Busy { reason, retry_after_seconds: 1 } if reason.contains("10 bytes needed")
+        ));
+    }
+
+    #[test]
     fn a_chat_template_error_is_an_invalid_request_with_its_message() {
         let error = ModelError::ChatTemplate {
             origin: "the model file's tokenizer.chat_template".to_owned(),
@@ -1039,7 +1282,8 @@ mod streaming_tests {
             counted: 0,
         };
         let generation =
-            stream_generation(&route, &request, tokenizer, &events, None, &mut clock).unwrap();
+            stream_generation(&route, &request, None, tokenizer, &events, None, &mut clock)
+                .unwrap();
         // Every generated token is counted once, however the text was cut into deltas.
         assert_eq!(metrics.tokens_generated(), generation.tokens.len() as u64);
         let mut deltas = Vec::new();
@@ -1082,7 +1326,7 @@ mod streaming_tests {
             previous: Instant::now(),
             counted: 0,
         };
-        stream_generation(&route, &request, tokenizer, &events, None, &mut clock).unwrap();
+        stream_generation(&route, &request, None, tokenizer, &events, None, &mut clock).unwrap();
         let mut sent = Vec::new();
         while let Ok(event) = received.try_recv() {
             sent.push(event);

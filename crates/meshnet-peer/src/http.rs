@@ -210,6 +210,7 @@ async fn proxy(member: &Member, tracker: &str, request: Request) -> Response {
         header::CONTENT_TYPE,
         header::RETRY_AFTER,
         header::CACHE_CONTROL,
+        header::HeaderName::from_static(meshnet_api::ROUTE_HEADER),
     ] {
         if let Some(value) = answer.headers().get(&name) {
             response = response.header(name, value);

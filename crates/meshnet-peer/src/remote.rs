@@ -116,6 +116,9 @@ struct RouteState {
     in_flight: VecDeque<JoinHandle<Result<Activations, SendError>>>,
     /// The answer to the newest chunk landed, until the prefill collects it.
     landed: Option<Tensor>,
+    /// For a continuation of another generation's prompt: the session its first frame asks
+    /// every hop to start from, and at which position (see [`RemoteStage::forked`]).
+    fork: Option<(SessionId, usize)>,
 }
 
 /// Peers one generation no longer uses.
@@ -237,6 +240,31 @@ impl RemoteStage {
         Ok(Some(value))
     }
 
+    /// A stage for another continuation of the prompt this stage has sent for `parent` (the
+    /// generation's own session id): the same route and history, under a session whose first
+    /// frame asks every hop to start it as a copy of `parent`'s cache (`X-Meshnet-Fork-From`)
+    /// instead of sending the prompt again. A failover replays the whole history as usual.
+    /// Call it once the prompt has landed, and keep `parent` alive on the hops until every
+    /// continuation has sent its first frame.
+    pub fn forked(&self, parent: SessionId) -> Result<RemoteStage, ModelError> {
+        let state = lock(&self.state);
+        let mut child = route_state(state.hops.to_vec(), state.avoid.clone())?;
+        child.history = state.history.clone();
+        child.history_tokens = state.history_tokens;
+        child.fork = Some((state.session.unwrap_or(parent), state.history_tokens));
+        Ok(RemoteStage {
+            start: self.start,
+            client: self.client.clone(),
+            runtime: self.runtime.clone(),
+            encoding: self.encoding,
+            failover: self.failover.clone(),
+            prefill_in_flight: self.prefill_in_flight,
+            state: Mutex::new(child),
+            grants: self.grants.clone(),
+            grant: Mutex::new(None),
+        })
+    }
+
     /// Keeps up to `chunks` of a prompt travelling at once (at least 1: each chunk waits for
     /// its answer before the next is computed).
     pub fn with_prefill_in_flight(mut self, chunks: usize) -> Self {
@@ -283,6 +311,10 @@ impl RemoteStage {
                 layers: state.first_layers,
                 route: state.onward.clone(),
                 grant: self.grant_for(state, session)?,
+                fork_from: state
+                    .fork
+                    .filter(|&(_, at)| at == position)
+                    .map(|(parent, _)| parent),
             },
             activations,
         };
@@ -523,6 +555,7 @@ fn route_state(hops: Vec<PlannedHop>, avoid: Avoid) -> Result<RouteState, ModelE
         avoid,
         in_flight: VecDeque::new(),
         landed: None,
+        fork: None,
     })
 }
 

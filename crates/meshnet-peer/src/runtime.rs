@@ -349,6 +349,7 @@ pub(crate) async fn build_tracker_parts(
     settings: &Settings,
 ) -> Result<TrackerParts, PeerError> {
     let model = host.model();
+    let local_peer = own.peer.clone();
     let book = Arc::new(Mutex::new(TrackerBook::new(
         model.id().to_owned(),
         model.shape().clone(),
@@ -372,6 +373,7 @@ pub(crate) async fn build_tracker_parts(
     };
     let engine = Arc::new(
         MeshEngine::new(
+            local_peer,
             model.id().to_owned(),
             text,
             Arc::clone(host),

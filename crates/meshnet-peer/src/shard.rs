@@ -101,6 +101,19 @@ impl LoadedShard {
         answer.wait()
     }
 
+    /// Starts `child` on this span as a copy of the first `len` cached positions of
+    /// `parent` (see [`meshnet_model::KvStore::fork`]); its chunks then continue from `len`.
+    pub fn fork_session(
+        &self,
+        parent: SessionId,
+        child: SessionId,
+        len: usize,
+    ) -> Result<(), ModelError> {
+        self.span.kv_store().fork(parent, child, len)?;
+        self.order.entered(child, len);
+        Ok(())
+    }
+
     /// Frees the session's KV cache and tells the compute thread it has ended.
     pub fn end_session(&self, session: SessionId) {
         self.span.kv_store().end_session(session);
@@ -438,8 +451,14 @@ impl ShardHost {
     /// current span when it covers the layers.
     fn shard_for(&self, meta: &FrameMeta) -> Option<Arc<LoadedShard>> {
         let state = self.lock();
+        // A forked session starts where its parent's cache is.
         let holding = all_shards(&state).find(|shard| {
-            shard.covers(meta.layers) && shard.span.kv_store().has_session(meta.session)
+            let store = shard.span.kv_store();
+            shard.covers(meta.layers)
+                && (store.has_session(meta.session)
+                    || meta
+                        .fork_from
+                        .is_some_and(|parent| store.has_session(parent)))
         });
         if let Some(shard) = holding {
             return Some(Arc::clone(shard));
@@ -507,6 +526,13 @@ impl SpanExecutor for ShardHost {
             .map_err(|e| ExecutorError::Compute(e.to_string()))?;
         let position = usize::try_from(meta.position)
             .map_err(|_| ExecutorError::BadActivations("position too large".into()))?;
+        if let Some(parent) = meta.fork_from
+            && !shard.span.kv_store().has_session(meta.session)
+        {
+            shard
+                .fork_session(parent, meta.session, position)
+                .map_err(executor_error)?;
+        }
         let started = Instant::now();
         let output = shard
             .forward_range(meta.session, position, hidden, meta.layers)
@@ -533,6 +559,7 @@ fn executor_error(error: ModelError) -> ExecutorError {
             got: position as u64,
         },
         ModelError::CacheBudget { .. } => ExecutorError::Overloaded,
+        ModelError::Fork(reason) => ExecutorError::ForkSource(reason),
         error @ (ModelError::HiddenShape { .. }
         | ModelError::Wire(_)
         | ModelError::InvalidSpan(_)) => ExecutorError::BadActivations(error.to_string()),

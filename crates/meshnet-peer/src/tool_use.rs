@@ -99,7 +99,7 @@ fn schema_error(environment: &TokenEnvironment, tools: &ToolRequest, reason: &st
 
 /// Reads calls out of an answer's text as it streams, turning its deltas into the API's
 /// events: text, and each call's start (with a new id) and arguments.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct CallReader {
     parser: ToolCallParser,
     /// The ids given to the calls so far.

@@ -313,6 +313,7 @@ async fn hostile_frames_are_refused_before_any_work() {
             layers: span,
             route: meshnet_wire::Route::default(),
             grant,
+            fork_from: None,
         },
         activations: meshnet_wire::Activations::new(
             meshnet_wire::Shape::new(&[tokens, hidden]).unwrap(),
@@ -419,6 +420,7 @@ async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_gives_up_naming
             layers: span,
             route: meshnet_wire::Route::default(),
             grant: common::grant_to(&signer, session, span, peer.http_url()),
+            fork_from: None,
         },
         activations: meshnet_wire::Activations::new(
             meshnet_wire::Shape::new(&[64, hidden]).unwrap(),
@@ -748,4 +750,78 @@ async fn a_chat_template_that_raises_is_a_400_with_its_message() {
     assert_eq!(answered.status().as_u16(), 200);
     tracker.shutdown().await;
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_answers_name_their_route_in_a_header_also_through_another_member() {
+    let tracker = tracker(10).await;
+    let peer = peer(20, &tracker).await;
+    wait_for("coverage", &tracker, |s| converged(s, &[&peer])).await;
+    let entry = tracker.current_span().unwrap().target.layers;
+    let rest = peer.current_span().unwrap().target.layers;
+    assert_eq!((entry.start, entry.end, rest.end), (0, rest.start, 30));
+    let expected = format!(
+        "{}:{}..{}, {}:{}..{}",
+        tracker.peer_id(),
+        entry.start,
+        entry.end,
+        peer.peer_id(),
+        rest.start,
+        rest.end
+    );
+    let started = Instant::now();
+    while peer.status().tracker_http.is_none() {
+        assert!(
+            started.elapsed() < common::DEADLINE,
+            "the peer never learnt the tracker's URL"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let through_tracker = tracker.openai_base_url().unwrap();
+    let through_peer = format!("{}/v1", peer.http_url());
+    let model = tracker.model_id().to_owned();
+    for base in [&through_tracker, &through_peer] {
+        for (path, stream) in [
+            ("chat/completions", false),
+            ("chat/completions", true),
+            ("completions", false),
+            ("completions", true),
+        ] {
+            let body = if path == "completions" {
+                serde_json::json!({"model": model, "prompt": "Paris is", "max_tokens": 2, "stream": stream})
+            } else {
+                serde_json::json!({"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                   "max_tokens": 2, "stream": stream})
+            };
+            let answer = reqwest::Client::new()
+                .post(format!("{base}/{path}"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let what = format!("{base}/{path}, stream {stream}");
+            assert_eq!(answer.status().as_u16(), 200, "{what}");
+            let route = answer.headers().get("x-meshnet-route").cloned();
+            let text = answer.text().await.unwrap();
+            assert_eq!(
+                route.as_ref().map(|value| value.to_str().unwrap()),
+                Some(expected.as_str()),
+                "{what}: {text}"
+            );
+        }
+    }
+    // A request refused before a route is chosen names none.
+    let refused = reqwest::Client::new()
+        .post(format!("{through_peer}/chat/completions"))
+        .json(
+            &serde_json::json!({"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                  "max_tokens": 0}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status().as_u16(), 400);
+    assert!(refused.headers().get("x-meshnet-route").is_none());
+    peer.shutdown().await;
+    tracker.shutdown().await;
 }

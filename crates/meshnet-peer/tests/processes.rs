@@ -1,7 +1,8 @@
 #![allow(clippy::unwrap_used)]
 //! The binary as users run it: a tracker and two peers as separate processes on loopback
 //! converge, answer chats exactly as `meshnet-peer generate --chat --boundaries` does, free
-//! sessions on every hop when a client goes away, and refuse a peer with another model.
+//! sessions on every hop when a client goes away, refuse a peer with another model, and
+//! answer in the JSON a `response_format` asks for.
 
 mod common;
 
@@ -786,7 +787,8 @@ async fn token_id_prompts_tokenize_and_detokenize_through_a_three_process_mesh()
         json!([1, tokenizer.vocab_size()]),
         json!([-1]),
         json!([]),
-        json!(["one", "two"]),
+        json!(["one", 2]),
+        json!(vec!["one"; 9]),
     ] {
         let (code, answer) = mesh.post("/v1/completions", completion(bad.clone())).await;
         assert_eq!(code, 400, "{bad}: {answer:#}");
@@ -896,7 +898,7 @@ async fn chat_logprobs_through_a_three_process_mesh_are_the_raw_distribution_str
             json!({"top_logprobs": 21}),
             "top_logprobs",
         ),
-        ("/v1/completions", json!({"logprobs": 2}), "logprobs"),
+        ("/v1/completions", json!({"logprobs": 21}), "logprobs"),
     ] {
         let mut request = json!({"model": model, "prompt": "Hi", "messages": body["messages"]});
         for (field, value) in extra.as_object().unwrap() {
@@ -906,6 +908,489 @@ async fn chat_logprobs_through_a_three_process_mesh_are_the_raw_distribution_str
         let (code, answer) = mesh.post(path, request).await;
         assert_eq!(code, 400, "{answer:#}");
         assert_eq!(answer["error"]["param"], param);
+    }
+}
+
+/// How many chunk and decode frames each peer's span has answered so far.
+async fn frames_answered(mesh: &Mesh, peers: &[String]) -> Vec<u64> {
+    let statuses = mesh.all_statuses(peers).await;
+    statuses[1..]
+        .iter()
+        .map(|status| status["batching"]["requests"].as_u64().unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_one_prefill_and_each_equals_its_own_single_request() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let tokenizer = meshnet_model::ModelTokenizer::from_gguf_file(common::model_path()).unwrap();
+    let peers: Vec<String> = mesh.status().await["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["http"].as_str().unwrap().to_owned())
+        .collect();
+    // No end of text: every choice runs to max_tokens, so the frames can be counted.
+    let eos = tokenizer.eos_token().unwrap();
+    let max_tokens = 6;
+    let body = json!({
+        "model": model,
+        "prompt": "Once upon a time, in a small village by the sea,",
+        "temperature": 1.0,
+        "seed": 21,
+        "max_tokens": max_tokens,
+        "logit_bias": {eos.to_string(): -100},
+    });
+
+    let before = frames_answered(&mesh, &peers).await;
+    let (code, answer) = mesh
+        .post("/v1/completions", merged(body.clone(), json!({"n": 3})))
+        .await;
+    assert_eq!(code, 200, "{answer:#}\n{}", mesh.logs());
+    let after = frames_answered(&mesh, &peers).await;
+    let choices = answer["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    assert_eq!(answer["usage"]["completion_tokens"], 3 * max_tokens);
+    // One prompt frame for all three, then each choice's decode steps (its last token is
+    // not fed back).
+    let expected_frames = 1 + 3 * (max_tokens as u64 - 1);
+    for (peer, (b, a)) in before.iter().zip(&after).enumerate() {
+        assert_eq!(
+            a - b,
+            expected_frames,
+            "peer {peer}: {before:?} → {after:?}"
+        );
+    }
+
+    // Choice i is exactly the single-choice answer with seed 21 + i.
+    let mut texts = Vec::new();
+    for (index, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], index);
+        assert_eq!(choice["finish_reason"], "length");
+        let alone = merged(body.clone(), json!({"seed": 21 + index}));
+        let expected = mesh.text_of("/v1/completions", alone).await;
+        assert_eq!(choice["text"], expected, "choice {index}");
+        texts.push(expected);
+    }
+    println!("three choices: {texts:?}");
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+
+    // Streamed chat choices put together per index equal the whole answer's choices.
+    let chat = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Name a fruit."}],
+        "temperature": 0.8,
+        "seed": 4,
+        "max_tokens": 8,
+        "n": 2,
+    });
+    let (code, whole) = mesh.chat(chat.clone()).await;
+    assert_eq!(code, 200, "{whole:#}");
+    let mut streamed = [String::new(), String::new()];
+    for chunk in stream_chunks(&mesh, &chat).await {
+        for choice in chunk["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            streamed[index].push_str(choice["delta"]["content"].as_str().unwrap_or_default());
+        }
+    }
+    for (index, text) in streamed.iter().enumerate() {
+        assert_eq!(
+            whole["choices"][index]["message"]["content"], *text,
+            "choice {index}"
+        );
+    }
+
+    // Every session, the shared prompt's too, is freed on every hop.
+    let started = Instant::now();
+    loop {
+        let statuses = mesh.all_statuses(&peers).await;
+        if statuses[1..]
+            .iter()
+            .all(|s| s["active_sessions"].as_u64() == Some(0))
+        {
+            break;
+        }
+        assert!(started.elapsed() < common::DEADLINE, "{statuses:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Choices that could never fit the entry's KV cache together are refused up front.
+    let huge = merged(body.clone(), json!({"n": 8, "max_tokens": 7000}));
+    let (code, refused) = mesh.post("/v1/completions", huge).await;
+    assert_eq!(code, 400, "{refused:#}");
+    assert_eq!(refused["error"]["param"], "n");
+    assert!(
+        refused["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("KV cache at the entry"),
+        "{refused:#}"
+    );
+
+    // max_completion_tokens bounds a chat's every choice, over max_tokens.
+    let end_of_turn = tokenizer.token_id("<|im_end|>").unwrap();
+    let no_end = json!({eos.to_string(): -100, end_of_turn.to_string(): -100});
+    let bounded = merged(
+        chat,
+        json!({"max_completion_tokens": 3, "max_tokens": 50, "logit_bias": no_end}),
+    );
+    let (code, answer) = mesh.chat(bounded).await;
+    assert_eq!(code, 200, "{answer:#}");
+    assert_eq!(answer["usage"]["completion_tokens"], 6);
+    for choice in answer["choices"].as_array().unwrap() {
+        assert_eq!(choice["finish_reason"], "length", "{choice}");
+    }
+    let (code, refused) = mesh
+        .post("/v1/completions", merged(body, json!({"n": 9})))
+        .await;
+    assert_eq!(code, 400, "{refused:#}");
+    assert_eq!(refused["error"]["param"], "n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_echo_the_prompt_with_its_logprobs_through_a_three_process_mesh() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    let prompt = "The capital of France is";
+    let plain = json!({
+        "model": model, "prompt": prompt, "temperature": 0, "max_tokens": 4, "logprobs": 2,
+    });
+    let (code, answer) = mesh.post("/v1/completions", plain.clone()).await;
+    assert_eq!(code, 200, "{answer:#}");
+    let generated = answer["choices"][0].clone();
+    let completion = generated["text"].as_str().unwrap().to_owned();
+    let generated_tokens = generated["logprobs"]["tokens"].as_array().unwrap().len();
+    assert_eq!(
+        generated_tokens as u64,
+        answer["usage"]["completion_tokens"]
+    );
+    assert_eq!(generated["logprobs"]["text_offset"][0], 0);
+
+    let (code, echoed) = mesh
+        .post(
+            "/v1/completions",
+            merged(plain.clone(), json!({"echo": true})),
+        )
+        .await;
+    assert_eq!(code, 200, "{echoed:#}");
+    let choice = &echoed["choices"][0];
+    assert_eq!(choice["text"], format!("{prompt}{completion}"));
+    let logprobs = &choice["logprobs"];
+    let tokens: Vec<&str> = logprobs["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    let prompt_tokens = echoed["usage"]["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(tokens.len(), prompt_tokens + generated_tokens);
+    assert_eq!(tokens.concat(), choice["text"].as_str().unwrap());
+    let mut offset = 0;
+    for (index, token) in tokens.iter().enumerate() {
+        assert_eq!(logprobs["text_offset"][index], offset, "{logprobs:#}");
+        offset += token.len();
+    }
+    assert!(logprobs["token_logprobs"][0].is_null() && logprobs["top_logprobs"][0].is_null());
+    for index in 1..tokens.len() {
+        let value = logprobs["token_logprobs"][index].as_f64().unwrap();
+        let top = logprobs["top_logprobs"][index].as_object().unwrap();
+        assert!(
+            value <= 0.0 && (2..=3).contains(&top.len()),
+            "{index}: {top:?}"
+        );
+        assert_eq!(top[tokens[index]].as_f64().unwrap(), value, "{index}");
+    }
+    // The generated tokens' entries are those of the plain request.
+    for field in ["tokens", "token_logprobs", "top_logprobs"] {
+        let echoed_part = &logprobs[field].as_array().unwrap()[prompt_tokens..];
+        assert_eq!(
+            echoed_part,
+            generated["logprobs"][field].as_array().unwrap(),
+            "{field}"
+        );
+    }
+
+    // A prompt token is scored from the positions before it: with the first generated token
+    // appended to the prompt (as ids), its entry is the one it had when it was generated.
+    let (_, tokenized) = mesh.post("/tokenize", json!({"content": prompt})).await;
+    let mut ids: Vec<Value> = tokenized["tokens"].as_array().unwrap().clone();
+    let first_generated = generated["logprobs"]["tokens"][0].as_str().unwrap();
+    let (_, next) = mesh
+        .post("/tokenize", json!({"content": first_generated}))
+        .await;
+    ids.push(next["tokens"][0].clone());
+    let scored = json!({"model": model, "prompt": ids, "echo": true, "logprobs": 2, "max_tokens": 1, "temperature": 0});
+    let (code, scored) = mesh.post("/v1/completions", scored).await;
+    assert_eq!(code, 200, "{scored:#}");
+    let last = ids.len() - 1;
+    let entry = &scored["choices"][0]["logprobs"];
+    assert_eq!(entry["tokens"][last], first_generated);
+    let as_prompt = entry["token_logprobs"][last].as_f64().unwrap();
+    let as_generated = generated["logprobs"]["token_logprobs"][0].as_f64().unwrap();
+    println!("{first_generated:?}: {as_prompt} scored in the prompt, {as_generated} generated");
+    assert!(
+        (as_prompt - as_generated).abs() < 1e-2,
+        "{as_prompt} vs {as_generated}"
+    );
+
+    // Streamed: the echo comes first, the offsets run on across chunks.
+    let mut body = merged(plain, json!({"echo": true, "stream": true}));
+    body["n"] = json!(2);
+    let response = mesh
+        .http
+        .post(mesh.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let text = response.text().await.unwrap();
+    let mut streamed = [String::new(), String::new()];
+    let mut offsets: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+    for data in text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .take_while(|d| *d != "[DONE]")
+    {
+        let chunk: Value = serde_json::from_str(data).unwrap();
+        let choice = &chunk["choices"][0];
+        let index = choice["index"].as_u64().unwrap() as usize;
+        streamed[index].push_str(choice["text"].as_str().unwrap());
+        if let Some(list) = choice["logprobs"]["text_offset"].as_array() {
+            offsets[index].extend(list.iter().map(|o| o.as_u64().unwrap()));
+        }
+    }
+    for index in 0..2 {
+        assert_eq!(streamed[index], choice["text"].as_str().unwrap(), "{text}");
+        assert_eq!(
+            offsets[index],
+            logprobs["text_offset"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|o| o.as_u64().unwrap())
+                .collect::<Vec<_>>()
+        );
+    }
+}
+
+/// A schema of the structured-output test and a check, by hand, that a value matches it.
+struct SchemaCase {
+    name: &'static str,
+    prompt: &'static str,
+    schema: Value,
+    matches: fn(&Value) -> bool,
+}
+
+/// Whether `value` is a string of `min..=max` characters.
+fn string_of(value: &Value, min: usize, max: usize) -> bool {
+    value
+        .as_str()
+        .is_some_and(|text| (min..=max).contains(&text.chars().count()))
+}
+
+/// Whether `value` is an object with exactly the keys `keys`.
+fn object_with(value: &Value, keys: &[&str]) -> bool {
+    value.as_object().is_some_and(|object| {
+        object.len() == keys.len() && keys.iter().all(|key| object.contains_key(*key))
+    })
+}
+
+fn schema_cases() -> Vec<SchemaCase> {
+    let closed = |properties: Value| {
+        let required: Vec<&String> = properties.as_object().unwrap().keys().collect();
+        json!({
+            "type": "object",
+            "properties": properties,
+            "required": required,
+            "additionalProperties": false,
+        })
+    };
+    vec![
+        SchemaCase {
+            name: "person",
+            prompt: "Describe a fictional person as JSON with a name and an age.",
+            schema: closed(json!({
+                "name": {"type": "string", "minLength": 1, "maxLength": 16},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            })),
+            matches: |v| {
+                object_with(v, &["name", "age"])
+                    && string_of(&v["name"], 1, 16)
+                    && v["age"]
+                        .as_i64()
+                        .is_some_and(|age| (0..=120).contains(&age))
+            },
+        },
+        SchemaCase {
+            name: "fruits",
+            prompt: "List some fruits as a JSON object with an array of names.",
+            schema: closed(json!({
+                "fruits": {
+                    "type": "array",
+                    "items": {"type": "string", "maxLength": 12},
+                    "minItems": 1,
+                    "maxItems": 3,
+                },
+            })),
+            matches: |v| {
+                object_with(v, &["fruits"])
+                    && v["fruits"].as_array().is_some_and(|fruits| {
+                        (1..=3).contains(&fruits.len())
+                            && fruits.iter().all(|fruit| string_of(fruit, 0, 12))
+                    })
+            },
+        },
+        SchemaCase {
+            name: "verdict",
+            prompt: "Is the sky blue? Answer in JSON with your confidence.",
+            schema: closed(json!({
+                "answer": {"enum": ["yes", "no"]},
+                "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            })),
+            matches: |v| {
+                object_with(v, &["answer", "confidence"])
+                    && (v["answer"] == "yes" || v["answer"] == "no")
+                    && v["confidence"]
+                        .as_f64()
+                        .is_some_and(|c| (0.0..=1.0).contains(&c))
+            },
+        },
+        SchemaCase {
+            name: "flight",
+            prompt: "Make up a flight code like ABC-12 and give it as JSON.",
+            schema: closed(json!({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}})),
+            matches: |v| {
+                object_with(v, &["code"])
+                    && v["code"].as_str().is_some_and(|code| {
+                        let bytes = code.as_bytes();
+                        bytes.len() == 6
+                            && bytes[..3].iter().all(u8::is_ascii_uppercase)
+                            && bytes[3] == b'-'
+                            && bytes[4..].iter().all(u8::is_ascii_digit)
+                    })
+            },
+        },
+    ]
+}
+
+/// The text and finish reason of the one choice of a request that must succeed.
+async fn answer_of(mesh: &Mesh, path: &str, body: &Value) -> (String, String) {
+    let (code, answer) = mesh.post(path, body.clone()).await;
+    assert_eq!(code, 200, "{body}: {answer:#}\n{}", mesh.logs());
+    let choice = &answer["choices"][0];
+    let text = choice["message"]["content"]
+        .as_str()
+        .or_else(|| choice["text"].as_str())
+        .unwrap();
+    let finish = choice["finish_reason"].as_str().unwrap();
+    (text.to_owned(), finish.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn structured_output_through_a_three_process_mesh_parses_and_matches_every_schema() {
+    let mesh = Mesh::start().await;
+    let model = mesh.model_id().await;
+    for case in schema_cases() {
+        let format = json!({
+            "type": "json_schema",
+            "json_schema": {"name": case.name, "schema": case.schema, "strict": true},
+        });
+        for sampling in [
+            json!({"temperature": 0}),
+            json!({"temperature": 0.8, "seed": 7}),
+        ] {
+            let chat = json!({
+                "model": model,
+                "messages": [{"role": "user", "content": case.prompt}],
+                "max_tokens": 96,
+                "response_format": format,
+            });
+            let completion = json!({
+                "model": model,
+                "prompt": format!("{}\nJSON:", case.prompt),
+                "max_tokens": 96,
+                "response_format": format,
+            });
+            for (path, body) in [
+                ("/v1/chat/completions", chat),
+                ("/v1/completions", completion),
+            ] {
+                let body = merged(body, sampling.clone());
+                let (text, finish) = answer_of(&mesh, path, &body).await;
+                println!("{} {path} {sampling}: {text}", case.name);
+                assert_eq!(finish, "stop", "{}: {text:?}", case.name);
+                let value: Value = serde_json::from_str(&text)
+                    .unwrap_or_else(|e| panic!("{}: {text:?} is not JSON: {e}", case.name));
+                assert!(
+                    (case.matches)(&value),
+                    "{}: {text} does not match",
+                    case.name
+                );
+            }
+        }
+    }
+
+    // Any object, streamed: the pieces make one object, and the stream finishes with stop.
+    let object = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": "Give the name and age of a person as JSON."}],
+        "temperature": 0,
+        "max_tokens": 96,
+        "response_format": {"type": "json_object"},
+    });
+    let chunks = stream_chunks(&mesh, &object).await;
+    let text: String = chunks
+        .iter()
+        .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    let finish = chunks
+        .iter()
+        .rev()
+        .find_map(|c| c["choices"][0]["finish_reason"].as_str());
+    assert_eq!(finish, Some("stop"), "{chunks:?}");
+    let value: Value = serde_json::from_str(&text).unwrap();
+    assert!(value.is_object(), "{text}");
+
+    // A token budget too small for the JSON ends with length: the text is the beginning of
+    // the whole greedy answer, cut off.
+    let case = &schema_cases()[0];
+    let short = json!({
+        "model": model,
+        "messages": [{"role": "user", "content": case.prompt}],
+        "temperature": 0,
+        "max_tokens": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": case.schema}},
+    });
+    let (text, finish) = answer_of(&mesh, "/v1/chat/completions", &short).await;
+    assert_eq!(finish, "length", "{text:?}");
+    let whole = merged(short.clone(), json!({"max_tokens": 96}));
+    let (whole, finish) = answer_of(&mesh, "/v1/chat/completions", &whole).await;
+    assert_eq!(finish, "stop", "{whole:?}");
+    assert!(
+        whole.starts_with(&text) && whole.len() > text.len(),
+        "{text:?} / {whole:?}"
+    );
+    assert!(serde_json::from_str::<Value>(&text).is_err(), "{text:?}");
+
+    // A schema the engine cannot compile, and a malformed format, are refused naming the field.
+    for (format, param, word) in [
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "u", "schema": {"type": "array", "uniqueItems": true}}}),
+            "response_format",
+            "uniqueItems",
+        ),
+        (
+            json!({"type": "json_schema", "json_schema": {"name": "u"}}),
+            "response_format.json_schema.schema",
+            "schema",
+        ),
+    ] {
+        let body = merged(short.clone(), json!({"response_format": format}));
+        let (code, answer) = mesh.chat(body).await;
+        assert_eq!(code, 400, "{answer:#}");
+        assert_eq!(answer["error"]["param"], param, "{answer:#}");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert!(message.contains(word), "{message}");
     }
 }
 

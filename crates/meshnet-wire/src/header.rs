@@ -29,6 +29,9 @@ pub const POSITION: &str = "x-meshnet-position";
 pub const LAYERS: &str = "x-meshnet-layers";
 /// `X-Meshnet-Route`: the hops after the receiver, `start-end@endpoint` comma-separated (ADR-0011).
 pub const ROUTE: &str = "x-meshnet-route";
+/// `X-Meshnet-Fork-From`: the UUID of a session whose first `position` cached positions a new
+/// session starts from (several continuations sharing one prompt's prefill).
+pub const FORK_FROM: &str = "x-meshnet-fork-from";
 
 /// The only content type of an activation body.
 pub const OCTET_STREAM: &str = "application/octet-stream";
@@ -237,11 +240,22 @@ pub struct FrameMeta {
     /// The tracker's grant for the session and route (`X-Meshnet-Grant`, see
     /// [`crate::grant`]), passed on unchanged from hop to hop; `None` in a response.
     pub grant: Option<std::sync::Arc<str>>,
+    /// `X-Meshnet-Fork-From`: when the frame's session is not known to a hop yet, it starts as
+    /// a copy of this session's first `position` cached positions; passed on from hop to hop.
+    /// `None` in a response and for ordinary frames.
+    pub fork_from: Option<Uuid>,
 }
 
 impl FrameMeta {
     /// Checks that the chunk index is below the chunk total.
     pub fn validate(&self) -> Result<(), WireError> {
+        if self.fork_from == Some(self.session) {
+            return Err(WireError::InvalidHeader {
+                name: "X-Meshnet-Fork-From",
+                expected: "another session than X-Meshnet-Session",
+                got: self.session.to_string(),
+            });
+        }
         if self.chunk_index >= self.chunk_total {
             return Err(WireError::ChunkOutOfRange {
                 index: self.chunk_index,
@@ -293,12 +307,14 @@ pub fn read_meta(headers: &HeaderMap) -> Result<(Shape, FrameMeta), WireError> {
         required_str(headers, SHAPE, "comma-separated dimensions")?,
         "X-Meshnet-Shape",
     )?;
-    let session_text = required_str(headers, SESSION, "a UUID")?;
-    let session = Uuid::try_parse(session_text.trim()).map_err(|_| WireError::InvalidHeader {
-        name: "X-Meshnet-Session",
-        expected: "a UUID",
-        got: quote(session_text),
-    })?;
+    let session = parse_uuid(
+        required_str(headers, SESSION, "a UUID")?,
+        "X-Meshnet-Session",
+    )?;
+    let fork_from = match optional_str(headers, FORK_FROM, "a UUID")? {
+        Some(text) => Some(parse_uuid(text, "X-Meshnet-Fork-From")?),
+        None => None,
+    };
     let meta = FrameMeta {
         session,
         chunk_index: required_number(headers, CHUNK_INDEX, "X-Meshnet-Chunk-Index")?,
@@ -313,9 +329,19 @@ pub fn read_meta(headers: &HeaderMap) -> Result<(Shape, FrameMeta), WireError> {
             None => Route::default(),
         },
         grant: optional_str(headers, crate::grant::GRANT_HEADER, "a grant")?.map(Into::into),
+        fork_from,
     };
     meta.validate()?;
     Ok((shape, meta))
+}
+
+/// A session id header's value.
+fn parse_uuid(text: &str, name: &'static str) -> Result<Uuid, WireError> {
+    Uuid::try_parse(text.trim()).map_err(|_| WireError::InvalidHeader {
+        name,
+        expected: "a UUID",
+        got: quote(text),
+    })
 }
 
 /// Writes every header of a frame: version, content type, dtype, shape, metadata and encoding.
@@ -342,6 +368,9 @@ pub fn write_headers(shape: &Shape, meta: &FrameMeta, encoding: Encoding) -> Hea
     }
     if let Some(grant) = &meta.grant {
         put(crate::grant::GRANT_HEADER, grant.to_string());
+    }
+    if let Some(parent) = meta.fork_from {
+        put(FORK_FROM, parent.to_string());
     }
     if let Some(value) = encoding.header_value() {
         put(ENCODING, value.to_owned());
@@ -440,7 +469,36 @@ mod tests {
             ])
             .unwrap(),
             grant: None,
+            fork_from: None,
         }
+    }
+
+    #[test]
+    fn a_fork_source_round_trips_and_must_name_another_session() {
+        let shape = Shape::new(&[1, 1, 576]).unwrap();
+        let forked = FrameMeta {
+            fork_from: Some(Uuid::from_u128(0x99)),
+            ..meta()
+        };
+        let mut headers = write_headers(&shape, &forked, Encoding::Raw);
+        assert_eq!(headers[FORK_FROM], Uuid::from_u128(0x99).to_string());
+        assert_eq!(read_meta(&headers).unwrap().1, forked);
+        assert!(
+            write_headers(&shape, &meta(), Encoding::Raw)
+                .get(FORK_FROM)
+                .is_none()
+        );
+
+        headers.insert(FORK_FROM, HeaderValue::from_static("not-a-uuid"));
+        let error = read_meta(&headers).unwrap_err().to_string();
+        assert!(
+            error.contains("X-Meshnet-Fork-From") && error.contains("a UUID"),
+            "{error}"
+        );
+        let own = Uuid::from_u128(0x1234).to_string();
+        headers.insert(FORK_FROM, HeaderValue::try_from(own).unwrap());
+        let error = read_meta(&headers).unwrap_err().to_string();
+        assert!(error.contains("another session"), "{error}");
     }
 
     #[test]

@@ -22,6 +22,7 @@
 //!     layers: LayerSpan::new(0, 10),
 //!     route: Route::default(),
 //!     grant: None,
+//!     fork_from: None,
 //! };
 //! let frame = ActivationFrame { meta, activations };
 //! let encoded = frame.encode(Encoding::Zstd);

@@ -25,6 +25,7 @@ fn meta(route: Route) -> FrameMeta {
         layers: LayerSpan::new(0, 10),
         route,
         grant: None,
+        fork_from: None,
     }
 }
 
@@ -104,6 +105,7 @@ fn arb_frame() -> impl Strategy<Value = ActivationFrame> {
                         layers: LayerSpan::new(start, start + len),
                         route,
                         grant: (session % 2 == 0).then(|| format!("grant-{session}.sig").into()),
+                        fork_from: (session % 3 == 1).then(|| Uuid::from_u128(!session)),
                     },
                     activations: Activations::new(
                         Shape::new(&dims).unwrap(),

@@ -446,11 +446,11 @@ mod tests {
             tools.tools[0].parameters,
             json!({"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "string"}}})
         );
-        let PromptInput::Chat(turns) = parsed.prompt else {
+        let [PromptInput::Chat(turns)] = parsed.prompts.as_slice() else {
             panic!("a chat");
         };
         assert_eq!(
-            turns,
+            turns.as_slice(),
             [
                 ChatTurn::new("user", "Go"),
                 ChatTurn {

@@ -13,7 +13,7 @@ use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use meshnet_api::{
     CompletionEngine, EngineError, EngineEvent, EngineRequest, EngineStream, FinishReason,
-    ModelInfo, TokenLogprob, TopLogprob, openai_router,
+    ModelInfo, PromptLogprobs, RouteMember, TokenLogprob, TopLogprob, openai_router,
 };
 use serde_json::Value;
 use tokio::sync::{mpsc, watch};
@@ -74,9 +74,24 @@ impl Script {
     }
 }
 
+/// The route the scripted engine names for its generations unless told another.
+pub fn scripted_route() -> Vec<RouteMember> {
+    vec![
+        RouteMember {
+            peer: "12D3KooWEntry".to_owned(),
+            layers: 0..12,
+        },
+        RouteMember {
+            peer: "12D3KooWLast".to_owned(),
+            layers: 12..24,
+        },
+    ]
+}
+
 /// A `CompletionEngine` that follows a script and records what it saw.
 pub struct ScriptedEngine {
     script: Script,
+    route: Vec<RouteMember>,
     requests: Mutex<Vec<EngineRequest>>,
     started: watch::Sender<usize>,
     closed: watch::Sender<usize>,
@@ -84,8 +99,14 @@ pub struct ScriptedEngine {
 
 impl ScriptedEngine {
     pub fn new(script: Script) -> Arc<Self> {
+        Self::with_route(script, scripted_route())
+    }
+
+    /// An engine that names `route` for its generations.
+    pub fn with_route(script: Script, route: Vec<RouteMember>) -> Arc<Self> {
         Arc::new(Self {
             script,
+            route,
             requests: Mutex::new(Vec::new()),
             started: watch::Sender::new(0),
             closed: watch::Sender::new(0),
@@ -165,6 +186,8 @@ impl ScriptedEngine {
     /// token without text).
     fn begin(&self, request: EngineRequest) -> Result<EngineStream, EngineError> {
         let logprobs = request.logprobs.is_some();
+        let echo = request.echo;
+        let choice_count = request.n;
         self.requests.lock().unwrap().push(request);
         let (prompt_tokens, deltas, end) = match &self.script {
             Script::Refuse(error) => return Err(error()),
@@ -179,17 +202,53 @@ impl ScriptedEngine {
                 end,
             } => (*prompt_tokens, deltas.clone(), *end),
         };
+        let choices = (0..choice_count)
+            .map(|index| {
+                // Choice 0 says the script's deltas; choice i > 0 says each with `#i` added.
+                let deltas: Vec<String> = deltas
+                    .iter()
+                    .map(|delta| match index {
+                        0 => (*delta).to_owned(),
+                        _ => format!("{delta}#{index}"),
+                    })
+                    .collect();
+                let prompt = echo.then(|| scripted_prompt(logprobs));
+                self.play(prompt, deltas, end, logprobs)
+            })
+            .collect();
+        self.started.send_modify(|n| *n += 1);
+        Ok(EngineStream {
+            prompt_tokens,
+            route: self.route.clone(),
+            choices,
+        })
+    }
+
+    /// Plays one choice's script on a task of its own; returns its receiver.
+    fn play(
+        &self,
+        prompt: Option<EngineEvent>,
+        deltas: Vec<String>,
+        end: End,
+        logprobs: bool,
+    ) -> mpsc::Receiver<EngineEvent> {
         let (tx, rx) = mpsc::channel(4);
         let closed = self.closed.clone();
         tokio::spawn(async move {
             let record_closed = || closed.send_modify(|n| *n += 1);
+            if let Some(prompt) = prompt
+                && tx.send(prompt).await.is_err()
+            {
+                record_closed();
+                return;
+            }
             let entries = |text: &str| EngineEvent::Logprobs(vec![scripted_logprob(text)]);
-            for delta in deltas {
+            for delta in &deltas {
                 if logprobs && tx.send(entries(delta)).await.is_err() {
                     record_closed();
                     return;
                 }
-                if tx.send(EngineEvent::Delta(delta.to_owned())).await.is_err() {
+                if tx.send(EngineEvent::Delta(delta.clone())).await.is_err() {
                     record_closed();
                     return;
                 }
@@ -215,11 +274,19 @@ impl ScriptedEngine {
                 record_closed();
             }
         });
-        self.started.send_modify(|n| *n += 1);
-        Ok(EngineStream {
-            prompt_tokens,
-            events: rx,
-        })
+        rx
+    }
+}
+
+/// What the scripted engine echoes of any prompt: `"Once"`, as the tokens `"On"` and `"ce"`
+/// (the latter's entry is [`scripted_logprob`]`("ce")`).
+pub fn scripted_prompt(logprobs: bool) -> EngineEvent {
+    EngineEvent::Prompt {
+        text: "Once".to_owned(),
+        logprobs: logprobs.then(|| PromptLogprobs {
+            first_token: "On".to_owned(),
+            scored: vec![scripted_logprob("ce")],
+        }),
     }
 }
 
@@ -245,7 +312,8 @@ impl ScriptedEngine {
         self.started.send_modify(|n| *n += 1);
         EngineStream {
             prompt_tokens,
-            events: rx,
+            route: self.route.clone(),
+            choices: vec![rx],
         }
     }
 }
