@@ -102,12 +102,7 @@ fn parse_tool(at: &str, tool: &Value, raw: &RawValue) -> Result<ToolSpec, ApiErr
     };
     let fields = Fields(map);
     expect_function_type(&format!("{at}.type"), &fields)?;
-    let function_param = format!("{at}.function");
-    let function = match fields.get("function") {
-        Some(Value::Object(function)) => Fields(function),
-        Some(v) => return Err(type_error(&function_param, "an object", v)),
-        None => return Err(missing(&function_param)),
-    };
+    let (function, function_param) = function_object(at, &fields)?;
     let name = required_string(&function, &function_param, "name")?;
     check_function_name(&format!("{function_param}.name"), &name)?;
     let description_param = format!("{function_param}.description");
@@ -258,6 +253,16 @@ pub(super) fn message_tool_calls(
     Ok(calls)
 }
 
+/// The `function` object of the tool or call at `at`, and its parameter path.
+fn function_object<'a>(at: &str, fields: &Fields<'a>) -> Result<(Fields<'a>, String), ApiError> {
+    let function_param = format!("{at}.function");
+    match fields.get("function") {
+        Some(Value::Object(function)) => Ok((Fields(function), function_param)),
+        Some(v) => Err(type_error(&function_param, "an object", v)),
+        None => Err(missing(&function_param)),
+    }
+}
+
 /// One call of an assistant message.
 fn parse_tool_call(at: &str, call: &Value) -> Result<ToolCallTurn, ApiError> {
     let Value::Object(map) = call else {
@@ -266,12 +271,7 @@ fn parse_tool_call(at: &str, call: &Value) -> Result<ToolCallTurn, ApiError> {
     let fields = Fields(map);
     let id = required_string(&fields, at, "id")?;
     expect_function_type(&format!("{at}.type"), &fields)?;
-    let function_param = format!("{at}.function");
-    let function = match fields.get("function") {
-        Some(Value::Object(function)) => Fields(function),
-        Some(v) => return Err(type_error(&function_param, "an object", v)),
-        None => return Err(missing(&function_param)),
-    };
+    let (function, function_param) = function_object(at, &fields)?;
     let name = required_string(&function, &function_param, "name")?;
     let arguments = required_string(&function, &function_param, "arguments")?;
     if serde_json::from_str::<serde::de::IgnoredAny>(&arguments).is_err() {
