@@ -47,8 +47,19 @@ pub struct MeshEngine {
     admission: Admission,
     prefill_in_flight: usize,
     grants: Option<Arc<crate::grants::GrantSigner>>,
-    /// What `response_format` schemas compile against, or why there is nothing.
-    structured: Result<TokenEnvironment, String>,
+    /// What `response_format` schemas and required tool calls compile against.
+    structured: StructuredOutput,
+}
+
+/// The token environment of structured output: none until the first request that needs it
+/// builds it (on a blocking thread, once), so a tracker that never serves `response_format`
+/// or a required tool call pays neither its memory nor its start-up time.
+#[derive(Clone)]
+enum StructuredOutput {
+    /// Not offered; the reason says why.
+    Off(String),
+    /// Built from the engine's tokenizer on first use (or the reason it cannot be).
+    OnDemand(Arc<tokio::sync::OnceCell<Result<TokenEnvironment, String>>>),
 }
 
 /// The token environment `response_format` schemas compile against, built once per model from
@@ -115,15 +126,35 @@ impl MeshEngine {
             admission: Admission::new(limits),
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
             grants: None,
-            structured: Err("structured output is not set up on this tracker".to_owned()),
+            structured: StructuredOutput::Off(
+                "structured output is not set up on this tracker".to_owned(),
+            ),
         }
     }
 
-    /// Serves `response_format` with `environment` ([`structured_output_environment`]); with
-    /// an error, refuses it saying why.
-    pub fn with_structured_output(mut self, environment: Result<TokenEnvironment, String>) -> Self {
-        self.structured = environment;
+    /// Serves `response_format` and required tool calls, building their token environment
+    /// ([`structured_output_environment`]) when the first request needs it.
+    pub fn with_structured_output(mut self) -> Self {
+        self.structured = StructuredOutput::OnDemand(Arc::default());
         self
+    }
+
+    /// The token environment structured output compiles against, built on a blocking thread
+    /// the first time it is asked for; why not, when it is off or cannot be built.
+    async fn token_environment(&self) -> Result<TokenEnvironment, String> {
+        let cell = match &self.structured {
+            StructuredOutput::Off(reason) => return Err(reason.clone()),
+            StructuredOutput::OnDemand(cell) => cell,
+        };
+        let text = Arc::clone(&self.text);
+        let built = cell
+            .get_or_init(|| async move {
+                tokio::task::spawn_blocking(move || structured_output_environment(&text))
+                    .await
+                    .unwrap_or_else(|e| Err(format!("building it failed: {e}")))
+            })
+            .await;
+        built.clone()
     }
 
     /// Every frame of its generations carries a grant `signer` signs (members serve none
@@ -263,7 +294,7 @@ impl MeshEngine {
             param: Some("response_format".to_owned()),
             message,
         };
-        let environment = self.structured.clone().map_err(|reason| {
+        let environment = self.token_environment().await.map_err(|reason| {
             invalid(format!(
                 "model {} cannot produce structured output: {reason}",
                 self.info.id
@@ -322,8 +353,8 @@ impl MeshEngine {
             return Ok(None);
         };
         let environment =
-            self.structured
-                .clone()
+            self.token_environment()
+                .await
                 .map_err(|reason| EngineError::InvalidRequest {
                     param: Some("tool_choice".to_owned()),
                     message: format!(

@@ -360,12 +360,7 @@ pub(crate) async fn build_tracker_parts(
     )?));
     let opened = Arc::clone(model.model());
     let chat_template = settings.chat_template.clone();
-    let (text, structured) = blocking(move || {
-        let text = TextSide::of(&opened, chat_template.as_deref())?;
-        let structured = crate::engine::structured_output_environment(&text);
-        Ok((text, structured))
-    })
-    .await?;
+    let text = blocking(move || Ok(TextSide::of(&opened, chat_template.as_deref())?)).await?;
     let failover = Failover {
         routes: Arc::clone(&book) as Arc<dyn MeshRoutes>,
         policy: settings.failover.clone(),
@@ -383,7 +378,7 @@ pub(crate) async fn build_tracker_parts(
         )
         .with_prefill_in_flight(settings.prefill_in_flight)
         .with_grants(Arc::clone(&settings.grants))
-        .with_structured_output(structured),
+        .with_structured_output(),
     );
     let api = meshnet_api::openai_router(Arc::clone(&engine) as _);
     Ok(TrackerParts { book, engine, api })
