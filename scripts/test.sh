@@ -42,6 +42,12 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test --workspace"
 bounded 3600 cargo test --workspace --locked
 
+# The faulty member (a test-only feature, ADR-0026): its lint, its unit tests and a mesh in
+# which it lies. Only meshnet-peer is rebuilt with the feature.
+step "the faulty member (feature faulty-member): clippy and tests"
+cargo clippy --locked -p meshnet-peer --all-targets --features faulty-member -- -D warnings
+bounded 900 cargo test --locked -p meshnet-peer --features faulty-member --lib --test faulty
+
 # The tiny per-family GGUF files the parity tests read are written by a script from a seed; the
 # committed bytes must still be what it writes (llama.cpp's logits beside them are not
 # recomputed here: that needs llama.cpp built).

@@ -81,6 +81,9 @@ pub struct PeerConfig {
     /// A Jinja chat template file the tracker renders prompts with instead of the model's
     /// own template.
     pub chat_template: Option<PathBuf>,
+    /// Corrupts a fraction of this member's output frames (tests and benchmarks only).
+    #[cfg(feature = "faulty-member")]
+    pub faulty: Option<std::sync::Arc<crate::faulty::FaultyFrames>>,
 }
 
 impl PeerConfig {
@@ -117,6 +120,8 @@ impl PeerConfig {
             leave_timeout: Duration::from_secs(30),
             tracker_capable: true,
             chat_template: None,
+            #[cfg(feature = "faulty-member")]
+            faulty: None,
         }
     }
 }

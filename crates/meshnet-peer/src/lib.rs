@@ -31,6 +31,8 @@ mod control;
 pub mod election;
 pub mod engine;
 mod error;
+#[cfg(feature = "faulty-member")]
+pub mod faulty;
 pub mod grants;
 mod http;
 mod member;
@@ -43,6 +45,11 @@ pub mod shard;
 pub mod status;
 mod tool_use;
 pub mod tracker;
+
+#[cfg(all(feature = "faulty-member", not(debug_assertions)))]
+compile_error!(
+    "the faulty-member feature corrupts frames on purpose; it exists in debug builds only"
+);
 
 pub use config::PeerConfig;
 pub use error::PeerError;

@@ -140,6 +140,36 @@ struct ModelInfoArgs {
 }
 
 /// Joining or starting a mesh.
+/// A member that lies on purpose (feature `faulty-member`, debug builds only).
+#[cfg(feature = "faulty-member")]
+#[derive(clap::Args)]
+struct FaultArgs {
+    /// Corrupt this fraction (0 to 1) of the frames this member's layers answer with.
+    #[arg(long, value_name = "FRACTION")]
+    corrupt_frames: Option<f64>,
+    /// How a corrupted frame is changed: noise (a few values move a few percent) or sign (a
+    /// few values change sign).
+    #[arg(long, value_name = "MODE", default_value = "noise")]
+    corrupt_mode: String,
+    /// The seed that picks which frames are corrupted.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    corrupt_seed: u64,
+}
+
+#[cfg(feature = "faulty-member")]
+impl FaultArgs {
+    /// The corruption asked for, if any.
+    fn frames(&self) -> anyhow::Result<Option<std::sync::Arc<meshnet_peer::faulty::FaultyFrames>>> {
+        let Some(fraction) = self.corrupt_frames else {
+            return Ok(None);
+        };
+        let mode = self.corrupt_mode.parse()?;
+        let frames = meshnet_peer::faulty::FaultyFrames::new(fraction, mode, self.corrupt_seed)?;
+        tracing::warn!(fraction, mode = ?mode, "this member corrupts frames on purpose");
+        Ok(Some(std::sync::Arc::new(frames)))
+    }
+}
+
 #[derive(clap::Args)]
 struct RunArgs {
     /// The GGUF model every member of the mesh runs (default: the fetched
@@ -167,6 +197,9 @@ struct RunArgs {
     /// (used when this member is or becomes the tracker).
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
+    #[cfg(feature = "faulty-member")]
+    #[command(flatten)]
+    faults: FaultArgs,
     /// Memory given to the mesh: weights plus KV cache (e.g. 512MiB, 2GB, or bytes).
     #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
     memory: u64,
@@ -662,6 +695,10 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     config.leave_timeout = Duration::from_secs_f64(args.leave_timeout);
     config.tracker_capable = args.tracker_capable;
     config.chat_template = args.chat_template;
+    #[cfg(feature = "faulty-member")]
+    {
+        config.faulty = args.faults.frames()?;
+    }
     let leave_timeout = config.leave_timeout;
 
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -254,10 +254,11 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         config.assume_reachable || config.tracker,
         &listen_addrs,
     );
-    let host = Arc::new(
-        ShardHost::new(Arc::clone(&model), config.kv_tokens, config.drain_timeout)
-            .with_max_batch_tokens(config.max_batch_tokens),
-    );
+    let host = ShardHost::new(Arc::clone(&model), config.kv_tokens, config.drain_timeout)
+        .with_max_batch_tokens(config.max_batch_tokens);
+    #[cfg(feature = "faulty-member")]
+    let host = host.with_faulty_frames(config.faulty.clone());
+    let host = Arc::new(host);
     let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)
         .map_err(|e| PeerError::Internal(e.to_string()))?
         .with_metrics(metrics.clone())

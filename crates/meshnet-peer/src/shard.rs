@@ -222,6 +222,8 @@ pub struct ShardHost {
     /// [`LATENCY_SAMPLE_TOKENS`] tokens), once one has run.
     decode_latency_ms: Mutex<Option<f64>>,
     max_batch_tokens: usize,
+    #[cfg(feature = "faulty-member")]
+    faulty: Option<Arc<crate::faulty::FaultyFrames>>,
 }
 
 /// Calls of at most this many tokens are decode steps, timed for [`ShardHost::forward_latency_ms`].
@@ -242,7 +244,16 @@ impl ShardHost {
             progress: LoadProgress::default(),
             decode_latency_ms: Mutex::new(None),
             max_batch_tokens: DEFAULT_MAX_BATCH_TOKENS,
+            #[cfg(feature = "faulty-member")]
+            faulty: None,
         }
+    }
+
+    /// Corrupts a fraction of the frames this host's spans answer with (tests only).
+    #[cfg(feature = "faulty-member")]
+    pub fn with_faulty_frames(mut self, faulty: Option<Arc<crate::faulty::FaultyFrames>>) -> Self {
+        self.faulty = faulty;
+        self
     }
 
     /// The most rows one pass of a span's compute thread takes (see [`crate::batcher`]).
@@ -538,7 +549,15 @@ impl SpanExecutor for ShardHost {
             .forward_range(meta.session, position, hidden, meta.layers)
             .map_err(executor_error)?;
         self.record_latency(tokens, started.elapsed());
-        Activations::from_tensor(&output).map_err(|e| ExecutorError::Compute(e.to_string()))
+        let output =
+            Activations::from_tensor(&output).map_err(|e| ExecutorError::Compute(e.to_string()))?;
+        #[cfg(feature = "faulty-member")]
+        if let Some(faulty) = &self.faulty {
+            return faulty
+                .apply(output)
+                .map_err(|e| ExecutorError::Compute(e.to_string()));
+        }
+        Ok(output)
     }
 
     fn end_session(&self, session: SessionId) {
