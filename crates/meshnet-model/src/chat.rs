@@ -2,6 +2,8 @@
 //! instead, or a built-in format chosen by the model's architecture, all rendered by one
 //! Jinja engine set up as Hugging Face's `apply_chat_template` sets up jinja2.
 
+mod tool_turns;
+
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -363,7 +365,7 @@ impl ChatTemplate {
     ) -> Result<String> {
         let uses_tools = !tools.is_empty() || messages.iter().any(ChatMessage::uses_tools);
         if self.tool_format == ToolFormat::Generic && uses_tools {
-            let turns = tool_calls::fold_tools_into_turns(messages, tools);
+            let turns = tool_turns::fold_tools_into_turns(messages, tools);
             return self.render_without_default_system(&turns, &[], add_generation_prompt);
         }
         self.render_without_default_system(messages, tools, add_generation_prompt)
@@ -671,5 +673,28 @@ mod tests {
             .with_fixed_time(1_735_787_045)
             .unwrap();
         assert_eq!(template.render(&[]).unwrap(), "02 Jan 2025");
+    }
+
+    #[test]
+    fn formats_are_found_by_probing_the_template() {
+        let hermes = "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}{% for t in tools %}{{ t.function.name }}{% endfor %}";
+        let llama = "{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{% for m in messages %}{% if 'tool_calls' in m %}{\"name\": \"{{ m.tool_calls[0].function.name }}\", \"parameters\": {{ m.tool_calls[0].function.arguments | tojson }}}{% else %}{{ m.content }}{% endif %}{% endfor %}";
+        // Renders tools but writes calls in a syntax of its own.
+        let other = "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}{% for m in messages %}{% for c in m.tool_calls or [] %}<function={{ c.function.name }}>{% endfor %}{% endfor %}";
+        for (jinja, format) in [
+            (hermes, ToolFormat::Hermes),
+            (llama, ToolFormat::Llama3),
+            (other, ToolFormat::Generic),
+        ] {
+            assert_eq!(
+                ChatTemplate::from_jinja(jinja).unwrap().tool_format(),
+                format,
+                "{jinja}"
+            );
+        }
+        assert_eq!(
+            ChatTemplate::chatml().unwrap().tool_format(),
+            ToolFormat::Generic
+        );
     }
 }

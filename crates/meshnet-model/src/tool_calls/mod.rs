@@ -18,7 +18,6 @@ use minijinja::Value;
 use crate::error::{ModelError, Result};
 use crate::template_env::{to_python_json, value_from_json};
 
-pub(crate) use generic::fold_tools_into_turns;
 pub use generic::generic_tools_prompt;
 pub use parser::ToolCallParser;
 use parser::{PYTHON_TAG, TOOL_CALL_CLOSE, TOOL_CALL_OPEN};

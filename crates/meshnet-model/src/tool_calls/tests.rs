@@ -1,7 +1,6 @@
 use proptest::prelude::*;
 
 use super::*;
-use crate::chat::{ChatMessage, ChatTemplate};
 
 fn call(name: &str, arguments: &str) -> ParsedCall {
     ParsedCall {
@@ -215,82 +214,6 @@ fn tool_definitions_keep_their_key_order_and_need_a_name() {
             "{bad}"
         );
     }
-}
-
-#[test]
-fn the_generic_format_folds_tools_calls_and_results_into_plain_turns() {
-    let messages = [
-        ChatMessage::system("Be brief."),
-        ChatMessage::user("Weather in Paris and Rome?"),
-        ChatMessage::assistant_calls(
-            "",
-            vec![
-                ToolCall {
-                    id: "call_1".into(),
-                    name: "get_weather".into(),
-                    arguments: r#"{"city": "Paris"}"#.into(),
-                },
-                ToolCall {
-                    id: "call_2".into(),
-                    name: "get_weather".into(),
-                    arguments: r#"{"city": "Rome"}"#.into(),
-                },
-            ],
-        ),
-        ChatMessage::tool("call_1", "18 C"),
-        ChatMessage::tool("call_2", "25 C"),
-    ];
-    let turns = fold_tools_into_turns(&messages, &[weather_tool()]);
-    let expected_system = format!("Be brief.\n\n{}", generic_tools_prompt(&[weather_tool()]));
-    assert_eq!(
-        turns,
-        [
-            ChatMessage::system(expected_system),
-            ChatMessage::user("Weather in Paris and Rome?"),
-            ChatMessage::assistant(
-                "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n\
-                 <tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}\n</tool_call>"
-            ),
-            ChatMessage::user(
-                "<tool_response>\n18 C\n</tool_response>\n<tool_response>\n25 C\n</tool_response>"
-            ),
-        ]
-    );
-    assert!(
-        generic_tools_prompt(&[weather_tool()]).contains(
-            "\n<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""
-        )
-    );
-    // Without tools, nothing is added, and a conversation without a system turn gets one
-    // when tools are offered.
-    assert_eq!(fold_tools_into_turns(&messages[1..2], &[]), &messages[1..2]);
-    assert_eq!(
-        fold_tools_into_turns(&messages[1..2], &[weather_tool()])[0].role,
-        "system"
-    );
-}
-
-#[test]
-fn formats_are_found_by_probing_the_template() {
-    let hermes = "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}{% else %}{{ m.content }}{% endif %}{% endfor %}{% for t in tools %}{{ t.function.name }}{% endfor %}";
-    let llama = "{% for t in tools or [] %}{{ t | tojson }}{% endfor %}{% for m in messages %}{% if 'tool_calls' in m %}{\"name\": \"{{ m.tool_calls[0].function.name }}\", \"parameters\": {{ m.tool_calls[0].function.arguments | tojson }}}{% else %}{{ m.content }}{% endif %}{% endfor %}";
-    // Renders tools but writes calls in a syntax of its own.
-    let other = "{% for t in tools or [] %}{{ t.function.name }}{% endfor %}{% for m in messages %}{% for c in m.tool_calls or [] %}<function={{ c.function.name }}>{% endfor %}{% endfor %}";
-    for (jinja, format) in [
-        (hermes, ToolFormat::Hermes),
-        (llama, ToolFormat::Llama3),
-        (other, ToolFormat::Generic),
-    ] {
-        assert_eq!(
-            ChatTemplate::from_jinja(jinja).unwrap().tool_format(),
-            format,
-            "{jinja}"
-        );
-    }
-    assert_eq!(
-        ChatTemplate::chatml().unwrap().tool_format(),
-        ToolFormat::Generic
-    );
 }
 
 /// Any JSON value, up to a few levels deep, with strings that hold the formats' own tags.
