@@ -81,6 +81,9 @@ pub struct PeerConfig {
     /// A Jinja chat template file the tracker renders prompts with instead of the model's
     /// own template.
     pub chat_template: Option<PathBuf>,
+    /// The swarm key of a private mesh (`None`: an open mesh): only members holding the same
+    /// key can connect to this one over libp2p, and QUIC is off.
+    pub swarm_key: Option<meshnet_p2p::SwarmKey>,
 }
 
 impl PeerConfig {
@@ -117,6 +120,7 @@ impl PeerConfig {
             leave_timeout: Duration::from_secs(30),
             tracker_capable: true,
             chat_template: None,
+            swarm_key: None,
         }
     }
 }
