@@ -46,6 +46,7 @@ FAMILIES = {
     "meshnet_directives_applied": "counter",
     "meshnet_gossip_accepted": "counter",
     "meshnet_gossip_rejected": "counter",
+    "meshnet_p2p_connections_refused": "counter",
     "meshnet_failovers": "counter",
     "meshnet_active_sessions": "gauge",
     "meshnet_queued_sessions": "gauge",

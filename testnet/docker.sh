@@ -4,9 +4,12 @@
 #
 #   testnet/docker.sh build    build the image FROM scratch (no registry, no base image)
 #   testnet/docker.sh up [--model FILE] [--tracker-mem-limit SIZE] [--peer-mem-limit SIZE]
+#                        [--private]
 #                              build if needed, start the ten, wait for coverage; the last line
 #                              printed is the OpenAI base URL on this host (the flags override
-#                              MESHNET_MODEL and the two MEM_LIMIT variables below)
+#                              MESHNET_MODEL and the two MEM_LIMIT variables below); --private
+#                              makes one swarm key (run directory's swarm.key) and starts every
+#                              member with --swarm-key: a private mesh
 #   testnet/docker.sh smoke    ten members, complete coverage, and the OpenAI client's chat equal
 #                              to `meshnet-peer generate --chat --boundaries` at the tracker's
 #                              boundaries
@@ -39,6 +42,9 @@ repo=$(cd "$here/.." && pwd)
 compose_file=$here/docker-compose.yml
 run_dir=${MESHNET_DOCKER_DIR:-${TMPDIR:-/tmp}/meshnet-docker}
 env_file=$run_dir/compose.env
+# With `up --private`: the swarm key, and the compose file that hands it to every member.
+key_file=$run_dir/swarm.key
+private_file=$run_dir/private.yml
 state_file=$run_dir/state
 project=meshnet-testnet
 image=${MESHNET_IMAGE:-meshnet-peer:testnet}
@@ -47,6 +53,7 @@ net=${MESHNET_DOCKER_NET:-10.213.0}
 timeout=${MESHNET_DOCKER_TIMEOUT:-240}
 peers=9
 services=(tracker peer1 peer2 peer3 peer4 peer5 peer6 peer7 peer8 peer9)
+private=0
 
 say() { printf 'docker.sh: %s\n' "$*" >&2; }
 die() {
@@ -55,7 +62,7 @@ die() {
 }
 
 usage() {
-  sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 # The compose tool: the standalone docker-compose, else the docker compose plugin.
@@ -71,7 +78,28 @@ find_compose() {
 }
 
 compose() {
-  "${compose_cmd[@]}" -p "$project" -f "$compose_file" --env-file "$env_file" "$@"
+  local files=(-f "$compose_file")
+  [ ! -f "$private_file" ] || files+=(-f "$private_file")
+  "${compose_cmd[@]}" -p "$project" "${files[@]}" --env-file "$env_file" "$@"
+}
+
+# write_private: a new swarm key, and a compose file that mounts it in every member and puts
+# --swarm-key before the member's own arguments (the image has no shell to add it otherwise).
+write_private() {
+  rm -f "$key_file" "$private_file"
+  "$bin" swarm-key new --out "$key_file" >&2 || die "meshnet-peer swarm-key new failed"
+  {
+    echo "# Written by testnet/docker.sh up --private: every member holds the swarm key."
+    echo 'version: "2.4"'
+    echo "services:"
+    local service
+    for service in "${services[@]}"; do
+      echo "  $service:"
+      echo '    entrypoint: ["/usr/local/bin/meshnet-peer", "--swarm-key", "/keys/swarm.key"]'
+      echo "    volumes:"
+      echo "      - $key_file:/keys/swarm.key:ro"
+    done
+  } >"$private_file"
 }
 
 # Fails loudly when no Docker engine answers (status 3, so callers can tell it apart).
@@ -322,7 +350,11 @@ parse_up_flags() {
         esac
         shift 2
         ;;
-      *) die "up: unknown argument '$1' (flags: --model FILE, --tracker-mem-limit SIZE, --peer-mem-limit SIZE)" ;;
+      --private)
+        private=1
+        shift
+        ;;
+      *) die "up: unknown argument '$1' (flags: --model FILE, --tracker-mem-limit SIZE, --peer-mem-limit SIZE, --private)" ;;
     esac
   done
 }
@@ -339,6 +371,11 @@ up() {
   resolve_model
   build_if_needed
   plan_budgets
+  rm -f "$private_file"
+  if [ "$private" -eq 1 ]; then
+    write_private
+    say "private mesh: every member gets --swarm-key ($key_file)"
+  fi
   {
     printf 'MESHNET_IMAGE=%s\nMESHNET_MODEL_DIR=%s\nMESHNET_MODEL_FILE=%s\n' \
       "$image" "$(dirname "$model")" "$(basename "$model")"
@@ -455,7 +492,7 @@ down() {
     docker_bounded 60 docker image rm -f "$image" >/dev/null 2>&1 || true
   fi
   [ "$failed" -eq 0 ] || die "down: some of $project may be left: see 'docker ps -a' and 'docker network ls'"
-  rm -f "$state_file"
+  rm -f "$state_file" "$private_file" "$key_file"
   say "down: no container, network or volume of $project is left"
 }
 

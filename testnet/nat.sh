@@ -15,6 +15,11 @@
 #   testnet/nat.sh speed     decode tokens/s on three meshes over the same links: the routers
 #                            forwarding ports (every hop direct HTTP), the NATs of `run` (one hop
 #                            punched, one relayed), every NAT randomising ports (relayed hops)
+#   testnet/nat.sh run --private, speed --private
+#                            the same as a private mesh: one swarm key (`meshnet-peer swarm-key
+#                            new`), every member started with --swarm-key and on TCP only (QUIC
+#                            cannot carry the key); `run` also checks that a connection without
+#                            the key is refused and counted in the tracker's /metrics
 #
 # Topology (every name starts with mnat-; nothing outside these namespaces is touched):
 #
@@ -95,7 +100,7 @@ forward_ports=0
 timeout=${MESHNET_NAT_TIMEOUT:-180}
 
 usage() {
-  sed -n '2,66s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+  sed -n '2,71s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
 }
 
 say() { printf 'nat.sh: %s\n' "$*" >&2; }
@@ -767,9 +772,12 @@ declare -A proc_ns=([tracker]=$ns_trk [a]=mnat-a [b]=mnat-b [c]=mnat-c)
 start_member() {
   local name=$1
   shift
+  local p2p=(--p2p /ip4/0.0.0.0/tcp/4001 --p2p /ip4/0.0.0.0/udp/4001/quic-v1)
+  if [ "$private" -eq 1 ]; then
+    p2p=(--p2p /ip4/0.0.0.0/tcp/4001 --swarm-key "$run_dir/swarm.key")
+  fi
   spawn "$name" "${proc_ns[$name]}" "$bin" --model "$model" --data-dir "$run_dir/data$data_suffix/$name" \
-    --announce-interval 0.5 --http 0.0.0.0:8080 \
-    --p2p /ip4/0.0.0.0/tcp/4001 --p2p /ip4/0.0.0.0/udp/4001/quic-v1 "$@"
+    --announce-interval 0.5 --http 0.0.0.0:8080 "${p2p[@]}" "$@"
   proc_pid[$name]=$spawned_pid
 }
 
@@ -1251,6 +1259,10 @@ prepare() {
   arm_cleanup
   new_run_dir
   write_load
+  if [ "$private" -eq 1 ]; then
+    "$bin" swarm-key new --out "$run_dir/swarm.key" >&2 || die "meshnet-peer swarm-key new failed"
+    say "private mesh: every member gets --swarm-key $run_dir/swarm.key, TCP only"
+  fi
   local info layers rest name
   info=$("$bin" model-info --model "$model") || die "meshnet-peer model-info failed"
   layers=$(json_get "$info" 's["layers"]') || die "model-info printed no layer count"
@@ -1311,9 +1323,39 @@ start_mesh() {
     's["data"][0]["id"]') || fail "startup" "no model in /v1/models"
 }
 
+# check_private: in a private mesh, a connection from peer A's LAN to the tracker's libp2p port
+# that speaks libp2p without the key (multistream's header and Noise's proposal in the clear) is
+# dropped, and the tracker counts it in /metrics.
+check_private() {
+  [ "$private" -eq 1 ] || return 0
+  local before after series='meshnet_p2p_connections_refused_total{reason="swarm_key"}'
+  before=$(refusals)
+  in_ns mnat-a python3 -c '
+import socket, sys
+s = socket.create_connection((sys.argv[1], 4001), timeout=10)
+s.sendall(b"\x13/multistream/1.0.0\n\x07/noise\n" + bytes(64))
+try:
+    while s.recv(4096):
+        pass
+except (ConnectionResetError, socket.timeout):
+    pass' "$tracker_ip" || fail "private" "the keyless connection to the tracker failed to open"
+  wait_for "the tracker to count the refusal" 10 refusals_above "$before" ||
+    fail "private" "the tracker's $series stayed at $before"
+  after=$(refusals)
+  say "private: a keyless connection was refused; the tracker's $series went $before -> $after"
+}
+
+# refusals: the tracker's count of connections refused for the swarm key.
+refusals() {
+  ns_get "$ns_trk" metrics | awk '$1 == "meshnet_p2p_connections_refused_total{reason=\"swarm_key\"}" { v = $2 } END { print v + 0 }'
+}
+
+refusals_above() { [ "$(refusals)" -gt "$1" ]; }
+
 run_mesh() {
   prepare
   start_mesh
+  check_private
   check_chat
   check_paths
   check_grants
@@ -1368,7 +1410,20 @@ print(" ".join(sys.argv[2:]), r["requests"], r["completion_tokens"], f"{rate:.1f
 
 # --- main --------------------------------------------------------------------------------------
 
-case ${1:-run} in
+command=${1:-run}
+[ "$#" -eq 0 ] || shift
+private=0
+for option in "$@"; do
+  case $option in
+    --private) private=1 ;;
+    *)
+      usage
+      exit 2
+      ;;
+  esac
+done
+
+case $command in
   up)
     preflight
     keep_up=1

@@ -77,6 +77,11 @@ struct RejectionLabels {
     reason: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusalLabels {
+    reason: &'static str,
+}
+
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 
 /// Latency buckets from 0.5 ms to about 33 s, doubling.
@@ -125,6 +130,7 @@ pub struct Metrics {
     directives_applied: Counter,
     gossip_accepted: Family<TopicLabels, Counter>,
     gossip_rejected: Family<RejectionLabels, Counter>,
+    connections_refused: Family<RefusalLabels, Counter>,
     failovers: Counter,
 }
 
@@ -148,6 +154,7 @@ impl Metrics {
             directives_applied: Counter::default(),
             gossip_accepted: Family::default(),
             gossip_rejected: Family::default(),
+            connections_refused: Family::default(),
             failovers: Counter::default(),
         }
     }
@@ -210,6 +217,13 @@ impl Metrics {
             "gossip_rejected",
             "Gossip messages and peers refused, by topic kind and reason",
             metrics.gossip_rejected.clone(),
+        );
+        list_always(
+            meshnet,
+            "p2p_connections_refused",
+            "Incoming libp2p connections this member refused before any libp2p protocol ran, by \
+             reason (swarm_key: the other side holds no swarm key or another one)",
+            metrics.connections_refused.clone(),
         );
         meshnet.register(
             "failovers",
@@ -286,6 +300,20 @@ impl Metrics {
                 reason,
             })
             .inc();
+    }
+
+    /// Counts an incoming libp2p connection refused for `reason`, a stable code.
+    pub fn count_connection_refused(&self, reason: &'static str) {
+        self.connections_refused
+            .get_or_create(&RefusalLabels { reason })
+            .inc();
+    }
+
+    /// Incoming libp2p connections refused so far for `reason`.
+    pub fn connections_refused(&self, reason: &'static str) -> u64 {
+        self.connections_refused
+            .get_or_create(&RefusalLabels { reason })
+            .get()
     }
 
     /// Counts a failover.
@@ -428,6 +456,7 @@ mod tests {
         );
         metrics.count_wire_bytes(Direction::Sent, 1152, 900);
         metrics.count_gossip_rejected("announce", "wrong_model");
+        metrics.count_connection_refused("swarm_key");
         metrics.count_directives_issued(2);
         let text = encode(&registry);
         assert_eq!(value_of(&text, "meshnet_tokens_generated_total"), Some(2.0));
@@ -461,6 +490,14 @@ mod tests {
             Some(1.0)
         );
         assert_eq!(
+            value_of(
+                &text,
+                "meshnet_p2p_connections_refused_total{reason=\"swarm_key\"}"
+            ),
+            Some(1.0)
+        );
+        assert_eq!(metrics.connections_refused("swarm_key"), 1);
+        assert_eq!(
             value_of(&text, "meshnet_directives_issued_total"),
             Some(2.0)
         );
@@ -477,6 +514,7 @@ mod tests {
             ("meshnet_wire_bytes", "counter"),
             ("meshnet_gossip_accepted", "counter"),
             ("meshnet_gossip_rejected", "counter"),
+            ("meshnet_p2p_connections_refused", "counter"),
         ] {
             assert!(
                 text.contains(&format!("# TYPE {family} {kind}\n")),

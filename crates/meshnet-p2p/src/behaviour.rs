@@ -16,7 +16,9 @@ use libp2p::{
 use crate::P2pError;
 use crate::config::{P2pConfig, TransportChoice};
 use crate::messages::MAX_MESSAGE_BYTES;
+use crate::private::private_transport;
 use crate::reach::ModelPeers;
+use crate::swarm_key::SwarmKey;
 
 /// The protocol of the activation plane over libp2p: HTTP/1.1, one request per stream.
 pub(crate) const HTTP_PROTOCOL: StreamProtocol = StreamProtocol::new("/meshnet/http/1.1");
@@ -172,11 +174,15 @@ fn boxed(
     behaviour.map_err(Box::from)
 }
 
-/// Builds the swarm with the transports chosen in `config`.
+/// Builds the swarm with the transports chosen in `config`: a private one when it has a
+/// swarm key.
 pub(crate) fn build_swarm(
     config: &P2pConfig,
     model_peers: &ModelPeers,
 ) -> Result<Swarm<MeshBehaviour>, P2pError> {
+    if let Some(key) = &config.swarm_key {
+        return build_private_swarm(config, key, model_peers);
+    }
     let builder = SwarmBuilder::with_existing_identity(config.keypair.clone()).with_tokio();
     let swarm = match config.transport {
         TransportChoice::Network => builder
@@ -228,6 +234,51 @@ pub(crate) fn build_swarm(
             })
             .build(),
     };
+    Ok(swarm)
+}
+
+/// The swarm of a private mesh: TCP (or the memory transport) and the relay client's
+/// circuits, each behind the swarm key ([`crate::private`]); no QUIC, which has no place for
+/// a pre-shared key.
+fn build_private_swarm(
+    config: &P2pConfig,
+    key: &SwarmKey,
+    model_peers: &ModelPeers,
+) -> Result<Swarm<MeshBehaviour>, P2pError> {
+    let (relay_transport, relay_client) = relay::client::new(config.keypair.public().to_peer_id());
+    // The relay transport first, as libp2p's builder has it: it takes only circuit addresses,
+    // which the memory transport would otherwise take for its own (`/memory/N/p2p/…`).
+    let swarm = SwarmBuilder::with_existing_identity(config.keypair.clone())
+        .with_tokio()
+        .with_other_transport(|keypair| {
+            private_transport(relay_transport, keypair, key, &config.metrics)
+        })
+        .map_err(transport_error)?
+        .with_other_transport(|keypair| match config.transport {
+            TransportChoice::Network => private_transport(
+                tcp::tokio::Transport::new(tcp::Config::default().nodelay(true)),
+                keypair,
+                key,
+                &config.metrics,
+            ),
+            TransportChoice::Memory => {
+                private_transport(MemoryTransport::default(), keypair, key, &config.metrics)
+            }
+        })
+        .map_err(transport_error)?
+        .with_behaviour(|keypair| {
+            boxed(MeshBehaviour::new(
+                config,
+                keypair,
+                relay_client,
+                model_peers,
+            ))
+        })
+        .map_err(behaviour_error)?
+        .with_swarm_config(|swarm_config| {
+            swarm_config.with_idle_connection_timeout(IDLE_CONNECTION_TIMEOUT)
+        })
+        .build();
     Ok(swarm)
 }
 

@@ -97,15 +97,20 @@ pub struct P2pConfig {
     /// (it may be a restarted tracker whose mesh elected a successor meanwhile); after that,
     /// only members of its own succession list may take over.
     pub tracker_start_grace: Duration,
-    /// Where gossip verdicts are counted (detached by default: counted, exported nowhere).
+    /// Where gossip verdicts and refused connections are counted (detached by default:
+    /// counted, exported nowhere).
     pub metrics: meshnet_metrics::Metrics,
+    /// The pre-shared key of a private mesh (`None`: an open mesh). With one, every
+    /// connection (TCP, relayed circuits, the memory transport) runs libp2p's pnet under
+    /// Noise; nodes without the same key cannot connect, and QUIC is off.
+    pub swarm_key: Option<crate::SwarmKey>,
 }
 
 impl P2pConfig {
     /// A configuration with defaults: no listen or bootstrap address, network
     /// transports, no UPnP, reachability not assumed, no relay server or reservations, 256 connections, tracker
-    /// lookups every 2 s (every 30 s once a tracker is known) and record republication
-    /// every 30 s.
+    /// lookups every 2 s (every 30 s once a tracker is known), record republication
+    /// every 30 s, and an open mesh (no swarm key).
     pub fn new(keypair: Keypair, model_id: impl Into<String>, role: Role) -> Self {
         P2pConfig {
             keypair,
@@ -125,6 +130,7 @@ impl P2pConfig {
             takeover_silence: Duration::from_secs(6),
             tracker_start_grace: Duration::from_secs(10),
             metrics: meshnet_metrics::Metrics::detached(),
+            swarm_key: None,
         }
     }
 

@@ -58,6 +58,42 @@ pub enum P2pError {
         reason: String,
     },
 
+    /// A text that should be a swarm key file is not one.
+    #[error("not a swarm key file: {0}")]
+    MalformedSwarmKey(crate::swarm_key::SwarmKeyProblem),
+
+    /// The swarm key file is not one.
+    #[error("swarm key file {path} is not usable: {problem}")]
+    SwarmKeyFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: crate::swarm_key::SwarmKeyProblem,
+    },
+
+    /// The swarm key file could not be read or written.
+    #[error("swarm key file {path}: {source}")]
+    SwarmKeyIo {
+        /// The file.
+        path: PathBuf,
+        /// The underlying I/O error.
+        source: std::io::Error,
+    },
+
+    /// A new swarm key was to be written where a file already is.
+    #[error(
+        "{path} already exists; a swarm key file is never overwritten (remove it first, or choose another path)"
+    )]
+    SwarmKeyExists {
+        /// The file.
+        path: PathBuf,
+    },
+
+    /// The other side of a connection holds no swarm key or another one: what it sent does
+    /// not decrypt to a libp2p handshake with this node's key.
+    #[error("the other side holds no swarm key or another one")]
+    SwarmKeyMismatch,
+
     /// The libp2p transport could not be built.
     #[error("failed to build the libp2p transport: {0}")]
     Transport(String),

@@ -29,6 +29,7 @@
 
 mod error;
 pub mod messages;
+mod swarm_key;
 
 #[cfg(feature = "network")]
 mod behaviour;
@@ -47,6 +48,8 @@ mod node;
 #[cfg(feature = "network")]
 mod outbox;
 #[cfg(feature = "network")]
+mod private;
+#[cfg(feature = "network")]
 mod reach;
 #[cfg(feature = "network")]
 mod traffic;
@@ -57,6 +60,11 @@ pub use error::P2pError;
 pub use messages::{
     CoverageMessage, DirectiveMessage, MAX_MESSAGE_BYTES, PeerAnnouncement, SCHEMA_VERSION,
     SpanStatus, TopicKind, TrackerRecord, decode, encode, topic_name, tracker_record_key,
+};
+
+pub use swarm_key::{
+    MAX_SWARM_KEY_FILE_BYTES, SWARM_KEY_BYTES, SWARM_KEY_ENCODING, SWARM_KEY_TYPE, SwarmKey,
+    SwarmKeyProblem, load_swarm_key, write_swarm_key,
 };
 
 #[cfg(feature = "network")]
@@ -71,6 +79,8 @@ pub use identity::{IDENTITY_FILE_NAME, load_or_create_identity};
 pub use ids::{libp2p_peer_id, mesh_peer_id, parse_peer_id};
 #[cfg(feature = "network")]
 pub use node::{IncomingHttpStreams, P2pHandle, P2pStream, spawn, spawn_registered};
+#[cfg(feature = "network")]
+pub use private::{is_quic, swarm_key_fingerprint};
 #[cfg(feature = "network")]
 pub use reach::{P2pPath, Reachability};
 #[cfg(feature = "network")]

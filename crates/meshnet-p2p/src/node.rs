@@ -31,6 +31,7 @@ use crate::messages::{
     topic_name, tracker_record_key,
 };
 use crate::outbox::Outbox;
+use crate::private::{is_quic, swarm_key_fingerprint};
 use crate::reach::{ActiveStreams, ModelPeers, P2pPath, Reachability, SharedReach, StreamActivity};
 use crate::traffic::{GossipTraffic, TrafficCounters};
 use crate::validation::{Admission, Verdict};
@@ -394,20 +395,24 @@ pub async fn spawn_registered(
     start(config, Some(libp2p_metrics)).await
 }
 
-async fn start(
-    config: P2pConfig,
-    libp2p_metrics: Option<libp2p::metrics::Metrics>,
-) -> Result<(P2pHandle, mpsc::Receiver<P2pEvent>), P2pError> {
-    let model_peers = ModelPeers::default();
-    let mut swarm = build_swarm(&config, &model_peers)?;
-    let streams = swarm.behaviour().streams.new_control();
-    let reach = SharedReach::new(config.assume_reachable);
-    let active_streams = ActiveStreams::default();
-    let local_peer_id = *swarm.local_peer_id();
-
+/// Listens on every configured address that can be bound (in a private mesh, none over
+/// QUIC); fails only if none can.
+fn listen_all(swarm: &mut Swarm<MeshBehaviour>, config: &P2pConfig) -> Result<(), P2pError> {
     let mut listen_failures = Vec::new();
     let mut listening = 0usize;
+    if let Some(key) = &config.swarm_key {
+        tracing::info!(
+            fingerprint = %swarm_key_fingerprint(key),
+            "private mesh: only members holding this swarm key can connect; QUIC is off"
+        );
+    }
     for address in &config.listen {
+        if config.swarm_key.is_some() && is_quic(address) {
+            listen_failures.push(format!(
+                "{address}: QUIC is off in a private mesh (it cannot carry the swarm key)"
+            ));
+            continue;
+        }
         match swarm.listen_on(address.clone()) {
             Ok(_) => listening += 1,
             Err(error) => listen_failures.push(format!("{address}: {error}")),
@@ -424,6 +429,21 @@ async fn start(
     for failure in &listen_failures {
         tracing::warn!(%failure, "listen address not bound");
     }
+    Ok(())
+}
+
+async fn start(
+    config: P2pConfig,
+    libp2p_metrics: Option<libp2p::metrics::Metrics>,
+) -> Result<(P2pHandle, mpsc::Receiver<P2pEvent>), P2pError> {
+    let model_peers = ModelPeers::default();
+    let mut swarm = build_swarm(&config, &model_peers)?;
+    let streams = swarm.behaviour().streams.new_control();
+    let reach = SharedReach::new(config.assume_reachable);
+    let active_streams = ActiveStreams::default();
+    let local_peer_id = *swarm.local_peer_id();
+
+    listen_all(&mut swarm, &config)?;
 
     let mut topics = HashMap::new();
     for kind in TopicKind::ALL {

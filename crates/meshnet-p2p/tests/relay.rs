@@ -2,7 +2,8 @@
 //! Peers others cannot dial, over the in-memory transport: they reserve a slot on the tracker's
 //! relay, announce their circuit address, and another peer opens a stream to them through the
 //! relay that carries more than libp2p's default circuit limit. A node of another model gets
-//! no slot. Every wait is bounded by [`DEADLINE`].
+//! no slot. The same holds in a private mesh, where every connection (the relayed circuit
+//! too) runs under the swarm key. Every wait is bounded by [`DEADLINE`].
 
 use std::time::Duration;
 
@@ -10,8 +11,8 @@ use libp2p::Multiaddr;
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use meshnet_p2p::{
-    P2pConfig, P2pEvent, P2pHandle, P2pPath, PeerAnnouncement, RelayLimits, Role, TransportChoice,
-    spawn,
+    P2pConfig, P2pEvent, P2pHandle, P2pPath, PeerAnnouncement, RelayLimits, Role, SwarmKey,
+    TransportChoice, spawn,
 };
 use meshnet_types::PeerId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -33,8 +34,15 @@ struct Node {
     id: PeerId,
 }
 
-async fn start(model: &str, role: Role, reachable: bool, bootstrap: &[&Node]) -> Node {
+async fn start(
+    model: &str,
+    role: Role,
+    reachable: bool,
+    bootstrap: &[&Node],
+    swarm_key: &Option<SwarmKey>,
+) -> Node {
     let mut config = P2pConfig::new(Keypair::generate_ed25519(), model, role);
+    config.swarm_key = swarm_key.clone();
     config.transport = TransportChoice::Memory;
     config.listen = vec!["/memory/0".parse().unwrap()];
     config.bootstrap = bootstrap.iter().map(|node| node.address.clone()).collect();
@@ -104,10 +112,21 @@ fn announcement(node: &Node) -> PeerAnnouncement {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_behind_nat_is_reached_through_the_trackers_relay_and_strangers_get_no_slot() {
-    let tracker = start(MODEL, Role::Tracker, true, &[]).await;
-    let hidden = start(MODEL, peer(), false, &[&tracker]).await;
-    let mut sender = start(MODEL, peer(), false, &[&tracker]).await;
-    let mut stranger = start("another-model", peer(), false, &[&tracker]).await;
+    relay_scenario(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_private_mesh_the_relay_works_the_same() {
+    relay_scenario(Some(SwarmKey::generate())).await;
+}
+
+/// A tracker with a relay, a peer others cannot dial, a sender and a node of another model,
+/// all holding `swarm_key` (or none).
+async fn relay_scenario(key: Option<SwarmKey>) {
+    let tracker = start(MODEL, Role::Tracker, true, &[], &key).await;
+    let hidden = start(MODEL, peer(), false, &[&tracker], &key).await;
+    let mut sender = start(MODEL, peer(), false, &[&tracker], &key).await;
+    let mut stranger = start("another-model", peer(), false, &[&tracker], &key).await;
 
     eventually(
         "the hidden peer holds a reservation on the tracker's relay",

@@ -84,6 +84,9 @@ pub struct PeerConfig {
     /// Corrupts a fraction of this member's output frames (tests and benchmarks only).
     #[cfg(feature = "faulty-member")]
     pub faulty: Option<std::sync::Arc<crate::faulty::FaultyFrames>>,
+    /// The swarm key of a private mesh (`None`: an open mesh): only members holding the same
+    /// key can connect to this one over libp2p, and QUIC is off.
+    pub swarm_key: Option<meshnet_p2p::SwarmKey>,
 }
 
 impl PeerConfig {
@@ -122,6 +125,7 @@ impl PeerConfig {
             chat_template: None,
             #[cfg(feature = "faulty-member")]
             faulty: None,
+            swarm_key: None,
         }
     }
 }

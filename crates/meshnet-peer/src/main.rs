@@ -78,6 +78,22 @@ enum Commands {
     /// Read one JSON string per line of standard input and print its token ids as one JSON
     /// array per line (no BOS, special tokens as plain text unless asked otherwise).
     Tokenize(tokenize::TokenizeArgs),
+    /// Swarm keys of private meshes (`swarm-key new`).
+    #[command(subcommand)]
+    SwarmKey(SwarmKeyCommand),
+}
+
+/// What `swarm-key` does.
+#[derive(Subcommand)]
+enum SwarmKeyCommand {
+    /// Write a new random swarm key (libp2p's swarm.key format, mode 0600) for a private
+    /// mesh: give the file to every member with --swarm-key. An existing file is never
+    /// overwritten.
+    New {
+        /// Where to write it.
+        #[arg(long, value_name = "FILE", default_value = "swarm.key")]
+        out: PathBuf,
+    },
 }
 
 /// Which model `fetch-model` downloads.
@@ -187,12 +203,16 @@ struct RunArgs {
     #[arg(long, value_name = "URL")]
     advertise_http: Option<String>,
     /// libp2p listen address, repeatable (default: TCP and QUIC on all interfaces, port 4001
-    /// for the tracker, a free port for a peer).
+    /// for the tracker, a free port for a peer; TCP only with --swarm-key).
     #[arg(long = "p2p", value_name = "MULTIADDR")]
     p2p: Vec<Multiaddr>,
     /// libp2p address of any member of the mesh, repeatable.
     #[arg(long, value_name = "MULTIADDR")]
     bootstrap: Vec<Multiaddr>,
+    /// Run a private mesh: the swarm key file (made by `swarm-key new`) every member holds.
+    /// Only members with the same key can connect over libp2p; QUIC is off.
+    #[arg(long, value_name = "FILE")]
+    swarm_key: Option<PathBuf>,
     /// A Jinja chat template file to render chat prompts with instead of the model's own
     /// (used when this member is or becomes the tracker).
     #[arg(long, value_name = "FILE")]
@@ -333,6 +353,7 @@ fn main() -> ExitCode {
         Some(Commands::Chat(args)) => terminal::chat(&args),
         Some(Commands::Grant(args)) => grant(&args),
         Some(Commands::Tokenize(args)) => tokenize::tokenize(&args),
+        Some(Commands::SwarmKey(SwarmKeyCommand::New { out })) => new_swarm_key(&out),
         None => run_peer(cli.run),
     };
     match outcome {
@@ -428,6 +449,19 @@ fn grant(args: &GrantArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `meshnet-peer swarm-key new`: writes a new key and says where, with its fingerprint.
+fn new_swarm_key(out: &Path) -> anyhow::Result<()> {
+    let key = meshnet_p2p::SwarmKey::generate();
+    meshnet_p2p::write_swarm_key(out, &key)?;
+    println!(
+        "wrote a new swarm key to {} (fingerprint {}); start every member with --swarm-key {}",
+        out.display(),
+        meshnet_p2p::swarm_key_fingerprint(&key),
+        out.display()
+    );
+    Ok(())
+}
+
 fn default_data_dir(tracker: bool) -> PathBuf {
     if let Some(dir) = std::env::var_os("MESHNET_DATA").filter(|d| !d.is_empty()) {
         return dir.into();
@@ -460,6 +494,26 @@ fn lock_data_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
             Err(e).with_context(|| format!("locking {}", path.display()))
         }
     }
+}
+
+/// The libp2p listen addresses: those given, or TCP and (in an open mesh) QUIC on all
+/// interfaces. A private mesh refuses a QUIC address outright: it cannot carry the key.
+fn p2p_listen(args: &RunArgs, private: bool) -> anyhow::Result<Vec<Multiaddr>> {
+    if private && let Some(quic) = args.p2p.iter().find(|a| meshnet_p2p::is_quic(a)) {
+        bail!(
+            "--p2p {quic}: QUIC cannot carry a swarm key, so a private mesh (--swarm-key) \
+             listens on TCP only"
+        );
+    }
+    if !args.p2p.is_empty() {
+        return Ok(args.p2p.clone());
+    }
+    let port = if args.tracker { 4001 } else { 0 };
+    let mut p2p = vec![format!("/ip4/0.0.0.0/tcp/{port}").parse()?];
+    if !private {
+        p2p.push(format!("/ip4/0.0.0.0/udp/{port}/quic-v1").parse()?);
+    }
+    Ok(p2p)
 }
 
 /// The model path given, or the default model, which must exist.
@@ -652,15 +706,11 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
         .clone()
         .unwrap_or_else(|| default_data_dir(args.tracker));
     let _lock = lock_data_dir(&data_dir)?;
-    let port = if args.tracker { 4001 } else { 0 };
-    let p2p = if args.p2p.is_empty() {
-        vec![
-            format!("/ip4/0.0.0.0/tcp/{port}").parse()?,
-            format!("/ip4/0.0.0.0/udp/{port}/quic-v1").parse()?,
-        ]
-    } else {
-        args.p2p.clone()
+    let swarm_key = match &args.swarm_key {
+        Some(path) => Some(meshnet_p2p::load_swarm_key(path)?),
+        None => None,
     };
+    let p2p = p2p_listen(&args, swarm_key.is_some())?;
     let mut config = PeerConfig::new(model_path, data_dir);
     config.tracker = args.tracker;
     config.http_listen = args
@@ -695,6 +745,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     config.leave_timeout = Duration::from_secs_f64(args.leave_timeout);
     config.tracker_capable = args.tracker_capable;
     config.chat_template = args.chat_template;
+    config.swarm_key = swarm_key;
     #[cfg(feature = "faulty-member")]
     {
         config.faulty = args.faults.frames()?;

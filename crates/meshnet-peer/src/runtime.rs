@@ -233,6 +233,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     p2p_config.relay_server =
         (config.tracker || config.assume_reachable).then_some(config.relay_limits);
     p2p_config.reserve_relays = !config.assume_reachable;
+    p2p_config.swarm_key = config.swarm_key.clone();
     // Followers accept a successor once they have missed two of the tracker's maps; the
     // successor claims after three (crate::election).
     p2p_config.takeover_silence = config.announce_interval * 2;

@@ -571,3 +571,106 @@ fn model_info_describes_a_gemma_file() {
         layers.iter().map(|b| b.as_u64().unwrap()).max().unwrap()
     );
 }
+
+#[test]
+fn swarm_key_new_writes_a_private_key_file_and_never_overwrites_one() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("meshnet-swarm-key-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("swarm.key");
+    let out = path.to_str().unwrap();
+    let output = peer()
+        .args(["swarm-key", "new", "--out", out])
+        .output()
+        .expect("runs");
+    assert!(output.status.success(), "{output:?}");
+    let written = std::fs::read(&path).unwrap();
+    let key = meshnet_p2p::SwarmKey::parse(&written).unwrap();
+    let text = String::from_utf8(written).unwrap();
+    assert!(
+        text.starts_with("/key/swarm/psk/1.0.0/\n/base16/\n"),
+        "{text}"
+    );
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains(&meshnet_p2p::swarm_key_fingerprint(&key)),
+        "{stdout}"
+    );
+
+    let again = peer()
+        .args(["swarm-key", "new", "--out", out])
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(!again.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{out} already exists; a swarm key file is never overwritten"
+        )),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn a_bad_swarm_key_file_or_a_private_quic_address_is_named_and_no_panic() {
+    let dir = std::env::temp_dir().join(format!("meshnet-bad-key-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.key");
+    std::fs::write(&bad, "/key/swarm/psk/1.0.0/\n/base16/\nabcdx\n").unwrap();
+    let good = dir.join("good.key");
+    let made = peer()
+        .args(["swarm-key", "new", "--out", good.to_str().unwrap()])
+        .output()
+        .expect("runs");
+    assert!(made.status.success(), "{made:?}");
+    let data = dir.join("data");
+    let common = [
+        "--http",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    let bad_message = format!(
+        "swarm key file {} is not usable: its key line has a character that is not a \
+         hexadecimal digit at position 4",
+        bad.display()
+    );
+    let missing = dir.join("absent.key");
+    let missing_message = format!("swarm key file {}: No such file", missing.display());
+    let cases: [(Vec<&str>, &str); 3] = [
+        (
+            vec![
+                "--swarm-key",
+                bad.to_str().unwrap(),
+                "--p2p",
+                "/ip4/127.0.0.1/tcp/0",
+            ],
+            &bad_message,
+        ),
+        (
+            vec!["--swarm-key", missing.to_str().unwrap()],
+            &missing_message,
+        ),
+        (
+            vec![
+                "--swarm-key",
+                good.to_str().unwrap(),
+                "--p2p",
+                "/ip4/127.0.0.1/udp/0/quic-v1",
+            ],
+            "QUIC cannot carry a swarm key",
+        ),
+    ];
+    for (args, expected) in cases {
+        let output = peer().args(common).args(&args).output().expect("runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{args:?} succeeded");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}

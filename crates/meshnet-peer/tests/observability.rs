@@ -62,7 +62,7 @@ async fn scrape(base: &str) -> Scrape {
 }
 
 /// Families every member exports, with their kinds.
-const FAMILIES: [(&str, &str); 17] = [
+const FAMILIES: [(&str, &str); 18] = [
     ("meshnet_tokens_generated", "counter"),
     ("meshnet_time_to_first_token_seconds", "histogram"),
     ("meshnet_inter_token_latency_seconds", "histogram"),
@@ -73,6 +73,7 @@ const FAMILIES: [(&str, &str); 17] = [
     ("meshnet_directives_applied", "counter"),
     ("meshnet_gossip_accepted", "counter"),
     ("meshnet_gossip_rejected", "counter"),
+    ("meshnet_p2p_connections_refused", "counter"),
     ("meshnet_failovers", "counter"),
     ("meshnet_active_sessions", "gauge"),
     ("meshnet_queued_sessions", "gauge"),
