@@ -1,5 +1,4 @@
 #![allow(clippy::unwrap_used)]
-#![cfg(feature = "faulty-member")]
 //! The faulty member (feature `faulty-member`): a peer that corrupts its frames changes what the
 //! mesh computes, and one that corrupts none computes exactly what an honest peer does.
 
