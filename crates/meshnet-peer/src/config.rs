@@ -81,6 +81,9 @@ pub struct PeerConfig {
     /// A Jinja chat template file the tracker renders prompts with instead of the model's
     /// own template.
     pub chat_template: Option<PathBuf>,
+    /// The keys the OpenAI-style API accepts, with their limits (`--api-keys`); `None` leaves
+    /// the API open to anyone who can reach the HTTP listener.
+    pub api_keys: Option<Vec<meshnet_apikeys::KeyEntry>>,
 }
 
 impl PeerConfig {
@@ -117,6 +120,7 @@ impl PeerConfig {
             leave_timeout: Duration::from_secs(30),
             tracker_capable: true,
             chat_template: None,
+            api_keys: None,
         }
     }
 }
