@@ -279,6 +279,49 @@ mod tests {
     }
 
     proptest::proptest! {
+        /// Keys written back as their hashes with their settings read back as the same keys.
+        #[test]
+        fn keys_read_back_from_their_hashes(
+            keys in proptest::collection::vec(
+                ("[!-~&&[^#]][!-~]{0,20}", proptest::option::of("[a-z0-9_.-]{1,10}"),
+                 proptest::option::of(1u64..1000), proptest::option::of(1u64..100_000)),
+                1..6,
+            ),
+        ) {
+            let text: String = keys
+                .iter()
+                .map(|(key, id, rpm, tpm)| {
+                    let id = id.as_ref().map_or(String::new(), |id| format!(" id={id}"));
+                    let rpm = rpm.map_or(String::new(), |rpm| format!(" rpm={rpm}"));
+                    let tpm = tpm.map_or(String::new(), |tpm| format!(" tpm={tpm}"));
+                    format!("{key}{id}{rpm}{tpm}\n")
+                })
+                .collect();
+            let Ok(entries) = parse_key_file(&text) else {
+                // Two equal keys or ids: refused, which is not what this checks.
+                return Ok(());
+            };
+            let written: String = entries
+                .iter()
+                .map(|entry| {
+                    let mut line = format!("sha256:{} id={}", entry.hash.to_hex(), entry.id);
+                    if let Some(rpm) = entry.limits.rpm {
+                        line.push_str(&format!(" rpm={rpm}"));
+                    }
+                    if let Some(tpm) = entry.limits.tpm {
+                        line.push_str(&format!(" tpm={tpm}"));
+                    }
+                    line + "\n"
+                })
+                .collect();
+            proptest::prop_assert_eq!(parse_key_file(&written), Ok(entries.clone()));
+            for (entry, (key, ..)) in entries.iter().zip(&keys) {
+                if !key.starts_with(HASH_PREFIX) {
+                    proptest::prop_assert_eq!(entry.hash, hash_key(key));
+                }
+            }
+        }
+
         #[test]
         fn any_text_parses_or_names_a_line_without_panicking(text in "\\PC*(\n\\PC*){0,4}") {
             if let Err(ApiKeysError::Line { line, .. }) = parse_key_file(&text) {
