@@ -48,6 +48,17 @@ pub enum ApiError {
         /// The request path.
         path: String,
     },
+    /// The request carries no API key, or one this member does not accept (401).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// The request's API key is over one of its per-minute limits (429).
+    #[error("{message}")]
+    RateLimited {
+        /// Which limit, how far over, and when to retry, for the client.
+        message: String,
+        /// Whole seconds until the request would be admitted.
+        retry_after_seconds: u64,
+    },
     /// The engine refused or abandoned the generation; status depends on the variant.
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -92,6 +103,21 @@ impl ApiError {
                 "invalid_request_error",
                 Some("method_not_allowed"),
                 None,
+            ),
+            Self::Unauthorized(_) => (
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                Some("invalid_api_key"),
+                None,
+            ),
+            Self::RateLimited {
+                retry_after_seconds,
+                ..
+            } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("rate_limit_exceeded"),
+                Some(*retry_after_seconds),
             ),
             Self::Engine(EngineError::Busy {
                 retry_after_seconds,

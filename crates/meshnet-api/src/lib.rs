@@ -22,10 +22,14 @@
 //! Completion answers name the members serving them in the [`ROUTE_HEADER`] extension header,
 //! from the engine's [`EngineStream::route`].
 //!
+//! With `--api-keys`, [`require_api_keys`] puts an [`ApiKeyGuard`] before the routes: a
+//! bearer key of its book, within its per-minute limits, or 401/429.
+//!
 //! `docs/openai-api.md` describes the wire format for clients.
 
 mod engine;
 mod error;
+mod guard;
 mod request;
 mod response;
 mod route;
@@ -37,6 +41,7 @@ pub use engine::{
     RouteMember, TokenLogprob, ToolCallTurn, ToolChoice, ToolRequest, ToolSpec, TopLogprob,
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
+pub use guard::{ApiKeyGuard, require_api_keys};
 pub use request::tools::MAX_TOOLS;
 pub use request::{MAX_CHOICES, MAX_STOP_SEQUENCES};
 pub use route::ROUTE_HEADER;

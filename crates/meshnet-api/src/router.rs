@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::{BytesRejection, PathRejection};
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, Extension, Path, State};
 use axum::http::{Method, StatusCode, Uri};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -22,6 +22,7 @@ use crate::engine::{
     TokenLogprob,
 };
 use crate::error::ApiError;
+use crate::guard::Charge;
 use crate::request::{self, Endpoint};
 use crate::response::{
     DecodedText, Envelope, FinishedChoice, ModelList, ModelObject, TokenList, ToolCallOut, Usage,
@@ -73,16 +74,20 @@ async fn retrieve_model(
 
 async fn chat_completions(
     State(engine): State<SharedEngine>,
+    charge: Option<Extension<Charge>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    complete(engine, Endpoint::Chat, body).await
+    let charge = charge.map(|Extension(charge)| charge);
+    complete(engine, Endpoint::Chat, body, charge).await
 }
 
 async fn completions(
     State(engine): State<SharedEngine>,
+    charge: Option<Extension<Charge>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    complete(engine, Endpoint::Text, body).await
+    let charge = charge.map(|Extension(charge)| charge);
+    complete(engine, Endpoint::Text, body, charge).await
 }
 
 /// `{"content", "add_special"}` in, `{"tokens": [...]}` out.
@@ -120,14 +125,16 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
     }
 }
 
-/// Validates the body, starts the generation and answers whole or streamed.
+/// Validates the body, starts the generation and answers whole or streamed; the usage goes to
+/// the API key's `charge`, if any, when the request ends.
 async fn complete(
     engine: SharedEngine,
     endpoint: Endpoint,
     body: Result<Bytes, BytesRejection>,
+    charge: Option<Charge>,
 ) -> Response {
     let id = new_request_id(endpoint);
-    let mut log = RequestLog::new(id.clone(), endpoint);
+    let mut log = RequestLog::new(id.clone(), endpoint, charge);
     let info = engine.model_info();
 
     let parsed = match body
@@ -493,7 +500,8 @@ fn unix_now() -> u64 {
 }
 
 /// Writes the request's one info line when dropped, however the request ended: finished,
-/// rejected, failed, or cancelled by the client going away.
+/// rejected, failed, or cancelled by the client going away; and reports its usage (prompt
+/// tokens once started, completion tokens of finished choices) to its API key's charge.
 struct RequestLog {
     id: String,
     endpoint: Endpoint,
@@ -502,10 +510,11 @@ struct RequestLog {
     prompt_tokens: usize,
     completion_tokens: usize,
     outcome: String,
+    charge: Option<Charge>,
 }
 
 impl RequestLog {
-    fn new(id: String, endpoint: Endpoint) -> Self {
+    fn new(id: String, endpoint: Endpoint, charge: Option<Charge>) -> Self {
         Self {
             id,
             endpoint,
@@ -514,6 +523,7 @@ impl RequestLog {
             prompt_tokens: 0,
             completion_tokens: 0,
             outcome: "cancelled".to_owned(),
+            charge,
         }
     }
 
@@ -535,6 +545,9 @@ impl RequestLog {
 
 impl Drop for RequestLog {
     fn drop(&mut self) {
+        if let Some(charge) = &self.charge {
+            charge.report(self.prompt_tokens, self.completion_tokens);
+        }
         let endpoint = match self.endpoint {
             Endpoint::Chat => "chat",
             Endpoint::Text => "completions",

@@ -78,7 +78,24 @@ struct RejectionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RefusalLabels {
+struct KeyLabels {
+    key: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KeyTokenLabels {
+    key: String,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KeyLimitLabels {
+    key: String,
+    limit: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
     reason: &'static str,
 }
 
@@ -130,8 +147,12 @@ pub struct Metrics {
     directives_applied: Counter,
     gossip_accepted: Family<TopicLabels, Counter>,
     gossip_rejected: Family<RejectionLabels, Counter>,
-    connections_refused: Family<RefusalLabels, Counter>,
+    connections_refused: Family<ReasonLabels, Counter>,
     failovers: Counter,
+    api_key_requests: Family<KeyLabels, Counter>,
+    api_key_tokens: Family<KeyTokenLabels, Counter>,
+    api_key_rate_limited: Family<KeyLimitLabels, Counter>,
+    api_unauthorized: Family<ReasonLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -156,6 +177,10 @@ impl Metrics {
             gossip_rejected: Family::default(),
             connections_refused: Family::default(),
             failovers: Counter::default(),
+            api_key_requests: Family::default(),
+            api_key_tokens: Family::default(),
+            api_key_rate_limited: Family::default(),
+            api_unauthorized: Family::default(),
         }
     }
 
@@ -229,6 +254,31 @@ impl Metrics {
             "failovers",
             "Generations that got past a failed hop on a new route",
             metrics.failovers.clone(),
+        );
+        list_always(
+            meshnet,
+            "api_key_requests",
+            "OpenAI-style API requests admitted, by API key id (--api-keys)",
+            metrics.api_key_requests.clone(),
+        );
+        list_always(
+            meshnet,
+            "api_key_tokens",
+            "Tokens of admitted API requests by API key id and kind (prompt, completion), as in \
+             the answers' usage",
+            metrics.api_key_tokens.clone(),
+        );
+        list_always(
+            meshnet,
+            "api_key_rate_limited",
+            "API requests answered 429 for their key's limit, by API key id and limit (rpm, tpm)",
+            metrics.api_key_rate_limited.clone(),
+        );
+        list_always(
+            meshnet,
+            "api_unauthorized",
+            "API requests answered 401, by reason (missing, invalid)",
+            metrics.api_unauthorized.clone(),
         );
         metrics
     }
@@ -305,20 +355,58 @@ impl Metrics {
     /// Counts an incoming libp2p connection refused for `reason`, a stable code.
     pub fn count_connection_refused(&self, reason: &'static str) {
         self.connections_refused
-            .get_or_create(&RefusalLabels { reason })
+            .get_or_create(&ReasonLabels { reason })
             .inc();
     }
 
     /// Incoming libp2p connections refused so far for `reason`.
     pub fn connections_refused(&self, reason: &'static str) -> u64 {
         self.connections_refused
-            .get_or_create(&RefusalLabels { reason })
+            .get_or_create(&ReasonLabels { reason })
             .get()
     }
 
     /// Counts a failover.
     pub fn count_failover(&self) {
         self.failovers.inc();
+    }
+
+    /// Counts an API request admitted with the key `key` (its id, never the key).
+    pub fn count_api_key_request(&self, key: &str) {
+        self.api_key_requests
+            .get_or_create(&KeyLabels {
+                key: key.to_owned(),
+            })
+            .inc();
+    }
+
+    /// Counts the usage of an API request made with the key `key`.
+    pub fn count_api_key_tokens(&self, key: &str, prompt: u64, completion: u64) {
+        for (kind, tokens) in [("prompt", prompt), ("completion", completion)] {
+            self.api_key_tokens
+                .get_or_create(&KeyTokenLabels {
+                    key: key.to_owned(),
+                    kind,
+                })
+                .inc_by(tokens);
+        }
+    }
+
+    /// Counts an API request refused for its key's `limit` (`rpm` or `tpm`).
+    pub fn count_api_key_rate_limited(&self, key: &str, limit: &'static str) {
+        self.api_key_rate_limited
+            .get_or_create(&KeyLimitLabels {
+                key: key.to_owned(),
+                limit,
+            })
+            .inc();
+    }
+
+    /// Counts an API request refused for its key, `reason` `missing` or `invalid`.
+    pub fn count_api_unauthorized(&self, reason: &'static str) {
+        self.api_unauthorized
+            .get_or_create(&ReasonLabels { reason })
+            .inc();
     }
 
     /// Tokens generated so far.
@@ -458,7 +546,29 @@ mod tests {
         metrics.count_gossip_rejected("announce", "wrong_model");
         metrics.count_connection_refused("swarm_key");
         metrics.count_directives_issued(2);
+        metrics.count_api_key_request("alice");
+        metrics.count_api_key_tokens("alice", 12, 30);
+        metrics.count_api_key_rate_limited("alice", "tpm");
+        metrics.count_api_unauthorized("missing");
         let text = encode(&registry);
+        for (series, value) in [
+            ("meshnet_api_key_requests_total{key=\"alice\"}", 1.0),
+            (
+                "meshnet_api_key_tokens_total{key=\"alice\",kind=\"prompt\"}",
+                12.0,
+            ),
+            (
+                "meshnet_api_key_tokens_total{key=\"alice\",kind=\"completion\"}",
+                30.0,
+            ),
+            (
+                "meshnet_api_key_rate_limited_total{key=\"alice\",limit=\"tpm\"}",
+                1.0,
+            ),
+            ("meshnet_api_unauthorized_total{reason=\"missing\"}", 1.0),
+        ] {
+            assert_eq!(value_of(&text, series), Some(value), "{series}");
+        }
         assert_eq!(value_of(&text, "meshnet_tokens_generated_total"), Some(2.0));
         assert_eq!(
             value_of(&text, "meshnet_time_to_first_token_seconds_count"),
@@ -515,6 +625,10 @@ mod tests {
             ("meshnet_gossip_accepted", "counter"),
             ("meshnet_gossip_rejected", "counter"),
             ("meshnet_p2p_connections_refused", "counter"),
+            ("meshnet_api_key_requests", "counter"),
+            ("meshnet_api_key_tokens", "counter"),
+            ("meshnet_api_key_rate_limited", "counter"),
+            ("meshnet_api_unauthorized", "counter"),
         ] {
             assert!(
                 text.contains(&format!("# TYPE {family} {kind}\n")),

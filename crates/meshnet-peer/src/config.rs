@@ -87,6 +87,9 @@ pub struct PeerConfig {
     /// The swarm key of a private mesh (`None`: an open mesh): only members holding the same
     /// key can connect to this one over libp2p, and QUIC is off.
     pub swarm_key: Option<meshnet_p2p::SwarmKey>,
+    /// The keys the OpenAI-style API accepts, with their limits (`--api-keys`); `None` leaves
+    /// the API open to anyone who can reach the HTTP listener.
+    pub api_keys: Option<Vec<meshnet_apikeys::KeyEntry>>,
 }
 
 impl PeerConfig {
@@ -126,6 +129,7 @@ impl PeerConfig {
             #[cfg(feature = "faulty-member")]
             faulty: None,
             swarm_key: None,
+            api_keys: None,
         }
     }
 }

@@ -28,12 +28,22 @@ use crate::status::StatusReport;
 /// (the text exposition of `registry`), the coverage page at `/`, and the OpenAI-style API
 /// under `/v1` with `/tokenize` and `/detokenize` (served by the tracker itself; any other
 /// member passes the request on to the tracker it follows, so clients may point at any
-/// member).
+/// member). With `api_keys`, the API's routes (only they) need one of its keys.
 pub(crate) fn router(
     member: &Arc<Member>,
     client: ForwardClient,
     registry: Arc<meshnet_metrics::Registry>,
+    api_keys: Option<Arc<meshnet_api::ApiKeyGuard>>,
 ) -> Router {
+    let api = Router::new()
+        .route("/v1", any(openai_handler))
+        .route("/v1/{*rest}", any(openai_handler))
+        .route("/tokenize", any(openai_handler))
+        .route("/detokenize", any(openai_handler));
+    let api = match api_keys {
+        Some(guard) => meshnet_api::require_api_keys(api, guard),
+        None => api,
+    };
     activation_plane(member, client)
         .merge(
             Router::new()
@@ -45,10 +55,7 @@ pub(crate) fn router(
                 .route("/", get(coverage_page))
                 .route("/status", get(status_handler))
                 .route("/health", get(health_handler))
-                .route("/v1", any(openai_handler))
-                .route("/v1/{*rest}", any(openai_handler))
-                .route("/tokenize", any(openai_handler))
-                .route("/detokenize", any(openai_handler))
+                .merge(api)
                 .fallback(unknown_path)
                 .with_state(Arc::clone(member)),
         )

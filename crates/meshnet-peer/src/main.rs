@@ -13,6 +13,8 @@
 //!   talks to the mesh in the terminal, streaming answers (both in `terminal`).
 //! - `tokenize` prints the ids of JSON strings read from standard input, one per line, with
 //!   a model's tokenizer (in `tokenize`).
+//! - `api-key hash` prints the `sha256:` form of a key read from standard input, for an
+//!   `--api-keys` file without plaintext keys.
 
 mod terminal;
 mod tokenize;
@@ -69,12 +71,15 @@ enum Commands {
     /// coverage map and every peer with its span, state and path.
     Status(terminal::StatusArgs),
     /// Chat with the mesh in the terminal: each line of input is a question, answers stream
-    /// as they are generated, followed by tokens/s. `/reset` forgets the conversation.
+    /// as they are generated, followed by tokens/s. `/reset` forgets the conversation. A member
+    /// started with --api-keys needs a key: set MESHNET_API_KEY.
     Chat(terminal::ChatArgs),
     /// Print an `X-Meshnet-Grant` header value signed with the tracker's identity (run it on
     /// the tracker's machine, with its --data-dir): members serve a hand-made `/forward` only
     /// with one.
     Grant(GrantArgs),
+    /// Tools for the `--api-keys` file.
+    ApiKey(ApiKeyArgs),
     /// Read one JSON string per line of standard input and print its token ids as one JSON
     /// array per line (no BOS, special tokens as plain text unless asked otherwise).
     Tokenize(tokenize::TokenizeArgs),
@@ -94,6 +99,20 @@ enum SwarmKeyCommand {
         #[arg(long, value_name = "FILE", default_value = "swarm.key")]
         out: PathBuf,
     },
+}
+
+/// What `api-key` does.
+#[derive(clap::Args)]
+struct ApiKeyArgs {
+    #[command(subcommand)]
+    action: ApiKeyAction,
+}
+
+#[derive(Subcommand)]
+enum ApiKeyAction {
+    /// Read a key from the first line of standard input and print the `sha256:HEX` form an
+    /// `--api-keys` file may hold instead of the key.
+    Hash,
 }
 
 /// Which model `fetch-model` downloads.
@@ -287,6 +306,11 @@ struct RunArgs {
     /// a peer the tracker names in its succession list does).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
     tracker_capable: bool,
+    /// A file of the keys the OpenAI-style API accepts, one a line with optional limits:
+    /// `<key | sha256:HEX> [id=NAME] [rpm=N] [tpm=N]` (docs/openai-api.md). Without it the
+    /// API is open to anyone who can reach the HTTP address.
+    #[arg(long, value_name = "FILE")]
+    api_keys: Option<PathBuf>,
     /// Seconds a stopping peer (SIGTERM, Ctrl-C) waits for its sessions to finish and its
     /// layers to be served by others before it exits anyway.
     #[arg(long, default_value_t = 30.0)]
@@ -354,6 +378,9 @@ fn main() -> ExitCode {
         Some(Commands::Grant(args)) => grant(&args),
         Some(Commands::Tokenize(args)) => tokenize::tokenize(&args),
         Some(Commands::SwarmKey(SwarmKeyCommand::New { out })) => new_swarm_key(&out),
+        Some(Commands::ApiKey(args)) => match args.action {
+            ApiKeyAction::Hash => hash_api_key(),
+        },
         None => run_peer(cli.run),
     };
     match outcome {
@@ -677,6 +704,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     if let Some(path) = &args.chat_template {
         check_chat_template(path)?;
     }
+    let api_keys = args.api_keys.as_deref().map(load_api_keys).transpose()?;
     if !(args.announce_interval.is_finite() && args.announce_interval >= 0.05) {
         bail!("--announce-interval must be at least 0.05 seconds");
     }
@@ -750,6 +778,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     {
         config.faulty = args.faults.frames()?;
     }
+    config.api_keys = api_keys;
     let leave_timeout = config.leave_timeout;
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -884,6 +913,31 @@ async fn wait_for_stop_signal() {
 
 /// Fails, naming the file and the problem, when the chat template file at `path` cannot be
 /// read or does not compile.
+/// Reads and checks the `--api-keys` file; a problem names the file and the line.
+fn load_api_keys(path: &Path) -> anyhow::Result<Vec<meshnet_apikeys::KeyEntry>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading --api-keys {}", path.display()))?;
+    meshnet_apikeys::parse_key_file(&text)
+        .map_err(|error| anyhow::anyhow!("--api-keys {}: {error}", path.display()))
+}
+
+/// `api-key hash`: the `sha256:HEX` of the key on standard input's first line.
+fn hash_api_key() -> anyhow::Result<()> {
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .context("reading a key from standard input")?;
+    let key = line.trim();
+    if key.is_empty() {
+        bail!("no key on standard input: give the key as the first line");
+    }
+    if key.contains(char::is_whitespace) {
+        bail!("a key is one word: it has no spaces or tabs");
+    }
+    println!("sha256:{}", meshnet_apikeys::hash_key(key).to_hex());
+    Ok(())
+}
+
 fn check_chat_template(path: &Path) -> anyhow::Result<()> {
     meshnet_model::ChatTemplate::from_file(path, meshnet_model::SpecialTokens::default())
         .with_context(|| format!("--chat-template {}", path.display()))?;

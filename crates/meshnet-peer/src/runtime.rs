@@ -318,7 +318,8 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     });
     LiveCollector::register(&mut registry, MemberGauges(Arc::clone(&member)));
     let plane = crate::http::activation_plane(&member, client.clone());
-    let router = crate::http::router(&member, client, Arc::new(registry));
+    let api_keys = api_key_guard(&config, &member.metrics, http_addr);
+    let router = crate::http::router(&member, client, Arc::new(registry), api_keys);
     run(
         member,
         router,
@@ -384,6 +385,34 @@ pub(crate) async fn build_tracker_parts(
     );
     let api = meshnet_api::openai_router(Arc::clone(&engine) as _);
     Ok(TrackerParts { book, engine, api })
+}
+
+/// The guard of the API's keys (`--api-keys`), counting into `metrics`; with none, a warning
+/// when the API is open beyond this machine (the HTTP server bound to a non-loopback address).
+fn api_key_guard(
+    config: &PeerConfig,
+    metrics: &Metrics,
+    http_addr: SocketAddr,
+) -> Option<Arc<meshnet_api::ApiKeyGuard>> {
+    let Some(entries) = &config.api_keys else {
+        if !http_addr.ip().is_loopback() {
+            tracing::warn!(
+                http = %http_addr,
+                "the OpenAI-style API is open to anyone who can reach {http_addr}: no \
+                 --api-keys was given"
+            );
+        }
+        return None;
+    };
+    tracing::info!(
+        keys = entries.len(),
+        "the OpenAI-style API needs one of the --api-keys"
+    );
+    Some(Arc::new(meshnet_api::ApiKeyGuard::new(
+        meshnet_apikeys::KeyBook::new(entries.clone()),
+        Arc::new(meshnet_apikeys::SystemClock::new()),
+        metrics.clone(),
+    )))
 }
 
 /// Spawns the HTTP server and the control loop of a member that is set up.

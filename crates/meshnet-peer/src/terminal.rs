@@ -58,9 +58,33 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 fn http_client() -> anyhow::Result<reqwest::Client> {
+    http_client_builder()
+        .build()
+        .context("building the HTTP client")
+}
+
+fn http_client_builder() -> reqwest::ClientBuilder {
     reqwest::Client::builder()
         .connect_timeout(CONNECT_TIMEOUT)
         .read_timeout(READ_TIMEOUT)
+}
+
+/// The environment variable `chat` takes an API key from (for a member with `--api-keys`).
+const API_KEY_VARIABLE: &str = "MESHNET_API_KEY";
+
+/// A client that sends `Authorization: Bearer $MESHNET_API_KEY` when that is set.
+fn api_client() -> anyhow::Result<reqwest::Client> {
+    let key = std::env::var(API_KEY_VARIABLE).unwrap_or_default();
+    let key = key.trim();
+    if key.is_empty() {
+        return http_client();
+    }
+    let mut value = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+        .map_err(|_| anyhow::anyhow!("{API_KEY_VARIABLE} holds characters a header cannot"))?;
+    value.set_sensitive(true);
+    let headers = reqwest::header::HeaderMap::from_iter([(reqwest::header::AUTHORIZATION, value)]);
+    http_client_builder()
+        .default_headers(headers)
         .build()
         .context("building the HTTP client")
 }
@@ -152,7 +176,7 @@ pub fn chat(args: &ChatArgs) -> anyhow::Result<()> {
     }
     let base = member_base_url(&args.url).map_err(anyhow::Error::msg)?;
     let runtime = runtime()?;
-    let client = http_client()?;
+    let client = api_client()?;
     let models_url = format!("{base}/v1/models");
     let models = runtime.block_on(get_json(&client, &models_url))?;
     let model = models

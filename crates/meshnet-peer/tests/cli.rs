@@ -674,3 +674,79 @@ fn a_bad_swarm_key_file_or_a_private_quic_address_is_named_and_no_panic() {
     }
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn a_malformed_api_keys_file_stops_the_member_naming_the_file_line_and_problem() {
+    let dir = std::env::temp_dir().join(format!("meshnet-cli-keys-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys.txt");
+    std::fs::write(&keys, "# keys\nsk-one id=one\nsk-two rpm=0\n").unwrap();
+    let data = dir.join("data");
+    let run = |keys: &std::path::Path| {
+        peer()
+            .args([
+                "--http",
+                "127.0.0.1:0",
+                "--p2p",
+                "/ip4/127.0.0.1/tcp/0",
+                "--data-dir",
+            ])
+            .arg(&data)
+            .arg("--api-keys")
+            .arg(keys)
+            .output()
+            .expect("runs")
+    };
+    let output = run(&keys);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert_eq!(
+        stderr.trim(),
+        format!(
+            "error: --api-keys {}: line 3: rpm=0: a limit is a whole number from 1 to {}",
+            keys.display(),
+            u64::MAX
+        )
+    );
+    let output = run(&dir.join("absent.txt"));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.contains(&format!(
+            "reading --api-keys {}",
+            dir.join("absent.txt").display()
+        )),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn api_key_hash_prints_the_form_a_key_file_may_hold() {
+    use std::io::Write;
+    let hash = |input: &str| {
+        let mut child = peer()
+            .args(["api-key", "hash"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let output = hash("test\n");
+    assert!(output.status.success());
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08\n"
+    );
+    let output = hash("\n");
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("no key on standard input"));
+}

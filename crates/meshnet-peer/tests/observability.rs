@@ -62,7 +62,7 @@ async fn scrape(base: &str) -> Scrape {
 }
 
 /// Families every member exports, with their kinds.
-const FAMILIES: [(&str, &str); 18] = [
+const FAMILIES: [(&str, &str); 22] = [
     ("meshnet_tokens_generated", "counter"),
     ("meshnet_time_to_first_token_seconds", "histogram"),
     ("meshnet_inter_token_latency_seconds", "histogram"),
@@ -75,6 +75,10 @@ const FAMILIES: [(&str, &str); 18] = [
     ("meshnet_gossip_rejected", "counter"),
     ("meshnet_p2p_connections_refused", "counter"),
     ("meshnet_failovers", "counter"),
+    ("meshnet_api_key_requests", "counter"),
+    ("meshnet_api_key_tokens", "counter"),
+    ("meshnet_api_key_rate_limited", "counter"),
+    ("meshnet_api_unauthorized", "counter"),
     ("meshnet_active_sessions", "gauge"),
     ("meshnet_queued_sessions", "gauge"),
     ("meshnet_kv_cache_used_bytes", "gauge"),
