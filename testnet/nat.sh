@@ -56,7 +56,8 @@
 #      tracker's grant for A's hop is accepted (200) with the route it names and refused 403
 #      with the route redirected to a listener on the internet, which nobody ever connects to;
 #   4. chats for MESHNET_NAT_SOAK_SECONDS all answer 200, and B's relayed hop carries more than
-#      MESHNET_NAT_SOAK_MIB MiB of activations (frames and answers) meanwhile;
+#      MESHNET_NAT_SOAK_MIB MiB of activations (frames and answers) meanwhile (the load runs
+#      again, up to MESHNET_NAT_SOAK_ROUNDS rounds in all, while it has carried less);
 #   5. prints decode tokens/s, one chat at a time and during the soak, and each hop's path.
 #
 # Environment:
@@ -66,6 +67,7 @@
 #   MESHNET_NAT_SOAK_SECONDS how long `run` chats through the relayed hop (default 130)
 #   MESHNET_NAT_SOAK_MIB     MiB B's relayed hop must carry during it (default 10)
 #   MESHNET_NAT_SOAK_CLIENTS chats running at once during it (default 1: one after another)
+#   MESHNET_NAT_SOAK_ROUNDS  most rounds of the soak a slow machine gets to carry it (default 4)
 #   MESHNET_NAT_SPEED_CHATS  chats (64 tokens each) per mesh in `speed` (default 5)
 #   MESHNET_NAT_DELAY_MS     netem delay on each WAN link (default 15; 0: none)
 #   MESHNET_NAT_KEEP         1: keep the run directory (logs, data dirs) even on success
@@ -1176,34 +1178,41 @@ load() {
 
 model_id=""
 hidden=""
-# (4) a relayed hop carries traffic for minutes and megabytes.
+# (4) a relayed hop carries traffic for minutes and megabytes. The load runs for `seconds`, and
+# again (up to `rounds` times in all) while B's hop has carried no more than `mib` MiB: what is
+# checked is that the relay never cuts a circuit after some bytes or minutes, not how fast a
+# machine decodes, so a slow machine gets more time instead of a failure.
 check_soak() {
   local seconds=${MESHNET_NAT_SOAK_SECONDS:-130} mib=${MESHNET_NAT_SOAK_MIB:-10}
-  local clients=${MESHNET_NAT_SOAK_CLIENTS:-1} before after summary
+  local clients=${MESHNET_NAT_SOAK_CLIENTS:-1} rounds=${MESHNET_NAT_SOAK_ROUNDS:-4}
+  local before after summary round=0 requests=0 not200=0 wall=0 carried=0 raw=0
   before=$(b_wire_bytes)
-  say "4 soak: chats through the tracker for ${seconds}s, $clients at a time (max_tokens 64)"
-  load soak "$seconds" "$clients" 64
-  after=$(b_wire_bytes)
-  summary=$(<"$run_dir/soak.json")
-  local requests not200 wall carried raw
-  requests=$(json_get "$summary" 's["requests"]')
-  not200=$(json_get "$summary" 's["not_200"]')
-  wall=$(json_get "$summary" 'round(s["wall_seconds"])')
-  carried=$((${after% *} - ${before% *}))
-  raw=$((${after#* } - ${before#* }))
-  say "soak: $requests chats in ${wall}s; B's relayed hop carried $carried B on the wire" \
-    "($raw B raw bf16), both ways"
+  say "4 soak: chats through the tracker for ${seconds}s, $clients at a time (max_tokens 64)," \
+    "repeated (at most $rounds rounds) until B's relayed hop has carried more than $mib MiB"
+  while [ "$round" -lt "$rounds" ] && [ "$carried" -le $((mib * 1024 * 1024)) ]; do
+    round=$((round + 1))
+    load soak "$seconds" "$clients" 64
+    after=$(b_wire_bytes)
+    summary=$(<"$run_dir/soak.json")
+    requests=$((requests + $(json_get "$summary" 's["requests"]')))
+    not200=$((not200 + $(json_get "$summary" 's["not_200"]')))
+    wall=$((wall + $(json_get "$summary" 'round(s["wall_seconds"])')))
+    carried=$((${after% *} - ${before% *}))
+    raw=$((${after#* } - ${before#* }))
+    say "soak round $round: $requests chats in ${wall}s; B's relayed hop carried $carried B on" \
+      "the wire ($raw B raw bf16), both ways"
+  done
   [ "$requests" -gt 0 ] || fail "4 soak" "no chat was made"
   [ "$not200" -eq 0 ] ||
     fail "4 soak" "$not200 of $requests chats were not answered 200: $(json_get "$summary" 's["errors"]')"
   [ "$wall" -ge "$seconds" ] || fail "4 soak" "the load ran ${wall}s, less than ${seconds}s"
   [ "$carried" -gt $((mib * 1024 * 1024)) ] ||
-    fail "4 soak" "B's hop carried $carried bytes during the soak, not more than $mib MiB"
+    fail "4 soak" "B's hop carried $carried bytes in $round rounds (${wall}s), not more than $mib MiB"
   local path
   path=$(hop_path c b)
   [ "$path" = relayed ] || fail "4 soak" "after the soak B's hop (C's path to B) is '$path', not relayed"
   say "4 soak ok: every chat answered 200; B's relayed hop carried" \
-    "$((carried / 1024 / 1024)) MiB"
+    "$((carried / 1024 / 1024)) MiB in ${wall}s"
 }
 
 # (5) decode speed: one chat at a time, then the soak's aggregate; and each hop's latency.
