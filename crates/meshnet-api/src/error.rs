@@ -76,88 +76,83 @@ impl ApiError {
     /// The HTTP status, OpenAI error `type` and `code`, and `Retry-After` seconds for this error.
     /// This is the one place errors are classified.
     fn classify(&self) -> Classification {
-        let (status, kind, code, retry_after) = match self {
+        const INVALID: &str = "invalid_request_error";
+        const RATE: &str = "rate_limit_error";
+        const SERVER: &str = "server_error";
+        let class = |status, kind, code, retry_after| Classification {
+            status,
+            kind,
+            code,
+            retry_after,
+        };
+        match self {
             Self::InvalidRequest { .. } | Self::Engine(EngineError::InvalidRequest { .. }) => {
-                (StatusCode::BAD_REQUEST, "invalid_request_error", None, None)
+                class(StatusCode::BAD_REQUEST, INVALID, None, None)
             }
-            Self::PayloadTooLarge { .. } => (
+            Self::PayloadTooLarge { .. } => class(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
+                INVALID,
                 Some("request_too_large"),
                 None,
             ),
-            Self::ModelNotFound(_) => (
+            Self::ModelNotFound(_) => class(
                 StatusCode::NOT_FOUND,
-                "invalid_request_error",
+                INVALID,
                 Some("model_not_found"),
                 None,
             ),
-            Self::UnknownUrl { .. } => (
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                Some("unknown_url"),
-                None,
-            ),
-            Self::MethodNotAllowed { .. } => (
+            Self::UnknownUrl { .. } => {
+                class(StatusCode::NOT_FOUND, INVALID, Some("unknown_url"), None)
+            }
+            Self::MethodNotAllowed { .. } => class(
                 StatusCode::METHOD_NOT_ALLOWED,
-                "invalid_request_error",
+                INVALID,
                 Some("method_not_allowed"),
                 None,
             ),
-            Self::Unauthorized(_) => (
+            Self::Unauthorized(_) => class(
                 StatusCode::UNAUTHORIZED,
-                "invalid_request_error",
+                INVALID,
                 Some("invalid_api_key"),
                 None,
             ),
             Self::RateLimited {
                 retry_after_seconds,
                 ..
-            } => (
-                StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
-                Some("rate_limit_exceeded"),
-                Some(*retry_after_seconds),
-            ),
-            Self::Engine(EngineError::Busy {
+            }
+            | Self::Engine(EngineError::Busy {
                 retry_after_seconds,
                 ..
-            }) => (
+            }) => class(
                 StatusCode::TOO_MANY_REQUESTS,
-                "rate_limit_error",
+                RATE,
                 Some("rate_limit_exceeded"),
                 Some(*retry_after_seconds),
             ),
-            Self::Engine(EngineError::NotCovered(_)) => (
+            Self::Engine(EngineError::NotCovered(_)) => class(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
+                SERVER,
                 Some("model_not_covered"),
                 Some(NOT_COVERED_RETRY_AFTER_SECONDS),
             ),
-            Self::Engine(EngineError::RouteLost(_)) => (
+            Self::Engine(EngineError::RouteLost(_)) => class(
                 StatusCode::SERVICE_UNAVAILABLE,
-                "server_error",
+                SERVER,
                 Some("route_lost"),
                 Some(ROUTE_LOST_RETRY_AFTER_SECONDS),
             ),
-            Self::Engine(EngineError::Upstream(_)) => (
+            Self::Engine(EngineError::Upstream(_)) => class(
                 StatusCode::BAD_GATEWAY,
-                "server_error",
+                SERVER,
                 Some("upstream_error"),
                 None,
             ),
-            Self::Engine(EngineError::Internal(_)) => (
+            Self::Engine(EngineError::Internal(_)) => class(
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
+                SERVER,
                 Some("internal_error"),
                 None,
             ),
-        };
-        Classification {
-            status,
-            kind,
-            code,
-            retry_after,
         }
     }
 

@@ -22,7 +22,7 @@ use meshnet_metrics::Metrics;
 use serde_json::Value;
 
 use crate::error::ApiError;
-use crate::router::MAX_BODY_BYTES;
+use crate::request::MAX_BODY_BYTES;
 
 /// The keys a member's API accepts, the clock their windows run on, and where usage is counted.
 pub struct ApiKeyGuard {

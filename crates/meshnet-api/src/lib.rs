@@ -42,7 +42,8 @@ pub use engine::{
 };
 pub use error::{ApiError, ErrorBody, ErrorDetail, NOT_COVERED_RETRY_AFTER_SECONDS};
 pub use guard::{ApiKeyGuard, require_api_keys};
+pub use request::MAX_BODY_BYTES;
 pub use request::tools::MAX_TOOLS;
 pub use request::{MAX_CHOICES, MAX_STOP_SEQUENCES};
 pub use route::ROUTE_HEADER;
-pub use router::{MAX_BODY_BYTES, openai_router};
+pub use router::openai_router;

@@ -11,6 +11,9 @@ use crate::error::ApiError;
 
 pub(crate) mod tools;
 
+/// The largest request body accepted, in bytes; larger bodies get 413.
+pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+
 /// The most stop sequences a request may carry.
 pub const MAX_STOP_SEQUENCES: usize = 4;
 

@@ -23,14 +23,11 @@ use crate::engine::{
 };
 use crate::error::ApiError;
 use crate::guard::Charge;
-use crate::request::{self, Endpoint};
+use crate::request::{self, Endpoint, MAX_BODY_BYTES};
 use crate::response::{
     DecodedText, Envelope, FinishedChoice, ModelList, ModelObject, TokenList, ToolCallOut, Usage,
 };
 use crate::route;
-
-/// The largest request body accepted, in bytes; larger bodies get 413.
-pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 
 /// How often an idle stream sends an SSE comment so proxies keep the connection open.
 const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(15);
