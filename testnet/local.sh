@@ -680,10 +680,25 @@ down() {
   if [ ${#pids[@]} -gt 0 ]; then
     say "stopping ${#pids[@]} process(es)"
     stop_pids "${pids[@]}"
+    wait_for_exit_records
   else
     say "no testnet process is running"
   fi
   rm -f "$pids_file" "$state_file"
+}
+
+# Each wrapper writes its process's exit status just after the process ends; waits (up to ~5 s)
+# until every recorded process has one, so a caller removing the run directory right after
+# `down` does not race a wrapper still writing into it.
+wait_for_exit_records() {
+  local name i
+  [ -f "$pids_file" ] || return 0
+  for name in $(awk '{print $1}' "$pids_file"); do
+    for ((i = 0; i < 200; i++)); do
+      [ -f "$exit_dir/$name" ] && break
+      sleep 0.025
+    done
+  done
 }
 
 status() {
