@@ -149,6 +149,8 @@ pub struct Metrics {
     gossip_rejected: Family<RejectionLabels, Counter>,
     connections_refused: Family<ReasonLabels, Counter>,
     failovers: Counter,
+    checked_sessions: Counter,
+    convictions: Counter,
     api_key_requests: Family<KeyLabels, Counter>,
     api_key_tokens: Family<KeyTokenLabels, Counter>,
     api_key_rate_limited: Family<KeyLimitLabels, Counter>,
@@ -177,6 +179,8 @@ impl Metrics {
             gossip_rejected: Family::default(),
             connections_refused: Family::default(),
             failovers: Counter::default(),
+            checked_sessions: Counter::default(),
+            convictions: Counter::default(),
             api_key_requests: Family::default(),
             api_key_tokens: Family::default(),
             api_key_rate_limited: Family::default(),
@@ -266,6 +270,17 @@ impl Metrics {
             "failovers",
             "Generations that got past a failed hop on a new route",
             self.failovers.clone(),
+        );
+        meshnet.register(
+            "checked_sessions",
+            "Generations whose every hop with a second holder was checked against it, ended \
+             without a disagreement",
+            self.checked_sessions.clone(),
+        );
+        meshnet.register(
+            "convictions",
+            "Members caught returning wrong activations (an arbiter contradicted them) and banned",
+            self.convictions.clone(),
         );
     }
 
@@ -386,6 +401,16 @@ impl Metrics {
         self.failovers.inc();
     }
 
+    /// Counts a checked generation that ended without a disagreement.
+    pub fn count_checked_session(&self) {
+        self.checked_sessions.inc();
+    }
+
+    /// Counts a member convicted of returning wrong activations.
+    pub fn count_conviction(&self) {
+        self.convictions.inc();
+    }
+
     /// Counts an API request admitted with the key `key` (its id, never the key).
     pub fn count_api_key_request(&self, key: &str) {
         self.api_key_requests
@@ -432,6 +457,16 @@ impl Metrics {
     /// Failovers so far.
     pub fn failovers(&self) -> u64 {
         self.failovers.get()
+    }
+
+    /// Checked generations that ended without a disagreement so far.
+    pub fn checked_sessions(&self) -> u64 {
+        self.checked_sessions.get()
+    }
+
+    /// Convictions so far.
+    pub fn convictions(&self) -> u64 {
+        self.convictions.get()
     }
 }
 
@@ -627,6 +662,8 @@ mod tests {
             Some(2.0)
         );
         assert_eq!(value_of(&text, "meshnet_failovers_total"), Some(0.0));
+        assert_eq!(value_of(&text, "meshnet_checked_sessions_total"), Some(0.0));
+        assert_eq!(value_of(&text, "meshnet_convictions_total"), Some(0.0));
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub enum HopFailureKind {
     BadResponse,
     /// The hop answered 200 for another session, chunk or position.
     MismatchedResponse,
+    /// The entry's check found the hop's output wrong: another holder of the same layers
+    /// computed other bits from the same input, and an arbiter agreed with that holder.
+    WrongOutput,
 }
 
 impl HopFailureKind {
@@ -49,7 +52,8 @@ impl HopFailureKind {
             | HopFailureKind::Timeout
             | HopFailureKind::Silent
             | HopFailureKind::BadResponse
-            | HopFailureKind::MismatchedResponse => true,
+            | HopFailureKind::MismatchedResponse
+            | HopFailureKind::WrongOutput => true,
             HopFailureKind::InvalidEndpoint => false,
             HopFailureKind::Rejected { status, .. } => {
                 *status >= 500 || *status == 429 || *status == 408
@@ -58,8 +62,8 @@ impl HopFailureKind {
     }
 
     /// A short, stable code: the hop's own error code when it answered with one, otherwise
-    /// `invalid_endpoint`, `unreachable`, `timeout`, `silent`, `bad_response` or
-    /// `mismatched_response`.
+    /// `invalid_endpoint`, `unreachable`, `timeout`, `silent`, `bad_response`,
+    /// `mismatched_response` or `wrong_output`.
     pub fn code(&self) -> &str {
         match self {
             HopFailureKind::InvalidEndpoint => "invalid_endpoint",
@@ -69,6 +73,7 @@ impl HopFailureKind {
             HopFailureKind::Rejected { code, .. } => code,
             HopFailureKind::BadResponse => "bad_response",
             HopFailureKind::MismatchedResponse => "mismatched_response",
+            HopFailureKind::WrongOutput => "wrong_output",
         }
     }
 
@@ -149,6 +154,7 @@ impl fmt::Display for HopFailure {
             HopFailureKind::Rejected { status, code } => write!(f, " answered {status} {code}")?,
             HopFailureKind::BadResponse => write!(f, " sent an invalid frame")?,
             HopFailureKind::MismatchedResponse => write!(f, " answered for the wrong request")?,
+            HopFailureKind::WrongOutput => write!(f, " returned wrong activations")?,
         }
         write!(f, ": {}", self.message)?;
         if let Some(reporter) = &self.reported_by {
@@ -195,6 +201,7 @@ impl From<FailedHopWire> for HopFailure {
             (None, "silent") => HopFailureKind::Silent,
             (None, "bad_response") => HopFailureKind::BadResponse,
             (None, "mismatched_response") => HopFailureKind::MismatchedResponse,
+            (None, "wrong_output") => HopFailureKind::WrongOutput,
             (None, _) => HopFailureKind::Unreachable,
         };
         HopFailure::new(wire.endpoint, kind, wire.message)
@@ -220,6 +227,7 @@ mod tests {
             HopFailureKind::Silent,
             HopFailureKind::BadResponse,
             HopFailureKind::MismatchedResponse,
+            HopFailureKind::WrongOutput,
             rejected(500, "compute_failed"),
             rejected(502, "next_hop_unreachable"),
             rejected(503, "overloaded"),
@@ -256,6 +264,7 @@ mod tests {
             rejected(503, "overloaded"),
             HopFailureKind::BadResponse,
             HopFailureKind::MismatchedResponse,
+            HopFailureKind::WrongOutput,
         ] {
             let mut failure = HopFailure::new("http://10.0.0.3:8081", kind, "it broke");
             let json = serde_json::to_string(&failure).unwrap();

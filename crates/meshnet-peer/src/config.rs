@@ -72,6 +72,9 @@ pub struct PeerConfig {
     pub drain_timeout: Duration,
     /// How the tracker's generations get past a failed hop.
     pub failover: FailoverPolicy,
+    /// Which of the tracker's sessions are checked against a second holder of each hop, and
+    /// how long a member caught returning wrong activations is banned (ADR-0026).
+    pub verify: crate::verify::VerifyPolicy,
     /// Whether this member may take over the tracker role when the tracker goes silent
     /// (only if the tracker names it in its succession list).
     pub tracker_capable: bool,
@@ -123,6 +126,7 @@ impl PeerConfig {
             pinned_tracker: None,
             drain_timeout: Duration::from_secs(60),
             failover: FailoverPolicy::default(),
+            verify: crate::verify::VerifyPolicy::default(),
             leave_timeout: Duration::from_secs(30),
             tracker_capable: true,
             chat_template: None,

@@ -44,6 +44,8 @@ pub struct FaultyFrames {
     fraction: f64,
     mode: CorruptionMode,
     seed: u64,
+    /// Frames passed through untouched before any is corrupted.
+    honest_frames: u64,
     seen: AtomicU64,
     corrupted: AtomicU64,
 }
@@ -60,9 +62,17 @@ impl FaultyFrames {
             fraction,
             mode,
             seed,
+            honest_frames: 0,
             seen: AtomicU64::new(0),
             corrupted: AtomicU64::new(0),
         })
+    }
+
+    /// Leaves the first `frames` frames untouched: a member that lies only once it has
+    /// earned trust.
+    pub fn honest_first(mut self, frames: u64) -> Self {
+        self.honest_frames = frames;
+        self
     }
 
     /// How many frames were corrupted so far.
@@ -74,7 +84,7 @@ impl FaultyFrames {
     pub fn apply(&self, frame: Activations) -> Result<Activations, WireError> {
         let turn = self.seen.fetch_add(1, Ordering::Relaxed);
         let draw = mix(self.seed ^ turn.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        if unit(draw) >= self.fraction || frame.values().is_empty() {
+        if turn < self.honest_frames || unit(draw) >= self.fraction || frame.values().is_empty() {
             return Ok(frame);
         }
         let (shape, mut values) = frame.into_parts();
@@ -157,6 +167,19 @@ mod tests {
             }
             assert_eq!((always.corrupted(), never.corrupted()), (50, 0));
         }
+    }
+
+    #[test]
+    fn a_member_honest_at_first_lies_only_after_its_honest_frames() {
+        let input: Vec<f32> = (0..32).map(|i| i as f32 - 16.0).collect();
+        let faulty = FaultyFrames::new(1.0, CorruptionMode::SignFlip, 5)
+            .unwrap()
+            .honest_first(3);
+        let changed: Vec<bool> = (0..5)
+            .map(|_| differing(&faulty.apply(frame(&input)).unwrap(), &frame(&input)) > 0)
+            .collect();
+        assert_eq!(changed, [false, false, false, true, true]);
+        assert_eq!(faulty.corrupted(), 2);
     }
 
     #[test]

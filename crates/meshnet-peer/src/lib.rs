@@ -45,6 +45,7 @@ pub mod shard;
 pub mod status;
 mod tool_use;
 pub mod tracker;
+pub mod verify;
 
 #[cfg(all(feature = "faulty-member", not(debug_assertions)))]
 compile_error!(

@@ -302,6 +302,17 @@ struct RunArgs {
     /// Seconds a failing generation waits for some peer to serve layers nobody serves.
     #[arg(long, default_value_t = 60.0)]
     recover_timeout: f64,
+    /// The share of the tracker's sessions checked against a second holder of every hop
+    /// (0 to 1; ADR-0026).
+    #[arg(long, default_value_t = meshnet_peer::verify::DEFAULT_SAMPLE_RATE, value_name = "RATE")]
+    verify_sample: f64,
+    /// Checked sessions a new member must pass before its sessions are only sampled (0: no
+    /// probation).
+    #[arg(long, default_value_t = meshnet_peer::verify::DEFAULT_PROBATION_SESSIONS, value_name = "N")]
+    probation_sessions: u32,
+    /// Hours a member caught returning wrong activations stays banned.
+    #[arg(long, default_value_t = 24.0, value_name = "HOURS")]
+    ban_hours: f64,
     /// Whether this peer may take over the tracker role when the tracker goes silent (only
     /// a peer the tracker names in its succession list does).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, value_name = "BOOL")]
@@ -395,6 +406,20 @@ fn main() -> ExitCode {
 /// Parses a byte count: plain bytes, or a number with KB, MB, GB (powers of 1000) or KiB,
 /// MiB, GiB (powers of 1024).
 /// `value` hours as a duration: more than zero and at most a year.
+/// The verification policy the flags ask for (`--verify-sample`, `--probation-sessions`,
+/// `--ban-hours`).
+fn verify_policy(args: &RunArgs) -> anyhow::Result<meshnet_peer::verify::VerifyPolicy> {
+    let policy = meshnet_peer::verify::VerifyPolicy {
+        sample_rate: args.verify_sample,
+        probation_sessions: args.probation_sessions,
+        ban_duration: hours(args.ban_hours, "--ban-hours")?,
+    };
+    policy
+        .validate()
+        .map_err(|reason| anyhow::anyhow!("--verify-sample: {reason}"))?;
+    Ok(policy)
+}
+
 fn hours(value: f64, flag: &str) -> anyhow::Result<Duration> {
     if !(value > 0.0 && value <= 24.0 * 365.0) {
         anyhow::bail!("{flag} must be more than 0 and at most 8760 (a year), got {value}");
@@ -692,19 +717,8 @@ fn chat_template_source(model: &Model) -> Option<String> {
     }
 }
 
-fn run_peer(args: RunArgs) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libp2p=warn"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
-    let model_path = model_path_or_default(args.model.clone())?;
-    if let Some(path) = &args.chat_template {
-        check_chat_template(path)?;
-    }
-    let api_keys = args.api_keys.as_deref().map(load_api_keys).transpose()?;
+/// Refuses numeric flags of `meshnet-peer` (run) outside what they can mean, naming the flag.
+fn check_run_numbers(args: &RunArgs) -> anyhow::Result<()> {
     if !(args.announce_interval.is_finite() && args.announce_interval >= 0.05) {
         bail!("--announce-interval must be at least 0.05 seconds");
     }
@@ -729,6 +743,24 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
             bail!("{flag} must be between 0 and 86400 seconds, got {seconds}");
         }
     }
+    Ok(())
+}
+
+fn run_peer(args: RunArgs) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libp2p=warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
+    let model_path = model_path_or_default(args.model.clone())?;
+    if let Some(path) = &args.chat_template {
+        check_chat_template(path)?;
+    }
+    let api_keys = args.api_keys.as_deref().map(load_api_keys).transpose()?;
+    check_run_numbers(&args)?;
+    let verify = verify_policy(&args)?;
     let data_dir = args
         .data_dir
         .clone()
@@ -771,6 +803,7 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
         recover_timeout: Duration::from_secs_f64(args.recover_timeout),
     };
     config.leave_timeout = Duration::from_secs_f64(args.leave_timeout);
+    config.verify = verify;
     config.tracker_capable = args.tracker_capable;
     config.chat_template = args.chat_template;
     config.swarm_key = swarm_key;

@@ -59,6 +59,8 @@ pub(crate) struct Settings {
     pub(crate) admission: crate::admission::AdmissionLimits,
     /// How generations get past a failed hop.
     pub(crate) failover: crate::remote::FailoverPolicy,
+    /// Which of the tracker's sessions are checked against second holders.
+    pub(crate) verify: crate::verify::VerifyPolicy,
     /// Chunks of one prompt the tracker keeps travelling through the hops at once.
     pub(crate) prefill_in_flight: usize,
     /// Whether this member may take over the tracker role.

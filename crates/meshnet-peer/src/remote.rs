@@ -37,6 +37,11 @@ use tokio::task::JoinHandle;
 use crate::grants::{GRANT_TTL, GrantSigner};
 use crate::member::lock;
 use crate::routing::{MeshRoutes, PlannedHop};
+use crate::verify::VerifyPolicy;
+
+mod checked;
+
+use checked::Checks;
 
 /// How long the entry waits for a hop to confirm it freed a session.
 pub const END_SESSION_TIMEOUT: Duration = Duration::from_secs(5);
@@ -80,6 +85,8 @@ pub struct Failover {
     /// Where failovers that got a generation going again are counted (for `/status` and
     /// `/metrics`).
     pub metrics: meshnet_metrics::Metrics,
+    /// Which sessions are checked against a second holder of each hop (ADR-0026).
+    pub verify: VerifyPolicy,
 }
 
 /// A generation that could not get past a failed hop.
@@ -119,6 +126,10 @@ struct RouteState {
     /// For a continuation of another generation's prompt: the session its first frame asks
     /// every hop to start from, and at which position (see [`RemoteStage::forked`]).
     fork: Option<(SessionId, usize)>,
+    /// Whether the generation was drawn for checking (it stays so across failovers).
+    sampled: bool,
+    /// For a checked session: each hop's shadow and recorded inputs (see [`checked`]).
+    checks: Option<Checks>,
 }
 
 /// Peers one generation no longer uses.
@@ -180,8 +191,9 @@ impl RemoteStage {
         encoding: Encoding,
         failover: Failover,
     ) -> Result<Self, ModelError> {
-        let state = route_state(hops, Avoid::default())?;
-        Ok(RemoteStage {
+        let mut state = route_state(hops, Avoid::default())?;
+        state.sampled = failover.verify.sampled(rand::random::<f64>());
+        let stage = RemoteStage {
             start,
             client,
             runtime,
@@ -191,7 +203,9 @@ impl RemoteStage {
             state: Mutex::new(state),
             grants: None,
             grant: Mutex::new(None),
-        })
+        };
+        stage.attach_checks(&mut lock(&stage.state));
+        Ok(stage)
     }
 
     /// Frames carry a grant `signer` signs for their session and route (see
@@ -252,6 +266,8 @@ impl RemoteStage {
         child.history = state.history.clone();
         child.history_tokens = state.history_tokens;
         child.fork = Some((state.session.unwrap_or(parent), state.history_tokens));
+        child.sampled = state.sampled;
+        child.checks = state.checks.clone();
         Ok(RemoteStage {
             start: self.start,
             client: self.client.clone(),
@@ -275,11 +291,14 @@ impl RemoteStage {
     /// Sends `hidden` at `position` of `session` through the current route.
     fn send(
         &self,
-        state: &RouteState,
+        state: &mut RouteState,
         session: SessionId,
         position: usize,
         hidden: &Tensor,
     ) -> Result<Tensor, SendError> {
+        if state.checks.is_some() {
+            return self.send_checked(state, session, position, hidden);
+        }
         let answer = self
             .runtime
             .block_on(self.post(state, session, position, hidden)?)?;
@@ -419,10 +438,15 @@ impl RemoteStage {
             next.history = std::mem::take(&mut state.history);
             next.history_tokens = state.history_tokens;
             next.session = Some(SessionId::new_v4());
+            next.sampled = state.sampled;
+            self.attach_checks(&mut next);
             let old = std::mem::replace(state, next);
-            // The hops that survived free what they held (the generation's own session id
-            // until the first failover).
-            self.end_in_background(&old.hops, &culprit, old.session.unwrap_or(generation));
+            // The hops (and shadows) that survived free what they held (the generation's own
+            // session id until the first failover).
+            self.free_in_background(
+                holders(&old).filter(|hop| hop.peer != culprit),
+                old.session.unwrap_or(generation),
+            );
             match self.replay(state) {
                 Ok((replayed, last_answer)) => {
                     self.failover.metrics.count_failover();
@@ -493,25 +517,26 @@ impl RemoteStage {
     /// The frames keep their first shapes because attention over a chunk does not give
     /// bit-identical values to the same tokens decoded one by one: replaying the decode
     /// steps as one chunk changed the greedy text in 5 of 20 chaos runs (ADR-0018).
-    fn replay(&self, state: &RouteState) -> Result<(usize, Option<Tensor>), SendError> {
+    fn replay(&self, state: &mut RouteState) -> Result<(usize, Option<Tensor>), SendError> {
         let session = state.session.unwrap_or_else(SessionId::new_v4);
         let mut position = 0;
         let mut last_answer = None;
-        for frame in &state.history {
+        let history = state.history.clone();
+        for frame in &history {
             last_answer = Some(self.send(state, session, position, frame)?);
             position += frame.dim(1).map_err(|e| SendError::Other(e.into()))?;
         }
         Ok((position, last_answer))
     }
 
-    /// Asks every hop of `hops` but `failed` to free `session`, without waiting.
-    fn end_in_background(&self, hops: &[PlannedHop], failed: &PeerId, session: SessionId) {
+    /// Asks every hop of `hops` to free `session`, without waiting.
+    fn free_in_background<'a>(
+        &self,
+        hops: impl Iterator<Item = &'a PlannedHop>,
+        session: SessionId,
+    ) {
         let client = self.client.clone();
-        let endpoints: Vec<String> = hops
-            .iter()
-            .filter(|hop| hop.peer != *failed)
-            .map(|hop| hop.endpoint.clone())
-            .collect();
+        let endpoints: Vec<String> = hops.map(|hop| hop.endpoint.clone()).collect();
         self.runtime.spawn(async move {
             for endpoint in endpoints {
                 let _ = tokio::time::timeout(
@@ -556,7 +581,18 @@ fn route_state(hops: Vec<PlannedHop>, avoid: Avoid) -> Result<RouteState, ModelE
         in_flight: VecDeque::new(),
         landed: None,
         fork: None,
+        sampled: false,
+        checks: None,
     })
+}
+
+/// Every peer holding the session of `state`: the route's hops and, for a checked session,
+/// their shadows.
+fn holders(state: &RouteState) -> impl Iterator<Item = &PlannedHop> {
+    state
+        .hops
+        .iter()
+        .chain(state.checks.iter().flat_map(Checks::shadow_hops))
 }
 
 /// A hop's answer as the `f32` hidden states the generation continues with.
@@ -693,7 +729,7 @@ impl Stage for RemoteStage {
         let mut attempts = 0;
         loop {
             let on_hops = state.session.unwrap_or(session);
-            match self.send(&state, on_hops, position, &input) {
+            match self.send(&mut state, on_hops, position, &input) {
                 Ok(output) => {
                     state.history.push(input);
                     state.history_tokens += tokens;
@@ -714,7 +750,8 @@ impl Stage for RemoteStage {
         position: usize,
         hidden: Tensor,
     ) -> meshnet_model::Result<Option<Tensor>> {
-        if self.prefill_in_flight <= 1 {
+        // A checked session runs hop by hop, one frame at a time.
+        if self.prefill_in_flight <= 1 || lock(&self.state).checks.is_some() {
             return self.forward(session, position, hidden).map(Some);
         }
         let input = hidden.to_dtype(DType::BF16)?;
@@ -757,7 +794,17 @@ impl Stage for RemoteStage {
         let (hops, on_hops) = {
             let mut state = lock(&self.state);
             self.land_all(&mut state);
-            (Arc::clone(&state.hops), state.session.unwrap_or(session))
+            if let Some(checks) = &state.checks {
+                let passed = checks.passed(&state.hops);
+                if !passed.is_empty() {
+                    self.failover.metrics.count_checked_session();
+                }
+                for peer in passed {
+                    self.failover.routes.record_verified(peer);
+                }
+            }
+            let hops: Vec<PlannedHop> = holders(&state).cloned().collect();
+            (hops, state.session.unwrap_or(session))
         };
         // All hops at once, each given a few seconds: a dead hop must not hold up the others
         // (peers also drop sessions left idle).
@@ -879,6 +926,7 @@ mod tests {
             routes,
             policy: FailoverPolicy::default(),
             metrics: meshnet_metrics::Metrics::detached(),
+            verify: VerifyPolicy::OFF,
         };
         let hops = failover.routes.route(10, &[]).unwrap();
         let stage = RemoteStage::new(

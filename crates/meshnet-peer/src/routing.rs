@@ -1,6 +1,10 @@
 //! Choosing the hops of a generation: which ready peer runs which layers after the entry.
 
+use std::time::Duration;
+
 use meshnet_types::{LayerSpan, PeerId};
+
+use crate::verify::Evidence;
 
 /// A peer that could run part of a route, as the tracker last heard from it.
 #[derive(Clone, Debug, PartialEq)]
@@ -55,6 +59,24 @@ pub trait MeshRoutes: Send + Sync {
     /// The first of `peers` that stopped announcing itself (or is no longer known): a hop
     /// whose answer may never come.
     fn first_silent(&self, peers: &[PeerId]) -> Option<PeerId>;
+
+    /// Ready holders of every layer of `layers`, none of `avoid`, each to run exactly
+    /// `layers`: candidates for checking a hop. Fewest checked sessions first.
+    fn holders(&self, _layers: LayerSpan, _avoid: &[PeerId]) -> Vec<PlannedHop> {
+        Vec::new()
+    }
+
+    /// The checked sessions `peer` passed since it joined or was last convicted.
+    fn verified_sessions(&self, _peer: &PeerId) -> u32 {
+        0
+    }
+
+    /// Counts a checked session `peer` passed.
+    fn record_verified(&self, _peer: &PeerId) {}
+
+    /// Keeps `peer`, caught returning wrong activations, off routes for `duration`, with the
+    /// evidence.
+    fn convict(&self, _peer: &PeerId, _evidence: Evidence, _duration: Duration) {}
 }
 
 /// Why no route exists.

@@ -272,6 +272,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
             max_wait: config.queue_timeout,
         },
         failover: config.failover.clone(),
+        verify: config.verify.clone(),
         prefill_in_flight: config.prefill_in_flight,
         tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
         client: client.clone(),
@@ -367,6 +368,7 @@ pub(crate) async fn build_tracker_parts(
     let failover = Failover {
         routes: Arc::clone(&book) as Arc<dyn MeshRoutes>,
         policy: settings.failover.clone(),
+        verify: settings.verify.clone(),
         metrics: settings.client.metrics().clone(),
     };
     let engine = Arc::new(

@@ -51,6 +51,10 @@ pub struct StatusReport {
     pub recent_rejections: Vec<RejectionReport>,
     /// Generations that got past a failed hop on a new route (tracker; 0 elsewhere).
     pub failovers: u64,
+    /// Checked generations that ended without a disagreement (tracker; 0 elsewhere).
+    pub checked_sessions: u64,
+    /// Members caught returning wrong activations and banned (tracker; 0 elsewhere).
+    pub convictions: u64,
     /// Whether this member is leaving the mesh (it finishes its sessions, takes no new ones).
     pub leaving: bool,
     /// This member's smoothed milliseconds per decode step of its layers (0 before one ran).
@@ -109,6 +113,9 @@ pub struct BanReport {
     /// Milliseconds until the ban's backoff ends (0 once only a fresh announcement is
     /// awaited).
     pub remaining_ms: u64,
+    /// For a member caught returning wrong activations: the step and the three outputs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub evidence: Option<crate::verify::Evidence>,
 }
 
 /// One refused gossip message or peer.
@@ -291,6 +298,7 @@ impl StatusReport {
                     cause: ban.cause,
                     since_ms: now.saturating_duration_since(ban.since).as_millis() as u64,
                     remaining_ms: ban.until.saturating_duration_since(now).as_millis() as u64,
+                    evidence: ban.evidence.map(|evidence| *evidence),
                 })
                 .collect()
         });
@@ -335,6 +343,8 @@ impl StatusReport {
             rejected_messages: member.rejected.load(Ordering::Relaxed),
             recent_rejections: lock(&member.recent_rejections).iter().cloned().collect(),
             failovers: member.metrics.failovers(),
+            checked_sessions: member.metrics.checked_sessions(),
+            convictions: member.metrics.convictions(),
             leaving: member.leaving.load(Ordering::Relaxed),
             forward_latency_ms: host.forward_latency_ms(),
             batching: host.current().map(|shard| shard.batching()),

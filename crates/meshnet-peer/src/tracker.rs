@@ -9,11 +9,12 @@ use meshnet_p2p::{CoverageMessage, DirectiveMessage, PeerAnnouncement, SpanStatu
 use meshnet_planner::{
     CoverageMap, Directive, ModelShape, PeerCapacity, Planner, PlannerConfig, ShardHolding,
 };
-use meshnet_types::{PeerId, Quantization, SpanState};
+use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 
 use crate::error::PeerError;
 use crate::member::lock;
 use crate::routing::{MeshRoutes, PlannedHop, RouteCandidate, Uncovered, choose_route};
+use crate::verify::Evidence;
 
 /// A directive not yet reflected in its target's announcements is sent again after this long.
 pub const DIRECTIVE_RESEND_AFTER: Duration = Duration::from_secs(3);
@@ -34,6 +35,8 @@ pub struct Ban {
     pub until: Instant,
     /// What went wrong, for `/status` and the logs.
     pub cause: String,
+    /// For a member caught returning wrong activations: the step and the three outputs.
+    pub evidence: Option<Box<Evidence>>,
 }
 
 /// A peer the tracker has heard from.
@@ -73,6 +76,8 @@ pub struct TrackerBook {
     sequence: u64,
     map: CoverageMap,
     bans: BTreeMap<PeerId, Ban>,
+    /// Checked sessions each member passed since it joined or was last convicted.
+    verified_sessions: BTreeMap<PeerId, u32>,
     /// The tracker term this book plans for.
     term: u64,
 }
@@ -110,6 +115,7 @@ impl TrackerBook {
             sequence: boot.as_micros() as u64,
             map: CoverageMap::empty(0),
             bans: BTreeMap::new(),
+            verified_sessions: BTreeMap::new(),
             term: 1,
         })
     }
@@ -160,16 +166,88 @@ impl TrackerBook {
 
     /// Keeps `peer` off new routes for [`BAN_BACKOFF`], and after that until it announces
     /// again: it failed a generation because of `cause`.
+    /// A longer ban already running (a conviction) is kept as it is.
     pub fn ban(&mut self, peer: &PeerId, cause: &str, now: Instant) {
+        let until = now + BAN_BACKOFF;
+        if self.bans.get(peer).is_some_and(|ban| ban.until > until) {
+            return;
+        }
         tracing::warn!(%peer, cause, backoff = ?BAN_BACKOFF, "peer banned from routes");
         self.bans.insert(
             peer.clone(),
             Ban {
                 since: now,
-                until: now + BAN_BACKOFF,
+                until,
                 cause: cause.to_owned(),
+                evidence: None,
             },
         );
+    }
+
+    /// Keeps `peer`, caught returning wrong activations, off routes for `duration` whatever
+    /// it announces, with the `evidence`; it starts its probation again afterwards.
+    pub fn convict(&mut self, peer: &PeerId, evidence: Evidence, duration: Duration, now: Instant) {
+        tracing::error!(
+            %peer,
+            layers = %evidence.layers,
+            position = evidence.position,
+            arbiter = %evidence.arbiter.peer,
+            ban = ?duration,
+            "a member returned wrong activations: banned"
+        );
+        self.verified_sessions.remove(peer);
+        self.bans.insert(
+            peer.clone(),
+            Ban {
+                since: now,
+                until: now + duration,
+                cause: format!(
+                    "returned wrong activations for layers {} (arbiter {})",
+                    evidence.layers, evidence.arbiter.peer
+                ),
+                evidence: Some(Box::new(evidence)),
+            },
+        );
+    }
+
+    /// Counts a checked session `peer` passed.
+    pub fn record_verified(&mut self, peer: &PeerId) {
+        let count = self.verified_sessions.entry(peer.clone()).or_default();
+        *count = count.saturating_add(1);
+    }
+
+    /// The checked sessions `peer` passed since it joined or was last convicted.
+    pub fn verified_sessions(&self, peer: &PeerId) -> u32 {
+        self.verified_sessions.get(peer).copied().unwrap_or(0)
+    }
+
+    /// Ready holders (as for routes) of every layer of `layers`, none of `avoid`, fewest
+    /// checked sessions first (then fewer sessions running, then by id), each to run exactly
+    /// `layers`.
+    pub fn holders(&self, layers: LayerSpan, avoid: &[PeerId], now: Instant) -> Vec<PlannedHop> {
+        let mut holders: Vec<_> = self
+            .route_candidates(now)
+            .into_iter()
+            .filter(|candidate| {
+                candidate.layers.start <= layers.start
+                    && candidate.layers.end >= layers.end
+                    && !avoid.contains(&candidate.peer)
+            })
+            .collect();
+        holders.sort_by(|a, b| {
+            self.verified_sessions(&a.peer)
+                .cmp(&self.verified_sessions(&b.peer))
+                .then(a.active_sessions.cmp(&b.active_sessions))
+                .then(a.peer.cmp(&b.peer))
+        });
+        holders
+            .into_iter()
+            .map(|candidate| PlannedHop {
+                peer: candidate.peer,
+                endpoint: candidate.endpoint,
+                layers,
+            })
+            .collect()
     }
 
     /// Whether `peer` is kept off routes at `now`.
@@ -528,6 +606,22 @@ impl MeshRoutes for std::sync::Mutex<TrackerBook> {
     fn first_silent(&self, peers: &[PeerId]) -> Option<PeerId> {
         lock(self).first_silent(peers, Instant::now())
     }
+
+    fn holders(&self, layers: LayerSpan, avoid: &[PeerId]) -> Vec<PlannedHop> {
+        lock(self).holders(layers, avoid, Instant::now())
+    }
+
+    fn verified_sessions(&self, peer: &PeerId) -> u32 {
+        lock(self).verified_sessions(peer)
+    }
+
+    fn record_verified(&self, peer: &PeerId) {
+        lock(self).record_verified(peer);
+    }
+
+    fn convict(&self, peer: &PeerId, evidence: Evidence, duration: Duration) {
+        lock(self).convict(peer, evidence, duration, Instant::now());
+    }
 }
 
 /// The parts of an announcement the planner depends on.
@@ -738,6 +832,83 @@ mod tests {
         );
         let hops = book.route(10).unwrap();
         assert_eq!(route_boundaries(10, &hops), vec![10, 20]);
+    }
+
+    /// A book whose plan (tracker 0-10, `a` 10-20, `b` 20-30) every peer carried out.
+    fn settled_book(now: Instant) -> TrackerBook {
+        let mut book = book();
+        book.observe(announcement("a", None), now);
+        book.observe(announcement("b", None), now);
+        let plan = book.plan(now).unwrap();
+        book.set_own_span(plan.own_target.as_ref().map(ready));
+        for directive in &plan.directives {
+            let span = ready(directive.span_after.as_ref().unwrap());
+            book.observe(announcement(directive.target.as_str(), Some(span)), now);
+        }
+        book.plan(now).unwrap();
+        book
+    }
+
+    fn evidence(layers: LayerSpan) -> Evidence {
+        let testimony = |peer: &str| crate::verify::Testimony {
+            peer: peer.into(),
+            output_sha256: format!("{peer:0>64}"),
+        };
+        Evidence {
+            session: "s".into(),
+            position: 4,
+            tokens: 1,
+            layers,
+            convicted: testimony("a"),
+            witness: testimony("c"),
+            arbiter: testimony("d"),
+        }
+    }
+
+    #[test]
+    fn holders_cover_the_layers_asked_and_run_exactly_those() {
+        let now = Instant::now();
+        let book = settled_book(now);
+        let route = book.route(10).unwrap();
+        assert_eq!(route_boundaries(10, &route), vec![10, 20]);
+        let within = book.holders(LayerSpan::new(12, 15), &[], now);
+        assert_eq!(within.len(), 1);
+        assert_eq!(within[0].peer, route[0].peer);
+        assert_eq!(within[0].layers, LayerSpan::new(12, 15));
+        assert!(
+            book.holders(LayerSpan::new(15, 25), &[], now).is_empty(),
+            "nobody holds both"
+        );
+        assert!(
+            book.holders(route[1].layers, &[route[1].peer.clone()], now)
+                .is_empty()
+        );
+    }
+
+    #[test]
+    fn a_conviction_outlasts_announcements_and_short_bans_and_resets_probation() {
+        let now = Instant::now();
+        let mut book = settled_book(now);
+        let hop = book.route(10).unwrap().remove(0);
+        let liar = hop.peer.clone();
+        book.record_verified(&liar);
+        book.record_verified(&liar);
+        assert_eq!(book.verified_sessions(&liar), 2);
+        let day = Duration::from_secs(86_400);
+        book.convict(&liar, evidence(hop.layers), day, now);
+        assert_eq!(book.verified_sessions(&liar), 0);
+        // A failover's short ban does not replace it, nor does announcing again.
+        book.ban(&liar, "timed out", now);
+        let later = now + BAN_BACKOFF * 3;
+        let span = book.peers()[&liar].announcement.span.clone();
+        book.observe(announcement(liar.as_str(), span), later);
+        assert!(book.is_banned(&liar, later));
+        assert!(book.holders(hop.layers, &[], later).is_empty());
+        let bans = book.bans(later);
+        assert_eq!(bans.len(), 1);
+        assert_eq!(bans[0].1.until, now + day);
+        assert_eq!(bans[0].1.evidence.as_deref(), Some(&evidence(hop.layers)));
+        assert!(!book.is_banned(&liar, now + day + BAN_BACKOFF));
     }
 
     #[test]

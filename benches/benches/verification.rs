@@ -1,0 +1,181 @@
+//! What checking sessions against second holders costs (ADR-0026): a tracker holding 10 layers
+//! and three members each holding the other 20, in one process (the real runtime on the libp2p
+//! memory transport, the default model). For each sample rate, a fresh mesh answers warm-up
+//! chats (which also take every member through its probation), then
+//! `MESHNET_BENCH_SESSIONS` (default 48) greedy chats of `MAX_TOKENS` tokens, `AT_ONCE` at a time.
+//! The anchor is the same mesh with checks off, measured first and again last in the same run.
+//! Prints a markdown table: sessions checked, aggregate tokens/s, and the ratio to the anchor.
+//!
+//! Needs the default model (`scripts/fetch-model.sh`). Run with
+//! `cargo bench -p meshnet-benches --bench verification`.
+
+#![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::{Duration, Instant};
+
+use meshnet_peer::RunningPeer;
+use meshnet_peer::verify::VerifyPolicy;
+use meshnet_testkit::Kit;
+use serde_json::json;
+
+const TRACKER_LAYERS: u32 = 10;
+const HOLDER_LAYERS: u32 = 20;
+const HOLDERS: usize = 3;
+const MAX_TOKENS: u64 = 32;
+const AT_ONCE: usize = 4;
+/// Enough warm-up chats for every holder to pass the default probation.
+const WARM_UP: usize = 12;
+const PROMPT: &str = "Write one sentence about the sea.";
+
+fn sessions() -> usize {
+    match std::env::var("MESHNET_BENCH_SESSIONS") {
+        Ok(value) => match value.trim().parse::<usize>() {
+            Ok(n) if n >= AT_ONCE => n,
+            _ => panic!("MESHNET_BENCH_SESSIONS must be an integer >= {AT_ONCE}, got {value:?}"),
+        },
+        Err(_) => 48,
+    }
+}
+
+struct Measured {
+    label: String,
+    sessions: usize,
+    checked: u64,
+    tokens: u64,
+    wall: Duration,
+    texts_equal: bool,
+}
+
+impl Measured {
+    fn rate(&self) -> f64 {
+        self.tokens as f64 / self.wall.as_secs_f64()
+    }
+}
+
+/// One greedy chat's text and completion tokens.
+async fn chat(client: &reqwest::Client, tracker: &RunningPeer) -> (String, u64) {
+    let body = json!({
+        "model": tracker.model_id(),
+        "messages": [{"role": "user", "content": PROMPT}],
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+    });
+    let url = format!("{}/chat/completions", tracker.openai_base_url().unwrap());
+    let response = client.post(url).json(&body).send().await.unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let answer: serde_json::Value = response.json().await.unwrap();
+    let text = answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    (text, answer["usage"]["completion_tokens"].as_u64().unwrap())
+}
+
+/// `count` chats, `AT_ONCE` at a time.
+async fn chats(tracker: &RunningPeer, count: usize) -> Vec<(String, u64)> {
+    let client = reqwest::Client::new();
+    let mut answers = Vec::with_capacity(count);
+    for _ in 0..count / AT_ONCE {
+        let batch = (0..AT_ONCE).map(|_| chat(&client, tracker));
+        answers.extend(futures::future::join_all(batch).await);
+    }
+    answers
+}
+
+async fn mesh(kit: &Kit, verify: VerifyPolicy) -> (RunningPeer, Vec<RunningPeer>) {
+    let mut config = kit.config(true, TRACKER_LAYERS, Vec::new());
+    config.verify = verify;
+    let tracker = meshnet_peer::start(config).await.unwrap();
+    let mut holders = Vec::new();
+    for _ in 0..HOLDERS {
+        holders.push(kit.peer(HOLDER_LAYERS, &tracker).await.unwrap());
+    }
+    let started = Instant::now();
+    loop {
+        let status = tracker.status();
+        let ready = status.peers.iter().flatten().filter(|peer| {
+            peer.span
+                .as_ref()
+                .is_some_and(|span| span.state == meshnet_types::SpanState::Ready)
+        });
+        if ready.count() == HOLDERS && status.coverage.is_some_and(|c| c.complete) {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "the mesh did not converge"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    (tracker, holders)
+}
+
+async fn measure(kit: &Kit, label: &str, verify: VerifyPolicy, count: usize) -> Measured {
+    let (tracker, holders) = mesh(kit, verify).await;
+    chats(&tracker, WARM_UP).await;
+    // Sessions are counted as checked when they end on the hops, just after their answers.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let checked_before = tracker.status().checked_sessions;
+    let started = Instant::now();
+    let answers = chats(&tracker, count).await;
+    let wall = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let checked = tracker.status().checked_sessions - checked_before;
+    for holder in holders {
+        holder.shutdown().await;
+    }
+    tracker.shutdown().await;
+    Measured {
+        label: label.to_owned(),
+        sessions: answers.len(),
+        checked,
+        tokens: answers.iter().map(|(_, tokens)| tokens).sum(),
+        wall,
+        texts_equal: answers.iter().all(|(text, _)| text == &answers[0].0),
+    }
+}
+
+fn main() {
+    let count = sessions();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let kit = Kit::with_default_model(Duration::from_millis(500)).unwrap();
+    let at = |rate: f64| VerifyPolicy {
+        sample_rate: rate,
+        ..VerifyPolicy::default()
+    };
+    let settings = [
+        ("checks off (anchor)", VerifyPolicy::OFF),
+        ("sample 0.05 (default)", VerifyPolicy::default()),
+        ("sample 0.20", at(0.2)),
+        ("sample 1.00 (every session)", at(1.0)),
+        ("checks off (anchor, again)", VerifyPolicy::OFF),
+    ];
+    let results: Vec<Measured> = settings
+        .into_iter()
+        .map(|(label, verify)| runtime.block_on(measure(&kit, label, verify, count)))
+        .collect();
+    let anchor = (results[0].rate() + results[results.len() - 1].rate()) / 2.0;
+    println!();
+    println!(
+        "## Checking sessions: {count} greedy {MAX_TOKENS}-token chats, {AT_ONCE} at a time, a \
+         tracker and {HOLDERS} holders of the same layers in one process"
+    );
+    println!();
+    println!("| setting | sessions checked | tokens/s | / checks off | texts equal |");
+    println!("|---|---|---|---|---|");
+    for result in &results {
+        println!(
+            "| {} | {} / {} | {:.1} | {:.3} | {} |",
+            result.label,
+            result.checked,
+            result.sessions,
+            result.rate(),
+            result.rate() / anchor,
+            if result.texts_equal { "yes" } else { "no" }
+        );
+    }
+}
