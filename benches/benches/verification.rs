@@ -61,9 +61,16 @@ async fn chat(client: &reqwest::Client, tracker: &RunningPeer) -> (String, u64) 
         "max_tokens": MAX_TOKENS,
     });
     let url = format!("{}/chat/completions", tracker.openai_base_url().unwrap());
-    let response = client.post(url).json(&body).send().await.unwrap();
+    let response = client
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap();
     assert_eq!(response.status().as_u16(), 200);
-    let answer: serde_json::Value = response.json().await.unwrap();
+    let answer: serde_json::Value =
+        serde_json::from_slice(&response.bytes().await.unwrap()).unwrap();
     let text = answer["choices"][0]["message"]["content"]
         .as_str()
         .unwrap()
