@@ -253,7 +253,16 @@ fn bad_run_settings_give_a_clear_message_and_no_panic() {
         "--data-dir",
         data,
     ];
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 9] = [
+        (
+            &["--verify-sample", "1.5"],
+            "sample rate must be between 0 and 1, not 1.5",
+        ),
+        (
+            &["--verify-sample", "NaN"],
+            "sample rate must be between 0 and 1, not NaN",
+        ),
+        (&["--ban-hours", "0"], "--ban-hours must be more than 0"),
         (&["--tracker", "--memory", "1KiB"], "holds no layer"),
         (&["--memory", "1MiB"], "holds no layer"),
         (&["--memory", "lots"], "not a byte count"),
