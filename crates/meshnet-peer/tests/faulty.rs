@@ -310,7 +310,18 @@ async fn one_liar(
                 .count();
         }
         sessions += AT_ONCE;
-        if tracker.status().convictions > convictions {
+        let status = tracker.status();
+        if status.convictions > convictions {
+            let convicted = status
+                .banned
+                .iter()
+                .flatten()
+                .filter_map(|ban| Some(&ban.evidence.as_ref()?.convicted.peer));
+            assert!(
+                convicted.clone().any(|peer| peer == liar.peer_id()),
+                "someone else than the liar was convicted: {:?}",
+                convicted.collect::<Vec<_>>()
+            );
             detected = Some(sessions);
         }
     }
@@ -381,6 +392,17 @@ async fn detection_table() {
                 max(&found),
                 median(&wrong),
                 max(&wrong)
+            );
+            let convicted: Vec<_> = tracker
+                .status()
+                .banned
+                .into_iter()
+                .flatten()
+                .filter_map(|ban| Some(ban.evidence?.convicted.peer))
+                .collect();
+            assert!(
+                !convicted.contains(first.peer_id()) && !convicted.contains(second.peer_id()),
+                "an honest member was convicted"
             );
             for peer in [second, first, tracker] {
                 peer.shutdown().await;
