@@ -410,3 +410,48 @@ async fn detection_table() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn choices_sharing_a_checked_prefill_each_equal_the_single_answer() {
+    let tracker = checking_tracker(VerifyPolicy {
+        sample_rate: 1.0,
+        ..probation_only()
+    })
+    .await;
+    let first = holder(&tracker, None).await;
+    let second = holder(&tracker, None).await;
+    wait_for("two holders", &tracker, |s| {
+        converged(s, &[&first, &second]) && ready_in_book(s, &first) && ready_in_book(s, &second)
+    })
+    .await;
+    let single = short_greedy_text(&tracker).await;
+    let response = reqwest::Client::new()
+        .post(format!(
+            "{}/chat/completions",
+            tracker.openai_base_url().unwrap()
+        ))
+        .json(&serde_json::json!({
+            "model": tracker.model_id(),
+            "messages": [{"role": "user", "content": "Name a colour."}],
+            "temperature": 0,
+            "max_tokens": 2,
+            "n": 3,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let body: serde_json::Value = response.json().await.unwrap();
+    let texts: Vec<&str> = body["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|choice| choice["message"]["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, [single.as_str(); 3]);
+    let status = tracker.status();
+    assert_eq!((status.convictions, status.failovers), (0, 0));
+    for peer in [second, first, tracker] {
+        peer.shutdown().await;
+    }
+}
