@@ -132,6 +132,16 @@ struct RouteState {
     checks: Option<Checks>,
 }
 
+impl RouteState {
+    /// The session a frame at `position` asks every hop to start as a copy of: the parent of a
+    /// continuation, on its first frame only.
+    fn fork_from(&self, position: usize) -> Option<SessionId> {
+        self.fork
+            .filter(|&(_, at)| at == position)
+            .map(|(parent, _)| parent)
+    }
+}
+
 /// Peers one generation no longer uses.
 #[derive(Clone, Debug, Default)]
 struct Avoid {
@@ -330,10 +340,7 @@ impl RemoteStage {
                 layers: state.first_layers,
                 route: state.onward.clone(),
                 grant: self.grant_for(state, session)?,
-                fork_from: state
-                    .fork
-                    .filter(|&(_, at)| at == position)
-                    .map(|(parent, _)| parent),
+                fork_from: state.fork_from(position),
             },
             activations,
         };

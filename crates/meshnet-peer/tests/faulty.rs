@@ -15,6 +15,26 @@ use meshnet_peer::faulty::{CorruptionMode, FaultyFrames};
 use meshnet_peer::verify::VerifyPolicy;
 use meshnet_types::LayerSpan;
 
+/// `body` (its model filled in) answered by `tracker`'s chat completions, which must say 200.
+async fn chat_completion(
+    client: &reqwest::Client,
+    tracker: &RunningPeer,
+    mut body: serde_json::Value,
+) -> serde_json::Value {
+    body["model"] = tracker.model_id().into();
+    let response = client
+        .post(format!(
+            "{}/chat/completions",
+            tracker.openai_base_url().unwrap()
+        ))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    response.json().await.unwrap()
+}
+
 /// Tokens each chat generates.
 const TOKENS: usize = 6;
 
@@ -31,23 +51,17 @@ async fn mesh(faulty: Arc<FaultyFrames>) -> (RunningPeer, RunningPeer) {
 
 /// The text and every token's log-probability of a greedy chat of [`TOKENS`] tokens.
 async fn greedy_logprobs(tracker: &RunningPeer) -> (String, Vec<f64>) {
-    let response = reqwest::Client::new()
-        .post(format!(
-            "{}/chat/completions",
-            tracker.openai_base_url().unwrap()
-        ))
-        .json(&serde_json::json!({
-            "model": tracker.model_id(),
+    let body = chat_completion(
+        &reqwest::Client::new(),
+        tracker,
+        serde_json::json!({
             "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "temperature": 0,
             "max_tokens": TOKENS,
             "logprobs": true,
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
-    let body: serde_json::Value = response.json().await.unwrap();
+        }),
+    )
+    .await;
     let choice = &body["choices"][0];
     let logprobs = choice["logprobs"]["content"]
         .as_array()
@@ -229,22 +243,16 @@ async fn an_honest_mesh_checked_on_every_session_bans_nobody_in_200_sessions() {
 
 /// The text of a greedy chat of two tokens (a prefill and one decode step).
 async fn short_greedy_text(tracker: &RunningPeer) -> String {
-    let response = reqwest::Client::new()
-        .post(format!(
-            "{}/chat/completions",
-            tracker.openai_base_url().unwrap()
-        ))
-        .json(&serde_json::json!({
-            "model": tracker.model_id(),
+    let body = chat_completion(
+        &reqwest::Client::new(),
+        tracker,
+        serde_json::json!({
             "messages": [{"role": "user", "content": "Name a colour."}],
             "temperature": 0,
             "max_tokens": 2,
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
-    let body: serde_json::Value = response.json().await.unwrap();
+        }),
+    )
+    .await;
     body["choices"][0]["message"]["content"]
         .as_str()
         .unwrap()
@@ -254,23 +262,17 @@ async fn short_greedy_text(tracker: &RunningPeer) -> String {
 /// The greedy answer of [`detection_table`]'s chats: every token and the bits of its
 /// log-probability.
 async fn scored_tokens(client: &reqwest::Client, tracker: &RunningPeer) -> Vec<(String, u64)> {
-    let response = client
-        .post(format!(
-            "{}/chat/completions",
-            tracker.openai_base_url().unwrap()
-        ))
-        .json(&serde_json::json!({
-            "model": tracker.model_id(),
+    let body = chat_completion(
+        client,
+        tracker,
+        serde_json::json!({
             "messages": [{"role": "user", "content": "Name three rivers."}],
             "temperature": 0,
             "max_tokens": 4,
             "logprobs": true,
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
-    let body: serde_json::Value = response.json().await.unwrap();
+        }),
+    )
+    .await;
     body["choices"][0]["logprobs"]["content"]
         .as_array()
         .unwrap()
@@ -425,23 +427,17 @@ async fn choices_sharing_a_checked_prefill_each_equal_the_single_answer() {
     })
     .await;
     let single = short_greedy_text(&tracker).await;
-    let response = reqwest::Client::new()
-        .post(format!(
-            "{}/chat/completions",
-            tracker.openai_base_url().unwrap()
-        ))
-        .json(&serde_json::json!({
-            "model": tracker.model_id(),
+    let body = chat_completion(
+        &reqwest::Client::new(),
+        &tracker,
+        serde_json::json!({
             "messages": [{"role": "user", "content": "Name a colour."}],
             "temperature": 0,
             "max_tokens": 2,
             "n": 3,
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
-    let body: serde_json::Value = response.json().await.unwrap();
+        }),
+    )
+    .await;
     let texts: Vec<&str> = body["choices"]
         .as_array()
         .unwrap()

@@ -98,10 +98,7 @@ impl RemoteStage {
     ) -> Result<Tensor, SendError> {
         let mut current =
             Activations::from_tensor(hidden).map_err(|e| SendError::Other(e.into()))?;
-        let fork_from = state
-            .fork
-            .filter(|&(_, at)| at == position)
-            .map(|(parent, _)| parent);
+        let fork_from = state.fork_from(position);
         let hops = Arc::clone(&state.hops);
         let mut inputs = Vec::with_capacity(hops.len());
         for (index, hop) in hops.iter().enumerate() {
