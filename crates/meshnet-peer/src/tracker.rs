@@ -250,6 +250,20 @@ impl TrackerBook {
             .collect()
     }
 
+    /// Whether `peer` was convicted of returning wrong activations and its ban runs at `now`:
+    /// the planner counts on it for no layer until the ban ends.
+    pub fn is_convicted(&self, peer: &PeerId, now: Instant) -> bool {
+        self.bans
+            .get(peer)
+            .is_some_and(|ban| ban.evidence.is_some() && now < ban.until)
+    }
+
+    /// Whether the planner counts on the peer behind `announcement` at `now`: it is neither
+    /// leaving nor convicted.
+    fn is_plannable(&self, announcement: &PeerAnnouncement, now: Instant) -> bool {
+        !announcement.leaving && !self.is_convicted(&announcement.peer, now)
+    }
+
     /// Whether `peer` is kept off routes at `now`.
     pub fn is_banned(&self, peer: &PeerId, now: Instant) -> bool {
         self.bans.get(peer).is_some_and(|ban| {
@@ -356,7 +370,7 @@ impl TrackerBook {
         capacities.extend(
             self.peers
                 .values()
-                .filter(|known| !known.announcement.leaving)
+                .filter(|known| self.is_plannable(&known.announcement, now))
                 .map(|known| capacity(&known.announcement)),
         );
         let plan = self.planner.plan(&current, &capacities)?;
@@ -384,7 +398,8 @@ impl TrackerBook {
         if !same_span(own_intended.as_ref(), self.own_span.as_ref()) {
             own_target = own_intended;
         }
-        // A leaving peer keeps what it holds until it is gone: no directive moves it.
+        // A leaving peer keeps what it holds until it is gone: no directive moves it. A
+        // convicted one is planned nothing, so it is told to drop what it holds.
         let targets: Vec<(PeerId, Option<SpanStatus>)> = self
             .peers
             .iter()
@@ -551,7 +566,7 @@ impl TrackerBook {
                 .sent
                 .get(peer)
                 .filter(|(_, at)| now.duration_since(*at) < DIRECTIVE_RESEND_AFTER * 4);
-            if known.announcement.leaving {
+            if !self.is_plannable(&known.announcement, now) {
                 continue;
             }
             match (pending, &known.announcement.span) {
@@ -909,6 +924,63 @@ mod tests {
         assert_eq!(bans[0].1.until, now + day);
         assert_eq!(bans[0].1.evidence.as_deref(), Some(&evidence(hop.layers)));
         assert!(!book.is_banned(&liar, now + day + BAN_BACKOFF));
+    }
+
+    #[test]
+    fn a_convicted_holder_is_planned_nothing_and_its_layers_go_to_another() {
+        let now = Instant::now();
+        let mut book = settled_book(now);
+        // A spare member joins and is planned a second copy of one span; it loads it.
+        book.observe(announcement("spare", None), now);
+        let plan = book.plan(now).unwrap();
+        let spare = plan
+            .coverage
+            .map
+            .holding_of(&"spare".into())
+            .unwrap()
+            .clone();
+        let span = SpanStatus {
+            layers: spare.layers,
+            quantization: FORMAT,
+            state: SpanState::Ready,
+        };
+        book.observe(announcement("spare", Some(span)), now);
+        // The holder of the other span is the only one of its layers: convict it.
+        let liar = book
+            .route(10)
+            .unwrap()
+            .into_iter()
+            .find(|hop| hop.layers != spare.layers)
+            .unwrap();
+        book.convict(
+            &liar.peer,
+            evidence(liar.layers),
+            Duration::from_secs(60),
+            now,
+        );
+        let after = book.plan(now).unwrap();
+
+        let map = &after.coverage.map;
+        assert!(map.holding_of(&liar.peer).is_none(), "{map:?}");
+        assert!(
+            map.holdings
+                .iter()
+                .any(|h| h.layers.start <= liar.layers.start && h.layers.end >= liar.layers.end),
+            "nobody was planned the convicted member's layers: {map:?}"
+        );
+        let told_liar = after
+            .directives
+            .iter()
+            .find(|message| message.target == liar.peer)
+            .expect("the convicted holder is told to drop its span");
+        assert_eq!(told_liar.span_after, None);
+        assert!(matches!(
+            told_liar.directives[..],
+            [Directive::DropShard { layers, .. }] if layers == liar.layers
+        ));
+        // Once the ban has run out the planner may count on it again.
+        assert!(book.is_convicted(&liar.peer, now + Duration::from_secs(59)));
+        assert!(!book.is_convicted(&liar.peer, now + Duration::from_secs(61)));
     }
 
     #[test]
