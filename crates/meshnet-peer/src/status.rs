@@ -11,7 +11,7 @@ use meshnet_types::{PeerId, Quantization, SpanState};
 use serde::Serialize;
 
 use crate::member::{Member, lock};
-use crate::tracker::KnownPeer;
+use crate::tracker::{KnownPeer, TrackerBook};
 
 /// Everything `GET /status` reports.
 #[derive(Clone, Debug, Serialize)]
@@ -243,6 +243,9 @@ pub struct PeerReport {
     pub forward_latency_ms: f64,
     /// Whether it announced that it is leaving.
     pub leaving: bool,
+    /// Checked sessions it passed since it joined or was last convicted (ADR-0026): below
+    /// the probation count, every session it serves is checked.
+    pub verified_sessions: u32,
 }
 
 impl CoverageReport {
@@ -283,10 +286,10 @@ impl StatusReport {
         let tracker = member.tracker_parts();
         let now = Instant::now();
         let peers = tracker.as_ref().map(|parts| {
-            lock(&parts.book)
-                .peers()
+            let book = lock(&parts.book);
+            book.peers()
                 .values()
-                .map(|known| PeerReport::of(member, known, now))
+                .map(|known| PeerReport::of(member, known, &book, now))
                 .collect()
         });
         let banned = tracker.as_ref().map(|parts| {
@@ -391,7 +394,7 @@ impl meshnet_metrics::LiveSource for MemberGauges {
 
 impl PeerReport {
     /// A known peer as of `now`.
-    fn of(member: &Member, known: &KnownPeer, now: Instant) -> Self {
+    fn of(member: &Member, known: &KnownPeer, book: &TrackerBook, now: Instant) -> Self {
         let a = &known.announcement;
         PeerReport {
             peer: a.peer.clone(),
@@ -406,6 +409,7 @@ impl PeerReport {
             last_seen_ms: now.saturating_duration_since(known.last_seen).as_millis() as u64,
             forward_latency_ms: a.forward_latency_ms,
             leaving: a.leaving,
+            verified_sessions: book.verified_sessions(&a.peer),
         }
     }
 }
