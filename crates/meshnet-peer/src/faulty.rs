@@ -45,7 +45,7 @@ pub struct FaultyFrames {
     mode: CorruptionMode,
     seed: u64,
     /// Frames passed through untouched before any is corrupted.
-    honest_frames: u64,
+    honest_frames: AtomicU64,
     seen: AtomicU64,
     corrupted: AtomicU64,
 }
@@ -62,7 +62,7 @@ impl FaultyFrames {
             fraction,
             mode,
             seed,
-            honest_frames: 0,
+            honest_frames: AtomicU64::new(0),
             seen: AtomicU64::new(0),
             corrupted: AtomicU64::new(0),
         })
@@ -70,9 +70,16 @@ impl FaultyFrames {
 
     /// Leaves the first `frames` frames untouched: a member that lies only once it has
     /// earned trust.
-    pub fn honest_first(mut self, frames: u64) -> Self {
-        self.honest_frames = frames;
+    pub fn honest_first(self, frames: u64) -> Self {
+        self.honest_frames.store(frames, Ordering::Relaxed);
         self
+    }
+
+    /// Corrupts from the next frame on, whatever [`FaultyFrames::honest_first`] said: a member
+    /// that turns liar when the caller decides (say, once it passed its probation).
+    pub fn lie_from_now(&self) {
+        self.honest_frames
+            .store(self.seen.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     /// How many frames were corrupted so far.
@@ -84,7 +91,10 @@ impl FaultyFrames {
     pub fn apply(&self, frame: Activations) -> Result<Activations, WireError> {
         let turn = self.seen.fetch_add(1, Ordering::Relaxed);
         let draw = mix(self.seed ^ turn.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        if turn < self.honest_frames || unit(draw) >= self.fraction || frame.values().is_empty() {
+        if turn < self.honest_frames.load(Ordering::Relaxed)
+            || unit(draw) >= self.fraction
+            || frame.values().is_empty()
+        {
             return Ok(frame);
         }
         let (shape, mut values) = frame.into_parts();
@@ -180,6 +190,22 @@ mod tests {
             .collect();
         assert_eq!(changed, [false, false, false, true, true]);
         assert_eq!(faulty.corrupted(), 2);
+    }
+
+    #[test]
+    fn a_member_honest_until_told_lies_from_the_next_frame() {
+        let input: Vec<f32> = (0..32).map(|i| i as f32 - 16.0).collect();
+        let faulty = FaultyFrames::new(1.0, CorruptionMode::Noise, 5)
+            .unwrap()
+            .honest_first(u64::MAX);
+        let mut changed = Vec::new();
+        for turn in 0..6 {
+            if turn == 4 {
+                faulty.lie_from_now();
+            }
+            changed.push(differing(&faulty.apply(frame(&input)).unwrap(), &frame(&input)) > 0);
+        }
+        assert_eq!(changed, [false, false, false, false, true, true]);
     }
 
     #[test]
