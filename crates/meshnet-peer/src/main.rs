@@ -403,9 +403,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Parses a byte count: plain bytes, or a number with KB, MB, GB (powers of 1000) or KiB,
-/// MiB, GiB (powers of 1024).
-/// `value` hours as a duration: more than zero and at most a year.
 /// The verification policy the flags ask for (`--verify-sample`, `--probation-sessions`,
 /// `--ban-hours`).
 fn verify_policy(args: &RunArgs) -> anyhow::Result<meshnet_peer::verify::VerifyPolicy> {
@@ -420,6 +417,7 @@ fn verify_policy(args: &RunArgs) -> anyhow::Result<meshnet_peer::verify::VerifyP
     Ok(policy)
 }
 
+/// `value` hours as a duration: more than zero and at most a year.
 fn hours(value: f64, flag: &str) -> anyhow::Result<Duration> {
     if !(value > 0.0 && value <= 24.0 * 365.0) {
         anyhow::bail!("{flag} must be more than 0 and at most 8760 (a year), got {value}");
@@ -427,6 +425,8 @@ fn hours(value: f64, flag: &str) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(value * 3600.0))
 }
 
+/// Parses a byte count: plain bytes, or a number with KB, MB, GB (powers of 1000) or KiB,
+/// MiB, GiB (powers of 1024).
 fn parse_bytes(text: &str) -> Result<u64, String> {
     let trimmed = text.trim();
     let split = trimmed
