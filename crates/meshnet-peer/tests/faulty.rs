@@ -12,6 +12,7 @@ use std::time::Duration;
 use common::{converged, tracker, wait_for};
 use meshnet_peer::RunningPeer;
 use meshnet_peer::faulty::{CorruptionMode, FaultyFrames};
+use meshnet_peer::status::StatusReport;
 use meshnet_peer::verify::VerifyPolicy;
 use meshnet_types::LayerSpan;
 
@@ -120,7 +121,7 @@ async fn holder(tracker: &RunningPeer, faulty: Option<Arc<FaultyFrames>>) -> Run
 }
 
 /// Whether the tracker's book has `peer` announcing a ready span (what routes are made of).
-fn ready_in_book(status: &meshnet_peer::status::StatusReport, peer: &RunningPeer) -> bool {
+fn ready_in_book(status: &StatusReport, peer: &RunningPeer) -> bool {
     status.peers.iter().flatten().any(|known| {
         &known.peer == peer.peer_id()
             && known
@@ -204,7 +205,6 @@ async fn a_liar_on_probation_is_caught_in_its_first_session_and_the_user_reads_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_honest_mesh_checked_on_every_session_bans_nobody_in_200_sessions() {
     const SESSIONS: usize = 200;
-    const AT_ONCE: usize = 4;
     let tracker = checking_tracker(VerifyPolicy {
         sample_rate: 1.0,
         ..probation_only()
@@ -259,6 +259,13 @@ async fn short_greedy_text(tracker: &RunningPeer) -> String {
         .to_owned()
 }
 
+/// Tokens each chat of [`detection_table`] asks for: an answer of a usual length, so a liar
+/// corrupting a fraction of its frames lies in a realistic share of sessions.
+const DETECTION_TOKENS: usize = 32;
+
+/// Chats [`detection_table`] runs at once.
+const AT_ONCE: usize = 4;
+
 /// The greedy answer of [`detection_table`]'s chats: every token and the bits of its
 /// log-probability.
 async fn scored_tokens(client: &reqwest::Client, tracker: &RunningPeer) -> Vec<(String, u64)> {
@@ -266,9 +273,9 @@ async fn scored_tokens(client: &reqwest::Client, tracker: &RunningPeer) -> Vec<(
         client,
         tracker,
         serde_json::json!({
-            "messages": [{"role": "user", "content": "Name three rivers."}],
+            "messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
             "temperature": 0,
-            "max_tokens": 4,
+            "max_tokens": DETECTION_TOKENS,
             "logprobs": true,
         }),
     )
@@ -286,44 +293,78 @@ async fn scored_tokens(client: &reqwest::Client, tracker: &RunningPeer) -> Vec<(
         .collect()
 }
 
-/// One run of [`detection_table`]: sessions until the liar was convicted (`None`: not within
-/// `limit`) and the tokens users received that differ from the honest answer's.
+/// [`AT_ONCE`] chats at once: the tokens among their answers that differ from `honest`
+/// (a token or its log-probability changed, or one too many or too few).
+async fn wrong_tokens_of_a_batch(tracker: &RunningPeer, honest: &[(String, u64)]) -> usize {
+    let client = reqwest::Client::new();
+    let batch = (0..AT_ONCE).map(|_| scored_tokens(&client, tracker));
+    futures::future::join_all(batch)
+        .await
+        .iter()
+        .map(|answer| {
+            let changed = answer.iter().zip(honest).filter(|(a, b)| a != b).count();
+            changed + answer.len().abs_diff(honest.len())
+        })
+        .sum()
+}
+
+/// The checked sessions the tracker's book says `peer` passed.
+fn verified_sessions(status: &StatusReport, peer: &RunningPeer) -> u32 {
+    status
+        .peers
+        .iter()
+        .flatten()
+        .find(|known| &known.peer == peer.peer_id())
+        .map_or(0, |known| known.verified_sessions)
+}
+
+/// Whether the tracker convicted someone since it counted `before` convictions; panics when
+/// `liar` is not among the convicted (honest holders are checked by [`close_mesh`]).
+fn liar_convicted(tracker: &RunningPeer, liar: &RunningPeer, before: u64) -> bool {
+    let status = tracker.status();
+    if status.convictions == before {
+        return false;
+    }
+    let convicted: Vec<_> = status
+        .banned
+        .iter()
+        .flatten()
+        .filter_map(|ban| Some(ban.evidence.as_ref()?.convicted.peer.clone()))
+        .collect();
+    assert!(
+        convicted.contains(liar.peer_id()),
+        "someone else than the liar was convicted: {convicted:?}"
+    );
+    true
+}
+
+/// One run of [`detection_table`]: a holder joins, honest until it passed `probation`
+/// checked sessions, then corrupts frames as `lies` says. Returns the sessions from its first
+/// lie until it was convicted (`None`: not within `limit`) and the tokens users received
+/// meanwhile that differ from the honest answer's.
 async fn one_liar(
     tracker: &RunningPeer,
     honest: &[(String, u64)],
     lies: Arc<FaultyFrames>,
+    probation: u32,
     limit: usize,
 ) -> (Option<usize>, usize) {
-    const AT_ONCE: usize = 4;
-    let liar = holder(tracker, Some(lies)).await;
+    let liar = holder(tracker, Some(Arc::clone(&lies))).await;
     wait_for("the liar in the book", tracker, |s| ready_in_book(s, &liar)).await;
-    let convictions = tracker.status().convictions;
-    let client = reqwest::Client::new();
-    let mut wrong_tokens = 0;
-    let mut sessions = 0;
-    let mut detected = None;
-    while sessions < limit && detected.is_none() {
-        let batch = (0..AT_ONCE).map(|_| scored_tokens(&client, tracker));
-        for answer in futures::future::join_all(batch).await {
-            wrong_tokens += answer
-                .iter()
-                .zip(honest)
-                .filter(|(got, want)| got != want)
-                .count();
+    for _ in 0..25 {
+        if verified_sessions(&tracker.status(), &liar) >= probation {
+            break;
         }
+        assert_eq!(wrong_tokens_of_a_batch(tracker, honest).await, 0);
+    }
+    assert!(verified_sessions(&tracker.status(), &liar) >= probation);
+    lies.lie_from_now();
+    let before = tracker.status().convictions;
+    let (mut sessions, mut wrong_tokens, mut detected) = (0, 0, None);
+    while sessions < limit && detected.is_none() {
+        wrong_tokens += wrong_tokens_of_a_batch(tracker, honest).await;
         sessions += AT_ONCE;
-        let status = tracker.status();
-        if status.convictions > convictions {
-            let convicted = status
-                .banned
-                .iter()
-                .flatten()
-                .filter_map(|ban| Some(&ban.evidence.as_ref()?.convicted.peer));
-            assert!(
-                convicted.clone().any(|peer| peer == liar.peer_id()),
-                "someone else than the liar was convicted: {:?}",
-                convicted.collect::<Vec<_>>()
-            );
+        if liar_convicted(tracker, &liar, before) {
             detected = Some(sessions);
         }
     }
@@ -331,62 +372,164 @@ async fn one_liar(
     (detected, wrong_tokens)
 }
 
-/// The detection table of ADR-0026 (benches/README.md): a tracker and two honest holders of
-/// the same layers, then, run after run, a third holder that is honest for its first 40 frames
-/// (it passes its probation) and then corrupts a fraction of its frames. Chats of 4 greedy tokens
-/// run 4 at a time until the liar is convicted or `MESHNET_DETECTION_SESSIONS` (200) sessions
-/// have run. Prints, per fraction and sample rate: runs detected, sessions until detection,
-/// and tokens users received that differ from the honest answer's. Run by hand:
+/// One run of the newcomer row of [`detection_table`]: a holder corrupting every frame from
+/// its first joins; chats run one at a time until it computed a frame. Returns whether it was
+/// convicted in that first session and the tokens users received that differ from the
+/// honest answer's.
+async fn one_newcomer(tracker: &RunningPeer, honest: &[(String, u64)], seed: u64) -> (bool, usize) {
+    let lies = Arc::new(FaultyFrames::new(1.0, CorruptionMode::Noise, seed).unwrap());
+    let liar = holder(tracker, Some(Arc::clone(&lies))).await;
+    wait_for("the newcomer in the book", tracker, |s| {
+        ready_in_book(s, &liar)
+    })
+    .await;
+    let before = tracker.status().convictions;
+    let client = reqwest::Client::new();
+    let mut wrong_tokens = 0;
+    for _ in 0..20 {
+        let answer = scored_tokens(&client, tracker).await;
+        let changed = answer.iter().zip(honest).filter(|(a, b)| a != b).count();
+        wrong_tokens += changed + answer.len().abs_diff(honest.len());
+        if lies.corrupted() > 0 {
+            break;
+        }
+    }
+    assert!(lies.corrupted() > 0, "the newcomer served no session");
+    let caught = liar_convicted(tracker, &liar, before);
+    liar.shutdown().await;
+    (caught, wrong_tokens)
+}
+
+/// A tracker checking as `verify` says and two honest holders of the same layers, ready and
+/// past their probation, with the honest answer of [`scored_tokens`].
+async fn honest_mesh(verify: VerifyPolicy) -> (RunningPeer, [RunningPeer; 2], Vec<(String, u64)>) {
+    let probation = verify.probation_sessions;
+    let tracker = checking_tracker(verify).await;
+    let first = holder(&tracker, None).await;
+    let second = holder(&tracker, None).await;
+    wait_for("two holders", &tracker, |s| {
+        ready_in_book(s, &first) && ready_in_book(s, &second)
+    })
+    .await;
+    let honest = scored_tokens(&reqwest::Client::new(), &tracker).await;
+    assert_eq!(honest.len(), DETECTION_TOKENS);
+    let past_probation = |s: &StatusReport| {
+        [&first, &second]
+            .iter()
+            .all(|h| verified_sessions(s, h) >= probation)
+    };
+    for _ in 0..25 {
+        if past_probation(&tracker.status()) {
+            break;
+        }
+        assert_eq!(wrong_tokens_of_a_batch(&tracker, &honest).await, 0);
+    }
+    assert!(past_probation(&tracker.status()));
+    (tracker, [first, second], honest)
+}
+
+/// Asserts that no honest holder was convicted, shuts the mesh down and returns how many
+/// were (0).
+async fn close_mesh(tracker: RunningPeer, honest_holders: [RunningPeer; 2]) -> usize {
+    let convicted: Vec<_> = tracker
+        .status()
+        .banned
+        .into_iter()
+        .flatten()
+        .filter_map(|ban| Some(ban.evidence?.convicted.peer))
+        .collect();
+    let honest_convicted = honest_holders
+        .iter()
+        .filter(|holder| convicted.contains(holder.peer_id()))
+        .count();
+    assert_eq!(honest_convicted, 0, "an honest member was convicted");
+    for peer in honest_holders.into_iter().rev() {
+        peer.shutdown().await;
+    }
+    tracker.shutdown().await;
+    honest_convicted
+}
+
+fn median(list: &[usize]) -> String {
+    list.get(list.len() / 2)
+        .map_or("-".to_owned(), usize::to_string)
+}
+
+fn max(list: &[usize]) -> String {
+    list.last().map_or("-".to_owned(), usize::to_string)
+}
+
+/// A number from the environment variable `name`, or `default`.
+fn setting(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .map_or(default, |value| value.parse().unwrap())
+}
+
+/// The detection table of ADR-0026 (benches/README.md). A tracker and two honest holders of
+/// the same layers field, run after run, a third holder:
+/// - a newcomer corrupting every frame: is it convicted in the first session it serves?
+/// - one honest until it passed its probation, then corrupting a fraction of its frames
+///   (noise): chats of [`DETECTION_TOKENS`] greedy tokens run [`AT_ONCE`] at a time until it is
+///   convicted or `MESHNET_DETECTION_SESSIONS` (200) sessions ran since its first lie.
+///
+/// Prints runs detected, sessions until detection, tokens users received that differ from the
+/// honest answer's, and honest members convicted (asserted 0). Run by hand:
 /// `cargo test -p meshnet-peer --features faulty-member --test faulty -- --ignored --nocapture`
 /// (`MESHNET_DETECTION_RUNS`, default 20).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a table for benches/README.md: many minutes"]
 async fn detection_table() {
-    let setting = |name: &str, default: usize| {
-        std::env::var(name)
-            .ok()
-            .map_or(default, |value| value.parse().unwrap())
-    };
     let runs = setting("MESHNET_DETECTION_RUNS", 20);
     let limit = setting("MESHNET_DETECTION_SESSIONS", 200);
+    let policy = |rate: f64| VerifyPolicy {
+        sample_rate: rate,
+        ..probation_only()
+    };
+    let (tracker, holders, honest) = honest_mesh(policy(VerifyPolicy::default().sample_rate)).await;
+    let mut caught = 0;
+    let mut wrong = Vec::new();
+    for run in 0..runs {
+        let (in_first, wrong_tokens) = one_newcomer(&tracker, &honest, run as u64).await;
+        caught += usize::from(in_first);
+        wrong.push(wrong_tokens);
+    }
+    wrong.sort_unstable();
+    let honest_convicted = close_mesh(tracker, holders).await;
     println!(
-        "| frames corrupted | sample rate | detected | sessions until detection (median, max) | wrong tokens users saw (median, max) |"
+        "| newcomer corrupting every frame | caught in its first session | wrong tokens users saw (max) | honest members convicted |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|");
+    println!(
+        "| 100% | {caught}/{runs} | {} | {honest_convicted} |",
+        max(&wrong)
+    );
+    println!();
+    println!(
+        "| frames corrupted | sample rate | detected within {limit} sessions | sessions from the first lie (median, max) | wrong tokens users saw (median, max) | honest members convicted |"
+    );
+    println!("|---|---|---|---|---|---|");
     for fraction in [1.0, 0.1, 0.01] {
-        for rate in [0.01, 0.05, 0.2] {
-            let tracker = checking_tracker(VerifyPolicy {
-                sample_rate: rate,
-                ..probation_only()
-            })
-            .await;
-            let first = holder(&tracker, None).await;
-            let second = holder(&tracker, None).await;
-            wait_for("two holders", &tracker, |s| {
-                ready_in_book(s, &first) && ready_in_book(s, &second)
-            })
-            .await;
-            let honest = scored_tokens(&reqwest::Client::new(), &tracker).await;
+        for rate in [0.1, 0.2] {
+            let verify = policy(rate);
+            let probation = verify.probation_sessions;
+            let (tracker, holders, honest) = honest_mesh(verify).await;
             let mut found = Vec::new();
             let mut wrong = Vec::new();
             for run in 0..runs {
                 let lies = FaultyFrames::new(fraction, CorruptionMode::Noise, run as u64)
                     .unwrap()
-                    .honest_first(40);
+                    .honest_first(u64::MAX);
                 let (detected, wrong_tokens) =
-                    one_liar(&tracker, &honest, Arc::new(lies), limit).await;
+                    one_liar(&tracker, &honest, Arc::new(lies), probation, limit).await;
                 found.extend(detected);
                 wrong.push(wrong_tokens);
             }
             found.sort_unstable();
             wrong.sort_unstable();
-            let median = |list: &[usize]| {
-                list.get(list.len() / 2)
-                    .map_or("-".to_owned(), usize::to_string)
-            };
-            let max = |list: &[usize]| list.last().map_or("-".to_owned(), usize::to_string);
+            let honest_convicted = close_mesh(tracker, holders).await;
             println!(
-                "| {:.0}% | {:.0}% | {}/{runs} | {}, {} | {}, {} |",
+                "| {:.0}% | {:.0}% | {}/{runs} | {}, {} | {}, {} | {honest_convicted} |",
                 fraction * 100.0,
                 rate * 100.0,
                 found.len(),
@@ -395,20 +538,6 @@ async fn detection_table() {
                 median(&wrong),
                 max(&wrong)
             );
-            let convicted: Vec<_> = tracker
-                .status()
-                .banned
-                .into_iter()
-                .flatten()
-                .filter_map(|ban| Some(ban.evidence?.convicted.peer))
-                .collect();
-            assert!(
-                !convicted.contains(first.peer_id()) && !convicted.contains(second.peer_id()),
-                "an honest member was convicted"
-            );
-            for peer in [second, first, tracker] {
-                peer.shutdown().await;
-            }
         }
     }
 }
