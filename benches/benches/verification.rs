@@ -1,10 +1,12 @@
 //! What checking sessions against second holders costs (ADR-0026): a tracker holding 10 layers
 //! and three members each holding the other 20, in one process (the real runtime on the libp2p
-//! memory transport, the default model). For each sample rate, a fresh mesh answers warm-up
+//! memory transport, the default model). For each setting, a fresh mesh answers warm-up
 //! chats (which also take every member through its probation), then
 //! `MESHNET_BENCH_SESSIONS` (default 48) greedy chats of `MAX_TOKENS` tokens, `AT_ONCE` at a time.
-//! The anchor is the same mesh with checks off, measured first and again last in the same run.
-//! Prints a markdown table: sessions checked, aggregate tokens/s, and the ratio to the anchor.
+//! The anchor is the same mesh with checks off. Every setting is measured once per round
+//! (`MESHNET_BENCH_ROUNDS`, default 3), each round in a rotated order, so a drift of the
+//! machine during the run reaches every setting alike. Prints a markdown table: sessions
+//! checked, aggregate tokens/s, and the ratio to the anchor, overall and per round.
 //!
 //! Needs the default model (`scripts/fetch-model.sh`). Run with
 //! `cargo bench -p meshnet-benches --bench verification`.
@@ -27,6 +29,17 @@ const AT_ONCE: usize = 4;
 const WARM_UP: usize = 12;
 const PROMPT: &str = "Write one sentence about the sea.";
 
+/// Rounds over every setting (`MESHNET_BENCH_ROUNDS`, default 3).
+fn rounds() -> usize {
+    match std::env::var("MESHNET_BENCH_ROUNDS") {
+        Ok(value) => match value.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => n,
+            _ => panic!("MESHNET_BENCH_ROUNDS must be an integer >= 1, got {value:?}"),
+        },
+        Err(_) => 3,
+    }
+}
+
 fn sessions() -> usize {
     match std::env::var("MESHNET_BENCH_SESSIONS") {
         Ok(value) => match value.trim().parse::<usize>() {
@@ -38,7 +51,6 @@ fn sessions() -> usize {
 }
 
 struct Measured {
-    label: String,
     sessions: usize,
     checked: u64,
     tokens: u64,
@@ -117,7 +129,7 @@ async fn mesh(kit: &Kit, verify: VerifyPolicy) -> (RunningPeer, Vec<RunningPeer>
     (tracker, holders)
 }
 
-async fn measure(kit: &Kit, label: &str, verify: VerifyPolicy, count: usize) -> Measured {
+async fn measure(kit: &Kit, verify: VerifyPolicy, count: usize) -> Measured {
     let (tracker, holders) = mesh(kit, verify).await;
     chats(&tracker, WARM_UP).await;
     // Sessions are counted as checked when they end on the hops, just after their answers.
@@ -133,7 +145,6 @@ async fn measure(kit: &Kit, label: &str, verify: VerifyPolicy, count: usize) -> 
     }
     tracker.shutdown().await;
     Measured {
-        label: label.to_owned(),
         sessions: answers.len(),
         checked,
         tokens: answers.iter().map(|(_, tokens)| tokens).sum(),
@@ -142,47 +153,90 @@ async fn measure(kit: &Kit, label: &str, verify: VerifyPolicy, count: usize) -> 
     }
 }
 
+/// The settings measured: checks off (the anchor) first, then sample rates.
+fn settings() -> Vec<(String, VerifyPolicy)> {
+    let default_rate = VerifyPolicy::default().sample_rate;
+    let at = |rate: f64| VerifyPolicy {
+        sample_rate: rate,
+        ..VerifyPolicy::default()
+    };
+    let label = |rate: f64| match rate {
+        1.0 => "sample 1.00 (every session)".to_owned(),
+        rate if rate == default_rate => format!("sample {rate:.2} (default)"),
+        rate => format!("sample {rate:.2}"),
+    };
+    let mut settings = vec![("checks off (anchor)".to_owned(), VerifyPolicy::OFF)];
+    settings.extend([0.05, 0.1, 0.2, 1.0].map(|rate| (label(rate), at(rate))));
+    settings
+}
+
+/// Aggregate tokens per second over `runs`.
+fn rate(runs: &[Measured]) -> f64 {
+    let tokens: u64 = runs.iter().map(|run| run.tokens).sum();
+    let wall: f64 = runs.iter().map(|run| run.wall.as_secs_f64()).sum();
+    tokens as f64 / wall
+}
+
 fn main() {
     let count = sessions();
+    let rounds = rounds();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
     let kit = Kit::with_default_model(Duration::from_millis(500)).unwrap();
-    let at = |rate: f64| VerifyPolicy {
-        sample_rate: rate,
-        ..VerifyPolicy::default()
-    };
-    let settings = [
-        ("checks off (anchor)", VerifyPolicy::OFF),
-        ("sample 0.05 (default)", VerifyPolicy::default()),
-        ("sample 0.20", at(0.2)),
-        ("sample 1.00 (every session)", at(1.0)),
-        ("checks off (anchor, again)", VerifyPolicy::OFF),
-    ];
-    let results: Vec<Measured> = settings
-        .into_iter()
-        .map(|(label, verify)| runtime.block_on(measure(&kit, label, verify, count)))
-        .collect();
-    let anchor = (results[0].rate() + results[results.len() - 1].rate()) / 2.0;
+    let settings = settings();
+    // A run thrown away first: the model in the page cache, the allocator and the CPU warm.
+    runtime.block_on(measure(&kit, VerifyPolicy::OFF, AT_ONCE));
+    let mut results: Vec<Vec<Measured>> = settings.iter().map(|_| Vec::new()).collect();
+    for round in 0..rounds {
+        // Each round starts one setting later, so a drift of the machine spreads over all.
+        for offset in 0..settings.len() {
+            let index = (round + offset) % settings.len();
+            let verify = settings[index].1.clone();
+            results[index].push(runtime.block_on(measure(&kit, verify, count)));
+        }
+    }
+    print_table(&settings, &results, count, rounds);
+}
+
+fn print_table(
+    settings: &[(String, VerifyPolicy)],
+    results: &[Vec<Measured>],
+    count: usize,
+    rounds: usize,
+) {
+    let anchor = &results[0];
     println!();
     println!(
-        "## Checking sessions: {count} greedy {MAX_TOKENS}-token chats, {AT_ONCE} at a time, a \
-         tracker and {HOLDERS} holders of the same layers in one process"
+        "## Checking sessions: {rounds} rounds of {count} greedy {MAX_TOKENS}-token chats per \
+         setting, {AT_ONCE} at a time, a tracker and {HOLDERS} holders of the same layers in one \
+         process"
     );
     println!();
-    println!("| setting | sessions checked | tokens/s | / checks off | texts equal |");
-    println!("|---|---|---|---|---|");
-    for result in &results {
+    println!(
+        "| setting | sessions checked | tokens/s | / checks off | / checks off, per round | texts equal |"
+    );
+    println!("|---|---|---|---|---|---|");
+    for ((label, _), runs) in settings.iter().zip(results) {
+        let per_round: Vec<String> = runs
+            .iter()
+            .zip(anchor)
+            .map(|(run, off)| format!("{:.3}", run.rate() / off.rate()))
+            .collect();
         println!(
-            "| {} | {} / {} | {:.1} | {:.3} | {} |",
-            result.label,
-            result.checked,
-            result.sessions,
-            result.rate(),
-            result.rate() / anchor,
-            if result.texts_equal { "yes" } else { "no" }
+            "| {label} | {} / {} | {:.1} | {:.3} | {} | {} |",
+            runs.iter().map(|run| run.checked).sum::<u64>(),
+            runs.iter().map(|run| run.sessions).sum::<usize>(),
+            rate(runs),
+            rate(runs) / rate(anchor),
+            per_round.join(", "),
+            if runs.iter().all(|run| run.texts_equal) {
+                "yes"
+            } else {
+                "no"
+            }
         );
     }
 }
