@@ -16,7 +16,7 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 /// The share of sessions checked when `--verify-sample` is not given.
-pub const DEFAULT_SAMPLE_RATE: f64 = 0.05;
+pub const DEFAULT_SAMPLE_RATE: f64 = 0.1;
 
 /// Checked sessions a new (or returning) member must pass before it leaves probation, when
 /// `--probation-sessions` is not given.
@@ -222,8 +222,8 @@ mod tests {
         assert!(policy.validate().is_ok());
         assert!(policy.on_probation(2));
         assert!(!policy.on_probation(3));
-        assert!(policy.sampled(0.01));
-        assert!(!policy.sampled(0.05));
+        assert!(policy.sampled(0.099));
+        assert!(!policy.sampled(0.1));
         for rate in [-0.1, 1.5, f64::NAN] {
             let bad = VerifyPolicy {
                 sample_rate: rate,
