@@ -19,10 +19,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use crate::BLOCK;
 use crate::activations::ActivationRow;
 use crate::matrix::WeightRow;
-use crate::scalar::Q4_1_QUANT_BYTES;
+use crate::{BLOCK, Q4_1_QUANT_BYTES};
 
 /// Blocks reduced together.
 const GROUP: usize = 8;

@@ -42,6 +42,9 @@ pub fn on_compute_pool<R: Send>(work: impl FnOnce() -> R + Send) -> R {
 /// Values per quantization block in every format here.
 pub const BLOCK: usize = 32;
 
+/// Bytes of 4-bit quants in a Q4_1 block.
+pub(crate) const Q4_1_QUANT_BYTES: usize = BLOCK / 2;
+
 /// The environment variable that forces a kernel (`scalar` or `avx2`).
 pub const KERNEL_VARIABLE: &str = "MESHNET_KERNEL";
 

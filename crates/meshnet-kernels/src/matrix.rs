@@ -7,8 +7,7 @@ use rayon::prelude::*;
 
 use crate::activations::QuantizedRows;
 use crate::error::{KernelError, Result};
-use crate::scalar::Q4_1_QUANT_BYTES;
-use crate::{BLOCK, Kernel, TOGETHER};
+use crate::{BLOCK, Kernel, Q4_1_QUANT_BYTES, TOGETHER};
 
 /// The ggml block formats the kernels run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -5,12 +5,9 @@
 //! - Q4_1 × Q8_1: `sum += dot · d_w · d_a + m_w · s_a`
 //! - Q8_0 × Q8_1: `sum += dot · d_w · d_a`
 
-use crate::BLOCK;
 use crate::activations::ActivationRow;
 use crate::matrix::WeightRow;
-
-/// Bytes of 4-bit quants in a Q4_1 block.
-pub(crate) const Q4_1_QUANT_BYTES: usize = BLOCK / 2;
+use crate::{BLOCK, Q4_1_QUANT_BYTES};
 
 /// The exact integer dot product of one Q4_1 block's quants with 32 activation bytes: byte
 /// `j`'s low nibble pairs with value `j`, its high nibble with value `j + 16`.
