@@ -9,7 +9,7 @@ use meshnet_metrics::{Direction, HopPath, Metrics};
 use meshnet_wire::header::WIRE_VERSION_HEADER;
 use meshnet_wire::{ActivationFrame, Encoding, Limits, WireError};
 
-use crate::error::ErrorBody;
+use crate::error_body::ErrorBody;
 use crate::hop::{HopFailure, HopFailureKind};
 use crate::stream::{StreamFailure, StreamOpener, endpoint_peer};
 use crate::{codec, decode_bytes};

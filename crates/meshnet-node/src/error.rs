@@ -5,11 +5,10 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use meshnet_wire::header::WIRE_VERSION_HEADER;
 use meshnet_wire::{ErrorClass, WIRE_VERSION, WireError};
-use serde::{Deserialize, Serialize};
 
 use crate::client::ClientError;
+use crate::error_body::{ErrorBody, ErrorDetail};
 use crate::executor::ExecutorError;
-use crate::hop::HopFailure;
 
 /// Seconds a client is asked to wait when a peer is overloaded.
 const RETRY_AFTER_SECONDS: &str = "1";
@@ -32,27 +31,6 @@ pub enum NodeError {
     /// A bug or a crashed worker on this peer.
     #[error("internal error: {0}")]
     Internal(String),
-}
-
-/// The JSON body of every error answer: `{"error":{"code":"...","message":"..."}}`, plus
-/// `"failed_hop"` inside `"error"` when a later hop of the route failed.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ErrorBody {
-    /// The error itself.
-    pub error: ErrorDetail,
-}
-
-/// The code and message of an [`ErrorBody`].
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ErrorDetail {
-    /// A short, stable, machine-readable code such as `invalid_shape`.
-    pub code: String,
-    /// A sentence for people, naming the field at fault.
-    pub message: String,
-    /// The hop that actually failed, when this peer answers with an error because a later hop
-    /// of the route failed: the next hop itself, or the hop it named in turn.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub failed_hop: Option<HopFailure>,
 }
 
 impl NodeError {

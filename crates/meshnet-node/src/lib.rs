@@ -16,13 +16,15 @@
 mod activation;
 mod client;
 mod error;
+mod error_body;
 mod executor;
 mod hop;
 pub mod stream;
 
 pub use activation::{ActivationPlane, ForwardGate};
 pub use client::{ClientError, DEFAULT_HOP_TIMEOUT, ForwardClient};
-pub use error::{ErrorBody, ErrorDetail, NodeError};
+pub use error::NodeError;
+pub use error_body::{ErrorBody, ErrorDetail};
 pub use executor::{ExecutorError, SpanExecutor};
 pub use hop::{HopFailure, HopFailureKind};
 
