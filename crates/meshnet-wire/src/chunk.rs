@@ -174,9 +174,25 @@ mod tests {
 
     #[test]
     fn rejects_other_ranks_and_mismatched_chunks() {
-        assert!(split_prefill(&ramp(&[1, 2, 3, 4]), 128).is_err());
-        assert!(split_prefill(&ramp(&[8, 4]), 0).is_err());
-        assert!(reassemble(&[]).is_err());
-        assert!(reassemble(&[ramp(&[2, 4]), ramp(&[2, 5])]).is_err());
+        assert!(matches!(
+            split_prefill(&ramp(&[1, 2, 3, 4]), 128),
+            Err(WireError::InvalidShape { field: "prefill activations", ref got, .. })
+                if got == "[1, 2, 3, 4]"
+        ));
+        assert!(matches!(
+            split_prefill(&ramp(&[8, 4]), 0),
+            Err(WireError::InvalidShape {
+                field: "chunk size",
+                ..
+            })
+        ));
+        assert!(matches!(
+            reassemble(&[]),
+            Err(WireError::Reassembly { ref reason }) if reason == "no chunks"
+        ));
+        assert!(matches!(
+            reassemble(&[ramp(&[2, 4]), ramp(&[2, 5])]),
+            Err(WireError::Reassembly { ref reason }) if reason.starts_with("chunk 1 has shape")
+        ));
     }
 }

@@ -27,8 +27,8 @@ use uuid::Uuid;
 use crate::error::WireError;
 use crate::header::{Route, parse_layers};
 
-/// The header that carries a grant.
-pub const GRANT_HEADER: &str = "x-meshnet-grant";
+/// The header that carries a grant (named with the others in [`crate::header`]).
+pub use crate::header::GRANT_HEADER;
 
 /// The first line of every grant payload.
 const GRANT_MAGIC: &str = "meshnet-grant/1";

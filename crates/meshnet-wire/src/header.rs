@@ -32,6 +32,9 @@ pub const ROUTE: &str = "x-meshnet-route";
 /// `X-Meshnet-Fork-From`: the UUID of a session whose first `position` cached positions a new
 /// session starts from (several continuations sharing one prompt's prefill).
 pub const FORK_FROM: &str = "x-meshnet-fork-from";
+/// `X-Meshnet-Grant`: the tracker's signed grant for the session and route (the `grant`
+/// module reads and checks it).
+pub const GRANT_HEADER: &str = "x-meshnet-grant";
 
 /// The only content type of an activation body.
 pub const OCTET_STREAM: &str = "application/octet-stream";
@@ -237,8 +240,8 @@ pub struct FrameMeta {
     pub layers: LayerSpan,
     /// The hops after the receiver (empty in a response and at the last hop).
     pub route: Route,
-    /// The tracker's grant for the session and route (`X-Meshnet-Grant`, see
-    /// [`crate::grant`]), passed on unchanged from hop to hop; `None` in a response.
+    /// The tracker's grant for the session and route (`X-Meshnet-Grant`, checked by the
+    /// `grant` module), passed on unchanged from hop to hop; `None` in a response.
     pub grant: Option<std::sync::Arc<str>>,
     /// `X-Meshnet-Fork-From`: when the frame's session is not known to a hop yet, it starts as
     /// a copy of this session's first `position` cached positions; passed on from hop to hop.
@@ -328,7 +331,7 @@ pub fn read_meta(headers: &HeaderMap) -> Result<(Shape, FrameMeta), WireError> {
             Some(text) => Route::parse(text)?,
             None => Route::default(),
         },
-        grant: optional_str(headers, crate::grant::GRANT_HEADER, "a grant")?.map(Into::into),
+        grant: optional_str(headers, GRANT_HEADER, "a grant")?.map(Into::into),
         fork_from,
     };
     meta.validate()?;
@@ -367,7 +370,7 @@ pub fn write_headers(shape: &Shape, meta: &FrameMeta, encoding: Encoding) -> Hea
         put(ROUTE, meta.route.to_string());
     }
     if let Some(grant) = &meta.grant {
-        put(crate::grant::GRANT_HEADER, grant.to_string());
+        put(GRANT_HEADER, grant.to_string());
     }
     if let Some(parent) = meta.fork_from {
         put(FORK_FROM, parent.to_string());
@@ -536,20 +539,40 @@ mod tests {
 
     #[test]
     fn rejects_bad_routes_and_ranges() {
-        for route in [
-            "20-25",
-            "25-20@x",
-            "a-b@x",
-            "1-2@",
-            "1-2@a b",
-            "1-2@x,,3-4@y",
+        let no_hop = "comma-separated hops of the form start-end@endpoint";
+        let bad_range = "a layer range start-end with start < end";
+        let bad_endpoint = "an endpoint of 1 to 512 visible ASCII characters without ',' or '@'";
+        let expected_of = |result: Result<Route, WireError>| match result {
+            Err(WireError::InvalidHeader { name, expected, .. }) => (name, expected),
+            other => panic!("not an invalid header: {other:?}"),
+        };
+        // The range's own parser names the header as sent on the wire, in lower case.
+        for (route, name, why) in [
+            ("20-25", "X-Meshnet-Route", no_hop),
+            ("25-20@x", ROUTE, bad_range),
+            ("a-b@x", ROUTE, bad_range),
+            ("1-2@", "X-Meshnet-Route", bad_endpoint),
+            ("1-2@a b", "X-Meshnet-Route", bad_endpoint),
+            ("1-2@x,,3-4@y", "X-Meshnet-Route", no_hop),
         ] {
-            assert!(Route::parse(route).is_err(), "{route:?} accepted");
+            assert_eq!(expected_of(Route::parse(route)), (name, why), "{route:?}");
         }
         let too_long = vec!["1-2@x"; MAX_ROUTE_HOPS + 1].join(",");
-        assert!(Route::parse(&too_long).is_err());
-        assert!(parse_layers("3-3", LAYERS).is_err());
-        assert!(Hop::new(LayerSpan::new(3, 3), "http://a").is_err());
+        assert_eq!(
+            expected_of(Route::parse(&too_long)),
+            ("X-Meshnet-Route", "at most 64 hops")
+        );
+        assert!(matches!(
+            parse_layers("3-3", LAYERS),
+            Err(WireError::InvalidHeader { name: LAYERS, expected, .. }) if expected == bad_range
+        ));
+        assert!(matches!(
+            Hop::new(LayerSpan::new(3, 3), "http://a"),
+            Err(WireError::InvalidHeader {
+                expected: "a hop that runs at least one layer",
+                ..
+            })
+        ));
     }
 
     #[test]
