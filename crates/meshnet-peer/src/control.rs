@@ -10,9 +10,10 @@ use meshnet_types::{PeerId, Quantization};
 use tokio::sync::{mpsc, watch};
 
 use crate::error::PeerError;
-use crate::member::{Member, lock};
+use crate::locking::lock;
+use crate::member::Member;
+use crate::rejections::RejectionReport;
 use crate::shard::ShardTarget;
-use crate::status::RejectionReport;
 use crate::tracker::TrackerBook;
 
 /// How long the tracker waits after a change before planning, to batch announcements.
@@ -411,7 +412,7 @@ impl ControlLoop {
     async fn take_over(&mut self, term: u64) -> Result<(), PeerError> {
         let member = Arc::clone(&self.member);
         let own = member.capacity(true);
-        let parts = crate::runtime::build_tracker_parts(
+        let parts = crate::tracker_role::build_tracker_parts(
             &member.host,
             own,
             &member.public_url(),

@@ -13,7 +13,7 @@ use meshnet_wire::grant::{Grant, GrantedFrame, SignedGrant};
 use meshnet_wire::{Route, WireError};
 use uuid::Uuid;
 
-use crate::member::{Member, lock};
+use crate::locking::lock;
 
 /// How long a grant the tracker issues for a generation stays valid. A generation that runs
 /// longer gets a fresh grant with its next frame.
@@ -82,18 +82,22 @@ fn public_key_of(peer: &str) -> Result<PublicKey, WireError> {
         .map_err(|_| refused(format!("peer id {peer} does not embed a usable key")))
 }
 
+/// The tracker a member follows now, as the gate asks for it frame by frame.
+pub(crate) type FollowedTracker = Arc<dyn Fn() -> Option<PeerId> + Send + Sync>;
+
 /// Admits a `/forward` only with a grant of the tracker this member follows that covers the
 /// frame.
 pub(crate) struct MemberGate {
-    member: Arc<Member>,
+    followed: FollowedTracker,
     /// Grants whose signature checked out, with their expiry.
     verified: Mutex<HashMap<String, u64>>,
 }
 
 impl MemberGate {
-    pub(crate) fn new(member: Arc<Member>) -> Self {
+    /// A gate admitting grants of the tracker `followed` names at each frame.
+    pub(crate) fn new(followed: FollowedTracker) -> Self {
         MemberGate {
-            member,
+            followed,
             verified: Mutex::default(),
         }
     }
@@ -131,7 +135,7 @@ impl ForwardGate for MemberGate {
                 (now - grant.expires_unix_ms) / 1000
             )));
         }
-        let tracker = lock(&self.member.following).tracker.clone();
+        let tracker = (self.followed)();
         if tracker.as_ref().map(PeerId::as_str) != Some(grant.tracker.as_str()) {
             return Err(refused(format!(
                 "the grant is signed by {}, but this member follows {}",

@@ -21,6 +21,7 @@ use tokio::task::JoinHandle;
 use tower::ServiceExt;
 
 use crate::error::PeerError;
+use crate::grants::MemberGate;
 use crate::member::Member;
 use crate::status::StatusReport;
 
@@ -66,8 +67,10 @@ pub(crate) fn router(
 /// on the HTTP listener and on libp2p streams.
 pub(crate) fn activation_plane(member: &Arc<Member>, client: ForwardClient) -> Router {
     let executor: Arc<dyn SpanExecutor> = Arc::clone(&member.host) as Arc<dyn SpanExecutor>;
+    let followed = Arc::clone(member);
+    let gate = MemberGate::new(Arc::new(move || followed.followed_tracker()));
     ActivationPlane::new(executor, Limits::default(), client)
-        .with_gate(Arc::new(crate::grants::MemberGate::new(Arc::clone(member))))
+        .with_gate(Arc::new(gate))
         .router()
 }
 

@@ -13,12 +13,14 @@
 //! - [`batcher`]: the compute thread that runs every session's work on a span in shared passes.
 //! - [`chunk_order`]: a session's chunks enter a span in position order.
 //! - [`tracker`]: the tracker's book of peers, planning rounds, coverage map and directives.
+//! - `tracker_role`: what a member builds when it starts as the tracker or takes the role over.
 //! - [`routing`]: choosing the hops of a generation over ready peers.
 //! - [`remote`]: the remote part of a route as one stage of the generation loop.
 //! - [`engine`]: the completion engine behind the OpenAI-style API.
 //! - `tool_use`: a chat's tools and calls through the template, the grammar that makes the
 //!   model call one, and the calls read out of the answer.
-//! - [`status`]: the JSON of `GET /status`.
+//! - [`status`]: the JSON of `GET /status`; `rejections`: the refused gossip it lists.
+//! - `locking`: the poison-tolerant lock every module takes its mutexes with.
 //! - [`console`]: the text table of `meshnet-peer status` and the server-sent-event decoder of
 //!   `meshnet-peer chat`.
 
@@ -35,9 +37,11 @@ mod error;
 pub mod faulty;
 pub mod grants;
 mod http;
+mod locking;
 mod member;
 pub mod mesh_model;
 mod p2p_plane;
+mod rejections;
 pub mod remote;
 pub mod routing;
 pub mod runtime;
@@ -45,6 +49,7 @@ pub mod shard;
 pub mod status;
 mod tool_use;
 pub mod tracker;
+mod tracker_role;
 pub mod verify;
 
 #[cfg(all(feature = "faulty-member", not(debug_assertions)))]

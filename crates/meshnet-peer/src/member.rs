@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use meshnet_p2p::{CoverageMessage, PeerAnnouncement};
@@ -11,9 +11,10 @@ use meshnet_types::{PeerId, Quantization};
 use meshnet_wire::WIRE_VERSION;
 
 use crate::engine::MeshEngine;
+use crate::locking::lock;
 use crate::mesh_model::MeshModel;
+use crate::rejections::RejectionReport;
 use crate::shard::ShardHost;
-use crate::status::RejectionReport;
 use crate::tracker::{TrackerBook, route_boundaries};
 
 /// The part a member plays. Only a tracker has a book of peers and an OpenAI engine, so a
@@ -140,11 +141,6 @@ fn next_announcement_time(last: &AtomicU64, now_ms: u64) -> u64 {
 /// How many refusals `/status` lists.
 pub(crate) const RECENT_REJECTIONS: usize = 16;
 
-/// Locks a mutex, taking the data of a poisoned one (a panicked holder leaves it usable).
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
 impl Member {
     /// The tracker's parts, when this member is the tracker.
     pub(crate) fn tracker_parts(&self) -> Option<TrackerParts> {
@@ -211,6 +207,11 @@ impl Member {
             return circuits.iter().map(ToString::to_string).collect();
         }
         lock(&self.p2p_addrs).clone()
+    }
+
+    /// The tracker this member follows now, if it found one.
+    pub(crate) fn followed_tracker(&self) -> Option<PeerId> {
+        lock(&self.following).tracker.clone()
     }
 
     /// Whether `peer` is a member of the mesh: this member's tracker, or a holder in the

@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::error::PeerError;
 use crate::member::Member;
-use crate::status::RejectionReport;
+use crate::rejections::RejectionReport;
 
 /// Opens activation-plane streams through the member's libp2p node.
 pub(crate) struct LibP2pStreams(pub(crate) P2pHandle);

@@ -35,7 +35,7 @@ use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
 use crate::grants::{GRANT_TTL, GrantSigner};
-use crate::member::lock;
+use crate::locking::lock;
 use crate::routing::{MeshRoutes, PlannedHop};
 use crate::verify::VerifyPolicy;
 

@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use libp2p::Multiaddr;
 use meshnet_metrics::{LiveCollector, Metrics, Registry};
-use meshnet_model::TextSide;
 use meshnet_node::{DEFAULT_HOP_TIMEOUT, ForwardClient};
 use meshnet_p2p::{P2pConfig, P2pHandle};
 use meshnet_planner::PeerCapacity;
@@ -22,15 +21,13 @@ use tokio::task::JoinHandle;
 
 use crate::config::PeerConfig;
 use crate::control::ControlLoop;
-use crate::engine::MeshEngine;
 use crate::error::PeerError;
-use crate::member::{Following, Member, Offer, Role, Settings, TrackerParts, lock};
+use crate::locking::lock;
+use crate::member::{Following, Member, Offer, Role, Settings};
 use crate::mesh_model::MeshModel;
-use crate::remote::Failover;
-use crate::routing::MeshRoutes;
 use crate::shard::{LoadProgress, LoadedShard, ShardHost};
 use crate::status::{MemberGauges, StatusReport};
-use crate::tracker::TrackerBook;
+use crate::tracker_role::build_tracker_parts;
 
 /// A member that has started.
 pub struct RunningPeer {
@@ -343,50 +340,6 @@ fn capacity(config: &PeerConfig, quantizations: &[Quantization], peer: PeerId) -
         kv_tokens: config.kv_tokens,
         is_tracker: config.tracker,
     }
-}
-
-/// The tracker's parts: its book of peers, the completion engine over it, and the API.
-pub(crate) async fn build_tracker_parts(
-    host: &Arc<ShardHost>,
-    own: PeerCapacity,
-    http_url: &str,
-    settings: &Settings,
-) -> Result<TrackerParts, PeerError> {
-    let model = host.model();
-    let local_peer = own.peer.clone();
-    let book = Arc::new(Mutex::new(TrackerBook::new(
-        model.id().to_owned(),
-        model.shape().clone(),
-        own.peer.clone(),
-        own,
-        http_url.to_owned(),
-        settings.announce_interval * 3,
-    )?));
-    let opened = Arc::clone(model.model());
-    let chat_template = settings.chat_template.clone();
-    let text = blocking(move || Ok(TextSide::of(&opened, chat_template.as_deref())?)).await?;
-    let failover = Failover {
-        routes: Arc::clone(&book) as Arc<dyn MeshRoutes>,
-        policy: settings.failover.clone(),
-        verify: settings.verify.clone(),
-        metrics: settings.client.metrics().clone(),
-    };
-    let engine = Arc::new(
-        MeshEngine::new(
-            local_peer,
-            model.id().to_owned(),
-            text,
-            Arc::clone(host),
-            failover,
-            settings.client.clone(),
-            settings.admission,
-        )
-        .with_prefill_in_flight(settings.prefill_in_flight)
-        .with_grants(Arc::clone(&settings.grants))
-        .with_structured_output(),
-    );
-    let api = meshnet_api::openai_router(Arc::clone(&engine) as _);
-    Ok(TrackerParts { book, engine, api })
 }
 
 /// The guard of the API's keys (`--api-keys`), counting into `metrics`; with none, a warning

@@ -265,7 +265,7 @@ impl ShardHost {
     /// Smoothed milliseconds this peer spends on a decode step of its layers (0 before the
     /// first one): what routing compares between holders of the same layers.
     pub fn forward_latency_ms(&self) -> f64 {
-        crate::member::lock(&self.decode_latency_ms).unwrap_or(0.0)
+        crate::locking::lock(&self.decode_latency_ms).unwrap_or(0.0)
     }
 
     fn record_latency(&self, tokens: usize, elapsed: Duration) {
@@ -273,7 +273,7 @@ impl ShardHost {
             return;
         }
         let sample = elapsed.as_secs_f64() * 1000.0;
-        let mut latency = crate::member::lock(&self.decode_latency_ms);
+        let mut latency = crate::locking::lock(&self.decode_latency_ms);
         *latency = Some(match *latency {
             Some(smoothed) => smoothed + LATENCY_SMOOTHING * (sample - smoothed),
             None => sample,

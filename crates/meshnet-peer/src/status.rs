@@ -10,7 +10,9 @@ use meshnet_p2p::{CoverageMessage, SpanStatus};
 use meshnet_types::{PeerId, Quantization, SpanState};
 use serde::Serialize;
 
-use crate::member::{Member, lock};
+use crate::locking::lock;
+use crate::member::Member;
+pub use crate::rejections::RejectionReport;
 use crate::tracker::{KnownPeer, TrackerBook};
 
 /// Everything `GET /status` reports.
@@ -116,17 +118,6 @@ pub struct BanReport {
     /// For a member caught returning wrong activations: the step and the three outputs.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub evidence: Option<crate::verify::Evidence>,
-}
-
-/// One refused gossip message or peer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct RejectionReport {
-    /// The signed sender (or the peer refused).
-    pub from: PeerId,
-    /// The gossip topic it came on (`identify` for a peer of another model).
-    pub topic: String,
-    /// Why it was refused.
-    pub reason: String,
 }
 
 /// The model's identity.

@@ -12,7 +12,7 @@ use meshnet_planner::{
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 
 use crate::error::PeerError;
-use crate::member::lock;
+use crate::locking::lock;
 use crate::routing::{MeshRoutes, PlannedHop, RouteCandidate, Uncovered, choose_route};
 use crate::verify::Evidence;
 
