@@ -141,8 +141,10 @@ async fn metrics_count_a_chat_on_both_members_and_the_page_is_served() {
         .json()
         .await
         .unwrap();
+    // Counting to five takes more than six tokens: the answer stops at the cap.
+    assert_eq!(answer["choices"][0]["finish_reason"], "length", "{answer}");
     let tokens = answer["usage"]["completion_tokens"].as_f64().unwrap();
-    assert!(tokens >= 1.0, "{answer}");
+    assert_eq!(tokens, 6.0, "{answer}");
 
     let tracker_after = scrape(&tracker_url).await;
     let peer_after = scrape(&peer_url).await;
@@ -177,14 +179,15 @@ async fn metrics_count_a_chat_on_both_members_and_the_page_is_served() {
         tokens - 1.0
     );
     let hop = format!("hop=\"{peer_url}\"");
-    // The prompt's chunk(s) and one frame per token after the first.
-    assert!(
+    // The prompt's one chunk (it is under 128 tokens) and one frame per token after the first.
+    assert_eq!(
         grown(
             &before[0],
             &tracker_after,
             "meshnet_forward_request_seconds_count",
             &[&hop, "path=\"direct-http\""],
-        ) >= tokens
+        ),
+        tokens
     );
     let sent_raw = grown(
         &before[0],
