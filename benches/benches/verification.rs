@@ -29,24 +29,14 @@ const AT_ONCE: usize = 4;
 const WARM_UP: usize = 12;
 const PROMPT: &str = "Write one sentence about the sea.";
 
-/// Rounds over every setting (`MESHNET_BENCH_ROUNDS`, default 3).
-fn rounds() -> usize {
-    match std::env::var("MESHNET_BENCH_ROUNDS") {
+/// The count in the environment variable `name` (at least `min`), or `default`.
+fn count_setting(name: &str, min: usize, default: usize) -> usize {
+    match std::env::var(name) {
         Ok(value) => match value.trim().parse::<usize>() {
-            Ok(n) if n >= 1 => n,
-            _ => panic!("MESHNET_BENCH_ROUNDS must be an integer >= 1, got {value:?}"),
+            Ok(n) if n >= min => n,
+            _ => panic!("{name} must be an integer >= {min}, got {value:?}"),
         },
-        Err(_) => 3,
-    }
-}
-
-fn sessions() -> usize {
-    match std::env::var("MESHNET_BENCH_SESSIONS") {
-        Ok(value) => match value.trim().parse::<usize>() {
-            Ok(n) if n >= AT_ONCE => n,
-            _ => panic!("MESHNET_BENCH_SESSIONS must be an integer >= {AT_ONCE}, got {value:?}"),
-        },
-        Err(_) => 48,
+        Err(_) => default,
     }
 }
 
@@ -178,8 +168,8 @@ fn rate(runs: &[Measured]) -> f64 {
 }
 
 fn main() {
-    let count = sessions();
-    let rounds = rounds();
+    let count = count_setting("MESHNET_BENCH_SESSIONS", AT_ONCE, 48);
+    let rounds = count_setting("MESHNET_BENCH_ROUNDS", 1, 3);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -131,6 +131,19 @@ fn ready_in_book(status: &StatusReport, peer: &RunningPeer) -> bool {
     })
 }
 
+/// A tracker checking as `verify` says and two honest holders of the layers after its own,
+/// both ready in its book.
+async fn two_holders(verify: VerifyPolicy) -> (RunningPeer, [RunningPeer; 2]) {
+    let tracker = checking_tracker(verify).await;
+    let first = holder(&tracker, None).await;
+    let second = holder(&tracker, None).await;
+    wait_for("two holders", &tracker, |s| {
+        converged(s, &[&first, &second]) && ready_in_book(s, &first) && ready_in_book(s, &second)
+    })
+    .await;
+    (tracker, [first, second])
+}
+
 /// Probation for every new member, no sampling, bans of an hour.
 fn probation_only() -> VerifyPolicy {
     VerifyPolicy {
@@ -142,13 +155,7 @@ fn probation_only() -> VerifyPolicy {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_liar_on_probation_is_caught_in_its_first_session_and_the_user_reads_the_honest_text() {
-    let tracker = checking_tracker(probation_only()).await;
-    let first = holder(&tracker, None).await;
-    let second = holder(&tracker, None).await;
-    wait_for("two holders", &tracker, |s| {
-        converged(s, &[&first, &second]) && ready_in_book(s, &first) && ready_in_book(s, &second)
-    })
-    .await;
+    let (tracker, [first, second]) = two_holders(probation_only()).await;
     // Both are on probation: this session is checked, one holder shadowing the other.
     let honest = greedy_logprobs(&tracker).await;
     // (Counted when the session ends on the hops, just after the answer.)
@@ -293,19 +300,22 @@ async fn scored_tokens(client: &reqwest::Client, tracker: &RunningPeer) -> Vec<(
         .collect()
 }
 
-/// [`AT_ONCE`] chats at once: the tokens among their answers that differ from `honest`
-/// (a token or its log-probability changed, or one too many or too few).
+/// [`AT_ONCE`] chats at once: the tokens among their answers that differ from `honest`.
 async fn wrong_tokens_of_a_batch(tracker: &RunningPeer, honest: &[(String, u64)]) -> usize {
     let client = reqwest::Client::new();
     let batch = (0..AT_ONCE).map(|_| scored_tokens(&client, tracker));
     futures::future::join_all(batch)
         .await
         .iter()
-        .map(|answer| {
-            let changed = answer.iter().zip(honest).filter(|(a, b)| a != b).count();
-            changed + answer.len().abs_diff(honest.len())
-        })
+        .map(|answer| wrong_tokens(answer, honest))
         .sum()
+}
+
+/// The tokens of `answer` that differ from `honest` (a token or its log-probability changed,
+/// or one too many or too few).
+fn wrong_tokens(answer: &[(String, u64)], honest: &[(String, u64)]) -> usize {
+    let changed = answer.iter().zip(honest).filter(|(a, b)| a != b).count();
+    changed + answer.len().abs_diff(honest.len())
 }
 
 /// The checked sessions the tracker's book says `peer` passed.
@@ -385,11 +395,9 @@ async fn one_newcomer(tracker: &RunningPeer, honest: &[(String, u64)], seed: u64
     .await;
     let before = tracker.status().convictions;
     let client = reqwest::Client::new();
-    let mut wrong_tokens = 0;
+    let mut wrong = 0;
     for _ in 0..20 {
-        let answer = scored_tokens(&client, tracker).await;
-        let changed = answer.iter().zip(honest).filter(|(a, b)| a != b).count();
-        wrong_tokens += changed + answer.len().abs_diff(honest.len());
+        wrong += wrong_tokens(&scored_tokens(&client, tracker).await, honest);
         if lies.corrupted() > 0 {
             break;
         }
@@ -397,20 +405,14 @@ async fn one_newcomer(tracker: &RunningPeer, honest: &[(String, u64)], seed: u64
     assert!(lies.corrupted() > 0, "the newcomer served no session");
     let caught = liar_convicted(tracker, &liar, before);
     liar.shutdown().await;
-    (caught, wrong_tokens)
+    (caught, wrong)
 }
 
 /// A tracker checking as `verify` says and two honest holders of the same layers, ready and
 /// past their probation, with the honest answer of [`scored_tokens`].
 async fn honest_mesh(verify: VerifyPolicy) -> (RunningPeer, [RunningPeer; 2], Vec<(String, u64)>) {
     let probation = verify.probation_sessions;
-    let tracker = checking_tracker(verify).await;
-    let first = holder(&tracker, None).await;
-    let second = holder(&tracker, None).await;
-    wait_for("two holders", &tracker, |s| {
-        ready_in_book(s, &first) && ready_in_book(s, &second)
-    })
-    .await;
+    let (tracker, [first, second]) = two_holders(verify).await;
     let honest = scored_tokens(&reqwest::Client::new(), &tracker).await;
     assert_eq!(honest.len(), DETECTION_TOKENS);
     let past_probation = |s: &StatusReport| {
@@ -544,15 +546,9 @@ async fn detection_table() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn choices_sharing_a_checked_prefill_each_equal_the_single_answer() {
-    let tracker = checking_tracker(VerifyPolicy {
+    let (tracker, [first, second]) = two_holders(VerifyPolicy {
         sample_rate: 1.0,
         ..probation_only()
-    })
-    .await;
-    let first = holder(&tracker, None).await;
-    let second = holder(&tracker, None).await;
-    wait_for("two holders", &tracker, |s| {
-        converged(s, &[&first, &second]) && ready_in_book(s, &first) && ready_in_book(s, &second)
     })
     .await;
     let single = short_greedy_text(&tracker).await;
