@@ -154,6 +154,33 @@ struct Candidate {
 }
 
 impl Candidate {
+    /// A candidate for `capacity`, found at `input_index` in the caller's
+    /// slice, whose spans are capped to `cap` layers. It holds nothing yet.
+    fn new(
+        input_index: usize,
+        capacity: &PeerCapacity,
+        model: &ModelShape,
+        cap: u32,
+        is_tracker: bool,
+    ) -> Self {
+        let mut reach_by_quantization = [0u32; QUANTIZATION_COUNT];
+        for q in Quantization::ALL {
+            reach_by_quantization[quantization_index(q)] =
+                capacity.max_layers(model, q).unwrap_or(0).min(cap);
+        }
+        let reach = reach_by_quantization.iter().copied().max().unwrap_or(0);
+        Candidate {
+            input_index,
+            throughput: scale_throughput(capacity.throughput),
+            is_tracker,
+            reach_by_quantization,
+            reach,
+            old: None,
+            stray: Vec::new(),
+            planned: None,
+        }
+    }
+
     fn best_quantization_for(&self, layers: u32) -> Option<Quantization> {
         Quantization::ALL
             .iter()
@@ -292,86 +319,21 @@ impl<'a> Round<'a> {
     ) -> Result<Self, PlanError> {
         let model = &planner.model;
         let num_layers = model.num_layers;
-        let mut order: Vec<usize> = (0..peers.len()).collect();
-        order.sort_unstable_by(|&a, &b| peers[a].peer.cmp(&peers[b].peer));
-        for pair in order.windows(2) {
-            if peers[pair[0]].peer == peers[pair[1]].peer {
-                return Err(PlanError::DuplicatePeer(peers[pair[0]].peer.clone()));
-            }
-        }
-        let mut tracker: Option<usize> = None;
-        for (position, &input_index) in order.iter().enumerate() {
-            let capacity = &peers[input_index];
-            if !capacity.throughput.is_finite() || capacity.throughput < 0.0 {
-                return Err(PlanError::InvalidThroughput(capacity.peer.clone()));
-            }
-            if capacity.is_tracker {
-                if let Some(first) = tracker {
-                    return Err(PlanError::MultipleTrackers {
-                        first: peers[order[first]].peer.clone(),
-                        second: capacity.peer.clone(),
-                    });
-                }
-                tracker = Some(position);
-            }
-        }
-        let tracker = tracker.ok_or(PlanError::NoTracker)?;
-        let tracker_capacity = &peers[order[tracker]];
-        let extra = model.tracker_extra_bytes();
-        if tracker_capacity.memory_bytes < extra {
-            return Err(PlanError::TrackerCannotHoldEmbeddings {
-                available: tracker_capacity.memory_bytes,
-                required: extra,
-            });
-        }
-        let tracker_max = Quantization::ALL
-            .iter()
-            .filter_map(|&q| tracker_capacity.max_layers(model, q))
-            .max()
-            .unwrap_or(0);
-        let tracker_layers = match planner.config.tracker_layers {
-            Some(requested) if requested > num_layers => {
-                return Err(PlanError::InvalidConfig(format!(
-                    "tracker_layers {requested} exceeds the model's {num_layers} layers"
-                )));
-            }
-            Some(requested) if requested > tracker_max => {
-                return Err(PlanError::TrackerSpanDoesNotFit {
-                    requested,
-                    max: tracker_max,
-                });
-            }
-            Some(requested) => requested,
-            None => tracker_max,
-        };
+        let order = order_by_peer_id(peers)?;
+        let tracker = locate_tracker(peers, &order)?;
+        let tracker_layers = tracker_span_length(&planner.config, model, &peers[order[tracker]])?;
         let volunteer_layers = num_layers - tracker_layers;
-
         let mut candidates: Vec<Candidate> = order
             .iter()
             .enumerate()
             .map(|(position, &input_index)| {
-                let capacity = &peers[input_index];
-                let cap = if position == tracker {
+                let is_tracker = position == tracker;
+                let cap = if is_tracker {
                     num_layers
                 } else {
                     volunteer_layers
                 };
-                let mut reach_by_quantization = [0u32; QUANTIZATION_COUNT];
-                for q in Quantization::ALL {
-                    reach_by_quantization[quantization_index(q)] =
-                        capacity.max_layers(model, q).unwrap_or(0).min(cap);
-                }
-                let reach = reach_by_quantization.iter().copied().max().unwrap_or(0);
-                Candidate {
-                    input_index,
-                    throughput: scale_throughput(capacity.throughput),
-                    is_tracker: position == tracker,
-                    reach_by_quantization,
-                    reach,
-                    old: None,
-                    stray: Vec::new(),
-                    planned: None,
-                }
+                Candidate::new(input_index, &peers[input_index], model, cap, is_tracker)
             })
             .collect();
 
@@ -1037,6 +999,81 @@ fn best_window_after_move(
     best
 }
 
+/// Indices into `peers` in peer-id order; a peer listed twice is an error.
+fn order_by_peer_id(peers: &[PeerCapacity]) -> Result<Vec<usize>, PlanError> {
+    let mut order: Vec<usize> = (0..peers.len()).collect();
+    order.sort_unstable_by(|&a, &b| peers[a].peer.cmp(&peers[b].peer));
+    for pair in order.windows(2) {
+        if peers[pair[0]].peer == peers[pair[1]].peer {
+            return Err(PlanError::DuplicatePeer(peers[pair[0]].peer.clone()));
+        }
+    }
+    Ok(order)
+}
+
+/// The position in `order` of the one tracker. Walking the peers in that
+/// order, it also rejects a throughput that is negative or not finite.
+fn locate_tracker(peers: &[PeerCapacity], order: &[usize]) -> Result<usize, PlanError> {
+    let mut tracker: Option<usize> = None;
+    for (position, &input_index) in order.iter().enumerate() {
+        let capacity = &peers[input_index];
+        if !capacity.throughput.is_finite() || capacity.throughput < 0.0 {
+            return Err(PlanError::InvalidThroughput(capacity.peer.clone()));
+        }
+        if capacity.is_tracker {
+            if let Some(first) = tracker {
+                return Err(PlanError::MultipleTrackers {
+                    first: peers[order[first]].peer.clone(),
+                    second: capacity.peer.clone(),
+                });
+            }
+            tracker = Some(position);
+        }
+    }
+    tracker.ok_or(PlanError::NoTracker)
+}
+
+/// The number of layers `k` of the tracker's span `[0..k)`: the configured
+/// count, which the model must have and the tracker must be able to hold, or
+/// else as many as the tracker's memory allows. Either way the tracker must
+/// fit the embeddings and the head.
+fn tracker_span_length(
+    config: &PlannerConfig,
+    model: &ModelShape,
+    tracker: &PeerCapacity,
+) -> Result<u32, PlanError> {
+    let num_layers = model.num_layers;
+    let extra = model.tracker_extra_bytes();
+    if tracker.memory_bytes < extra {
+        return Err(PlanError::TrackerCannotHoldEmbeddings {
+            available: tracker.memory_bytes,
+            required: extra,
+        });
+    }
+    let tracker_max = Quantization::ALL
+        .iter()
+        .filter_map(|&q| tracker.max_layers(model, q))
+        .max()
+        .unwrap_or(0);
+    match config.tracker_layers {
+        Some(requested) if requested > num_layers => Err(PlanError::InvalidConfig(format!(
+            "tracker_layers {requested} exceeds the model's {num_layers} layers"
+        ))),
+        Some(requested) if requested > tracker_max => Err(PlanError::TrackerSpanDoesNotFit {
+            requested,
+            max: tracker_max,
+        }),
+        Some(requested) => Ok(requested),
+        None => Ok(tracker_max),
+    }
+}
+
+/// A map entry of a live peer, with the peer's position among the candidates.
+type PeerEntry<'m> = (usize, &'m ShardHolding);
+
+/// A piece of a model's layers in one quantization.
+type Piece = (LayerSpan, Quantization);
+
 /// Reads each live peer's current holding from the map. Pieces inside the
 /// model in the same quantization are merged when they touch; the longest run
 /// is kept. Everything else the peer holds (other runs, other formats, layers
@@ -1052,101 +1089,116 @@ fn attach_current_holdings(
         .enumerate()
         .map(|(position, c)| (peers[c.input_index].peer.as_str(), position))
         .collect();
-    let mut entries: Vec<(usize, &ShardHolding)> = map
+    let mut entries: Vec<PeerEntry> = map
         .holdings
         .iter()
         .filter(|h| !h.layers.is_empty())
         .filter_map(|h| position_of.get(h.peer.as_str()).map(|&p| (p, h)))
         .collect();
     entries.sort_by_key(|(position, h)| (*position, h.layers.start, h.layers.end, h.quantization));
-    let mut index = 0;
-    while index < entries.len() {
-        let position = entries[index].0;
-        let group_len = entries[index..]
-            .iter()
-            .take_while(|(p, _)| *p == position)
-            .count();
-        let group = &entries[index..index + group_len];
-        index += group_len;
-
-        // The common case: one piece, inside the model. Nothing is stray.
-        if let [(_, holding)] = group
-            && holding.layers.end <= num_layers
-        {
-            candidates[position].old = Some(Holding {
-                span: holding.layers,
-                quantization: holding.quantization,
-                segments: vec![(holding.layers, holding.state)],
-            });
-            continue;
-        }
-
-        let mut runs: Vec<Holding> = Vec::new();
-        for &(_, holding) in group {
-            let span = LayerSpan::new(holding.layers.start, holding.layers.end.min(num_layers));
-            if span.is_empty() {
-                continue;
-            }
-            match runs
-                .iter_mut()
-                .find(|r| r.quantization == holding.quantization && r.span.end >= span.start)
-            {
-                Some(run) => {
-                    let fresh = LayerSpan::new(span.start.max(run.span.end), span.end);
-                    if !fresh.is_empty() {
-                        run.segments.push((fresh, holding.state));
-                    }
-                    run.span.end = run.span.end.max(span.end);
-                }
-                None => runs.push(Holding {
-                    span,
-                    quantization: holding.quantization,
-                    segments: vec![(span, holding.state)],
-                }),
-            }
-        }
-        let kept = runs
-            .iter()
-            .enumerate()
-            .max_by(|(_, a), (_, b)| {
-                a.span
-                    .len()
-                    .cmp(&b.span.len())
-                    .then(b.span.start.cmp(&a.span.start))
-                    .then(a.quantization.cmp(&b.quantization))
-            })
-            .map(|(i, _)| i)
-            .map(|keep| runs.swap_remove(keep));
-
-        // Everything held, per format, as disjoint runs (unclamped).
-        let mut held: Vec<(Quantization, LayerSpan)> = group
-            .iter()
-            .map(|(_, h)| (h.quantization, h.layers))
-            .collect();
-        held.sort_by_key(|&(q, span)| (q, span.start, span.end));
-        let mut merged: Vec<(Quantization, LayerSpan)> = Vec::new();
-        for (q, span) in held {
-            match merged.last_mut() {
-                Some((last_q, last)) if *last_q == q && last.end >= span.start => {
-                    last.end = last.end.max(span.end);
-                }
-                _ => merged.push((q, span)),
-            }
-        }
-        let mut stray: Vec<(LayerSpan, Quantization)> = Vec::new();
-        for (q, span) in merged {
-            match &kept {
-                Some(run) if run.quantization == q => {
-                    stray.extend(subtract(span, run.span).into_iter().map(|piece| (piece, q)));
-                }
-                _ => stray.push((span, q)),
-            }
-        }
-        stray.sort_by_key(|&(span, q)| (span.start, span.end, q));
-        let candidate = &mut candidates[position];
+    for group in entries.chunk_by(|a, b| a.0 == b.0) {
+        let (kept, stray) = kept_and_stray(group, num_layers);
+        let candidate = &mut candidates[group[0].0];
         candidate.stray = stray;
         candidate.old = kept;
     }
+}
+
+/// Splits one peer's map entries (sorted by layers) into the run it keeps
+/// and the stray pieces it must drop, sorted by layers.
+fn kept_and_stray(group: &[PeerEntry], num_layers: u32) -> (Option<Holding>, Vec<Piece>) {
+    // The common case: one piece, inside the model. Nothing is stray.
+    if let [(_, holding)] = group
+        && holding.layers.end <= num_layers
+    {
+        let kept = Holding {
+            span: holding.layers,
+            quantization: holding.quantization,
+            segments: vec![(holding.layers, holding.state)],
+        };
+        return (Some(kept), Vec::new());
+    }
+    let mut runs = runs_inside_model(group, num_layers);
+    let kept = take_longest_run(&mut runs);
+    let stray = stray_pieces(group, kept.as_ref());
+    (kept, stray)
+}
+
+/// The peer's pieces clamped to the model's layers and merged, per
+/// quantization, where they touch or overlap. Each run keeps the state of
+/// every layer it covers.
+fn runs_inside_model(group: &[PeerEntry], num_layers: u32) -> Vec<Holding> {
+    let mut runs: Vec<Holding> = Vec::new();
+    for &(_, holding) in group {
+        let span = LayerSpan::new(holding.layers.start, holding.layers.end.min(num_layers));
+        if span.is_empty() {
+            continue;
+        }
+        match runs
+            .iter_mut()
+            .find(|r| r.quantization == holding.quantization && r.span.end >= span.start)
+        {
+            Some(run) => {
+                let fresh = LayerSpan::new(span.start.max(run.span.end), span.end);
+                if !fresh.is_empty() {
+                    run.segments.push((fresh, holding.state));
+                }
+                run.span.end = run.span.end.max(span.end);
+            }
+            None => runs.push(Holding {
+                span,
+                quantization: holding.quantization,
+                segments: vec![(span, holding.state)],
+            }),
+        }
+    }
+    runs
+}
+
+/// Removes and returns the run worth keeping: the longest, then the one
+/// starting first, then the one in the highest quantization.
+fn take_longest_run(runs: &mut Vec<Holding>) -> Option<Holding> {
+    runs.iter()
+        .enumerate()
+        .max_by(|(_, a), (_, b)| {
+            a.span
+                .len()
+                .cmp(&b.span.len())
+                .then(b.span.start.cmp(&a.span.start))
+                .then(a.quantization.cmp(&b.quantization))
+        })
+        .map(|(i, _)| i)
+        .map(|keep| runs.swap_remove(keep))
+}
+
+/// Everything the peer holds outside `kept`, layers past the model's end
+/// included, as disjoint pieces per quantization sorted by layers.
+fn stray_pieces(group: &[PeerEntry], kept: Option<&Holding>) -> Vec<Piece> {
+    let mut held: Vec<(Quantization, LayerSpan)> = group
+        .iter()
+        .map(|(_, h)| (h.quantization, h.layers))
+        .collect();
+    held.sort_by_key(|&(q, span)| (q, span.start, span.end));
+    let mut merged: Vec<(Quantization, LayerSpan)> = Vec::new();
+    for (q, span) in held {
+        match merged.last_mut() {
+            Some((last_q, last)) if *last_q == q && last.end >= span.start => {
+                last.end = last.end.max(span.end);
+            }
+            _ => merged.push((q, span)),
+        }
+    }
+    let mut stray: Vec<Piece> = Vec::new();
+    for (q, span) in merged {
+        match kept {
+            Some(run) if run.quantization == q => {
+                stray.extend(subtract(span, run.span).into_iter().map(|piece| (piece, q)));
+            }
+            _ => stray.push((span, q)),
+        }
+    }
+    stray.sort_by_key(|&(span, q)| (span.start, span.end, q));
+    stray
 }
 
 /// `span` minus `removed`: up to two pieces, in layer order.
