@@ -257,21 +257,28 @@ fn validate(args: &Args) -> Result<(), String> {
             "--layers must lie in [1, {MAX_LAYERS}], got {layers}"
         ));
     }
-    let profile = MeshProfile {
+    mesh_profile(args).validate().map_err(|e| e.to_string())?;
+    planner_config(args).validate().map_err(|e| e.to_string())
+}
+
+/// The mesh profile (volunteer mix, tracker memory) the arguments ask for.
+fn mesh_profile(args: &Args) -> MeshProfile {
+    MeshProfile {
         cpu_fraction: args.cpu_fraction,
         tracker_gib: args.tracker_gib,
-    };
-    profile.validate().map_err(|e| e.to_string())?;
+    }
+}
+
+/// The planner settings the arguments ask for.
+fn planner_config(args: &Args) -> PlannerConfig {
     PlannerConfig {
         hysteresis: args.hysteresis,
         tracker_layers: args.tracker_layers,
     }
-    .validate()
-    .map_err(|e| e.to_string())
 }
 
-fn run(args: &Args) -> Result<Report, String> {
-    validate(args)?;
+/// The chosen model's shape, with `--layers` layers when given.
+fn simulated_model(args: &Args) -> ModelShape {
     let mut model = match args.model {
         ModelChoice::Llama70b => ModelShape::llama_70b(),
         ModelChoice::Smollm2_135m => ModelShape::smollm2_135m(),
@@ -279,142 +286,210 @@ fn run(args: &Args) -> Result<Report, String> {
     if let Some(layers) = args.layers {
         model.num_layers = layers;
     }
-    let profile = MeshProfile {
-        cpu_fraction: args.cpu_fraction,
-        tracker_gib: args.tracker_gib,
-    };
-    let mut rng = StdRng::seed_from_u64(args.seed);
-    let mut peers: Vec<PeerCapacity> = scenario::mesh(&mut rng, args.peers, &profile);
-    let mut next_id = args.peers;
-    let planner = Planner::new(
-        model.clone(),
-        PlannerConfig {
-            hysteresis: args.hysteresis,
-            tracker_layers: args.tracker_layers,
-        },
-    );
+    model
+}
 
-    // Initial placement.
-    let mut ours = Tally::default();
-    let start = Instant::now();
-    let initial = planner
-        .plan(&CoverageMap::empty(0), &peers)
-        .map_err(|e| e.to_string())?;
-    ours.initial_ms = elapsed_ms(start);
-    let tracker_layers = initial.tracker_layers;
-    // Redundancy is measured where volunteers serve; if the tracker holds the
-    // whole model, over all layers.
-    let volunteer_layers = if tracker_layers < model.num_layers {
-        LayerSpan::new(tracker_layers, model.num_layers)
+/// The layers redundancy is measured over: those volunteers serve, or all of
+/// them if the tracker holds the whole model.
+fn volunteer_layers(tracker_layers: u32, num_layers: u32) -> LayerSpan {
+    if tracker_layers < num_layers {
+        LayerSpan::new(tracker_layers, num_layers)
     } else {
-        LayerSpan::new(0, model.num_layers)
-    };
-    let mut map = initial.map;
-    map.mark_all_ready();
-
-    let mut theirs = Tally::default();
-    let start = Instant::now();
-    let mut baseline = GreedyBaseline::new(&model, tracker_layers, peers[0].throughput);
-    for peer in peers.iter().filter(|p| !p.is_tracker) {
-        baseline.join(&model, peer);
+        LayerSpan::new(0, num_layers)
     }
-    baseline.rebalance();
-    theirs.initial_ms = elapsed_ms(start);
+}
 
-    let mut counts = EventCounts {
-        joins: 0,
-        leaves: 0,
-        crashes: 0,
-    };
-    for _ in 0..args.steps {
-        let volunteers = peers.len() - 1;
-        let event = match pick_event(&mut rng, args) {
-            Event::Leave | Event::Crash if volunteers == 0 => Event::Join,
-            event => event,
-        };
-        match event {
-            Event::Join => {
-                counts.joins += 1;
-                let peer = scenario::volunteer(&mut rng, scenario::volunteer_id(next_id), &profile);
-                next_id += 1;
-                peers.push(peer.clone());
+/// Both strategies replaying one churn trace over the same mesh.
+struct Simulation<'a> {
+    args: &'a Args,
+    model: ModelShape,
+    profile: MeshProfile,
+    rng: StdRng,
+    /// The live mesh; the tracker stays at index 0.
+    peers: Vec<PeerCapacity>,
+    /// Index of the next volunteer to join.
+    next_id: usize,
+    planner: Planner,
+    /// The planner's coverage map, every span ready after each step.
+    map: CoverageMap,
+    baseline: GreedyBaseline,
+    tracker_layers: u32,
+    volunteer_layers: LayerSpan,
+    ours: Tally,
+    theirs: Tally,
+    counts: EventCounts,
+}
 
-                let start = Instant::now();
-                let plan = planner.plan(&map, &peers).map_err(|e| e.to_string())?;
-                let ms = elapsed_ms(start);
-                let available =
-                    map.uncovered(model.num_layers).is_empty() && plan.report.is_complete();
-                let redundancy = plan.report.min_redundancy(volunteer_layers);
-                ours.record(&model, available, &plan.directives, redundancy, ms);
-                map = plan.map;
-                map.mark_all_ready();
+impl<'a> Simulation<'a> {
+    /// Builds the initial mesh and places it with both strategies, timing each.
+    fn start(args: &'a Args) -> Result<Self, String> {
+        let model = simulated_model(args);
+        let profile = mesh_profile(args);
+        let mut rng = StdRng::seed_from_u64(args.seed);
+        let peers: Vec<PeerCapacity> = scenario::mesh(&mut rng, args.peers, &profile);
+        let planner = Planner::new(model.clone(), planner_config(args));
 
-                let before = baseline.is_complete();
-                let start = Instant::now();
-                let mut directives = baseline.join(&model, &peer);
-                directives.extend(baseline.rebalance());
-                let ms = elapsed_ms(start);
-                let available = before && baseline.is_complete();
-                let redundancy = min_over(baseline.holders_per_layer(), volunteer_layers);
-                theirs.record(&model, available, &directives, redundancy, ms);
-            }
-            Event::Leave | Event::Crash => {
-                let crashed = event == Event::Crash;
-                if crashed {
-                    counts.crashes += 1;
-                } else {
-                    counts.leaves += 1;
-                }
-                let index = rng.random_range(1..peers.len());
-                let gone: PeerId = peers.swap_remove(index).peer;
+        let mut ours = Tally::default();
+        let start = Instant::now();
+        let initial = planner
+            .plan(&CoverageMap::empty(0), &peers)
+            .map_err(|e| e.to_string())?;
+        ours.initial_ms = elapsed_ms(start);
+        let tracker_layers = initial.tracker_layers;
+        let mut map = initial.map;
+        map.mark_all_ready();
 
-                // Both strategies are measured the same way: a crashed peer
-                // stops serving at once, so "served before the repair" is
-                // judged without it; a leaving one keeps serving until the
-                // repair has loaded, so it is judged with it still in place.
-                if crashed {
-                    map.remove_peer(&gone);
-                }
-                let served_before = map.uncovered(model.num_layers).is_empty();
-                let start = Instant::now();
-                let plan = planner.plan(&map, &peers).map_err(|e| e.to_string())?;
-                let ms = elapsed_ms(start);
-                let available = served_before && plan.report.is_complete();
-                let redundancy = plan.report.min_redundancy(volunteer_layers);
-                ours.record(&model, available, &plan.directives, redundancy, ms);
-                map = plan.map;
-                map.mark_all_ready();
+        let mut theirs = Tally::default();
+        let start = Instant::now();
+        let mut baseline = GreedyBaseline::new(&model, tracker_layers, peers[0].throughput);
+        for peer in peers.iter().filter(|p| !p.is_tracker) {
+            baseline.join(&model, peer);
+        }
+        baseline.rebalance();
+        theirs.initial_ms = elapsed_ms(start);
 
-                // Petals-like servers have no coordinator: the layers are gone
-                // until some server decides to move there.
-                let complete_with_leaver = baseline.is_complete();
-                baseline.remove(&gone);
-                let served_before = if crashed {
-                    baseline.is_complete()
-                } else {
-                    complete_with_leaver
-                };
-                let start = Instant::now();
-                let directives = baseline.rebalance();
-                let ms = elapsed_ms(start);
-                let available = served_before && baseline.is_complete();
-                let redundancy = min_over(baseline.holders_per_layer(), volunteer_layers);
-                theirs.record(&model, available, &directives, redundancy, ms);
-            }
+        Ok(Simulation {
+            args,
+            volunteer_layers: volunteer_layers(tracker_layers, model.num_layers),
+            model,
+            profile,
+            rng,
+            peers,
+            next_id: args.peers,
+            planner,
+            map,
+            baseline,
+            tracker_layers,
+            ours,
+            theirs,
+            counts: EventCounts {
+                joins: 0,
+                leaves: 0,
+                crashes: 0,
+            },
+        })
+    }
+
+    /// Draws the next churn event (a join when no volunteer is left to go)
+    /// and replays it.
+    fn step(&mut self) -> Result<(), String> {
+        let volunteers = self.peers.len() - 1;
+        match pick_event(&mut self.rng, self.args) {
+            Event::Leave | Event::Crash if volunteers == 0 => self.join(),
+            Event::Join => self.join(),
+            Event::Leave => self.depart(false),
+            Event::Crash => self.depart(true),
         }
     }
 
-    Ok(Report {
-        model: model.name.clone(),
-        peers: args.peers,
-        layers: model.num_layers,
-        tracker_layers,
-        steps: args.steps,
-        seed: args.seed,
-        events: counts,
-        planner: ours.report(args.steps),
-        baseline: theirs.report(args.steps),
-    })
+    /// A new volunteer joins; both strategies place it.
+    fn join(&mut self) -> Result<(), String> {
+        self.counts.joins += 1;
+        let id = scenario::volunteer_id(self.next_id);
+        let peer = scenario::volunteer(&mut self.rng, id, &self.profile);
+        self.next_id += 1;
+        self.peers.push(peer.clone());
+
+        let served_before = self.map.uncovered(self.model.num_layers).is_empty();
+        self.replan(served_before)?;
+
+        let served_before = self.baseline.is_complete();
+        let start = Instant::now();
+        let mut directives = self.baseline.join(&self.model, &peer);
+        directives.extend(self.baseline.rebalance());
+        let ms = elapsed_ms(start);
+        self.record_baseline(served_before, &directives, ms);
+        Ok(())
+    }
+
+    /// A random volunteer leaves cleanly or crashes; both strategies repair.
+    fn depart(&mut self, crashed: bool) -> Result<(), String> {
+        if crashed {
+            self.counts.crashes += 1;
+        } else {
+            self.counts.leaves += 1;
+        }
+        let index = self.rng.random_range(1..self.peers.len());
+        let gone: PeerId = self.peers.swap_remove(index).peer;
+
+        // Both strategies are measured the same way: a crashed peer stops
+        // serving at once, so "served before the repair" is judged without
+        // it; a leaving one keeps serving until the repair has loaded, so it
+        // is judged with it still in place.
+        if crashed {
+            self.map.remove_peer(&gone);
+        }
+        let served_before = self.map.uncovered(self.model.num_layers).is_empty();
+        self.replan(served_before)?;
+
+        // Petals-like servers have no coordinator: the layers are gone until
+        // some server decides to move there.
+        let complete_with_leaver = self.baseline.is_complete();
+        self.baseline.remove(&gone);
+        let served_before = if crashed {
+            self.baseline.is_complete()
+        } else {
+            complete_with_leaver
+        };
+        let start = Instant::now();
+        let directives = self.baseline.rebalance();
+        let ms = elapsed_ms(start);
+        self.record_baseline(served_before, &directives, ms);
+        Ok(())
+    }
+
+    /// Replans the current mesh with the planner, records the step (available
+    /// if the model was `served_before` and the plan covers it) and takes the
+    /// plan's map, all of it ready, as the new state.
+    fn replan(&mut self, served_before: bool) -> Result<(), String> {
+        let start = Instant::now();
+        let plan = self
+            .planner
+            .plan(&self.map, &self.peers)
+            .map_err(|e| e.to_string())?;
+        let ms = elapsed_ms(start);
+        let available = served_before && plan.report.is_complete();
+        let redundancy = plan.report.min_redundancy(self.volunteer_layers);
+        self.ours
+            .record(&self.model, available, &plan.directives, redundancy, ms);
+        self.map = plan.map;
+        self.map.mark_all_ready();
+        Ok(())
+    }
+
+    /// Records a baseline step whose repair issued `directives` in `ms`.
+    fn record_baseline(&mut self, served_before: bool, directives: &[Directive], ms: f64) {
+        let available = served_before && self.baseline.is_complete();
+        let redundancy = min_over(self.baseline.holders_per_layer(), self.volunteer_layers);
+        self.theirs
+            .record(&self.model, available, directives, redundancy, ms);
+    }
+
+    /// The report once every step has been replayed.
+    fn into_report(self) -> Report {
+        let steps = self.args.steps;
+        Report {
+            model: self.model.name,
+            peers: self.args.peers,
+            layers: self.model.num_layers,
+            tracker_layers: self.tracker_layers,
+            steps,
+            seed: self.args.seed,
+            events: self.counts,
+            planner: self.ours.report(steps),
+            baseline: self.theirs.report(steps),
+        }
+    }
+}
+
+/// Replays `--steps` churn events against both strategies.
+fn run(args: &Args) -> Result<Report, String> {
+    validate(args)?;
+    let mut simulation = Simulation::start(args)?;
+    for _ in 0..args.steps {
+        simulation.step()?;
+    }
+    Ok(simulation.into_report())
 }
 
 fn print_table(report: &Report) {
