@@ -17,6 +17,9 @@ use std::collections::HashMap;
 
 use meshnet_types::PeerId;
 
+use crate::events::P2pEvent;
+use crate::validation::Verdict;
+
 /// The most announcers remembered; past it the one whose newest announcement is the oldest is
 /// forgotten.
 pub(crate) const MAX_REMEMBERED_ANNOUNCERS: usize = 65_536;
@@ -50,6 +53,24 @@ impl AnnouncementFreshness {
         self.newest.get(peer).copied()
     }
 
+    /// `verdict`, unless it accepts an announcement not newer than one already accepted from
+    /// the same peer: that one is ignored (neither delivered nor propagated). An accepted
+    /// announcement becomes the newest of its peer.
+    pub(crate) fn screen(&mut self, verdict: Verdict) -> Verdict {
+        if let Verdict::Accept(Some(event)) = &verdict
+            && let P2pEvent::Announcement { from, announcement } = event.as_ref()
+        {
+            let sent_at = announcement.sent_at_unix_ms;
+            if !self.admit(from, sent_at) {
+                let newest = self.newest(from).unwrap_or_default();
+                return Verdict::Ignore(format!(
+                    "stale announcement: sent at {sent_at} ms, one sent at {newest} ms was accepted"
+                ));
+            }
+        }
+        verdict
+    }
+
     fn forget_oldest(&mut self) {
         let oldest = self
             .newest
@@ -70,6 +91,61 @@ impl AnnouncementFreshness {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::messages::PeerAnnouncement;
+
+    /// An accepting verdict on an announcement of `peer` sent at `sent_at`.
+    fn accepted_announcement(peer: &str, sent_at: u64) -> Verdict {
+        Verdict::Accept(Some(Box::new(P2pEvent::Announcement {
+            from: PeerId::new(peer),
+            announcement: PeerAnnouncement {
+                peer: PeerId::new(peer),
+                model_id: "m".into(),
+                software_version: "0".into(),
+                wire_version: 1,
+                http_endpoints: Vec::new(),
+                p2p_addresses: Vec::new(),
+                memory_bytes: 1,
+                quantizations: Vec::new(),
+                throughput: 1.0,
+                kv_tokens: 1,
+                span: None,
+                free_kv_tokens: 0,
+                active_sessions: 0,
+                is_tracker: false,
+                forward_latency_ms: 0.0,
+                leaving: false,
+                tracker_capable: false,
+                sent_at_unix_ms: sent_at,
+                tracker_silent_ms: None,
+            },
+        })))
+    }
+
+    #[test]
+    fn a_stale_accepted_announcement_is_ignored_and_other_verdicts_pass() {
+        let mut freshness = AnnouncementFreshness::default();
+        assert_eq!(
+            freshness.screen(accepted_announcement("a", 10)),
+            accepted_announcement("a", 10)
+        );
+        assert_eq!(
+            freshness.screen(accepted_announcement("a", 9)),
+            Verdict::Ignore(
+                "stale announcement: sent at 9 ms, one sent at 10 ms was accepted".to_owned()
+            )
+        );
+        assert_eq!(
+            freshness.screen(accepted_announcement("a", 11)),
+            accepted_announcement("a", 11)
+        );
+        let rejected = Verdict::Reject("undecodable", "bad bytes".to_owned());
+        assert_eq!(freshness.screen(rejected.clone()), rejected);
+        assert_eq!(
+            freshness.screen(Verdict::Accept(None)),
+            Verdict::Accept(None)
+        );
+        assert_eq!(freshness.newest(&PeerId::new("a")), Some(11));
+    }
 
     #[test]
     fn only_a_later_announcement_of_the_same_peer_is_news() {

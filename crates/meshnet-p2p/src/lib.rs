@@ -32,9 +32,15 @@ pub mod messages;
 mod swarm_key;
 
 #[cfg(feature = "network")]
+mod addresses;
+#[cfg(feature = "network")]
 mod behaviour;
 #[cfg(feature = "network")]
 mod config;
+#[cfg(feature = "network")]
+mod dialer;
+#[cfg(feature = "network")]
+mod election;
 #[cfg(feature = "network")]
 mod events;
 #[cfg(feature = "network")]
@@ -51,6 +57,8 @@ mod outbox;
 mod private;
 #[cfg(feature = "network")]
 mod reach;
+#[cfg(feature = "network")]
+mod relays;
 #[cfg(feature = "network")]
 mod traffic;
 #[cfg(feature = "network")]

@@ -1,4 +1,6 @@
-//! The swarm-owning event loop and the handle that drives it.
+//! The swarm-owning event loop and the handle that drives it. The loop reads the handles'
+//! commands and the swarm's events, asks the pure bookkeeping (tracker election, relay
+//! slots, the dialer) what each one means, and carries the decisions out on the swarm.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -10,7 +12,6 @@ use libp2p::core::transport::ListenerId;
 use libp2p::gossipsub::{self, IdentTopic, MessageAcceptance, PublishError, TopicHash};
 use libp2p::kad::{self, GetRecordOk, QueryId, QueryResult, Quorum, RecordKey};
 use libp2p::metrics::{Recorder, Registry};
-use libp2p::multiaddr::Protocol;
 use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{ConnectionId, SwarmEvent};
 use libp2p::{Multiaddr, PeerId, Swarm, autonat, dcutr, identify, relay};
@@ -19,10 +20,13 @@ use tokio::time::Sleep;
 use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt};
 
 use crate::P2pError;
+use crate::addresses::{is_circuit, split_peer_id};
 use crate::behaviour::{
     HTTP_PROTOCOL, KADEMLIA_PROTOCOL, MeshBehaviour, MeshBehaviourEvent, build_swarm,
 };
 use crate::config::{P2pConfig, Role};
+use crate::dialer::{ConnectPlan, Dialer};
+use crate::election::{Following, RecordDecision, TRACKER_RECORD_TOPIC, TrackerElection};
 use crate::events::P2pEvent;
 use crate::freshness::AnnouncementFreshness;
 use crate::ids::{MeshPeerId, libp2p_peer_id, mesh_peer_id};
@@ -33,33 +37,15 @@ use crate::messages::{
 use crate::outbox::Outbox;
 use crate::private::{is_quic, swarm_key_fingerprint};
 use crate::reach::{ActiveStreams, ModelPeers, P2pPath, Reachability, SharedReach, StreamActivity};
+use crate::relays::{RelaySlots, RelayedCloses};
 use crate::traffic::{GossipTraffic, TrafficCounters};
-use crate::validation::{Admission, Verdict};
-
-/// Capacity of the command channel from handles to the event loop.
-const COMMAND_CAPACITY: usize = 64;
-
-/// Capacity of the event channel to the application.
-const EVENT_CAPACITY: usize = 256;
-
-/// Lifetime of the tracker record in the DHT; the tracker re-stores it well before.
-const TRACKER_RECORD_TTL: Duration = Duration::from_secs(300);
+use crate::validation::Verdict;
 
 /// How long [`P2pHandle::listen_addrs`] waits for the first listener.
 const LISTEN_ADDRS_DEADLINE: Duration = Duration::from_secs(5);
 
 /// How long [`P2pHandle::open_http_stream`] may take to connect and open a stream.
 const OPEN_STREAM_DEADLINE: Duration = Duration::from_secs(10);
-
-/// How long a relayed connection stays open once a direct one to the same peer exists, so
-/// that requests already on it finish.
-const RELAYED_GRACE: Duration = Duration::from_secs(5);
-
-/// How many relays a node that others cannot dial keeps a reservation on.
-const RELAY_RESERVATIONS: usize = 2;
-
-/// How long after a reservation on a relay failed or was lost it is tried again.
-const RESERVATION_RETRY: Duration = Duration::from_secs(2);
 
 /// A byte stream to a peer for the activation plane, usable with tokio's I/O traits. While
 /// it lives, the relayed connections to that peer are not closed under it.
@@ -103,41 +89,68 @@ impl tokio::io::AsyncWrite for P2pStream {
     }
 }
 
-type Reply<T> = oneshot::Sender<T>;
+/// Where the event loop sends the answer to a command.
+pub(crate) type Reply<T> = oneshot::Sender<T>;
 
-enum Command {
+/// A request from a handle to the event loop, with where to answer it.
+pub(crate) enum Command {
+    /// The listen addresses, once there is one (`wait`) or at once.
     ListenAddrs {
+        /// Whether to wait for the first listener.
         wait: bool,
+        /// The answer.
         reply: Reply<Vec<Multiaddr>>,
     },
+    /// Gossips `data` on the `kind` topic.
     Publish {
+        /// The topic.
         kind: TopicKind,
+        /// The encoded message.
         data: Vec<u8>,
+        /// The answer.
         reply: Reply<Result<(), P2pError>>,
     },
+    /// Stores (and keeps re-storing) this node's tracker record.
     SetTrackerRecord {
+        /// The record.
         record: TrackerRecord,
+        /// The answer.
         reply: Reply<Result<(), P2pError>>,
     },
+    /// Dials an address.
     Dial {
+        /// The address.
         address: Multiaddr,
+        /// The answer.
         reply: Reply<Result<(), P2pError>>,
     },
+    /// The peers with a connection up.
     ConnectedPeers {
+        /// The answer.
         reply: Reply<Vec<PeerId>>,
     },
+    /// The tracker whose messages are accepted.
     Tracker {
+        /// The answer.
         reply: Reply<Option<PeerId>>,
     },
+    /// Answers once a connection to `peer` is up (dialing it if needed).
     Connect {
+        /// The peer.
         peer: PeerId,
+        /// The answer.
         reply: Reply<Result<(), P2pError>>,
     },
+    /// Makes this node the tracker of `term`.
     TakeTrackerRole {
+        /// The term.
         term: u64,
+        /// The answer.
         reply: Reply<()>,
     },
+    /// Stops the event loop.
     Shutdown {
+        /// Answered once the swarm is dropped.
         reply: Reply<()>,
     },
 }
@@ -203,6 +216,26 @@ impl std::fmt::Debug for Command {
 }
 
 impl P2pHandle {
+    /// A handle on the event loop that reads `commands`, sharing its gossip counters, its
+    /// reachability and its stream bookkeeping.
+    pub(crate) fn new(
+        local_peer_id: PeerId,
+        commands: mpsc::Sender<Command>,
+        traffic: Arc<TrafficCounters>,
+        reach: SharedReach,
+        streams: libp2p_stream::Control,
+        active_streams: ActiveStreams,
+    ) -> Self {
+        Self {
+            local_peer_id,
+            commands,
+            traffic,
+            reach,
+            streams,
+            active_streams,
+        }
+    }
+
     /// This node's peer id.
     pub fn local_peer_id(&self) -> MeshPeerId {
         mesh_peer_id(&self.local_peer_id)
@@ -376,6 +409,12 @@ impl P2pHandle {
     }
 }
 
+/// Capacity of the command channel from handles to the event loop.
+const COMMAND_CAPACITY: usize = 64;
+
+/// Capacity of the event channel to the application.
+const EVENT_CAPACITY: usize = 256;
+
 /// Starts a node: builds the swarm, listens, dials the bootstrap addresses,
 /// subscribes to the model's topics and spawns the event loop on the current
 /// tokio runtime.
@@ -432,6 +471,41 @@ fn listen_all(swarm: &mut Swarm<MeshBehaviour>, config: &P2pConfig) -> Result<()
     Ok(())
 }
 
+/// Subscribes to the gossip topics of `model_id`, each kept by its kind.
+fn subscribe_all(
+    swarm: &mut Swarm<MeshBehaviour>,
+    model_id: &str,
+) -> Result<HashMap<TopicKind, IdentTopic>, P2pError> {
+    let mut topics = HashMap::new();
+    for kind in TopicKind::ALL {
+        let topic = IdentTopic::new(topic_name(model_id, kind));
+        swarm
+            .behaviour_mut()
+            .gossipsub
+            .subscribe(&topic)
+            .map_err(|error| P2pError::Behaviour(format!("subscribing to {topic}: {error}")))?;
+        topics.insert(kind, topic);
+    }
+    Ok(topics)
+}
+
+/// Dials every bootstrap address, adding those that name their peer to Kademlia.
+fn dial_bootstrap(swarm: &mut Swarm<MeshBehaviour>, bootstrap: &[Multiaddr]) {
+    for address in bootstrap {
+        if let Some((peer, peer_address)) = split_peer_id(address) {
+            swarm
+                .behaviour_mut()
+                .kademlia
+                .add_address(&peer, peer_address);
+        }
+        if let Err(error) = swarm.dial(address.clone()) {
+            tracing::warn!(%address, %error, "bootstrap dial failed");
+        }
+    }
+}
+
+/// Builds and starts the swarm, spawns its event loop, and returns the handle on it with the
+/// channel of its events.
 async fn start(
     config: P2pConfig,
     libp2p_metrics: Option<libp2p::metrics::Metrics>,
@@ -444,124 +518,70 @@ async fn start(
     let local_peer_id = *swarm.local_peer_id();
 
     listen_all(&mut swarm, &config)?;
+    let topics = subscribe_all(&mut swarm, &config.model_id)?;
+    dial_bootstrap(&mut swarm, &config.bootstrap);
 
-    let mut topics = HashMap::new();
-    for kind in TopicKind::ALL {
-        let topic = IdentTopic::new(topic_name(&config.model_id, kind));
-        swarm
-            .behaviour_mut()
-            .gossipsub
-            .subscribe(&topic)
-            .map_err(|error| P2pError::Behaviour(format!("subscribing to {topic}: {error}")))?;
-        topics.insert(kind, topic);
-    }
-
-    for address in &config.bootstrap {
-        if let Some((peer, peer_address)) = split_peer_id(address) {
-            swarm
-                .behaviour_mut()
-                .kademlia
-                .add_address(&peer, peer_address);
-        }
-        if let Err(error) = swarm.dial(address.clone()) {
-            tracing::warn!(%address, %error, "bootstrap dial failed");
-        }
-    }
-
-    let pinned_tracker = match &config.role {
-        Role::Peer {
-            pinned_tracker: Some(pinned),
-        } => Some(libp2p_peer_id(pinned)?),
-        _ => None,
-    };
-    let tracker = match config.role {
-        Role::Tracker => Some(local_peer_id),
-        Role::Peer { .. } => pinned_tracker,
-    };
     let (command_sender, commands) = mpsc::channel(COMMAND_CAPACITY);
     let (event_sender, events) = mpsc::channel(EVENT_CAPACITY);
     let traffic = Arc::new(TrafficCounters::default());
-    let event_loop = EventLoop {
-        traffic: Arc::clone(&traffic),
-        metrics: config.metrics.clone(),
-        libp2p_metrics,
-        outbox: Outbox::default(),
-        announcement_freshness: AnnouncementFreshness::default(),
-        topic_kinds: topics
-            .iter()
-            .map(|(kind, topic)| (topic.hash(), *kind))
-            .collect(),
-        topics,
+    let wiring = Wiring {
         swarm,
+        topics,
         commands,
         events: event_sender,
-        local_peer_id,
-        model_id: config.model_id,
-        is_tracker: matches!(config.role, Role::Tracker),
-        term: u64::from(matches!(config.role, Role::Tracker)),
-        succession: Vec::new(),
-        heard_tracker_at: None,
-        takeover_silence: config.takeover_silence,
-        start_grace_until: matches!(config.role, Role::Tracker)
-            .then(|| Instant::now() + config.tracker_start_grace),
-        followed_another: false,
-        pinned_tracker,
-        assume_reachable: config.assume_reachable,
-        tracker,
-        discovered_record: None,
-        tracker_query: None,
-        tracker_lookup_interval: config.tracker_lookup_interval,
-        tracker_refresh_interval: config.tracker_refresh_interval,
-        own_record: None,
-        record_republish_interval: config.record_republish_interval,
-        listen_addrs: Vec::new(),
-        listen_waiters: Vec::new(),
-        bootstrapped: false,
-        bootstrap: config.bootstrap.clone(),
-        same_model_peers: model_peers,
+        traffic: Arc::clone(&traffic),
         reach: reach.clone(),
-        reserve_relays: config.reserve_relays,
-        relays: RelaySlots::default(),
-        peer_addresses: HashMap::new(),
-        connect_waiters: HashMap::new(),
-        connect_dials: HashMap::new(),
-        relayed_closes: Vec::new(),
+        model_peers,
         active_streams: active_streams.clone(),
+        libp2p_metrics,
     };
+    let event_loop = EventLoop::new(config, wiring)?;
     tokio::spawn(event_loop.run());
-    Ok((
-        P2pHandle {
-            local_peer_id,
-            commands: command_sender,
-            traffic,
-            reach,
-            streams,
-            active_streams,
-        },
-        events,
-    ))
+    let handle = P2pHandle::new(
+        local_peer_id,
+        command_sender,
+        traffic,
+        reach,
+        streams,
+        active_streams,
+    );
+    Ok((handle, events))
 }
 
-/// The libp2p ids of a succession list (ids that do not parse are left out).
-fn parse_succession(list: &[meshnet_types::PeerId]) -> Vec<PeerId> {
-    list.iter()
-        .filter_map(|peer| libp2p_peer_id(peer).ok())
-        .collect()
-}
-
-/// Splits `/…/p2p/<id>` into the peer id and the address before it.
-fn split_peer_id(address: &Multiaddr) -> Option<(PeerId, Multiaddr)> {
-    let mut rest = address.clone();
-    match rest.pop() {
-        Some(Protocol::P2p(peer)) => Some((peer, rest)),
-        _ => None,
-    }
-}
+/// Lifetime of the tracker record in the DHT; the tracker re-stores it well before.
+const TRACKER_RECORD_TTL: Duration = Duration::from_secs(300);
 
 /// How often a node with no connection dials its bootstrap addresses again.
-const BOOTSTRAP_REDIAL_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+const BOOTSTRAP_REDIAL_INTERVAL: Duration = Duration::from_secs(1);
 
-struct EventLoop {
+/// Whoever waits for a connection to a peer: answered once it is up or cannot be.
+type ConnectReply = Reply<Result<(), P2pError>>;
+
+/// What the event loop is started with: the swarm, ready and listening, the channels to and
+/// from the handles, and what it shares with them.
+pub(crate) struct Wiring {
+    /// The swarm, listening and subscribed.
+    pub(crate) swarm: Swarm<MeshBehaviour>,
+    /// The gossip topics subscribed to, by kind.
+    pub(crate) topics: HashMap<TopicKind, IdentTopic>,
+    /// The handles' commands.
+    pub(crate) commands: mpsc::Receiver<Command>,
+    /// Where events for the application go.
+    pub(crate) events: mpsc::Sender<P2pEvent>,
+    /// Gossip published and received, read by the handles.
+    pub(crate) traffic: Arc<TrafficCounters>,
+    /// Reachability, connections and circuit addresses, read by the handles.
+    pub(crate) reach: SharedReach,
+    /// Connected peers running this node's model (shared with the relay server's policy).
+    pub(crate) model_peers: ModelPeers,
+    /// The activation streams open with each peer (shared with the handles).
+    pub(crate) active_streams: ActiveStreams,
+    /// libp2p's own metrics, when the application exports them.
+    pub(crate) libp2p_metrics: Option<libp2p::metrics::Metrics>,
+}
+
+/// The one task that owns the swarm.
+pub(crate) struct EventLoop {
     /// Gossip published and received, read by the handles.
     traffic: Arc<TrafficCounters>,
     /// Gossip verdicts, exported by the application.
@@ -577,35 +597,14 @@ struct EventLoop {
     events: mpsc::Sender<P2pEvent>,
     local_peer_id: PeerId,
     model_id: String,
-    /// Whether this node is the tracker now.
-    is_tracker: bool,
-    /// The current tracker's term (0 before one is known).
-    term: u64,
-    /// Who may take over from the tracker: the list of the tracker this node follows, or its
-    /// own while it is the tracker (empty before the first map, and on a pinned peer).
-    succession: Vec<PeerId>,
-    /// When the last coverage map of the followed tracker arrived.
-    heard_tracker_at: Option<Instant>,
-    /// A follower accepts a takeover only after this long without its tracker's maps.
-    takeover_silence: Duration,
-    /// Until when a node started as tracker yields to a later term from anyone.
-    start_grace_until: Option<Instant>,
-    /// Whether this node ever followed a tracker other than itself.
-    followed_another: bool,
-    /// The only tracker a peer accepts, when pinned.
-    pinned_tracker: Option<PeerId>,
+    /// Who the tracker is, its term and succession, and this node's own record.
+    election: TrackerElection,
     assume_reachable: bool,
     topics: HashMap<TopicKind, IdentTopic>,
     topic_kinds: HashMap<TopicHash, TopicKind>,
-    /// The tracker whose coverage and directives are accepted.
-    tracker: Option<PeerId>,
-    /// The last tracker record reported to the application.
-    discovered_record: Option<TrackerRecord>,
     tracker_query: Option<QueryId>,
     tracker_lookup_interval: Duration,
     tracker_refresh_interval: Duration,
-    /// The record this node (as tracker) keeps in the DHT.
-    own_record: Option<TrackerRecord>,
     record_republish_interval: Duration,
     listen_addrs: Vec<Multiaddr>,
     listen_waiters: Vec<Reply<Vec<Multiaddr>>>,
@@ -616,74 +615,71 @@ struct EventLoop {
     same_model_peers: ModelPeers,
     /// Reachability, connections and circuit addresses, read by the handles.
     reach: SharedReach,
-    /// Whether this node reserves slots on relays (others cannot dial it).
-    reserve_relays: bool,
+    /// The relays this node reserves slots on, and those it could use.
     relays: RelaySlots,
-    /// The libp2p addresses each peer announced, for dialing it on demand.
-    peer_addresses: HashMap<PeerId, Vec<Multiaddr>>,
-    /// Who waits for a connection to a peer to come up.
-    connect_waiters: HashMap<PeerId, Vec<Reply<Result<(), P2pError>>>>,
-    /// The dials made for those waiters, each with the addresses it tries.
-    connect_dials: HashMap<PeerId, Vec<(ConnectionId, Vec<Multiaddr>)>>,
-    /// Relayed connections to close once their grace is over (a direct one supersedes them).
-    relayed_closes: Vec<(Instant, PeerId, ConnectionId)>,
+    /// Relayed connections to close once a direct one replaced them.
+    relayed_closes: RelayedCloses,
+    /// Dials made for handles that want a connection to a peer, and who waits for them.
+    dialer: Dialer<ConnectReply>,
     /// The activation streams open with each peer (shared with the handles).
     active_streams: ActiveStreams,
 }
 
-/// The relays this node holds (or asks for) a reservation on, and the relays it could use.
-#[derive(Default)]
-struct RelaySlots {
-    /// Relay peer → the circuit listener reserving a slot there.
-    listeners: HashMap<PeerId, ListenerId>,
-    /// Connected same-model peers that run a relay server, with an address to reach them at.
-    candidates: HashMap<PeerId, Multiaddr>,
-    /// No new reservation on a relay before this instant (after a failure).
-    retry_after: HashMap<PeerId, Instant>,
-    /// The address each connected peer was dialed at (known to work from here).
-    dialed_at: HashMap<PeerId, Multiaddr>,
-}
-
-impl RelaySlots {
-    /// The next relay to reserve a slot on, `preferred` (the tracker) first; `None` when
-    /// enough slots are held or asked for, or no candidate is left.
-    fn next_relay(&self, preferred: Option<PeerId>, now: Instant) -> Option<(PeerId, Multiaddr)> {
-        if self.listeners.len() >= RELAY_RESERVATIONS {
-            return None;
-        }
-        let usable = |peer: &PeerId| {
-            !self.listeners.contains_key(peer)
-                && self.retry_after.get(peer).is_none_or(|after| now >= *after)
-        };
-        let mut candidates: Vec<(&PeerId, &Multiaddr)> = self
-            .candidates
-            .iter()
-            .filter(|(peer, _)| usable(peer))
-            .collect();
-        candidates.sort_by_key(|(peer, _)| (Some(**peer) != preferred, peer.to_bytes()));
-        candidates
-            .first()
-            .map(|(peer, address)| (**peer, (*address).clone()))
-    }
-}
-
-/// Whether `address` is a relayed (`/p2p-circuit`) address.
-fn is_circuit(address: &Multiaddr) -> bool {
-    address
-        .iter()
-        .any(|part| matches!(part, Protocol::P2pCircuit))
-}
-
-/// `address` without a trailing `/p2p/<id>`.
-fn without_peer_id(address: &Multiaddr) -> Multiaddr {
-    match split_peer_id(address) {
-        Some((_, rest)) => rest,
-        None => address.clone(),
-    }
-}
-
 impl EventLoop {
-    async fn run(mut self) {
+    /// The event loop of a node configured by `config`, owning `wiring`'s swarm.
+    ///
+    /// Fails if the pinned tracker is no valid peer id.
+    pub(crate) fn new(config: P2pConfig, wiring: Wiring) -> Result<Self, P2pError> {
+        let local_peer_id = *wiring.swarm.local_peer_id();
+        let election = match &config.role {
+            Role::Tracker => TrackerElection::started_as_tracker(
+                local_peer_id,
+                config.takeover_silence,
+                Instant::now() + config.tracker_start_grace,
+            ),
+            Role::Peer { pinned_tracker } => {
+                let pinned = pinned_tracker.as_ref().map(libp2p_peer_id).transpose()?;
+                TrackerElection::started_as_peer(local_peer_id, pinned, config.takeover_silence)
+            }
+        };
+        Ok(Self {
+            traffic: wiring.traffic,
+            metrics: config.metrics,
+            libp2p_metrics: wiring.libp2p_metrics,
+            outbox: Outbox::default(),
+            announcement_freshness: AnnouncementFreshness::default(),
+            topic_kinds: wiring
+                .topics
+                .iter()
+                .map(|(kind, topic)| (topic.hash(), *kind))
+                .collect(),
+            topics: wiring.topics,
+            swarm: wiring.swarm,
+            commands: wiring.commands,
+            events: wiring.events,
+            local_peer_id,
+            model_id: config.model_id,
+            election,
+            assume_reachable: config.assume_reachable,
+            tracker_query: None,
+            tracker_lookup_interval: config.tracker_lookup_interval,
+            tracker_refresh_interval: config.tracker_refresh_interval,
+            record_republish_interval: config.record_republish_interval,
+            listen_addrs: Vec::new(),
+            listen_waiters: Vec::new(),
+            bootstrapped: false,
+            bootstrap: config.bootstrap,
+            same_model_peers: wiring.model_peers,
+            reach: wiring.reach,
+            relays: RelaySlots::new(config.reserve_relays),
+            relayed_closes: RelayedCloses::default(),
+            dialer: Dialer::default(),
+            active_streams: wiring.active_streams,
+        })
+    }
+
+    /// Runs until a handle asks it to stop or every handle is gone; then drops the swarm.
+    pub(crate) async fn run(mut self) {
         let mut lookup_timer: Pin<Box<Sleep>> = Box::pin(tokio::time::sleep(Duration::ZERO));
         let republish_period = self
             .record_republish_interval
@@ -700,7 +696,7 @@ impl EventLoop {
         let events = self.events.clone();
 
         let shutdown_reply = loop {
-            let looks_up_tracker = !self.is_tracker;
+            let looks_up_tracker = !self.election.is_tracker();
             tokio::select! {
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
                 command = self.commands.recv() => match command {
@@ -710,7 +706,7 @@ impl EventLoop {
                 },
                 () = &mut lookup_timer, if looks_up_tracker => {
                     self.look_up_tracker();
-                    let next = if self.reaches_tracker() {
+                    let next = if self.election.reaches_tracker() {
                         self.tracker_refresh_interval
                     } else {
                         self.tracker_lookup_interval
@@ -729,7 +725,7 @@ impl EventLoop {
                     self.close_superseded_relayed();
                     self.reserve_relays();
                 }
-                _ = republish_timer.tick(), if self.own_record.is_some() => {
+                _ = republish_timer.tick(), if self.election.own_record().is_some() => {
                     if let Err(error) = self.store_own_record() {
                         tracing::warn!(%error, "re-storing the tracker record failed");
                     }
@@ -773,12 +769,11 @@ impl EventLoop {
             }
             Command::Publish { kind, data, reply } => {
                 if kind == TopicKind::Coverage
-                    && self.is_tracker
+                    && self.election.is_tracker()
                     && let Ok(own) = decode::<CoverageMessage>(&data)
                 {
                     // Who may take over from this node is the list it publishes.
-                    self.succession = parse_succession(&own.succession);
-                    self.term = self.term.max(own.term);
+                    self.election.on_own_coverage(own.term, &own.succession);
                 }
                 let _ = reply.send(self.publish(kind, data));
             }
@@ -786,7 +781,7 @@ impl EventLoop {
                 if record.addresses.is_empty() {
                     record.addresses = self.advertised_addresses();
                 }
-                self.own_record = Some(record);
+                self.election.set_own_record(record);
                 let _ = reply.send(self.store_own_record());
             }
             Command::Dial { address, reply } => {
@@ -803,14 +798,12 @@ impl EventLoop {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::Tracker { reply } => {
-                let _ = reply.send(self.tracker);
+                let _ = reply.send(self.election.tracker());
             }
             Command::Connect { peer, reply } => self.connect(peer, reply),
             Command::TakeTrackerRole { term, reply } => {
                 tracing::info!(term, "taking the tracker role");
-                self.is_tracker = true;
-                self.tracker = Some(self.local_peer_id);
-                self.term = term;
+                self.election.take_role(term);
                 let _ = reply.send(());
             }
             Command::Shutdown { reply } => {
@@ -864,7 +857,7 @@ impl EventLoop {
     }
 
     fn store_own_record(&mut self) -> Result<(), P2pError> {
-        let Some(record) = &self.own_record else {
+        let Some(record) = self.election.own_record() else {
             return Ok(());
         };
         let mut dht_record = kad::Record::new(
@@ -880,8 +873,9 @@ impl EventLoop {
             .map_err(|error| P2pError::RecordStore(error.to_string()))
     }
 
-    /// Dials the bootstrap addresses again while this node has no connection at all (for
-    /// example, it started before the node it bootstraps from was listening).
+    /// A connection to `peer` is up: relayed ones it supersedes close after a grace period,
+    /// the address a direct dial reached is kept for relaying, and whoever waits for a
+    /// connection to `peer` hears of it.
     fn on_connection_established(
         &mut self,
         peer: PeerId,
@@ -896,33 +890,28 @@ impl EventLoop {
         };
         if !superseded.is_empty() {
             tracing::info!(%peer, "direct connection up: relayed connections close after a grace period");
-            let at = Instant::now() + RELAYED_GRACE;
-            for id in superseded {
-                if !self.relayed_closes.iter().any(|(_, _, known)| *known == id) {
-                    self.relayed_closes.push((at, peer, id));
-                }
-            }
+            self.relayed_closes
+                .schedule(peer, &superseded, Instant::now());
         }
         if let libp2p::core::ConnectedPoint::Dialer { address, .. } = endpoint
             && !relayed
         {
-            self.relays.dialed_at.insert(peer, without_peer_id(address));
+            self.relays.on_dialed(peer, address);
         }
-        self.connect_dials.remove(&peer);
-        self.answer_connect_waiters(peer, Ok(()));
+        let waiters = self.dialer.on_connected(peer);
+        answer_connect_waiters(peer, waiters, &Ok(()));
     }
 
     /// Closes the relayed connections whose grace is over (a direct connection to the same
     /// peer replaced them).
     fn close_superseded_relayed(&mut self) {
-        let now = Instant::now();
         // A peer with a stream open waits for the next check (every second): a stream on a
         // connection closed under it would never hear of it.
-        let (due, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.relayed_closes)
-            .into_iter()
-            .partition(|(at, peer, _)| *at <= now && !self.active_streams.any_with(peer));
-        self.relayed_closes = waiting;
-        for (_, peer, connection) in due {
+        let active_streams = &self.active_streams;
+        let due = self
+            .relayed_closes
+            .take_due(Instant::now(), |peer| active_streams.any_with(peer));
+        for (peer, connection) in due {
             if self.swarm.close_connection(connection) {
                 tracing::info!(%peer, "relayed connection closed: traffic goes direct");
             }
@@ -932,61 +921,32 @@ impl EventLoop {
     /// One of the dials [`Self::connect`] made failed: its waiters hear so once no other such
     /// dial to the peer is under way.
     fn on_connect_dial_failed(&mut self, peer: PeerId, connection: ConnectionId, error: String) {
-        let Some(dials) = self.connect_dials.get_mut(&peer) else {
-            return;
-        };
-        let before = dials.len();
-        dials.retain(|(id, _)| *id != connection);
-        if dials.len() == before || !dials.is_empty() {
-            return;
-        }
-        self.connect_dials.remove(&peer);
-        if !self.swarm.is_connected(&peer) {
-            self.answer_connect_waiters(peer, Err(error));
-        }
-    }
-
-    /// Answers whoever waits for a connection to `peer`.
-    fn answer_connect_waiters(&mut self, peer: PeerId, outcome: Result<(), String>) {
-        for waiter in self.connect_waiters.remove(&peer).unwrap_or_default() {
-            let _ = waiter.send(outcome.clone().map_err(|reason| P2pError::Stream {
-                peer: peer.to_string(),
-                reason,
-            }));
-        }
+        let connected = self.swarm.is_connected(&peer);
+        let waiters = self.dialer.on_dial_failed(peer, connection, connected);
+        answer_connect_waiters(peer, waiters, &Err(error));
     }
 
     /// Answers `reply` once a connection to `peer` is up: at once if one is, else after
-    /// dialing the addresses it announced. A dial already under way to the same addresses is
-    /// joined; one to addresses the peer has since replaced (say, LAN addresses before its
-    /// relay reservation came) is not waited for: the new ones are dialed alongside.
-    fn connect(&mut self, peer: PeerId, reply: Reply<Result<(), P2pError>>) {
-        if self.swarm.is_connected(&peer) {
-            let _ = reply.send(Ok(()));
-            return;
-        }
-        let addresses = self.peer_addresses.get(&peer).cloned().unwrap_or_default();
-        let dialing = self
-            .connect_dials
-            .get(&peer)
-            .is_some_and(|dials| dials.iter().any(|(_, dialed)| *dialed == addresses));
-        if dialing {
-            self.connect_waiters.entry(peer).or_default().push(reply);
-            return;
-        }
+    /// dialing the addresses it announced (see [`Dialer::connect`]).
+    fn connect(&mut self, peer: PeerId, reply: ConnectReply) {
+        let connected = self.swarm.is_connected(&peer);
+        let (addresses, reply) = match self.dialer.connect(peer, connected, reply) {
+            ConnectPlan::Connected(reply) => {
+                let _ = reply.send(Ok(()));
+                return;
+            }
+            ConnectPlan::Joined => return,
+            ConnectPlan::Dial(addresses, reply) => (addresses, reply),
+        };
         let dial = DialOpts::peer_id(peer)
             .addresses(addresses.clone())
             .condition(PeerCondition::Disconnected)
             .build();
         let connection = dial.connection_id();
         match self.swarm.dial(dial) {
-            Ok(()) => {
-                self.connect_dials
-                    .entry(peer)
-                    .or_default()
-                    .push((connection, addresses));
-                self.connect_waiters.entry(peer).or_default().push(reply);
-            }
+            Ok(()) => self
+                .dialer
+                .on_dial_started(peer, connection, addresses, reply),
             Err(error) => {
                 let _ = reply.send(Err(P2pError::Stream {
                     peer: peer.to_string(),
@@ -996,26 +956,21 @@ impl EventLoop {
         }
     }
 
-    /// Asks for reservations on relays until [`RELAY_RESERVATIONS`] are held or asked for.
+    /// Asks for reservations on relays until enough are held or asked for (the tracker's
+    /// first), as [`RelaySlots::next_reservation`] proposes them.
     fn reserve_relays(&mut self) {
-        if !self.reserve_relays {
-            return;
-        }
         let now = Instant::now();
-        while let Some((relay, address)) = self.relays.next_relay(self.tracker, now) {
-            let circuit = address
-                .with(Protocol::P2p(relay))
-                .with(Protocol::P2pCircuit);
+        while let Some((relay, circuit)) =
+            self.relays.next_reservation(self.election.tracker(), now)
+        {
             match self.swarm.listen_on(circuit.clone()) {
                 Ok(listener) => {
                     tracing::debug!(%relay, %circuit, "asking the relay for a reservation");
-                    self.relays.listeners.insert(relay, listener);
+                    self.relays.on_reserving(relay, listener);
                 }
                 Err(error) => {
                     tracing::warn!(%relay, %circuit, %error, "cannot listen through the relay");
-                    self.relays
-                        .retry_after
-                        .insert(relay, now + RESERVATION_RETRY);
+                    self.relays.on_refused(relay, now);
                 }
             }
         }
@@ -1023,18 +978,9 @@ impl EventLoop {
 
     /// A listener closed: when it held a relay reservation, another is asked for shortly.
     fn on_listener_closed(&mut self, listener: ListenerId, reason: Result<(), std::io::Error>) {
-        let Some(relay) = self
-            .relays
-            .listeners
-            .iter()
-            .find_map(|(relay, id)| (*id == listener).then_some(*relay))
-        else {
+        let Some(relay) = self.relays.on_listener_closed(listener, Instant::now()) else {
             return;
         };
-        self.relays.listeners.remove(&relay);
-        self.relays
-            .retry_after
-            .insert(relay, Instant::now() + RESERVATION_RETRY);
         match reason {
             Ok(()) => tracing::info!(%relay, "relay reservation ended: asking again"),
             Err(error) => {
@@ -1043,19 +989,8 @@ impl EventLoop {
         }
     }
 
-    /// Keeps the libp2p addresses `peer` announced, to dial it when a stream to it is wanted.
-    fn note_addresses(&mut self, peer: PeerId, announced: &[String]) {
-        let addresses: Vec<Multiaddr> = announced
-            .iter()
-            .filter_map(|address| address.parse().ok())
-            .collect();
-        if addresses.is_empty() {
-            self.peer_addresses.remove(&peer);
-        } else {
-            self.peer_addresses.insert(peer, addresses);
-        }
-    }
-
+    /// Dials the bootstrap addresses again while this node has no connection at all (for
+    /// example, it started before the node it bootstraps from was listening).
     fn redial_bootstrap(&mut self) {
         if self.swarm.connected_peers().next().is_some() {
             return;
@@ -1065,14 +1000,6 @@ impl EventLoop {
                 tracing::debug!(%address, %error, "bootstrap redial failed");
             }
         }
-    }
-
-    /// Whether this node has its tracker: it found the record, or it hears the tracker's
-    /// coverage maps. Until then it looks the record up every few seconds (and whenever a new
-    /// DHT neighbour appears); after, only to refresh it, so a hundred members do not keep
-    /// the DHT busy with queries whose answer they have.
-    fn reaches_tracker(&self) -> bool {
-        self.discovered_record.is_some() || self.heard_tracker_at.is_some()
     }
 
     fn look_up_tracker(&mut self) {
@@ -1106,17 +1033,7 @@ impl EventLoop {
                 }
                 self.on_listener_closed(listener_id, reason);
             }
-            SwarmEvent::NewListenAddr { address, .. } => {
-                tracing::info!(%address, "listening");
-                if self.assume_reachable {
-                    self.swarm.add_external_address(address.clone());
-                }
-                self.listen_addrs.push(address.clone());
-                for waiter in self.listen_waiters.drain(..) {
-                    let _ = waiter.send(self.listen_addrs.clone());
-                }
-                self.emit(P2pEvent::ListeningOn(address));
-            }
+            SwarmEvent::NewListenAddr { address, .. } => self.on_new_listen_addr(address),
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 self.listen_addrs.retain(|known| known != &address);
                 if self.assume_reachable {
@@ -1147,8 +1064,7 @@ impl EventLoop {
                 if num_established == 0 {
                     tracing::debug!(peer = %peer_id, "disconnected");
                     self.same_model_peers.remove(&peer_id);
-                    self.relays.candidates.remove(&peer_id);
-                    self.relays.dialed_at.remove(&peer_id);
+                    self.relays.on_disconnected(&peer_id);
                     self.emit(P2pEvent::PeerDisconnected(mesh_peer_id(&peer_id)));
                 }
             }
@@ -1164,6 +1080,19 @@ impl EventLoop {
             }
             _ => {}
         }
+    }
+
+    /// The node listens on a new direct `address`: whoever waits for a listener hears of it.
+    fn on_new_listen_addr(&mut self, address: Multiaddr) {
+        tracing::info!(%address, "listening");
+        if self.assume_reachable {
+            self.swarm.add_external_address(address.clone());
+        }
+        self.listen_addrs.push(address.clone());
+        for waiter in self.listen_waiters.drain(..) {
+            let _ = waiter.send(self.listen_addrs.clone());
+        }
+        self.emit(P2pEvent::ListeningOn(address));
     }
 
     fn on_behaviour_event(&mut self, event: MeshBehaviourEvent) {
@@ -1250,25 +1179,19 @@ impl EventLoop {
         let agent = crate::behaviour::parse_agent_version(&info.agent_version);
         if agent.is_some_and(|(model, _)| model == self.model_id) {
             self.same_model_peers.insert(peer);
-            if self.reserve_relays && info.protocols.contains(&relay::HOP_PROTOCOL_NAME) {
-                let address = self.relays.dialed_at.get(&peer).cloned().or_else(|| {
-                    info.listen_addrs
-                        .iter()
-                        .find(|address| !is_circuit(address))
-                        .map(without_peer_id)
-                });
-                if let Some(address) = address {
-                    self.relays.candidates.entry(peer).or_insert(address);
-                    self.reserve_relays();
-                }
+            if info.protocols.contains(&relay::HOP_PROTOCOL_NAME)
+                && self.relays.on_relay_identified(peer, &info.listen_addrs)
+            {
+                self.reserve_relays();
             }
         }
         if let Some((model, _)) = agent
             && model != self.model_id
         {
             // Decided from what this node knows, not from what the stranger claims to be.
-            let decisive = self.tracker == Some(peer)
-                || (self.tracker.is_none() && self.same_model_peers.is_empty());
+            let tracker = self.election.tracker();
+            let decisive =
+                tracker == Some(peer) || (tracker.is_none() && self.same_model_peers.is_empty());
             self.metrics
                 .count_gossip_rejected("identify", "other_model");
             tracing::error!(
@@ -1299,7 +1222,7 @@ impl EventLoop {
             }
         }
         // A new DHT neighbour may know the tracker: ask at once rather than at the next tick.
-        if !self.is_tracker && !self.reaches_tracker() {
+        if !self.election.is_tracker() && !self.election.reaches_tracker() {
             self.look_up_tracker();
         }
     }
@@ -1329,168 +1252,68 @@ impl EventLoop {
         }
     }
 
+    /// Carries out what the election decides about a tracker record found in the DHT.
     fn on_tracker_record(&mut self, record: TrackerRecord) {
-        if record.model_id != self.model_id {
-            tracing::warn!(model = %record.model_id, "tracker record for another model ignored");
-            return;
-        }
-        let peer: PeerId = match record.peer.as_str().parse() {
-            Ok(peer) => peer,
-            Err(error) => {
-                tracing::warn!(peer = %record.peer, %error, "tracker record names no valid peer id");
-                return;
+        match self.election.on_tracker_record(&self.model_id, record) {
+            RecordDecision::OtherModel(model) => {
+                tracing::warn!(%model, "tracker record for another model ignored");
             }
-        };
-        if let Some(pinned) = self.pinned_tracker
-            && pinned != peer
-        {
-            let reason = format!(
-                "a tracker record names {peer}, but this member is pinned to tracker {pinned}"
-            );
-            tracing::warn!(record = %peer, %reason, "tracker record rejected");
-            self.metrics
-                .count_gossip_rejected("tracker-record", "not_pinned_tracker");
-            self.emit(P2pEvent::Rejected {
-                from: mesh_peer_id(&peer),
-                topic: "tracker-record".to_owned(),
-                reason,
-            });
-            return;
-        }
-        if let Some(previous) = &self.discovered_record {
-            // Stale copies elsewhere in the DHT must not roll the record back.
-            if previous == &record
-                || (previous.peer == record.peer && record.epoch < previous.epoch)
-            {
-                return;
+            RecordDecision::InvalidPeer { peer, error } => {
+                tracing::warn!(%peer, %error, "tracker record names no valid peer id");
             }
-        }
-        // Records are unsigned: they help a member find a tracker, never move it from the one
-        // it follows (only that tracker's signed coverage maps and a listed successor's do),
-        // and never set a term.
-        if let Some(current) = self.tracker
-            && current != peer
-        {
-            if record.term > self.term {
-                let reason = format!(
-                    "a tracker record names {peer} with term {}, but this member follows \
-                     {current} (term {}); only signed coverage maps change the tracker",
-                    record.term, self.term
-                );
+            RecordDecision::Rejected { peer, code, reason } => {
                 tracing::warn!(record = %peer, %reason, "tracker record rejected");
                 self.metrics
-                    .count_gossip_rejected("tracker-record", "not_followed_tracker");
+                    .count_gossip_rejected(TRACKER_RECORD_TOPIC, code);
                 self.emit(P2pEvent::Rejected {
                     from: mesh_peer_id(&peer),
-                    topic: "tracker-record".to_owned(),
+                    topic: TRACKER_RECORD_TOPIC.to_owned(),
                     reason,
                 });
-            } else {
+            }
+            RecordDecision::AlreadyKnown => {}
+            RecordDecision::Stale { peer, term } => {
                 // A copy left behind by an earlier tracker.
-                tracing::debug!(record = %peer, term = record.term, "stale tracker record ignored");
+                tracing::debug!(record = %peer, term, "stale tracker record ignored");
             }
-            return;
-        }
-        let addresses: Vec<Multiaddr> = record
-            .addresses
-            .iter()
-            .filter_map(|address| address.parse().ok())
-            .collect();
-        if !self.swarm.is_connected(&peer) && !addresses.is_empty() {
-            let dial = DialOpts::peer_id(peer)
-                .addresses(addresses)
-                .condition(PeerCondition::DisconnectedAndNotDialing)
-                .build();
-            if let Err(error) = self.swarm.dial(dial) {
-                tracing::debug!(%peer, %error, "dialing the tracker failed");
+            RecordDecision::Follow {
+                peer,
+                addresses,
+                newly_discovered,
+                record,
+            } => {
+                if !self.swarm.is_connected(&peer) && !addresses.is_empty() {
+                    let dial = DialOpts::peer_id(peer)
+                        .addresses(addresses)
+                        .condition(PeerCondition::DisconnectedAndNotDialing)
+                        .build();
+                    if let Err(error) = self.swarm.dial(dial) {
+                        tracing::debug!(%peer, %error, "dialing the tracker failed");
+                    }
+                }
+                if newly_discovered {
+                    tracing::info!(tracker = %peer, "tracker discovered");
+                }
+                self.emit(P2pEvent::TrackerDiscovered(record));
             }
         }
-        if self.tracker != Some(peer) {
-            tracing::info!(tracker = %peer, "tracker discovered");
-        }
-        self.tracker = Some(peer);
-        self.discovered_record = Some(record.clone());
-        self.emit(P2pEvent::TrackerDiscovered(record));
     }
 
-    /// What this node knows when it judges a tracker message.
-    fn admission(&self) -> Admission<'_> {
-        Admission {
-            model_id: &self.model_id,
-            local_peer: self.local_peer_id,
-            tracker: self.tracker,
-            term: self.term,
-            succession: if self.yields_to_any_claim() || self.knows_tracker_by_record_only() {
-                None
-            } else {
-                Some(&self.succession)
-            },
-            tracker_silent: self.is_tracker
-                || self
-                    .heard_tracker_at
-                    .is_none_or(|at| at.elapsed() >= self.takeover_silence),
-        }
-    }
-
-    /// Whether this unpinned peer knows its tracker only from a Kademlia record and has
-    /// accepted no coverage map yet. Records are unsigned and anyone can store one, so a
-    /// record names whom to dial, not whom to trust: until a first signed map settles the
-    /// tracker (and its succession list), a map from another claimant of a later term is
-    /// judged without a list, or a forged record would strand the newcomer.
-    fn knows_tracker_by_record_only(&self) -> bool {
-        !self.is_tracker && self.pinned_tracker.is_none() && self.heard_tracker_at.is_none()
-    }
-
-    /// Whether this node was started as tracker moments ago and has followed nobody: it may be
-    /// a restarted tracker whose mesh has elected a successor, so a later term wins whoever
-    /// claims it.
-    fn yields_to_any_claim(&self) -> bool {
-        self.is_tracker
-            && !self.followed_another
-            && self
-                .start_grace_until
-                .is_some_and(|until| Instant::now() < until)
-    }
-
-    /// Records an accepted coverage map of `term` from `tracker`, naming `succession`: a new
-    /// tracker (a takeover this node accepted) is followed from now on, and a node that was
-    /// the tracker steps down.
+    /// Follows the tracker of an accepted coverage map of `term` naming `succession`.
     fn follow(&mut self, tracker: PeerId, term: u64, succession: &[meshnet_types::PeerId]) {
-        if self.tracker != Some(tracker) {
-            tracing::info!(%tracker, term, previous = ?self.tracker, "following a new tracker");
-            if self.is_tracker {
-                tracing::warn!(%tracker, term, "another tracker won a later term: stepping down");
-                self.is_tracker = false;
-                self.own_record = None;
-            }
-            self.tracker = Some(tracker);
-            self.discovered_record = None;
-            self.followed_another = true;
-        }
-        self.heard_tracker_at = Some(Instant::now());
-        self.term = self.term.max(term);
-        self.succession = if self.pinned_tracker.is_some() {
-            Vec::new()
-        } else {
-            parse_succession(succession)
-        };
-    }
-
-    /// `verdict`, unless it accepts an announcement not newer than one already accepted from
-    /// the same peer: that one is ignored (neither delivered nor propagated).
-    fn unless_stale(&mut self, verdict: Verdict) -> Verdict {
-        if let Verdict::Accept(Some(event)) = &verdict
-            && let P2pEvent::Announcement { from, announcement } = event.as_ref()
+        let following = self
+            .election
+            .on_coverage(tracker, term, succession, Instant::now());
+        if let Following::NewTracker {
+            previous,
+            stepped_down,
+        } = following
         {
-            let sent_at = announcement.sent_at_unix_ms;
-            if !self.announcement_freshness.admit(from, sent_at) {
-                let newest = self.announcement_freshness.newest(from).unwrap_or_default();
-                return Verdict::Ignore(format!(
-                    "stale announcement: sent at {sent_at} ms, one sent at {newest} ms was accepted"
-                ));
+            tracing::info!(%tracker, term, ?previous, "following a new tracker");
+            if stepped_down {
+                tracing::warn!(%tracker, term, "another tracker won a later term: stepping down");
             }
         }
-        verdict
     }
 
     fn on_gossip_message(
@@ -1508,9 +1331,12 @@ impl EventLoop {
         let verdict = match (self.topic_kinds.get(&message.topic), message.source) {
             (None, _) => Verdict::Ignore(format!("not subscribed to {topic}")),
             (Some(_), None) => Verdict::Reject("unsigned", "unsigned message".to_owned()),
-            (Some(kind), Some(source)) => self.admission().judge(*kind, source, &message.data),
+            (Some(kind), Some(source)) => self
+                .election
+                .admission(&self.model_id, Instant::now())
+                .judge(*kind, source, &message.data),
         };
-        let verdict = self.unless_stale(verdict);
+        let verdict = self.announcement_freshness.screen(verdict);
         let from = message.source.unwrap_or(propagation_source);
         let acceptance = match verdict {
             Verdict::Accept(event) => {
@@ -1520,7 +1346,8 @@ impl EventLoop {
                         self.follow(from, coverage.term, &coverage.succession);
                     }
                     if let P2pEvent::Announcement { announcement, .. } = event.as_ref() {
-                        self.note_addresses(from, &announcement.p2p_addresses);
+                        self.dialer
+                            .note_addresses(from, &announcement.p2p_addresses);
                     }
                     self.emit(*event);
                 }
@@ -1545,5 +1372,15 @@ impl EventLoop {
             .behaviour_mut()
             .gossipsub
             .report_message_validation_result(message_id, &propagation_source, acceptance);
+    }
+}
+
+/// Answers every one of `waiters` for a connection to `peer` with `outcome`.
+fn answer_connect_waiters(peer: PeerId, waiters: Vec<ConnectReply>, outcome: &Result<(), String>) {
+    for waiter in waiters {
+        let _ = waiter.send(outcome.clone().map_err(|reason| P2pError::Stream {
+            peer: peer.to_string(),
+            reason,
+        }));
     }
 }
