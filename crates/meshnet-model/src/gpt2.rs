@@ -93,135 +93,196 @@ impl Gpt2Config {
         let object = root
             .as_object()
             .ok_or_else(|| config_error(path, "(file)", "the top level is not an object"))?;
-        let field = |key: &str| object.get(key).filter(|value| !value.is_null());
-        let required_count = |key: &str| -> Result<usize> {
-            let value = field(key).ok_or_else(|| config_error(path, key, "missing"))?;
-            as_count(path, key, value)
+        let fields = ConfigFields { path, object };
+        fields.check_model_type()?;
+        let sizes = fields.model_sizes()?;
+        let inner = match fields.count("n_inner")? {
+            Some(inner) => inner,
+            None => 4 * sizes.hidden,
         };
-
-        if let Some(model_type) = field("model_type")
-            && model_type.as_str() != Some("gpt2")
-        {
-            return Err(config_error(
-                path,
-                "model_type",
-                format!("expected \"gpt2\", found {model_type}"),
-            ));
-        }
-        let layers = required_count("n_layer")?;
-        let hidden = required_count("n_embd")?;
-        let heads = required_count("n_head")?;
-        let positions = required_count("n_positions")?;
-        let vocab_size = required_count("vocab_size")?;
-        for (key, value) in [
-            ("n_layer", layers),
-            ("n_embd", hidden),
-            ("n_head", heads),
-            ("n_positions", positions),
-            ("vocab_size", vocab_size),
-        ] {
-            if value == 0 {
-                return Err(config_error(path, key, "must be at least 1"));
-            }
-        }
-        if !hidden.is_multiple_of(heads) {
-            return Err(config_error(
-                path,
-                "n_head",
-                format!("{heads} heads do not divide n_embd {hidden}"),
-            ));
-        }
-        let inner = match field("n_inner") {
-            Some(value) => as_count(path, "n_inner", value)?,
-            None => 4 * hidden,
-        };
-        let layer_norm_epsilon = match field("layer_norm_epsilon") {
-            Some(value) => value.as_f64().filter(|eps| *eps > 0.0).ok_or_else(|| {
-                config_error(
-                    path,
-                    "layer_norm_epsilon",
-                    format!("expected a positive number, found {value}"),
-                )
-            })?,
-            None => 1e-5,
-        };
-        let activation = match field("activation_function") {
-            Some(value) => value
-                .as_str()
-                .ok_or_else(|| {
-                    config_error(
-                        path,
-                        "activation_function",
-                        format!("expected a string, found {value}"),
-                    )
-                })?
-                .to_owned(),
-            None => "gelu_new".to_owned(),
-        };
-        if !TANH_GELU_NAMES.contains(&activation.as_str()) {
-            return Err(config_error(
-                path,
-                "activation_function",
-                format!(
-                    "unsupported activation {activation:?} (supported: {})",
-                    TANH_GELU_NAMES.join(", ")
-                ),
-            ));
-        }
-        let flag = |key: &str, default: bool| -> Result<bool> {
-            match field(key) {
-                None => Ok(default),
-                Some(value) => value.as_bool().ok_or_else(|| {
-                    config_error(path, key, format!("expected true or false, found {value}"))
-                }),
-            }
-        };
-        let scale_attention = flag("scale_attn_weights", true)?;
-        if flag("scale_attn_by_inverse_layer_idx", false)? {
-            return Err(config_error(
-                path,
-                "scale_attn_by_inverse_layer_idx",
-                "scaling attention by the inverse layer index is not supported",
-            ));
-        }
-        if flag("add_cross_attention", false)? {
-            return Err(config_error(
-                path,
-                "add_cross_attention",
-                "cross-attention is not supported",
-            ));
-        }
-        let declared_dtype = ["dtype", "torch_dtype"]
-            .iter()
-            .find_map(|key| field(key).and_then(Value::as_str).map(str::to_owned));
-        let token = |key: &str| -> Result<Option<u32>> {
-            field(key)
-                .map(|value| {
-                    as_count(path, key, value).and_then(|id| {
-                        u32::try_from(id).map_err(|_| config_error(path, key, "token id too large"))
-                    })
-                })
-                .transpose()
-        };
+        let layer_norm_epsilon = fields.positive_number("layer_norm_epsilon", 1e-5)?;
+        let activation = fields.activation()?;
+        let scale_attention = fields.flag("scale_attn_weights", true)?;
+        fields.refuse_unsupported_attention()?;
         Ok(Self {
-            layers,
-            hidden,
-            heads,
-            positions,
-            vocab_size,
+            layers: sizes.layers,
+            hidden: sizes.hidden,
+            heads: sizes.heads,
+            positions: sizes.positions,
+            vocab_size: sizes.vocab_size,
             inner,
             layer_norm_epsilon,
             activation,
             scale_attention,
-            declared_dtype,
-            bos_token: token("bos_token_id")?,
-            eos_token: token("eos_token_id")?,
+            declared_dtype: fields.declared_dtype(),
+            bos_token: fields.token("bos_token_id")?,
+            eos_token: fields.token("eos_token_id")?,
         })
     }
 
     /// Size of one attention head.
     pub fn head_dim(&self) -> usize {
         self.hidden / self.heads
+    }
+}
+
+/// The required sizes of a GPT-2 model, each at least 1, with the heads dividing the hidden
+/// size.
+struct ModelSizes {
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    positions: usize,
+    vocab_size: usize,
+}
+
+/// The members of a `config.json` object, read with the file's path for error messages.
+/// A member that is `null` counts as absent.
+struct ConfigFields<'a> {
+    path: &'a Path,
+    object: &'a serde_json::Map<String, Value>,
+}
+
+impl<'a> ConfigFields<'a> {
+    /// The value of `key`, unless it is absent or null.
+    fn get(&self, key: &str) -> Option<&'a Value> {
+        self.object.get(key).filter(|value| !value.is_null())
+    }
+
+    /// The error for member `key`.
+    fn error(&self, key: &str, reason: impl Into<String>) -> ModelError {
+        config_error(self.path, key, reason)
+    }
+
+    /// Refuses a `model_type` other than `"gpt2"` (an absent one is accepted).
+    fn check_model_type(&self) -> Result<()> {
+        match self.get("model_type") {
+            Some(model_type) if model_type.as_str() != Some("gpt2") => Err(self.error(
+                "model_type",
+                format!("expected \"gpt2\", found {model_type}"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// A non-negative integer member, if present.
+    fn count(&self, key: &str) -> Result<Option<usize>> {
+        self.get(key)
+            .map(|value| as_count(self.path, key, value))
+            .transpose()
+    }
+
+    /// A non-negative integer member that must be present.
+    fn required_count(&self, key: &str) -> Result<usize> {
+        self.count(key)?.ok_or_else(|| self.error(key, "missing"))
+    }
+
+    /// Reads the layer, hidden, head, position and vocabulary sizes, all required and
+    /// non-zero, and checks that the heads divide the hidden size.
+    fn model_sizes(&self) -> Result<ModelSizes> {
+        let sizes = ModelSizes {
+            layers: self.required_count("n_layer")?,
+            hidden: self.required_count("n_embd")?,
+            heads: self.required_count("n_head")?,
+            positions: self.required_count("n_positions")?,
+            vocab_size: self.required_count("vocab_size")?,
+        };
+        for (key, value) in [
+            ("n_layer", sizes.layers),
+            ("n_embd", sizes.hidden),
+            ("n_head", sizes.heads),
+            ("n_positions", sizes.positions),
+            ("vocab_size", sizes.vocab_size),
+        ] {
+            if value == 0 {
+                return Err(self.error(key, "must be at least 1"));
+            }
+        }
+        if !sizes.hidden.is_multiple_of(sizes.heads) {
+            return Err(self.error(
+                "n_head",
+                format!(
+                    "{} heads do not divide n_embd {}",
+                    sizes.heads, sizes.hidden
+                ),
+            ));
+        }
+        Ok(sizes)
+    }
+
+    /// A positive number member, `default` when absent.
+    fn positive_number(&self, key: &str, default: f64) -> Result<f64> {
+        match self.get(key) {
+            Some(value) => value
+                .as_f64()
+                .filter(|number| *number > 0.0)
+                .ok_or_else(|| {
+                    self.error(key, format!("expected a positive number, found {value}"))
+                }),
+            None => Ok(default),
+        }
+    }
+
+    /// The activation (`activation_function`, `gelu_new` when absent), which must be one of
+    /// the tanh GELU names.
+    fn activation(&self) -> Result<String> {
+        const KEY: &str = "activation_function";
+        let activation = match self.get(KEY) {
+            Some(value) => value
+                .as_str()
+                .ok_or_else(|| self.error(KEY, format!("expected a string, found {value}")))?
+                .to_owned(),
+            None => "gelu_new".to_owned(),
+        };
+        if !TANH_GELU_NAMES.contains(&activation.as_str()) {
+            return Err(self.error(
+                KEY,
+                format!(
+                    "unsupported activation {activation:?} (supported: {})",
+                    TANH_GELU_NAMES.join(", ")
+                ),
+            ));
+        }
+        Ok(activation)
+    }
+
+    /// A boolean member, `default` when absent.
+    fn flag(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(value) => value
+                .as_bool()
+                .ok_or_else(|| self.error(key, format!("expected true or false, found {value}"))),
+        }
+    }
+
+    /// Refuses the attention variants this implementation does not have: scaling by the
+    /// inverse layer index and cross-attention.
+    fn refuse_unsupported_attention(&self) -> Result<()> {
+        if self.flag("scale_attn_by_inverse_layer_idx", false)? {
+            return Err(self.error(
+                "scale_attn_by_inverse_layer_idx",
+                "scaling attention by the inverse layer index is not supported",
+            ));
+        }
+        if self.flag("add_cross_attention", false)? {
+            return Err(self.error("add_cross_attention", "cross-attention is not supported"));
+        }
+        Ok(())
+    }
+
+    /// The declared dtype: `dtype`, or `torch_dtype` in older files; ignored unless a string.
+    fn declared_dtype(&self) -> Option<String> {
+        ["dtype", "torch_dtype"]
+            .iter()
+            .find_map(|key| self.get(key).and_then(Value::as_str).map(str::to_owned))
+    }
+
+    /// A token id member, if present.
+    fn token(&self, key: &str) -> Result<Option<u32>> {
+        self.count(key)?
+            .map(|id| u32::try_from(id).map_err(|_| self.error(key, "token id too large")))
+            .transpose()
     }
 }
 
@@ -574,6 +635,22 @@ fn check_block(path: &Path, tensor: &str, input: usize, dtype: GgmlDType) -> Res
     })
 }
 
+/// Refuses a span whose layers run past the model's `layers`, or that holds nothing.
+fn check_span_fits(spec: &SpanSpec, layers: usize) -> Result<()> {
+    if spec.layers.end as usize > layers {
+        return Err(ModelError::InvalidSpan(format!(
+            "layers {}..{} do not fit a model of {} layers",
+            spec.layers.start, spec.layers.end, layers
+        )));
+    }
+    if spec.layers.is_empty() && !spec.embedding && !spec.head {
+        return Err(ModelError::InvalidSpan(
+            "a span must hold at least one layer, the embedding or the head".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Reads single tensors from the weights file, checking names and shapes.
 struct TensorReader<'a> {
     weights: &'a WeightsLayout,
@@ -688,6 +765,69 @@ impl TensorReader<'_> {
             bias: self.load(&format!("{prefix}.bias"), &[output])?,
         })
     }
+
+    /// Reads the LayerNorms and the four Conv1D layers of block `layer`.
+    fn load_block(&mut self, layer: usize, quantize_to: Option<GgmlDType>) -> Result<Block> {
+        let weights = self.weights;
+        let (hidden, inner) = (weights.config.hidden, weights.config.inner);
+        let name = |suffix: &str| weights.block_tensor_name(layer, suffix);
+        Ok(Block {
+            attention_norm: self.load_layer_norm(
+                &name("ln_1.weight"),
+                &name("ln_1.bias"),
+                hidden,
+            )?,
+            attention_input: self.load_linear(
+                &name("attn.c_attn"),
+                hidden,
+                3 * hidden,
+                quantize_to,
+            )?,
+            attention_output: self.load_linear(
+                &name("attn.c_proj"),
+                hidden,
+                hidden,
+                quantize_to,
+            )?,
+            mlp_norm: self.load_layer_norm(&name("ln_2.weight"), &name("ln_2.bias"), hidden)?,
+            mlp_input: self.load_linear(&name("mlp.c_fc"), hidden, inner, quantize_to)?,
+            mlp_output: self.load_linear(&name("mlp.c_proj"), inner, hidden, quantize_to)?,
+        })
+    }
+
+    /// Reads the final LayerNorm and the LM head. A tied head reuses `token_table` (the
+    /// embedding already read) when given; otherwise its matrix is read from the file.
+    fn load_head(
+        &mut self,
+        token_table: Option<&Tensor>,
+        quantize_to: Option<GgmlDType>,
+    ) -> Result<Head> {
+        let weights = self.weights;
+        let (hidden, vocab) = (weights.config.hidden, weights.config.vocab_size);
+        let norm = self.load_layer_norm(
+            &weights.tensor_name("ln_f.weight"),
+            &weights.tensor_name("ln_f.bias"),
+            hidden,
+        )?;
+        // The head's matrix is `[vocab, hidden]` (= `[output, input]`) whether it is the
+        // embedding table or a separate `lm_head.weight`.
+        let (name, table) = match (token_table, weights.tied_embeddings) {
+            (Some(table), true) => (weights.tensor_name("wte.weight"), table.clone()),
+            _ => {
+                let name = weights.head_tensor_name();
+                let table = self.load(&name, &[vocab, hidden])?;
+                (name, table)
+            }
+        };
+        let output = match quantize_to {
+            None => Projection::InputOutput(table.t()?),
+            Some(dtype) => {
+                check_block(&weights.path, &name, hidden, dtype)?;
+                self.quantize(&name, &table, dtype)?
+            }
+        };
+        Ok(Head { norm, output })
+    }
 }
 
 /// A weight matrix and how it multiplies.
@@ -787,29 +927,18 @@ impl Gpt2Span {
     /// embeddings stay f32.
     pub fn load(model: &Gpt2Model, spec: &SpanSpec) -> Result<Self> {
         let config = model.config();
-        if spec.layers.end as usize > config.layers {
-            return Err(ModelError::InvalidSpan(format!(
-                "layers {}..{} do not fit a model of {} layers",
-                spec.layers.start, spec.layers.end, config.layers
-            )));
-        }
-        if spec.layers.is_empty() && !spec.embedding && !spec.head {
-            return Err(ModelError::InvalidSpan(
-                "a span must hold at least one layer, the embedding or the head".into(),
-            ));
-        }
+        check_span_fits(spec, config.layers)?;
         let quantize_to = model
             .description()
             .requantises(spec.quantization)?
             .then_some(GgmlDType::Q8_0);
-        let (hidden, inner, vocab) = (config.hidden, config.inner, config.vocab_size);
+        let (hidden, vocab) = (config.hidden, config.vocab_size);
         let weights = &model.weights;
         let mut reader = model.tensor_reader()?;
 
-        let token_embedding_name = weights.tensor_name("wte.weight");
         let needs_token_table = spec.embedding || (spec.head && weights.tied_embeddings);
         let token_table = if needs_token_table {
-            Some(reader.load(&token_embedding_name, &[vocab, hidden])?)
+            Some(reader.load(&weights.tensor_name("wte.weight"), &[vocab, hidden])?)
         } else {
             None
         };
@@ -822,62 +951,12 @@ impl Gpt2Span {
         } else {
             None
         };
-
         let mut blocks = Vec::with_capacity(spec.layers.len() as usize);
         for layer in spec.layers.as_range() {
-            let name = |suffix: &str| weights.block_tensor_name(layer, suffix);
-            blocks.push(Block {
-                attention_norm: reader.load_layer_norm(
-                    &name("ln_1.weight"),
-                    &name("ln_1.bias"),
-                    hidden,
-                )?,
-                attention_input: reader.load_linear(
-                    &name("attn.c_attn"),
-                    hidden,
-                    3 * hidden,
-                    quantize_to,
-                )?,
-                attention_output: reader.load_linear(
-                    &name("attn.c_proj"),
-                    hidden,
-                    hidden,
-                    quantize_to,
-                )?,
-                mlp_norm: reader.load_layer_norm(
-                    &name("ln_2.weight"),
-                    &name("ln_2.bias"),
-                    hidden,
-                )?,
-                mlp_input: reader.load_linear(&name("mlp.c_fc"), hidden, inner, quantize_to)?,
-                mlp_output: reader.load_linear(&name("mlp.c_proj"), inner, hidden, quantize_to)?,
-            });
+            blocks.push(reader.load_block(layer, quantize_to)?);
         }
-
         let head = if spec.head {
-            let norm = reader.load_layer_norm(
-                &weights.tensor_name("ln_f.weight"),
-                &weights.tensor_name("ln_f.bias"),
-                hidden,
-            )?;
-            // The head's matrix is `[vocab, hidden]` (= `[output, input]`) whether it is the
-            // embedding table or a separate `lm_head.weight`.
-            let (name, table) = match (&token_table, weights.tied_embeddings) {
-                (Some(table), true) => (token_embedding_name.clone(), table.clone()),
-                _ => {
-                    let name = weights.head_tensor_name();
-                    let table = reader.load(&name, &[vocab, hidden])?;
-                    (name, table)
-                }
-            };
-            let output = match quantize_to {
-                None => Projection::InputOutput(table.t()?),
-                Some(dtype) => {
-                    check_block(&weights.path, &name, hidden, dtype)?;
-                    reader.quantize(&name, &table, dtype)?
-                }
-            };
-            Some(Head { norm, output })
+            Some(reader.load_head(token_table.as_ref(), quantize_to)?)
         } else {
             None
         };

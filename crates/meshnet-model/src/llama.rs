@@ -257,7 +257,6 @@ impl LlamaSpan {
     /// refused chunk (a wrong shape or position, no room in the cache) does not hold up the
     /// others. Results come in the order of `items`. A session may appear only once.
     pub fn forward_batch(&self, layers: LayerSpan, items: Vec<BatchItem>) -> Vec<Result<Tensor>> {
-        let width = self.hyper.hidden;
         if !self.layer_range.covers(layers) {
             let span = self.layer_range;
             return items
@@ -269,33 +268,42 @@ impl LlamaSpan {
                 })
                 .collect();
         }
-        let mut results: Vec<Option<Result<Tensor>>> = items.iter().map(|_| None).collect();
-        let mut parts = Vec::with_capacity(items.len());
-        let mut rows = Vec::new();
+        let mut batch = self.admit_batch(layers, items);
+        if !batch.parts.is_empty() {
+            let outcome = self.run_layers(layers, &mut batch.parts, &mut batch.rows);
+            batch.settle(outcome, self.hyper.hidden);
+        }
+        every_result(batch.results)
+    }
+
+    /// Reads each chunk's rows as f32 and, when `layers` is not empty, checks out its
+    /// session's cache and builds its rotary tables. A chunk refused on the way gets its error
+    /// as its result; with no layers to run, every chunk's result is its own rows.
+    fn admit_batch(&self, layers: LayerSpan, items: Vec<BatchItem>) -> AdmittedBatch<'_> {
+        let width = self.hyper.hidden;
+        let mut batch = AdmittedBatch {
+            results: items.iter().map(|_| None).collect(),
+            parts: Vec::with_capacity(items.len()),
+            rows: Vec::new(),
+        };
         for (index, item) in items.into_iter().enumerate() {
-            let prepared = hidden_tokens(&item.hidden, width).and_then(|tokens| {
-                Ok((
-                    tokens,
-                    values(&item.hidden.to_dtype(DType::F32)?.contiguous()?)?,
-                ))
-            });
-            let (tokens, chunk) = match prepared {
+            let (tokens, chunk) = match chunk_rows(&item.hidden, width) {
                 Ok(prepared) => prepared,
                 Err(error) => {
-                    results[index] = Some(Err(error));
+                    batch.results[index] = Some(Err(error));
                     continue;
                 }
             };
             if layers.is_empty() {
-                results[index] = Some(hidden_tensor(chunk, tokens, width));
+                batch.results[index] = Some(hidden_tensor(chunk, tokens, width));
                 continue;
             }
             // Checked before the rotary tables are built: their size grows with the
             // position, which a frame from the network declares.
             match self.cache.check_out(item.session, item.position, tokens) {
                 Ok(lease) => {
-                    rows.extend_from_slice(&chunk);
-                    parts.push(BatchPart {
+                    batch.rows.extend_from_slice(&chunk);
+                    batch.parts.push(BatchPart {
                         index,
                         tokens,
                         position: item.position,
@@ -303,42 +311,30 @@ impl LlamaSpan {
                         lease,
                     });
                 }
-                Err(error) => results[index] = Some(Err(error)),
+                Err(error) => batch.results[index] = Some(Err(error)),
             }
         }
-        if !parts.is_empty() {
-            let first = (layers.start - self.layer_range.start) as usize;
-            let selected = &self.layers[first..first + layers.len() as usize];
-            // The layers run on a thread of the compute pool, so the matmuls' own splits are
-            // cheap forks there rather than a hand-off from this thread and back each time.
-            let outcome = meshnet_kernels::on_compute_pool(|| {
-                for (offset, layer) in selected.iter().enumerate() {
-                    rows = self.layer_forward(
-                        layer,
-                        first + offset,
-                        &mut parts,
-                        std::mem::take(&mut rows),
-                    )?;
-                }
-                Ok(())
-            });
-            let succeeded = outcome.is_ok();
-            let mut failure = outcome.err();
-            let mut rest = rows.as_slice();
-            for part in parts {
-                let (own, after) = rest.split_at(part.tokens * width);
-                rest = after;
-                results[part.index] = Some(match failure.take() {
-                    None if succeeded => hidden_tensor(own.to_vec(), part.tokens, width),
-                    Some(error) => Err(error),
-                    None => Err(ModelError::PassFailed(
-                        "another session's chunk in the same pass failed".into(),
-                    )),
-                });
-                part.lease.finish(succeeded);
+        batch
+    }
+
+    /// Runs `layers` over the batch's `rows` (the parts' chunks one after another), each
+    /// layer's output feeding the next, leaving the last one's output in `rows`.
+    fn run_layers(
+        &self,
+        layers: LayerSpan,
+        parts: &mut [BatchPart<'_>],
+        rows: &mut Vec<f32>,
+    ) -> Result<()> {
+        let first = (layers.start - self.layer_range.start) as usize;
+        let selected = &self.layers[first..first + layers.len() as usize];
+        // The layers run on a thread of the compute pool, so the matmuls' own splits are
+        // cheap forks there rather than a hand-off from this thread and back each time.
+        meshnet_kernels::on_compute_pool(|| {
+            for (offset, layer) in selected.iter().enumerate() {
+                *rows = self.layer_forward(layer, first + offset, parts, std::mem::take(rows))?;
             }
-        }
-        every_result(results)
+            Ok(())
+        })
     }
 
     /// The rotary tables of a chunk of `tokens` starting at `position`, one per kind of layer.
@@ -485,6 +481,38 @@ struct BatchPart<'a> {
     lease: SessionLease<'a>,
 }
 
+/// The chunks of a batch once admitted: the results known before the pass (refused chunks),
+/// the parts that run, and the parts' hidden rows one after another.
+struct AdmittedBatch<'a> {
+    /// One per input chunk, in their order; `None` until known.
+    results: Vec<Option<Result<Tensor>>>,
+    parts: Vec<BatchPart<'a>>,
+    rows: Vec<f32>,
+}
+
+impl AdmittedBatch<'_> {
+    /// Gives each part its own rows of the pass's output, or, when the pass failed, the error
+    /// (to the first part; the others learn that another chunk failed), and puts its session
+    /// back.
+    fn settle(&mut self, outcome: Result<()>, width: usize) {
+        let succeeded = outcome.is_ok();
+        let mut failure = outcome.err();
+        let mut rest = self.rows.as_slice();
+        for part in self.parts.drain(..) {
+            let (own, after) = rest.split_at(part.tokens * width);
+            rest = after;
+            self.results[part.index] = Some(match failure.take() {
+                None if succeeded => hidden_tensor(own.to_vec(), part.tokens, width),
+                Some(error) => Err(error),
+                None => Err(ModelError::PassFailed(
+                    "another session's chunk in the same pass failed".into(),
+                )),
+            });
+            part.lease.finish(succeeded);
+        }
+    }
+}
+
 /// Rotates each session's queries and keys by its own positions, appends its keys and values
 /// to its cache for layer `index`, and attends over the cache: the batch's attention output,
 /// `[tokens, heads · head_dim]`.
@@ -559,6 +587,12 @@ fn last_row(hidden: &Tensor, width: usize) -> Result<Vec<f32>> {
 /// A tensor's values in row-major order, as f32.
 fn values(tensor: &Tensor) -> Result<Vec<f32>> {
     Ok(tensor.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// The number of tokens of a `[1, tokens, width]` chunk and its values as f32.
+fn chunk_rows(hidden: &Tensor, width: usize) -> Result<(usize, Vec<f32>)> {
+    let tokens = hidden_tokens(hidden, width)?;
+    Ok((tokens, values(&hidden.to_dtype(DType::F32)?.contiguous()?)?))
 }
 
 /// `[1, tokens, width]` from row-major values.
