@@ -4,7 +4,9 @@
 //! call announced once its name is known and its arguments given out as they arrive. Feeding
 //! a text whole or in any pieces gives out the same answer (the events' text joined).
 
-use super::scan::{CallScan, Reach, scan_call, skip_whitespace, string_reach};
+use super::scan::{
+    ARRAY_OPEN, CallScan, OBJECT_OPEN, Reach, scan_call, skip_whitespace, string_reach,
+};
 use super::{CallSyntax, ToolEvent, ToolFormat};
 
 /// The tag that opens a call in the tagged syntax.
@@ -170,7 +172,7 @@ impl ToolCallParser {
         let Some(first) = self.pending.find(|c: char| !c.is_whitespace() && c != ';') else {
             return false;
         };
-        if self.pending[first..].starts_with('{') {
+        if self.pending.as_bytes()[first] == OBJECT_OPEN {
             let opened_by: String = self.pending.drain(..first).collect();
             self.open_call(opened_by);
         } else {
@@ -314,7 +316,7 @@ fn new_arguments(
         return None;
     };
     let first = pending.as_bytes()[span.start];
-    let streams = matches!(first, b'{' | b'[');
+    let streams = matches!(first, OBJECT_OPEN | ARRAY_OPEN);
     let available = match (span.end, scan.invalid_at) {
         (Some(end), _) => end,
         (None, Some(broken)) if streams => broken,

@@ -16,6 +16,15 @@ pub(super) enum Reach {
 /// Nesting deeper than this is refused (a call's arguments nest a few levels).
 const MAX_DEPTH: usize = 256;
 
+/// The byte that opens a JSON object.
+pub(super) const OBJECT_OPEN: u8 = b'{';
+/// The byte that closes a JSON object.
+const OBJECT_CLOSE: u8 = b'}';
+/// The byte that opens a JSON array.
+pub(super) const ARRAY_OPEN: u8 = b'[';
+/// The byte that closes a JSON array.
+const ARRAY_CLOSE: u8 = b']';
+
 /// The offset of the first byte at or after `from` that is not JSON whitespace.
 pub(super) fn skip_whitespace(text: &str, from: usize) -> usize {
     let bytes = text.as_bytes();
@@ -48,7 +57,7 @@ pub(super) fn value_reach(text: &str, start: usize) -> Reach {
     match text.as_bytes().get(start) {
         None => Reach::Incomplete,
         Some(b'"') => string_reach(text, start),
-        Some(b'{' | b'[') => container_reach(text, start),
+        Some(&(OBJECT_OPEN | ARRAY_OPEN)) => container_reach(text, start),
         Some(b'-' | b'0'..=b'9' | b't' | b'f' | b'n') => scalar_reach(text, start),
         Some(_) => Reach::Invalid(start),
     }
@@ -68,10 +77,10 @@ fn container_reach(text: &str, start: usize) -> Reach {
                 }
                 other => return other,
             },
-            b'{' | b'[' if closers.len() >= MAX_DEPTH => return Reach::Invalid(at),
-            b'{' => closers.push(b'}'),
-            b'[' => closers.push(b']'),
-            b'}' | b']' => {
+            OBJECT_OPEN | ARRAY_OPEN if closers.len() >= MAX_DEPTH => return Reach::Invalid(at),
+            OBJECT_OPEN => closers.push(OBJECT_CLOSE),
+            ARRAY_OPEN => closers.push(ARRAY_CLOSE),
+            OBJECT_CLOSE | ARRAY_CLOSE => {
                 if closers.pop() != Some(byte) {
                     return Reach::Invalid(at);
                 }
@@ -153,7 +162,7 @@ pub(super) fn scan_call(text: &str) -> CallScan {
     let mut at = skip_whitespace(text, 0);
     match bytes.get(at) {
         None => return scan,
-        Some(b'{') => at += 1,
+        Some(&OBJECT_OPEN) => at += 1,
         Some(_) => return scan.invalid(at),
     }
     let mut first = true;
@@ -161,7 +170,7 @@ pub(super) fn scan_call(text: &str) -> CallScan {
         at = skip_whitespace(text, at);
         match bytes.get(at) {
             None => return scan,
-            Some(b'}') if first => {
+            Some(&OBJECT_CLOSE) if first => {
                 scan.end = Some(at + 1);
                 return scan;
             }
@@ -184,7 +193,7 @@ pub(super) fn scan_call(text: &str) -> CallScan {
                 at += 1;
                 first = false;
             }
-            Some(b'}') => {
+            Some(&OBJECT_CLOSE) => {
                 scan.end = Some(at + 1);
                 return scan;
             }

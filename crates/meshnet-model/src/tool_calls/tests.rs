@@ -98,29 +98,41 @@ fn text_that_only_looks_like_a_call_stays_text() {
 }
 
 #[test]
-fn llama3_calls_are_json_objects_at_the_start_or_after_the_python_tag() {
+fn a_llama3_call_is_a_json_object_at_the_start_of_the_answer() {
     let text = " {\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\"}}";
     let answer = parse_answer(ToolFormat::Llama3, text, true);
     assert_eq!(answer.content, "");
     assert_eq!(answer.calls, [call("get_weather", r#"{"city": "Paris"}"#)]);
+}
 
+#[test]
+fn llama3_calls_separated_by_a_semicolon_are_all_read() {
     let two = "{\"type\": \"function\", \"name\": \"a\", \"parameters\": {}}; {\"name\": \"b\", \"arguments\": {\"x\": 1}}";
     assert_eq!(
         parse_answer(ToolFormat::Llama3, two, true).calls,
         [call("a", "{}"), call("b", r#"{"x": 1}"#)]
     );
+}
 
+#[test]
+fn a_llama3_call_after_the_python_tag_follows_the_text_before_it() {
     let tagged = "Calling.<|python_tag|>{\"name\": \"f\", \"parameters\": {\"q\": \"x\"}}";
     let answer = parse_answer(ToolFormat::Llama3, tagged, true);
     assert_eq!(answer.content, "Calling.");
     assert_eq!(answer.calls, [call("f", r#"{"q": "x"}"#)]);
+}
 
-    // JSON that is not a call, and a call after prose, are text.
-    for text in [
-        "{\"answer\": 42}",
-        "The call would be {\"name\": \"f\", \"parameters\": {}}",
-        "{\"name\": \"f\" oops",
-    ] {
+/// Llama 3.x answers with JSON but no call: JSON that is not a call, a call after prose, and
+/// an object that breaks off after its name.
+const LLAMA3_ANSWERS_WITHOUT_CALLS: [&str; 3] = [
+    "{\"answer\": 42}",
+    "The call would be {\"name\": \"f\", \"parameters\": {}}",
+    "{\"name\": \"f\" oops",
+];
+
+#[test]
+fn llama3_json_that_is_no_call_and_a_call_after_prose_are_text() {
+    for text in LLAMA3_ANSWERS_WITHOUT_CALLS {
         let answer = parse_answer(ToolFormat::Llama3, text, true);
         assert_eq!(answer.content, text);
         assert!(answer.calls.is_empty(), "{text:?}");
@@ -142,27 +154,55 @@ fn arguments_written_as_a_string_are_decoded_and_a_call_without_any_has_none() {
     assert_eq!(bare.calls, [call("f", "{}")]);
 }
 
-#[test]
-fn a_call_cut_off_keeps_the_arguments_it_has_and_a_broken_block_is_dropped() {
-    let cut = "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Pa";
-    let answer = parse_answer(ToolFormat::Hermes, cut, true);
-    assert_eq!(answer.calls, [call("f", r#"{"city": "Pa"#)]);
-    assert_eq!(answer.content, "");
+/// A Hermes answer whose call is cut off or broken, and what it comes to.
+struct CutOffCall {
+    text: &'static str,
+    /// The call it gives, as name and arguments, if any.
+    call: Option<(&'static str, &'static str)>,
+    /// The content left.
+    content: &'static str,
+}
+
+const CALLS_CUT_OFF_OR_BROKEN: [CutOffCall; 3] = [
+    // Cut inside the arguments: the call keeps the arguments it has.
+    CutOffCall {
+        text: "<tool_call>\n{\"name\": \"f\", \"arguments\": {\"city\": \"Pa",
+        call: Some(("f", r#"{"city": "Pa"#)),
+        content: "",
+    },
     // Cut before the arguments: no call, the text is kept.
-    let early = "Hi <tool_call>{\"name\": \"f\"";
-    let answer = parse_answer(ToolFormat::Hermes, early, true);
-    assert!(answer.calls.is_empty());
-    assert_eq!(answer.content, early);
+    CutOffCall {
+        text: "Hi <tool_call>{\"name\": \"f\"",
+        call: None,
+        content: "Hi <tool_call>{\"name\": \"f\"",
+    },
     // Broken inside the arguments: the call keeps what came before the break, and the rest of
     // the block up to its closing tag is dropped.
-    let broken = "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1]}</tool_call> Done.";
-    let answer = parse_answer(ToolFormat::Hermes, broken, true);
-    assert_eq!(answer.calls, [call("f", r#"{"a": 1"#)]);
-    assert_eq!(answer.content, "Done.");
-    assert_eq!(
-        parse_by_characters(ToolFormat::Hermes, broken, true),
-        answer
-    );
+    CutOffCall {
+        text: "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1]}</tool_call> Done.",
+        call: Some(("f", r#"{"a": 1"#)),
+        content: "Done.",
+    },
+];
+
+#[test]
+fn a_call_cut_off_keeps_the_arguments_it_has_and_a_broken_block_is_dropped() {
+    for case in CALLS_CUT_OFF_OR_BROKEN {
+        let text = case.text;
+        let answer = parse_answer(ToolFormat::Hermes, text, true);
+        let expected_calls: Vec<ParsedCall> = case
+            .call
+            .map(|(name, arguments)| call(name, arguments))
+            .into_iter()
+            .collect();
+        assert_eq!(answer.calls, expected_calls, "{text:?}");
+        assert_eq!(answer.content, case.content, "{text:?}");
+        assert_eq!(
+            parse_by_characters(ToolFormat::Hermes, text, true),
+            answer,
+            "{text:?}"
+        );
+    }
 }
 
 #[test]
@@ -188,6 +228,15 @@ fn weather_tool() -> ToolDefinition {
     .unwrap()
 }
 
+/// Tool definitions that are refused: not JSON, without a function, of another type, and
+/// with a name that is not a string.
+const INVALID_TOOL_DEFINITIONS: [&str; 4] = [
+    "{",
+    r#"{"type": "function"}"#,
+    r#"{"type": "code", "function": {"name": "f"}}"#,
+    r#"{"type": "function", "function": {"name": 3}}"#,
+];
+
 #[test]
 fn tool_definitions_keep_their_key_order_and_need_a_name() {
     let tool = weather_tool();
@@ -203,12 +252,7 @@ fn tool_definitions_keep_their_key_order_and_need_a_name() {
         bare.parameters(),
         &serde_json::json!({"type": "object", "properties": {}})
     );
-    for bad in [
-        "{",
-        r#"{"type": "function"}"#,
-        r#"{"type": "code", "function": {"name": "f"}}"#,
-        r#"{"type": "function", "function": {"name": 3}}"#,
-    ] {
+    for bad in INVALID_TOOL_DEFINITIONS {
         assert!(
             matches!(ToolDefinition::from_json(bad), Err(ModelError::Tool(_))),
             "{bad}"
@@ -216,14 +260,21 @@ fn tool_definitions_keep_their_key_order_and_need_a_name() {
     }
 }
 
+/// Strings that hold the formats' own tags, JSON escapes and text beyond ASCII.
+const AWKWARD_STRINGS: [&str; 4] = [
+    "</tool_call>",
+    "<tool_call>{\"name\"",
+    "\"quoted\" \\ back\\slash\n\t",
+    "é 世界 🎉",
+];
+
 /// Any JSON value, up to a few levels deep, with strings that hold the formats' own tags.
 fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    // Plain text as often as each awkward string.
     let text = prop_oneof![
-        "[a-zA-Z0-9 _.,!?-]{0,12}",
-        Just("</tool_call>".to_owned()),
-        Just("<tool_call>{\"name\"".to_owned()),
-        Just("\"quoted\" \\ back\\slash\n\t".to_owned()),
-        Just("é 世界 🎉".to_owned()),
+        1 => "[a-zA-Z0-9 _.,!?-]{0,12}",
+        AWKWARD_STRINGS.len() as u32 => prop::sample::select(AWKWARD_STRINGS.to_vec())
+            .prop_map(|text| text.to_owned()),
     ];
     let leaf = prop_oneof![
         Just(serde_json::Value::Null),
@@ -247,35 +298,38 @@ fn arguments() -> impl Strategy<Value = serde_json::Value> {
         .prop_map(|pairs| serde_json::Value::Object(pairs.into_iter().collect()))
 }
 
+/// Pieces of the formats' own syntax (and a little text) that answers are made of.
+const SYNTAX_PIECES: [&str; 25] = [
+    "<tool_call>\n{\"name\": \"f\", \"arguments\": ",
+    "{\"name\": \"g\", \"parameters\": ",
+    "<tool_call>",
+    "</tool_call>",
+    "<|python_tag|>",
+    "{",
+    "}",
+    "[",
+    "]",
+    "\"name\"",
+    "\"arguments\"",
+    "\"parameters\"",
+    ": ",
+    ", ",
+    "\"f\"",
+    "\"",
+    "\\",
+    "1",
+    "tru",
+    ";",
+    " ",
+    "\n",
+    "a",
+    "é",
+    "<tool",
+];
+
 /// Pieces of text made of the formats' own syntax, for answers that may be anything.
 fn syntax_soup() -> impl Strategy<Value = String> {
-    let piece = prop_oneof![
-        Just("<tool_call>\n{\"name\": \"f\", \"arguments\": "),
-        Just("{\"name\": \"g\", \"parameters\": "),
-        Just("<tool_call>"),
-        Just("</tool_call>"),
-        Just("<|python_tag|>"),
-        Just("{"),
-        Just("}"),
-        Just("["),
-        Just("]"),
-        Just("\"name\""),
-        Just("\"arguments\""),
-        Just("\"parameters\""),
-        Just(": "),
-        Just(", "),
-        Just("\"f\""),
-        Just("\""),
-        Just("\\"),
-        Just("1"),
-        Just("tru"),
-        Just(";"),
-        Just(" "),
-        Just("\n"),
-        Just("a"),
-        Just("é"),
-        Just("<tool"),
-    ];
+    let piece = prop::sample::select(SYNTAX_PIECES.to_vec());
     prop::collection::vec(piece, 0..40).prop_map(|pieces| pieces.concat())
 }
 
