@@ -46,6 +46,8 @@ mod events;
 #[cfg(feature = "network")]
 mod freshness;
 #[cfg(feature = "network")]
+mod handle;
+#[cfg(feature = "network")]
 mod identity;
 #[cfg(feature = "network")]
 mod ids;
@@ -59,6 +61,8 @@ mod private;
 mod reach;
 #[cfg(feature = "network")]
 mod relays;
+#[cfg(feature = "network")]
+mod start;
 #[cfg(feature = "network")]
 mod traffic;
 #[cfg(feature = "network")]
@@ -82,14 +86,16 @@ pub use config::{P2pConfig, Role, TransportChoice};
 #[cfg(feature = "network")]
 pub use events::P2pEvent;
 #[cfg(feature = "network")]
+pub use handle::{IncomingHttpStreams, P2pHandle, P2pStream};
+#[cfg(feature = "network")]
 pub use identity::{IDENTITY_FILE_NAME, load_or_create_identity};
 #[cfg(feature = "network")]
 pub use ids::{libp2p_peer_id, mesh_peer_id, parse_peer_id};
 #[cfg(feature = "network")]
-pub use node::{IncomingHttpStreams, P2pHandle, P2pStream, spawn, spawn_registered};
-#[cfg(feature = "network")]
 pub use private::{is_quic, swarm_key_fingerprint};
 #[cfg(feature = "network")]
 pub use reach::{P2pPath, Reachability};
+#[cfg(feature = "network")]
+pub use start::{spawn, spawn_registered};
 #[cfg(feature = "network")]
 pub use traffic::GossipTraffic;
