@@ -10,8 +10,15 @@ use libp2p::identity::Keypair;
 use meshnet_p2p::TransportChoice;
 use meshnet_types::{PeerId, Quantization};
 
+use crate::error::PeerError;
 use crate::mesh_model::MeshModel;
 use crate::remote::FailoverPolicy;
+
+/// The shortest announcement interval a peer accepts.
+pub const MIN_ANNOUNCE_INTERVAL: Duration = Duration::from_millis(50);
+
+/// The longest timeout a peer accepts (a day).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
 
 /// How a peer is started.
 #[derive(Clone, Debug)]
@@ -135,5 +142,137 @@ impl PeerConfig {
             swarm_key: None,
             api_keys: None,
         }
+    }
+
+    /// Refuses settings outside what they can mean, naming the setting and its command-line
+    /// flag: a zero count, an announcement interval under [`MIN_ANNOUNCE_INTERVAL`], a timeout
+    /// over [`MAX_TIMEOUT`], an unusable verification policy. [`crate::start`] calls it first.
+    pub fn validate(&self) -> Result<(), PeerError> {
+        let invalid = |setting: &'static str, flag: Option<&'static str>, reason: String| {
+            Err(PeerError::InvalidSetting {
+                setting,
+                flag,
+                reason,
+            })
+        };
+        if self.announce_interval < MIN_ANNOUNCE_INTERVAL {
+            let got = self.announce_interval;
+            return invalid(
+                "announce_interval",
+                Some("announce-interval"),
+                format!(
+                    "must be at least {} s, got {} s",
+                    MIN_ANNOUNCE_INTERVAL.as_secs_f64(),
+                    got.as_secs_f64()
+                ),
+            );
+        }
+        for (setting, flag, count) in [
+            ("max_sessions", "max-sessions", self.max_sessions),
+            (
+                "max_batch_tokens",
+                "max-batch-tokens",
+                self.max_batch_tokens,
+            ),
+            (
+                "prefill_in_flight",
+                "prefill-chunks-in-flight",
+                self.prefill_in_flight,
+            ),
+            (
+                "failover.attempts",
+                "failover-attempts",
+                self.failover.attempts as usize,
+            ),
+            ("kv_tokens", "kv-tokens", self.kv_tokens as usize),
+        ] {
+            if count == 0 {
+                return invalid(setting, Some(flag), "must be at least 1".to_owned());
+            }
+        }
+        for (setting, flag, timeout) in [
+            (
+                "failover.recover_timeout",
+                Some("recover-timeout"),
+                self.failover.recover_timeout,
+            ),
+            ("leave_timeout", Some("leave-timeout"), self.leave_timeout),
+            ("queue_timeout", Some("queue-timeout"), self.queue_timeout),
+            ("drain_timeout", None, self.drain_timeout),
+        ] {
+            if timeout > MAX_TIMEOUT {
+                let seconds = timeout.as_secs_f64();
+                return invalid(
+                    setting,
+                    flag,
+                    format!("must be at most a day (86400 s), got {seconds} s"),
+                );
+            }
+        }
+        if let Err(reason) = self.verify.validate() {
+            return invalid("verify", Some("verify-sample"), reason);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> PeerConfig {
+        PeerConfig::new("model.gguf".into(), "data".into())
+    }
+
+    fn refusal(config: &PeerConfig) -> String {
+        config.validate().unwrap_err().to_string()
+    }
+
+    #[test]
+    fn the_defaults_are_valid() {
+        config().validate().unwrap();
+    }
+
+    #[test]
+    fn a_setting_outside_what_it_can_mean_is_refused_by_name_and_flag() {
+        let mut zero_sessions = config();
+        zero_sessions.max_sessions = 0;
+        assert_eq!(
+            refusal(&zero_sessions),
+            "max_sessions (--max-sessions) must be at least 1"
+        );
+        let mut zero_chunks = config();
+        zero_chunks.prefill_in_flight = 0;
+        assert_eq!(
+            refusal(&zero_chunks),
+            "prefill_in_flight (--prefill-chunks-in-flight) must be at least 1"
+        );
+        let mut fast = config();
+        fast.announce_interval = Duration::from_millis(49);
+        assert_eq!(
+            refusal(&fast),
+            "announce_interval (--announce-interval) must be at least 0.05 s, got 0.049 s"
+        );
+        let mut long_drain = config();
+        long_drain.drain_timeout = MAX_TIMEOUT + Duration::from_secs(1);
+        assert_eq!(
+            refusal(&long_drain),
+            "drain_timeout must be at most a day (86400 s), got 86401 s"
+        );
+        let mut sample = config();
+        sample.verify.sample_rate = 2.0;
+        assert_eq!(
+            refusal(&sample),
+            "verify (--verify-sample) the verification sample rate must be between 0 and 1, not 2"
+        );
+    }
+
+    #[test]
+    fn the_bounds_themselves_are_valid() {
+        let mut edge = config();
+        edge.announce_interval = MIN_ANNOUNCE_INTERVAL;
+        edge.queue_timeout = MAX_TIMEOUT;
+        edge.max_sessions = 1;
+        edge.validate().unwrap();
     }
 }

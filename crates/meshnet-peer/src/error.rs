@@ -6,6 +6,16 @@ pub enum PeerError {
     /// The configuration or the model cannot be used as asked.
     #[error("{0}")]
     Config(String),
+    /// A setting of [`crate::PeerConfig`] is outside what it can mean.
+    #[error("{setting}{} {reason}", .flag.map(|flag| format!(" (--{flag})")).unwrap_or_default())]
+    InvalidSetting {
+        /// The field of the configuration.
+        setting: &'static str,
+        /// The command-line flag that sets it, if one does.
+        flag: Option<&'static str>,
+        /// What is wrong with its value.
+        reason: String,
+    },
     /// Reading or writing a file or socket failed.
     #[error("{what}: {source}")]
     Io {

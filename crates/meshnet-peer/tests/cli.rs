@@ -253,7 +253,7 @@ fn bad_run_settings_give_a_clear_message_and_no_panic() {
         "--data-dir",
         data,
     ];
-    let cases: [(&[&str], &str); 9] = [
+    let cases: [(&[&str], &str); 13] = [
         (
             &["--verify-sample", "1.5"],
             "sample rate must be between 0 and 1, not 1.5",
@@ -269,6 +269,19 @@ fn bad_run_settings_give_a_clear_message_and_no_panic() {
         (&["--quantization", "q9"], "unknown quantization"),
         (&["--model", "/nonexistent/model.gguf"], "does not exist"),
         (&["--announce-interval", "0"], "at least 0.05"),
+        (
+            &["--max-sessions", "0"],
+            "--max-sessions) must be at least 1",
+        ),
+        (&["--kv-tokens", "0"], "--kv-tokens) must be at least 1"),
+        (
+            &["--queue-timeout", "90000"],
+            "--queue-timeout) must be at most a day",
+        ),
+        (
+            &["--leave-timeout=-1"],
+            "--leave-timeout must be a number of seconds, at least 0",
+        ),
     ];
     for (args, expected) in cases {
         let output = peer().args(common).args(args).output().expect("runs");
