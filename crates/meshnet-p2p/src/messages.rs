@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::P2pError;
 
 /// Version of the control message schema; part of every envelope and topic name.
-pub const SCHEMA_VERSION: u16 = 3;
+pub const SCHEMA_VERSION: u16 = 4;
 
 /// Largest encoded control message accepted or produced, in bytes (1 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
@@ -102,6 +102,9 @@ pub struct CoverageMessage {
     pub num_layers: u32,
     /// Who holds which layers.
     pub map: CoverageMap,
+    /// How often the tracker asks members to announce, in milliseconds: longer in a larger
+    /// mesh, so the announcements each member hears per second stay bounded.
+    pub announce_interval_ms: u64,
 }
 
 /// Directives from the tracker to one peer.
@@ -257,13 +260,13 @@ mod tests {
 
     #[test]
     fn topic_names_carry_schema_version_and_model() {
-        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/3/m/announce");
-        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/3/m/coverage");
+        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/4/m/announce");
+        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/4/m/coverage");
         assert_eq!(
             topic_name("m", TopicKind::Directives),
-            "meshnet/3/m/directives"
+            "meshnet/4/m/directives"
         );
-        assert_eq!(tracker_record_key("m"), "meshnet/3/m/tracker");
+        assert_eq!(tracker_record_key("m"), "meshnet/4/m/tracker");
     }
 
     #[test]
@@ -285,6 +288,7 @@ mod tests {
                     state: SpanState::Loading,
                 }],
             },
+            announce_interval_ms: 5000,
         };
         let bytes = encode(&coverage).unwrap();
         assert_eq!(decode::<CoverageMessage>(&bytes).unwrap(), coverage);
@@ -304,13 +308,13 @@ mod tests {
             matches!(
                 error,
                 P2pError::SchemaVersion {
-                    expected: 3,
-                    found: 4
+                    expected: 4,
+                    found: 5
                 }
             ),
             "{error}"
         );
-        assert!(error.to_string().contains("version 4") && error.to_string().contains("version 3"));
+        assert!(error.to_string().contains("version 5") && error.to_string().contains("version 4"));
     }
 
     #[test]

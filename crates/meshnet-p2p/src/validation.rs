@@ -394,6 +394,7 @@ mod tests {
             sequence: 1,
             num_layers: 4,
             map: CoverageMap::empty(1),
+            announce_interval_ms: 2000,
         }
     }
 

@@ -192,6 +192,7 @@ fn coverage(holder: PeerId, epoch: u64) -> CoverageMessage {
                 state: SpanState::Ready,
             }],
         },
+        announce_interval_ms: 2000,
     }
 }
 

@@ -180,6 +180,7 @@ fn coverage() -> impl Strategy<Value = CoverageMessage> {
                     sequence,
                     num_layers,
                     map,
+                    announce_interval_ms: sequence.rotate_left(7),
                 }
             },
         )
@@ -288,12 +289,100 @@ proptest! {
     }
 }
 
+/// One realistic message of each kind: what the fuzz target's seeds encode.
+fn seed_messages() -> Vec<(&'static str, Vec<u8>)> {
+    let holder = PlannerPeerId::from("12D3KooWHolder");
+    let span = SpanStatus {
+        layers: LayerSpan::new(10, 20),
+        quantization: Quantization::Q4_1,
+        state: SpanState::Ready,
+    };
+    let announcement = PeerAnnouncement {
+        peer: holder.clone(),
+        model_id: "smollm2-135m-instruct".into(),
+        software_version: "0.1.0".into(),
+        wire_version: 1,
+        http_endpoints: vec!["http://10.0.0.2:8080".into()],
+        p2p_addresses: vec!["/ip4/10.0.0.2/tcp/4001".into()],
+        memory_bytes: 1 << 30,
+        quantizations: vec![Quantization::Q4_1, Quantization::Q8_0],
+        throughput: 120.5,
+        kv_tokens: 2048,
+        span: Some(span.clone()),
+        free_kv_tokens: 1900,
+        active_sessions: 2,
+        is_tracker: false,
+        forward_latency_ms: 3.25,
+        leaving: false,
+        tracker_capable: true,
+        sent_at_unix_ms: 1_796_000_000_000,
+        tracker_silent_ms: Some(400),
+    };
+    let coverage = CoverageMessage {
+        model_id: "smollm2-135m-instruct".into(),
+        term: 2,
+        succession: vec![holder.clone()],
+        tracker_http: "http://10.0.0.1:8080".into(),
+        epoch: 7,
+        sequence: 42,
+        num_layers: 30,
+        map: CoverageMap {
+            epoch: 7,
+            holdings: vec![ShardHolding {
+                peer: holder.clone(),
+                layers: span.layers,
+                quantization: span.quantization,
+                state: SpanState::Ready,
+            }],
+        },
+        announce_interval_ms: 2000,
+    };
+    let directive = DirectiveMessage {
+        model_id: "smollm2-135m-instruct".into(),
+        target: holder.clone(),
+        term: 2,
+        epoch: 7,
+        sequence: 43,
+        directives: vec![Directive::LoadShard {
+            peer: holder.clone(),
+            layers: span.layers,
+            quantization: span.quantization,
+        }],
+        span_after: Some(span),
+    };
+    let record = TrackerRecord {
+        peer: PlannerPeerId::from("12D3KooWTracker"),
+        addresses: vec!["/ip4/10.0.0.1/tcp/4001".into()],
+        http_endpoint: "http://10.0.0.1:8080".into(),
+        epoch: 7,
+        term: 2,
+        model_id: "smollm2-135m-instruct".into(),
+    };
+    vec![
+        ("announcement", encode(&announcement).unwrap()),
+        ("coverage", encode(&coverage).unwrap()),
+        ("directive", encode(&directive).unwrap()),
+        ("tracker_record", encode(&record).unwrap()),
+    ]
+}
+
 /// The fuzz target's seeds are messages of the current schema, so the fuzzer starts from inputs
-/// that decode all the way.
+/// that decode all the way. `MESHNET_WRITE_FUZZ_SEEDS=1` rewrites them after a schema change.
 #[test]
 fn the_fuzz_seeds_are_current_messages() {
     let seeds =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/seeds/control_decode");
+    let rewrite = std::env::var_os("MESHNET_WRITE_FUZZ_SEEDS").is_some();
+    for (name, bytes) in seed_messages() {
+        if rewrite {
+            std::fs::write(seeds.join(name), &bytes).unwrap();
+        }
+        let stored = std::fs::read(seeds.join(name)).unwrap();
+        assert_eq!(
+            stored, bytes,
+            "fuzz/seeds/control_decode/{name} is out of date"
+        );
+    }
     let read = |name: &str| std::fs::read(seeds.join(name)).unwrap();
     decode::<PeerAnnouncement>(&read("announcement")).unwrap();
     decode::<CoverageMessage>(&read("coverage")).unwrap();

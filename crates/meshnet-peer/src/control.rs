@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::error::PeerError;
 use crate::locking::lock;
-use crate::member::Member;
+use crate::member::{Member, MeshView};
 use crate::rejections::RejectionReport;
 use crate::shard::ShardTarget;
 use crate::tracker::TrackerBook;
@@ -21,6 +21,16 @@ const REPLAN_DEBOUNCE: Duration = Duration::from_millis(150);
 
 /// The longest pause between two reaps of idle sessions and drained spans.
 const REAP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The most a tracker may stretch a member's announcement interval, as a multiple of the
+/// member's own (a thousand members at the scaling of [`crate::tracker`]).
+const MAX_INTERVAL_STRETCH: u32 = 25;
+
+/// The interval a member announces at when its tracker advertises `advertised_ms`: never
+/// below its own `base` (0 means none advertised) and at most [`MAX_INTERVAL_STRETCH`] times it.
+fn followed_interval(advertised_ms: u64, base: Duration) -> Duration {
+    Duration::from_millis(advertised_ms).clamp(base, base * MAX_INTERVAL_STRETCH)
+}
 
 /// One span load at a time; the latest request waits its turn.
 #[derive(Default)]
@@ -118,7 +128,11 @@ pub(crate) struct ControlLoop {
     /// Set when the member cannot go on.
     failed: watch::Sender<Option<String>>,
     member: Arc<Member>,
+    /// Publishes what the member knows of the mesh; this loop is its only writer.
+    view: watch::Sender<MeshView>,
     p2p: P2pHandle,
+    /// The member's own announcement interval: the tracker's heartbeat and the silence after
+    /// which a tracker is missed are counted in it.
     announce_interval: Duration,
     loader: Loader,
     /// The best measured speed per format, behind the announced throughput.
@@ -133,9 +147,11 @@ pub(crate) struct ControlLoop {
 }
 
 impl ControlLoop {
-    /// A loop for `member`, reporting a fatal condition on `failed`.
+    /// A loop for `member`, publishing its view of the mesh on `view` and reporting a fatal
+    /// condition on `failed`.
     pub(crate) fn new(
         member: Arc<Member>,
+        view: watch::Sender<MeshView>,
         p2p: P2pHandle,
         announce_interval: Duration,
         failed: watch::Sender<Option<String>>,
@@ -146,6 +162,7 @@ impl ControlLoop {
         ControlLoop {
             failed,
             member,
+            view,
             p2p,
             announce_interval,
             loader: Loader::default(),
@@ -210,8 +227,20 @@ impl ControlLoop {
                     self.plan_round(&load_tx).await;
                 }
             }
+            let every = self.announce_every();
+            if announce.period() != every {
+                tracing::info!(?every, "announcing at the tracker's interval");
+                announce = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+                announce.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            }
         }
         tracing::debug!(peer = %self.member.peer_id, "control loop stopped");
+    }
+
+    /// How often this member announces: its own interval, or the longer one its tracker
+    /// advertises for a large mesh.
+    fn announce_every(&self) -> Duration {
+        self.view.borrow().announce_every
     }
 
     /// Handles one control-plane event.
@@ -219,8 +248,10 @@ impl ControlLoop {
         match event {
             P2pEvent::Announcement { announcement, .. } => {
                 let now = Instant::now();
-                lock(&self.member.seen)
-                    .insert(announcement.peer.clone(), (announcement.clone(), now));
+                self.view.send_modify(|view| {
+                    std::sync::Arc::make_mut(&mut view.seen)
+                        .insert(announcement.peer.clone(), (announcement.clone(), now));
+                });
                 if let Some(planning) = &mut self.planning
                     && lock(&planning.book).observe(announcement, now)
                 {
@@ -234,12 +265,16 @@ impl ControlLoop {
             P2pEvent::TrackerDiscovered(record) => {
                 tracing::info!(tracker = %record.peer, term = record.term, http = %record.http_endpoint, "tracker found");
                 // A record finds a tracker; only coverage maps set the term.
-                let mut following = lock(&self.member.following);
-                if following.tracker.is_none() {
+                self.view.send_if_modified(|view| {
+                    let following = &mut view.following;
+                    if following.tracker.is_some() {
+                        return false;
+                    }
                     following.tracker = Some(record.peer);
                     following.tracker_http = Some(record.http_endpoint);
                     following.heard_at = Some(Instant::now());
-                }
+                    true
+                });
             }
             P2pEvent::Rejected {
                 from,
@@ -304,17 +339,20 @@ impl ControlLoop {
             self.planning = None;
             self.member.set_role(None);
         }
-        let mut following = lock(&self.member.following);
-        if following.tracker.as_ref() != Some(&from) {
-            tracing::info!(tracker = %from, term = coverage.term, "following tracker");
-        }
-        following.tracker = Some(from);
-        following.tracker_http = Some(coverage.tracker_http.clone());
-        following.term = coverage.term;
-        following.succession = coverage.succession.clone();
-        following.heard_at = Some(Instant::now());
-        drop(following);
-        *lock(&self.member.coverage) = Some(coverage);
+        let every = followed_interval(coverage.announce_interval_ms, self.announce_interval);
+        self.view.send_modify(|view| {
+            let following = &mut view.following;
+            if following.tracker.as_ref() != Some(&from) {
+                tracing::info!(tracker = %from, term = coverage.term, "following tracker");
+            }
+            following.tracker = Some(from);
+            following.tracker_http = Some(coverage.tracker_http.clone());
+            following.term = coverage.term;
+            following.succession = coverage.succession.clone();
+            following.heard_at = Some(Instant::now());
+            view.coverage = Some(Arc::new(coverage));
+            view.announce_every = every;
+        });
     }
 
     /// Takes the tracker role when the tracker has been silent long enough and this member
@@ -328,7 +366,7 @@ impl ControlLoop {
         {
             return;
         }
-        let following = lock(&member.following).clone();
+        let following = self.view.borrow().following.clone();
         let (Some(tracker), Some(heard_at)) = (following.tracker.clone(), following.heard_at)
         else {
             return;
@@ -336,43 +374,8 @@ impl ControlLoop {
         let now = Instant::now();
         let silence = now.duration_since(heard_at);
         let timeout = self.announce_interval * 3;
-        // The peers of the tracker's last map, the tracker aside: who must be heard for a
-        // majority.
-        let members: Vec<PeerId> = {
-            let coverage = lock(&member.coverage);
-            let mut peers: Vec<PeerId> = coverage
-                .as_ref()
-                .map(|c| c.map.holdings.iter().map(|h| h.peer.clone()).collect())
-                .unwrap_or_default();
-            peers.retain(|peer| *peer != tracker);
-            peers.sort();
-            peers.dedup();
-            peers
-        };
-        let (rank, quorum) = {
-            let seen = lock(&member.seen);
-            let alive = |peer: &PeerId| {
-                *peer == member.peer_id
-                    || seen.get(peer).is_some_and(|(announcement, at)| {
-                        !announcement.leaving && now.duration_since(*at) <= timeout
-                    })
-            };
-            // The majority must miss the tracker too, not just be heard.
-            let backs_the_claim = |peer: &PeerId| {
-                alive(peer)
-                    && (*peer == member.peer_id
-                        || seen.get(peer).is_some_and(|(announcement, _)| {
-                            crate::election::vouches_for_silence(
-                                announcement.tracker_silent_ms.map(Duration::from_millis),
-                                timeout,
-                            )
-                        }))
-            };
-            (
-                crate::election::rank(&following.succession, &member.peer_id, alive),
-                crate::election::has_quorum(&members, backs_the_claim),
-            )
-        };
+        let members = self.members_of_last_map(&tracker);
+        let (rank, quorum) = self.standing(&following.succession, &members, now, timeout);
         let Some(rank) = rank else {
             return;
         };
@@ -380,16 +383,7 @@ impl ControlLoop {
             return;
         }
         if !quorum {
-            if self.cut_off_warned != Some(heard_at) {
-                self.cut_off_warned = Some(heard_at);
-                tracing::warn!(
-                    %tracker,
-                    silent_ms = silence.as_millis() as u64,
-                    members = members.len(),
-                    "the tracker went silent, but too few of the others are heard missing it \
-                     too for this member to take over (cut off from the mesh?)"
-                );
-            }
+            self.warn_cut_off(&tracker, heard_at, silence, members.len());
             return;
         }
         let term = following.term + 1;
@@ -403,8 +397,83 @@ impl ControlLoop {
         if let Err(error) = self.take_over(term).await {
             tracing::error!(%error, "taking over as tracker failed");
             // Try again one timeout later, unless someone else claims first.
-            lock(&self.member.following).heard_at = Some(Instant::now());
+            self.view
+                .send_modify(|view| view.following.heard_at = Some(Instant::now()));
         }
+    }
+
+    /// The peers of the tracker's last map, `tracker` aside: who must be heard for a majority.
+    fn members_of_last_map(&self, tracker: &PeerId) -> Vec<PeerId> {
+        let view = self.view.borrow();
+        let mut peers: Vec<PeerId> = view
+            .coverage
+            .as_ref()
+            .map(|c| c.map.holdings.iter().map(|h| h.peer.clone()).collect())
+            .unwrap_or_default();
+        peers.retain(|peer| peer != tracker);
+        peers.sort();
+        peers.dedup();
+        peers
+    }
+
+    /// This member's rank in `succession` among the members heard at `now`, and whether most
+    /// of `members` are heard missing the tracker for `timeout` too. A member counts as heard
+    /// when its last announcement (at the interval it announces at) is three intervals old at
+    /// most.
+    fn standing(
+        &self,
+        succession: &[PeerId],
+        members: &[PeerId],
+        now: Instant,
+        timeout: Duration,
+    ) -> (Option<usize>, bool) {
+        let member = &self.member;
+        let heard_within = self.announce_every() * 3;
+        let view = self.view.borrow();
+        let seen = &view.seen;
+        let alive = |peer: &PeerId| {
+            *peer == member.peer_id
+                || seen.get(peer).is_some_and(|(announcement, at)| {
+                    !announcement.leaving && now.duration_since(*at) <= heard_within
+                })
+        };
+        // The majority must miss the tracker too, not just be heard.
+        let backs_the_claim = |peer: &PeerId| {
+            alive(peer)
+                && (*peer == member.peer_id
+                    || seen.get(peer).is_some_and(|(announcement, _)| {
+                        crate::election::vouches_for_silence(
+                            announcement.tracker_silent_ms.map(Duration::from_millis),
+                            timeout,
+                        )
+                    }))
+        };
+        (
+            crate::election::rank(succession, &member.peer_id, alive),
+            crate::election::has_quorum(members, backs_the_claim),
+        )
+    }
+
+    /// Says once per silence (`heard_at`) that `tracker` went silent but too few of the
+    /// `members` are heard missing it for this member to take over.
+    fn warn_cut_off(
+        &mut self,
+        tracker: &PeerId,
+        heard_at: Instant,
+        silence: Duration,
+        members: usize,
+    ) {
+        if self.cut_off_warned == Some(heard_at) {
+            return;
+        }
+        self.cut_off_warned = Some(heard_at);
+        tracing::warn!(
+            %tracker,
+            silent_ms = silence.as_millis() as u64,
+            members,
+            "the tracker went silent, but too few of the others are heard missing it \
+             too for this member to take over (cut off from the mesh?)"
+        );
     }
 
     /// Becomes the tracker of `term`: a book rebuilt from the announcements heard, an engine
@@ -423,22 +492,26 @@ impl ControlLoop {
             let mut book = lock(&parts.book);
             book.set_term(term);
             book.set_own_span(member.host.entry_span_status());
-            let tracker = lock(&member.following).tracker.clone();
-            for (peer, (announcement, at)) in lock(&member.seen).iter() {
-                if Some(peer) != tracker.as_ref() {
+            let view = self.view.borrow();
+            for (peer, (announcement, at)) in view.seen.iter() {
+                if Some(peer) != view.following.tracker.as_ref() {
                     book.observe(announcement.clone(), *at);
                 }
             }
         }
         self.p2p.take_tracker_role(term).await?;
-        {
-            let mut following = lock(&member.following);
+        self.view.send_modify(|view| {
+            let following = &mut view.following;
             following.tracker = Some(member.peer_id.clone());
             following.tracker_http = Some(member.public_url());
             following.term = term;
             following.heard_at = Some(Instant::now());
-        }
+        });
         self.planning = Some(Planning::new(Arc::clone(&parts.book)));
+        // The tracker's timer runs at the base interval: it plans, expires and sends its
+        // heartbeat on it.
+        let base = self.announce_interval;
+        self.view.send_modify(|view| view.announce_every = base);
         member.set_role(Some(parts));
         // Directives from the old tracker no longer apply; the new one's sequence numbers
         // start from its own clock.
@@ -560,7 +633,9 @@ impl ControlLoop {
             self.request_span(Some(entry), load_tx);
         }
         let epoch = outcome.coverage.epoch;
-        *lock(&self.member.coverage) = Some(outcome.coverage.clone());
+        let published = Arc::new(outcome.coverage.clone());
+        self.view
+            .send_modify(|view| view.coverage = Some(published));
         let now = tokio::time::Instant::now();
         // A tick comes every announcement interval; the heartbeat allows a little jitter.
         let heartbeat = self.announce_interval.mul_f64(0.9);
@@ -651,6 +726,7 @@ mod tests {
             sequence,
             num_layers: 30,
             map: CoverageMap::empty(epoch),
+            announce_interval_ms: 2000,
         }
     }
 

@@ -52,6 +52,39 @@ pub(crate) struct Following {
     pub(crate) heard_at: Option<Instant>,
 }
 
+/// What a member knows of the mesh at one moment: the tracker it follows, that tracker's
+/// latest coverage map, and the latest announcement of every member heard. The control loop
+/// is its only writer and publishes each change as a new snapshot; everyone else reads
+/// snapshots, so a reader never sees a new tracker beside an old map.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct MeshView {
+    /// The tracker followed, its term and succession list.
+    pub(crate) following: Following,
+    /// The coverage map: the tracker's own, or the last one received.
+    pub(crate) coverage: Option<Arc<CoverageMessage>>,
+    /// The latest announcement of every member heard, and when it arrived.
+    pub(crate) seen: Arc<BTreeMap<PeerId, (PeerAnnouncement, Instant)>>,
+    /// How often this member announces: its own interval, or the longer one its tracker
+    /// advertises for a large mesh.
+    pub(crate) announce_every: Duration,
+}
+
+impl MeshView {
+    /// The view of a member that starts as the tracker (`peer_id`, term 1) or as a peer that
+    /// knows nobody yet, announcing every `announce_interval`.
+    pub(crate) fn at_start(tracker: bool, peer_id: &PeerId, announce_interval: Duration) -> Self {
+        MeshView {
+            following: Following {
+                tracker: tracker.then(|| peer_id.clone()),
+                term: u64::from(tracker),
+                ..Following::default()
+            },
+            announce_every: announce_interval,
+            ..MeshView::default()
+        }
+    }
+}
+
 /// Settings a member needs if it takes the tracker role later.
 pub(crate) struct Settings {
     /// Seconds between announcements; three silent ones end a peer (or the tracker).
@@ -99,12 +132,8 @@ pub(crate) struct Member {
     pub(crate) offer: Offer,
     /// Tokens per second through the span held now, from the best measurement of its format.
     pub(crate) throughput: Mutex<f64>,
-    /// The coverage map: the tracker's own, or the last one received.
-    pub(crate) coverage: Mutex<Option<CoverageMessage>>,
-    /// The tracker this member follows, its term and succession list.
-    pub(crate) following: Mutex<Following>,
-    /// The latest announcement of every member heard, and when it arrived.
-    pub(crate) seen: Mutex<BTreeMap<PeerId, (PeerAnnouncement, Instant)>>,
+    /// What it knows of the mesh, as the control loop last published it.
+    pub(crate) view: tokio::sync::watch::Receiver<MeshView>,
     /// libp2p addresses it listens on.
     pub(crate) p2p_addrs: Mutex<Vec<String>>,
     /// Gossip messages and peers refused.
@@ -142,6 +171,11 @@ fn next_announcement_time(last: &AtomicU64, now_ms: u64) -> u64 {
 pub(crate) const RECENT_REJECTIONS: usize = 16;
 
 impl Member {
+    /// A snapshot of what this member knows of the mesh now.
+    pub(crate) fn view(&self) -> MeshView {
+        self.view.borrow().clone()
+    }
+
     /// The tracker's parts, when this member is the tracker.
     pub(crate) fn tracker_parts(&self) -> Option<TrackerParts> {
         match &*self.role.read().unwrap_or_else(PoisonError::into_inner) {
@@ -181,13 +215,17 @@ impl Member {
         if self.is_tracker() {
             return Some(self.public_url());
         }
-        let following = lock(&self.following).clone();
-        let tracker = following.tracker?;
-        if let Some(url) = following.tracker_http.filter(|url| !url.is_empty()) {
-            return Some(url);
+        let view = self.view.borrow();
+        let tracker = view.following.tracker.as_ref()?;
+        if let Some(url) = view
+            .following
+            .tracker_http
+            .as_ref()
+            .filter(|url| !url.is_empty())
+        {
+            return Some(url.clone());
         }
-        let seen = lock(&self.seen);
-        let (announcement, _) = seen.get(&tracker)?;
+        let (announcement, _) = view.seen.get(tracker)?;
         announcement.http_endpoints.first().cloned()
     }
 
@@ -211,16 +249,17 @@ impl Member {
 
     /// The tracker this member follows now, if it found one.
     pub(crate) fn followed_tracker(&self) -> Option<PeerId> {
-        lock(&self.following).tracker.clone()
+        self.view.borrow().following.tracker.clone()
     }
 
     /// Whether `peer` is a member of the mesh: this member's tracker, or a holder in the
     /// latest coverage map. Only members may send activations over libp2p.
     pub(crate) fn is_mesh_member(&self, peer: &PeerId) -> bool {
-        if lock(&self.following).tracker.as_ref() == Some(peer) {
+        let view = self.view.borrow();
+        if view.following.tracker.as_ref() == Some(peer) {
             return true;
         }
-        lock(&self.coverage).as_ref().is_some_and(|coverage| {
+        view.coverage.as_ref().is_some_and(|coverage| {
             coverage
                 .map
                 .holdings
@@ -254,8 +293,8 @@ impl Member {
         let Some(mine) = self.host.current().map(|shard| shard.target.layers) else {
             return true;
         };
-        let coverage = lock(&self.coverage);
-        let Some(coverage) = coverage.as_ref() else {
+        let view = self.view.borrow();
+        let Some(coverage) = view.coverage.as_ref() else {
             return false;
         };
         (mine.start..mine.end).all(|layer| {
@@ -300,7 +339,7 @@ impl Member {
         if self.is_tracker() {
             return None;
         }
-        lock(&self.following).heard_at.map(|at| at.elapsed())
+        self.view.borrow().following.heard_at.map(|at| at.elapsed())
     }
 
     /// The send time of a new announcement: the clock in ms since the Unix epoch.

@@ -23,7 +23,7 @@ use crate::config::PeerConfig;
 use crate::control::ControlLoop;
 use crate::error::PeerError;
 use crate::locking::lock;
-use crate::member::{Following, Member, Offer, Role, Settings};
+use crate::member::{Member, MeshView, Offer, Role, Settings};
 use crate::mesh_model::MeshModel;
 use crate::shard::{LoadProgress, LoadedShard, ShardHost};
 use crate::status::{MemberGauges, StatusReport};
@@ -190,21 +190,9 @@ async fn blocking<T: Send + 'static>(
 
 /// Opens the model, binds the HTTP server, joins the mesh and starts the control loop.
 pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
-    let model = match &config.model {
-        Some(model) => Arc::clone(model),
-        None => {
-            let path = config.model_path.clone();
-            Arc::new(blocking(move || MeshModel::open(&path)).await?)
-        }
-    };
-    let quantizations = if config.quantizations.is_empty() {
-        vec![model.shipped_format()]
-    } else {
-        for format in &config.quantizations {
-            model.check_format(*format)?;
-        }
-        config.quantizations.clone()
-    };
+    config.validate()?;
+    let model = open_model(&config).await?;
+    let quantizations = offered_formats(&config, &model)?;
     model.check_memory(&capacity(&config, &quantizations, PeerId::new("self")))?;
     let keypair = match &config.keypair {
         Some(keypair) => keypair.clone(),
@@ -212,6 +200,121 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     };
     let peer_id = meshnet_p2p::mesh_peer_id(&keypair.public().to_peer_id());
     let (listener, http_addr) = crate::http::bind(config.http_listen).await?;
+    let grants = Arc::new(crate::grants::GrantSigner::new(keypair.clone()));
+    let mut p2p_config = p2p_config(&config, keypair, model.id());
+    let mut registry = Registry::default();
+    let metrics = Metrics::register(&mut registry);
+    p2p_config.metrics = metrics.clone();
+    let (p2p, events) = meshnet_p2p::spawn_registered(p2p_config, &mut registry).await?;
+    let addresses = Addresses::find(&config, &p2p, http_addr).await;
+    let host = ShardHost::new(Arc::clone(&model), config.kv_tokens, config.drain_timeout)
+        .with_max_batch_tokens(config.max_batch_tokens);
+    #[cfg(feature = "faulty-member")]
+    let host = host.with_faulty_frames(config.faulty.clone());
+    let host = Arc::new(host);
+    let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)
+        .map_err(|e| PeerError::Internal(e.to_string()))?
+        .with_metrics(metrics.clone())
+        .with_streams(Arc::new(crate::p2p_plane::LibP2pStreams(p2p.clone())));
+    let settings = settings(&config, client.clone(), grants);
+    let role = if config.tracker {
+        let own = capacity(&config, &quantizations, peer_id.clone());
+        let tracker_url = addresses
+            .http_url
+            .clone()
+            .unwrap_or_else(|| addresses.local_url.clone());
+        Role::Tracker(build_tracker_parts(&host, own, &tracker_url, &settings).await?)
+    } else {
+        Role::Peer
+    };
+    let (view, view_rx) = watch::channel(MeshView::at_start(
+        config.tracker,
+        &peer_id,
+        config.announce_interval,
+    ));
+    let member = Arc::new(Member {
+        view: view_rx,
+        peer_id,
+        role: RwLock::new(role),
+        settings,
+        model,
+        host,
+        http_url: addresses.http_url,
+        local_url: addresses.local_url,
+        offer: Offer {
+            memory_bytes: config.memory_bytes,
+            quantizations,
+            kv_tokens: config.kv_tokens,
+        },
+        throughput: Mutex::new(1.0),
+        p2p_addrs: Mutex::new(addresses.p2p_addrs),
+        rejected: AtomicU64::new(0),
+        recent_rejections: Mutex::default(),
+        metrics,
+        leaving: AtomicBool::new(false),
+        announce_now: tokio::sync::Notify::new(),
+        last_announced_ms: AtomicU64::new(0),
+        proxy: crate::http::proxy_client()?,
+        p2p: p2p.clone(),
+    });
+    let routers = routers(&member, &config, client, registry, http_addr);
+    let listening = Listening {
+        listener,
+        http_addr,
+        p2p,
+        events,
+        view,
+    };
+    run(member, routers, listening, config.announce_interval)
+}
+
+/// The member's HTTP routers: everything it serves (with `/metrics` over `registry` and the
+/// API behind `config`'s keys), and the activation plane alone, which libp2p streams reach.
+fn routers(
+    member: &Arc<Member>,
+    config: &PeerConfig,
+    client: ForwardClient,
+    mut registry: Registry,
+    http_addr: SocketAddr,
+) -> (axum::Router, axum::Router) {
+    LiveCollector::register(&mut registry, MemberGauges(Arc::clone(member)));
+    let plane = crate::http::activation_plane(member, client.clone());
+    let api_keys = api_key_guard(config, &member.metrics, http_addr);
+    let router = crate::http::router(member, client, Arc::new(registry), api_keys);
+    (router, plane)
+}
+
+/// The model `config` names: the one it holds already opened, or the file opened off the
+/// async workers.
+async fn open_model(config: &PeerConfig) -> Result<Arc<MeshModel>, PeerError> {
+    Ok(match &config.model {
+        Some(model) => Arc::clone(model),
+        None => {
+            let path = config.model_path.clone();
+            Arc::new(blocking(move || MeshModel::open(&path)).await?)
+        }
+    })
+}
+
+/// The formats this member offers: those `config` asks for, each one the model can be held
+/// in, or the model's shipped format.
+fn offered_formats(config: &PeerConfig, model: &MeshModel) -> Result<Vec<Quantization>, PeerError> {
+    if config.quantizations.is_empty() {
+        return Ok(vec![model.shipped_format()]);
+    }
+    for format in &config.quantizations {
+        model.check_format(*format)?;
+    }
+    Ok(config.quantizations.clone())
+}
+
+/// The control plane's settings for a member started with `config`, as `keypair`, in the
+/// mesh of `model_id`.
+fn p2p_config(
+    config: &PeerConfig,
+    keypair: libp2p::identity::Keypair,
+    model_id: &str,
+) -> P2pConfig {
     let p2p_role = if config.tracker {
         meshnet_p2p::Role::Tracker
     } else {
@@ -219,8 +322,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
             pinned_tracker: config.pinned_tracker.clone(),
         }
     };
-    let grants = Arc::new(crate::grants::GrantSigner::new(keypair.clone()));
-    let mut p2p_config = P2pConfig::new(keypair, model.id(), p2p_role);
+    let mut p2p_config = P2pConfig::new(keypair, model_id, p2p_role);
     p2p_config.listen = config.p2p_listen.clone();
     p2p_config.bootstrap = config.bootstrap.clone();
     p2p_config.transport = config.transport;
@@ -234,34 +336,48 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     // Followers accept a successor once they have missed two of the tracker's maps; the
     // successor claims after three (crate::election).
     p2p_config.takeover_silence = config.announce_interval * 2;
-    let mut registry = Registry::default();
-    let metrics = Metrics::register(&mut registry);
-    p2p_config.metrics = metrics.clone();
-    let (p2p, events) = meshnet_p2p::spawn_registered(p2p_config, &mut registry).await?;
-    // A reachable member bound to all interfaces names one of them in its HTTP URL: wait for
-    // libp2p to report more than the loopback listener, which often comes first.
-    let names_an_interface = config.advertise_http.is_none()
-        && http_addr.ip().is_unspecified()
-        && (config.assume_reachable || config.tracker);
-    let listen_addrs = announceable_listen_addrs(&p2p, names_an_interface).await;
-    let p2p_addrs = listen_addrs.iter().map(ToString::to_string).collect();
-    let local_url = crate::http::default_url(http_addr);
-    let http_url = crate::http::announced_url(
-        config.advertise_http.clone(),
-        http_addr,
-        config.assume_reachable || config.tracker,
-        &listen_addrs,
-    );
-    let host = ShardHost::new(Arc::clone(&model), config.kv_tokens, config.drain_timeout)
-        .with_max_batch_tokens(config.max_batch_tokens);
-    #[cfg(feature = "faulty-member")]
-    let host = host.with_faulty_frames(config.faulty.clone());
-    let host = Arc::new(host);
-    let client = ForwardClient::new(Limits::default(), DEFAULT_HOP_TIMEOUT)
-        .map_err(|e| PeerError::Internal(e.to_string()))?
-        .with_metrics(metrics.clone())
-        .with_streams(Arc::new(crate::p2p_plane::LibP2pStreams(p2p.clone())));
-    let settings = Settings {
+    p2p_config
+}
+
+/// Where a member is reached.
+struct Addresses {
+    /// Its libp2p addresses, as announced.
+    p2p_addrs: Vec<String>,
+    /// The HTTP URL others reach it at, if it is reachable.
+    http_url: Option<String>,
+    /// The HTTP URL on this machine.
+    local_url: String,
+}
+
+impl Addresses {
+    /// The addresses of a member started with `config`, its HTTP server bound at `http_addr`.
+    async fn find(config: &PeerConfig, p2p: &P2pHandle, http_addr: SocketAddr) -> Self {
+        // A reachable member bound to all interfaces names one of them in its HTTP URL: wait
+        // for libp2p to report more than the loopback listener, which often comes first.
+        let names_an_interface = config.advertise_http.is_none()
+            && http_addr.ip().is_unspecified()
+            && (config.assume_reachable || config.tracker);
+        let listen_addrs = announceable_listen_addrs(p2p, names_an_interface).await;
+        Addresses {
+            p2p_addrs: listen_addrs.iter().map(ToString::to_string).collect(),
+            http_url: crate::http::announced_url(
+                config.advertise_http.clone(),
+                http_addr,
+                config.assume_reachable || config.tracker,
+                &listen_addrs,
+            ),
+            local_url: crate::http::default_url(http_addr),
+        }
+    }
+}
+
+/// What the member's parts share of `config`, with its forwarding `client` and `grants`.
+fn settings(
+    config: &PeerConfig,
+    client: ForwardClient,
+    grants: Arc<crate::grants::GrantSigner>,
+) -> Settings {
+    Settings {
         announce_interval: config.announce_interval,
         admission: crate::admission::AdmissionLimits {
             max_running: config.max_sessions,
@@ -272,62 +388,20 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         verify: config.verify.clone(),
         prefill_in_flight: config.prefill_in_flight,
         tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
-        client: client.clone(),
+        client,
         grants,
         chat_template: config.chat_template.clone(),
-    };
-    let role = if config.tracker {
-        let own = capacity(&config, &quantizations, peer_id.clone());
-        let tracker_url = http_url.clone().unwrap_or_else(|| local_url.clone());
-        Role::Tracker(build_tracker_parts(&host, own, &tracker_url, &settings).await?)
-    } else {
-        Role::Peer
-    };
-    let member = Arc::new(Member {
-        following: Mutex::new(Following {
-            tracker: config.tracker.then(|| peer_id.clone()),
-            term: u64::from(config.tracker),
-            ..Following::default()
-        }),
-        seen: Mutex::default(),
-        peer_id,
-        role: RwLock::new(role),
-        settings,
-        model,
-        host,
-        http_url,
-        local_url,
-        offer: Offer {
-            memory_bytes: config.memory_bytes,
-            quantizations,
-            kv_tokens: config.kv_tokens,
-        },
-        throughput: Mutex::new(1.0),
-        coverage: Mutex::new(None),
-        p2p_addrs: Mutex::new(p2p_addrs),
-        rejected: AtomicU64::new(0),
-        recent_rejections: Mutex::default(),
-        metrics,
-        leaving: AtomicBool::new(false),
-        announce_now: tokio::sync::Notify::new(),
-        last_announced_ms: AtomicU64::new(0),
-        proxy: crate::http::proxy_client()?,
-        p2p: p2p.clone(),
-    });
-    LiveCollector::register(&mut registry, MemberGauges(Arc::clone(&member)));
-    let plane = crate::http::activation_plane(&member, client.clone());
-    let api_keys = api_key_guard(&config, &member.metrics, http_addr);
-    let router = crate::http::router(&member, client, Arc::new(registry), api_keys);
-    run(
-        member,
-        router,
-        plane,
-        listener,
-        http_addr,
-        p2p,
-        events,
-        config.announce_interval,
-    )
+    }
+}
+
+/// The listeners of a member that is set up: its bound HTTP server and its control plane.
+struct Listening {
+    listener: TcpListener,
+    http_addr: SocketAddr,
+    p2p: P2pHandle,
+    events: tokio::sync::mpsc::Receiver<meshnet_p2p::P2pEvent>,
+    /// Where the control loop publishes the member's view of the mesh.
+    view: watch::Sender<MeshView>,
 }
 
 /// What `config` offers the planner, as `peer`.
@@ -371,17 +445,19 @@ fn api_key_guard(
 }
 
 /// Spawns the HTTP server and the control loop of a member that is set up.
-#[allow(clippy::too_many_arguments)]
 fn run(
     member: Arc<Member>,
-    router: axum::Router,
-    plane: axum::Router,
-    listener: TcpListener,
-    http_addr: SocketAddr,
-    p2p: P2pHandle,
-    events: tokio::sync::mpsc::Receiver<meshnet_p2p::P2pEvent>,
+    (router, plane): (axum::Router, axum::Router),
+    listening: Listening,
     announce_interval: std::time::Duration,
 ) -> Result<RunningPeer, PeerError> {
+    let Listening {
+        listener,
+        http_addr,
+        p2p,
+        events,
+        view,
+    } = listening;
     let (stop, stop_rx) = watch::channel(false);
     let streams = crate::p2p_plane::serve_streams(Arc::clone(&member), plane, stop_rx.clone())?;
     let server = crate::http::serve(listener, router, stop_rx.clone());
@@ -394,7 +470,13 @@ fn run(
         "peer started"
     );
     let (failed, failure) = watch::channel(None);
-    let control = ControlLoop::new(Arc::clone(&member), p2p.clone(), announce_interval, failed);
+    let control = ControlLoop::new(
+        Arc::clone(&member),
+        view,
+        p2p.clone(),
+        announce_interval,
+        failed,
+    );
     let control = tokio::spawn(control.run(events, stop_rx));
     Ok(RunningPeer {
         member,

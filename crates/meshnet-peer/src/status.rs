@@ -10,8 +10,9 @@ use meshnet_p2p::{CoverageMessage, SpanStatus};
 use meshnet_types::{PeerId, Quantization, SpanState};
 use serde::Serialize;
 
+use crate::engine::MeshEngine;
 use crate::locking::lock;
-use crate::member::Member;
+use crate::member::{Member, MeshView};
 pub use crate::rejections::RejectionReport;
 use crate::tracker::{KnownPeer, TrackerBook};
 
@@ -46,6 +47,9 @@ pub struct StatusReport {
     pub term: u64,
     /// Who may take over if the tracker goes silent, in order.
     pub succession: Vec<PeerId>,
+    /// How often this member announces itself, in milliseconds: its own interval, or the
+    /// longer one its tracker advertises for a large mesh.
+    pub announce_interval_ms: u64,
     /// Gossip messages rejected by validation (undecodable, another model, not from the
     /// tracker, spoofed sender).
     pub rejected_messages: u64,
@@ -176,8 +180,9 @@ pub struct NetworkReport {
 }
 
 impl NetworkReport {
-    fn of(member: &Member) -> Self {
-        let paths = lock(&member.seen)
+    fn of(member: &Member, view: &MeshView) -> Self {
+        let paths = view
+            .seen
             .iter()
             .filter(|(peer, _)| **peer != member.peer_id)
             .map(|(peer, (announcement, _))| (peer.clone(), path_to(member, announcement)))
@@ -270,6 +275,36 @@ impl CoverageReport {
     }
 }
 
+impl BanReport {
+    /// The bans of `book` running at `now`.
+    fn all(book: &TrackerBook, now: Instant) -> Vec<BanReport> {
+        book.bans(now)
+            .into_iter()
+            .map(|(peer, ban)| BanReport {
+                peer,
+                cause: ban.cause,
+                since_ms: now.saturating_duration_since(ban.since).as_millis() as u64,
+                remaining_ms: ban.until.saturating_duration_since(now).as_millis() as u64,
+                evidence: ban.evidence.map(|evidence| *evidence),
+            })
+            .collect()
+    }
+}
+
+impl AdmissionReport {
+    /// The admission limits and queue of the tracker's `engine`.
+    fn of(engine: &MeshEngine) -> Self {
+        let limits = engine.limits();
+        AdmissionReport {
+            max_sessions: limits.max_running,
+            running: engine.active_sessions(),
+            queued: engine.queued_sessions(),
+            max_queued: limits.max_waiting,
+            queue_timeout_ms: limits.max_wait.as_millis() as u64,
+        }
+    }
+}
+
 impl StatusReport {
     /// What `GET /status` answers for `member` now.
     pub(crate) fn of(member: &Member) -> Self {
@@ -283,30 +318,14 @@ impl StatusReport {
                 .map(|known| PeerReport::of(member, known, &book, now))
                 .collect()
         });
-        let banned = tracker.as_ref().map(|parts| {
-            lock(&parts.book)
-                .bans(now)
-                .into_iter()
-                .map(|(peer, ban)| BanReport {
-                    peer,
-                    cause: ban.cause,
-                    since_ms: now.saturating_duration_since(ban.since).as_millis() as u64,
-                    remaining_ms: ban.until.saturating_duration_since(now).as_millis() as u64,
-                    evidence: ban.evidence.map(|evidence| *evidence),
-                })
-                .collect()
-        });
-        let admission = tracker.as_ref().map(|parts| {
-            let limits = parts.engine.limits();
-            AdmissionReport {
-                max_sessions: limits.max_running,
-                running: parts.engine.active_sessions(),
-                queued: parts.engine.queued_sessions(),
-                max_queued: limits.max_waiting,
-                queue_timeout_ms: limits.max_wait.as_millis() as u64,
-            }
-        });
-        let mut following = lock(&member.following).clone();
+        let banned = tracker
+            .as_ref()
+            .map(|parts| BanReport::all(&lock(&parts.book), now));
+        let admission = tracker
+            .as_ref()
+            .map(|parts| AdmissionReport::of(&parts.engine));
+        let view = member.view();
+        let mut following = view.following.clone();
         if let Some(parts) = &tracker {
             let book = lock(&parts.book);
             following.term = book.term();
@@ -334,6 +353,7 @@ impl StatusReport {
             tracker: following.tracker,
             term: following.term,
             succession: following.succession,
+            announce_interval_ms: view.announce_every.as_millis() as u64,
             rejected_messages: member.rejected.load(Ordering::Relaxed),
             recent_rejections: lock(&member.recent_rejections).iter().cloned().collect(),
             failovers: member.metrics.failovers(),
@@ -343,12 +363,10 @@ impl StatusReport {
             forward_latency_ms: host.forward_latency_ms(),
             batching: host.current().map(|shard| shard.batching()),
             gossip: member.p2p.gossip_traffic(),
-            network: NetworkReport::of(member),
+            network: NetworkReport::of(member, &view),
             banned,
             admission,
-            coverage: lock(&member.coverage)
-                .as_ref()
-                .map(CoverageReport::from_message),
+            coverage: view.coverage.as_deref().map(CoverageReport::from_message),
             peers,
             openai_base_url: Some(format!("{}/v1", member.public_url())),
             route_boundaries: member.route_boundaries(),

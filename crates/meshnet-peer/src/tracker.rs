@@ -16,12 +16,24 @@ use crate::locking::lock;
 use crate::routing::{MeshRoutes, PlannedHop, RouteCandidate, Uncovered, choose_route};
 use crate::verify::Evidence;
 
-/// A directive not yet reflected in its target's announcements is sent again after this long.
-pub const DIRECTIVE_RESEND_AFTER: Duration = Duration::from_secs(3);
-
 /// How long a peer that failed a generation gets no new traffic; after that it must also have
 /// announced since it failed.
 pub const BAN_BACKOFF: Duration = Duration::from_secs(10);
+
+/// How many members announce at the base interval; above this, the interval the tracker
+/// advertises grows in proportion, so the announcements each member hears per second stop
+/// growing with the mesh (every announcement reaches every member).
+pub const MEMBERS_PER_BASE_INTERVAL: usize = 40;
+
+/// The announcement interval for a mesh of `members` (the tracker included) whose base
+/// interval is `base`: `base` up to [`MEMBERS_PER_BASE_INTERVAL`] members, in proportion
+/// above (a hundred members at a 2 s base announce every 5 s).
+pub fn scaled_announce_interval(base: Duration, members: usize) -> Duration {
+    if members <= MEMBERS_PER_BASE_INTERVAL {
+        return base;
+    }
+    base.mul_f64(members as f64 / MEMBERS_PER_BASE_INTERVAL as f64)
+}
 
 /// How many successors a coverage map names.
 pub const SUCCESSION_LENGTH: usize = 4;
@@ -68,7 +80,16 @@ pub struct TrackerBook {
     own_capacity: PeerCapacity,
     own_endpoint: String,
     own_span: Option<SpanStatus>,
-    expiry: Duration,
+    /// How often the tracker's own timer runs (the base announcement interval).
+    base_interval: Duration,
+    /// The longest interval advertised within its own expiry, and when it was last
+    /// advertised: members still announcing at it are not expired after a shrink.
+    longest_advertised: (Duration, Instant),
+    /// The tracker's own stalls (when each ended, how long it lasted) within the last expiry:
+    /// announcements queued while it could not run are not its peers' silence.
+    stalls: Vec<(Instant, Duration)>,
+    /// When the book last expired silent peers.
+    last_expire: Option<Instant>,
     peers: BTreeMap<PeerId, KnownPeer>,
     /// What each peer was last told to hold, and when.
     sent: BTreeMap<PeerId, (Option<SpanStatus>, Instant)>,
@@ -84,14 +105,16 @@ pub struct TrackerBook {
 
 impl TrackerBook {
     /// A book for the tracker `own_id` (reachable at `own_endpoint`, offering `own_capacity`)
-    /// of model `model_id` shaped `shape`; peers are forgotten after `expiry` of silence.
+    /// of model `model_id` shaped `shape`, whose members announce every `base_interval` (more
+    /// seldom in a large mesh, see [`scaled_announce_interval`]); peers are forgotten after
+    /// three silent intervals.
     pub fn new(
         model_id: String,
         shape: ModelShape,
         own_id: PeerId,
         own_capacity: PeerCapacity,
         own_endpoint: String,
-        expiry: Duration,
+        base_interval: Duration,
     ) -> Result<Self, PeerError> {
         shape.validate()?;
         // Epochs and sequence numbers start from the clock, so a restarted tracker (same peer
@@ -108,7 +131,10 @@ impl TrackerBook {
             own_capacity,
             own_endpoint,
             own_span: None,
-            expiry,
+            base_interval,
+            longest_advertised: (base_interval, Instant::now()),
+            stalls: Vec::new(),
+            last_expire: None,
             peers: BTreeMap::new(),
             sent: BTreeMap::new(),
             epoch: boot.as_millis() as u64,
@@ -144,13 +170,77 @@ impl TrackerBook {
         changed
     }
 
-    /// Forgets peers silent for longer than the expiry; returns their ids.
+    /// How often members should announce now: the base interval scaled by the members known.
+    pub fn announce_every(&self) -> Duration {
+        scaled_announce_interval(self.base_interval, self.peers.len() + 1)
+    }
+
+    /// How long a peer may stay silent before it is forgotten: three of the longest intervals
+    /// advertised lately.
+    fn expiry(&self) -> Duration {
+        self.announce_every().max(self.longest_advertised.0) * 3
+    }
+
+    /// Remembers the interval advertised at `now` if it is the longest lately.
+    fn note_advertised(&mut self, now: Instant) {
+        let current = self.announce_every();
+        let (longest, at) = self.longest_advertised;
+        if current >= longest || now.saturating_duration_since(at) > longest * 3 {
+            self.longest_advertised = (current, now);
+        }
+    }
+
+    /// A directive not yet reflected in its target's announcements is sent again after this
+    /// long: one and a half announcement intervals, so the target had one chance to answer.
+    pub fn directive_resend_after(&self) -> Duration {
+        self.announce_every() * 3 / 2
+    }
+
+    /// How long `known` has been silent at `now`, not counting the time this tracker itself
+    /// was stalled since it last heard from it.
+    fn silence(&self, known: &KnownPeer, now: Instant) -> Duration {
+        let stalled: Duration = self
+            .stalls
+            .iter()
+            .filter(|(ended, _)| *ended > known.last_seen)
+            .map(|(_, length)| *length)
+            .sum();
+        now.saturating_duration_since(known.last_seen)
+            .saturating_sub(stalled)
+    }
+
+    /// Notes a stall of this tracker: expiry runs once per base announcement interval, so the
+    /// gap since the last run beyond one interval is time the tracker could not run (an
+    /// overloaded or paused machine), when its peers' announcements queued up unread.
+    fn note_own_stall(&mut self, now: Instant) {
+        if let Some(previous) = self.last_expire.replace(now) {
+            let stall = now
+                .saturating_duration_since(previous)
+                .saturating_sub(self.base_interval);
+            if !stall.is_zero() {
+                tracing::warn!(
+                    ?stall,
+                    "the tracker stalled: not counted as its peers' silence"
+                );
+                self.stalls.push((now, stall));
+            }
+        }
+        let expiry = self.expiry();
+        let total: Duration = self.stalls.iter().map(|(_, length)| *length).sum();
+        // A stall matters to peers last heard before it ended, at most expiry + stalls ago.
+        self.stalls
+            .retain(|(ended, _)| now.saturating_duration_since(*ended) <= expiry + total);
+    }
+
+    /// Forgets peers silent for longer than the expiry (the tracker's own stalls not
+    /// counted); returns their ids. Meant to run once per base announcement interval.
     pub fn expire(&mut self, now: Instant) -> Vec<PeerId> {
-        let expiry = self.expiry;
+        self.note_own_stall(now);
+        let expiry = self.expiry();
         let gone: Vec<PeerId> = self
             .peers
             .iter()
-            .filter(|(_, known)| now.duration_since(known.last_seen) > expiry)
+            .filter(|(_, known)| self.silence(known, now) > expiry)
             .map(|(peer, _)| peer.clone())
             .collect();
         for peer in &gone {
@@ -331,7 +421,7 @@ impl TrackerBook {
         let Some((layers, quantization)) = own else {
             return Vec::new();
         };
-        let silent_after = self.expiry * 2 / 3;
+        let silent_after = self.expiry() * 2 / 3;
         let mut candidates: Vec<(u64, &PeerId)> = self
             .peers
             .values()
@@ -339,7 +429,7 @@ impl TrackerBook {
                 let a = &known.announcement;
                 a.tracker_capable
                     && !a.leaving
-                    && now.duration_since(known.last_seen) <= silent_after
+                    && self.silence(known, now) <= silent_after
                     && !self.is_banned(&a.peer, now)
                     && a.span.as_ref().is_some_and(|s| s.state == SpanState::Ready)
                     && self
@@ -416,6 +506,7 @@ impl TrackerBook {
 
         self.map = self.with_live_states(plan.map);
         self.sequence += 1;
+        self.note_advertised(now);
         Ok(PlanOutcome {
             coverage: CoverageMessage {
                 model_id: self.model_id.clone(),
@@ -426,6 +517,7 @@ impl TrackerBook {
                 sequence: self.sequence,
                 num_layers: self.num_layers(),
                 map: self.map.clone(),
+                announce_interval_ms: self.announce_every().as_millis() as u64,
             },
             directives,
             own_target,
@@ -453,7 +545,7 @@ impl TrackerBook {
         }
         let recently_sent = self.sent.get(&peer).is_some_and(|(target, at)| {
             same_span(target.as_ref(), intended.as_ref())
-                && now.duration_since(*at) < DIRECTIVE_RESEND_AFTER
+                && now.duration_since(*at) < self.directive_resend_after()
         });
         if planned.is_none() && recently_sent {
             return None;
@@ -477,12 +569,12 @@ impl TrackerBook {
     /// is not trusted with traffic), and are neither banned, leaving, nor silent for two thirds
     /// of the expiry.
     pub fn route_candidates(&self, now: Instant) -> Vec<RouteCandidate> {
-        let silent_after = self.expiry * 2 / 3;
+        let silent_after = self.expiry() * 2 / 3;
         self.peers
             .values()
             .filter(|known| {
                 !known.announcement.leaving
-                    && now.duration_since(known.last_seen) <= silent_after
+                    && self.silence(known, now) <= silent_after
                     && !self.is_banned(&known.announcement.peer, now)
             })
             .filter_map(|known| {
@@ -516,7 +608,7 @@ impl TrackerBook {
             .find(|peer| {
                 self.peers
                     .get(*peer)
-                    .is_none_or(|known| now.duration_since(known.last_seen) > self.expiry)
+                    .is_none_or(|known| self.silence(known, now) > self.expiry())
             })
             .cloned()
     }
@@ -565,7 +657,7 @@ impl TrackerBook {
             let pending = self
                 .sent
                 .get(peer)
-                .filter(|(_, at)| now.duration_since(*at) < DIRECTIVE_RESEND_AFTER * 4);
+                .filter(|(_, at)| now.duration_since(*at) < self.directive_resend_after() * 4);
             if !self.is_plannable(&known.announcement, now) {
                 continue;
             }
@@ -770,7 +862,7 @@ mod tests {
             "tracker".into(),
             capacity,
             "http://t".into(),
-            Duration::from_secs(3),
+            Duration::from_secs(1),
         )
         .unwrap()
     }
@@ -993,9 +1085,11 @@ mod tests {
         book.set_own_span(first.own_target.as_ref().map(ready));
         let soon = book.plan(start + Duration::from_millis(500)).unwrap();
         assert!(soon.directives.is_empty(), "not re-sent at once");
-        let later = book
-            .plan(start + DIRECTIVE_RESEND_AFTER + Duration::from_millis(1))
-            .unwrap();
+        // One and a half announcement intervals (1 s in this book).
+        assert_eq!(book.directive_resend_after(), Duration::from_millis(1500));
+        let before = book.plan(start + Duration::from_millis(1499)).unwrap();
+        assert!(before.directives.is_empty(), "not re-sent before 1.5 s");
+        let later = book.plan(start + Duration::from_millis(1501)).unwrap();
         assert_eq!(later.directives.len(), 2, "re-sent to both silent targets");
         assert!(later.directives[0].sequence > first.directives[1].sequence);
     }
@@ -1009,6 +1103,34 @@ mod tests {
         assert!(book.expire(start + Duration::from_secs(3)).is_empty());
         let gone = book.expire(start + Duration::from_millis(3001));
         assert_eq!(gone, vec![PeerId::new("old")]);
+        assert_eq!(book.peers().len(), 1);
+    }
+
+    #[test]
+    fn a_stall_of_the_tracker_is_not_counted_as_its_peers_silence() {
+        let mut book = book();
+        let start = Instant::now();
+        let at = |seconds: u64| start + Duration::from_secs(seconds);
+        for second in 0..=2 {
+            book.observe(announcement("steady", None), at(second));
+            book.observe(announcement("leaver", None), at(second));
+            assert!(book.expire(at(second)).is_empty());
+        }
+        // The tracker could not run from 2 s to 30 s; its expiry runs before it reads the
+        // announcements that queued up meanwhile.
+        assert!(
+            book.expire(at(30)).is_empty(),
+            "nobody expires for the stall"
+        );
+        assert_eq!(book.first_silent(&[PeerId::new("leaver")], at(30)), None);
+        // "steady" goes on announcing; "leaver" stopped at 2 s and is gone after three
+        // intervals of the tracker's own running time.
+        for second in 30..=32 {
+            book.observe(announcement("steady", None), at(second));
+            assert!(book.expire(at(second)).is_empty(), "at {second} s");
+        }
+        book.observe(announcement("steady", None), at(33));
+        assert_eq!(book.expire(at(33)), vec![PeerId::new("leaver")]);
         assert_eq!(book.peers().len(), 1);
     }
 

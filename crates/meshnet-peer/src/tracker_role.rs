@@ -29,7 +29,7 @@ pub(crate) async fn build_tracker_parts(
         own.peer.clone(),
         own,
         http_url.to_owned(),
-        settings.announce_interval * 3,
+        settings.announce_interval,
     )?));
     let opened = Arc::clone(model.model());
     let chat_template = settings.chat_template.clone();

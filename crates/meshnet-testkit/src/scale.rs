@@ -14,10 +14,10 @@ use rand::seq::SliceRandom;
 
 use crate::{Kit, KitError, covered_by, min_holders, wait_until};
 
-/// The announcement interval the default scenario runs at: with every member on one machine's
-/// cores, a hundred at the peers' own 2 s saturate two cores (the gossip work grows with the
-/// square of the members over the interval).
-pub const ANNOUNCE_INTERVAL: Duration = Duration::from_secs(5);
+/// The announcement interval the scenarios start members with: the peers' own default. Above
+/// forty members the tracker advertises a longer one (a hundred announce every 5 s), so the
+/// announcements each member hears per second stop growing with the mesh.
+pub const ANNOUNCE_INTERVAL: Duration = Duration::from_secs(2);
 
 /// The scenario's shape.
 #[derive(Clone, Debug)]
@@ -71,6 +71,9 @@ pub struct ScaleReport {
     pub tracker_published_bytes_s: f64,
     /// Messages a peer received per second over the window (mean over peers).
     pub received_messages_per_peer_s: f64,
+    /// The intervals the peers announced at by the end of the window, fewest first, as
+    /// their tracker advertised them (each distinct value once).
+    pub peer_announce_intervals: Vec<Duration>,
     /// Peers that left.
     pub left: usize,
     /// Whether some layer had no holder left the moment they went.
@@ -118,29 +121,7 @@ async fn measure(
     let converge = started.elapsed();
     let min_holders_converged = min_holders(&converged);
 
-    // Gossip over a quiet window.
-    let before: Vec<GossipTraffic> = peers.iter().map(|p| p.status().gossip).collect();
-    let tracker_before = tracker.status().gossip;
-    let window_started = Instant::now();
-    tokio::time::sleep(config.traffic_window).await;
-    let window = window_started.elapsed().as_secs_f64();
-    let after: Vec<GossipTraffic> = peers.iter().map(|p| p.status().gossip).collect();
-    let tracker_after = tracker.status().gossip;
-    let per_peer = |field: fn(&GossipTraffic) -> u64| {
-        let total: u64 = before
-            .iter()
-            .zip(&after)
-            .map(|(b, a)| field(a).saturating_sub(field(b)))
-            .sum();
-        total as f64 / (peers.len().max(1) as f64 * window)
-    };
-    let received_bytes_per_peer_s = per_peer(|t| t.received_bytes);
-    let published_bytes_per_peer_s = per_peer(|t| t.published_bytes);
-    let received_messages_per_peer_s = per_peer(|t| t.received_messages);
-    let tracker_published_bytes_s = tracker_after
-        .published_bytes
-        .saturating_sub(tracker_before.published_bytes) as f64
-        / window;
+    let window = QuietWindow::measure(config.traffic_window, tracker, peers).await;
 
     // Some peers stop at once.
     let mut order: Vec<usize> = (0..peers.len()).collect();
@@ -164,15 +145,64 @@ async fn measure(
         members: ids.len() + 1,
         converge,
         min_holders_converged,
-        received_bytes_per_peer_s,
-        published_bytes_per_peer_s,
-        tracker_published_bytes_s,
-        received_messages_per_peer_s,
+        received_bytes_per_peer_s: window.received_bytes_per_peer_s,
+        published_bytes_per_peer_s: window.published_bytes_per_peer_s,
+        tracker_published_bytes_s: window.tracker_published_bytes_s,
+        received_messages_per_peer_s: window.received_messages_per_peer_s,
+        peer_announce_intervals: window.peer_announce_intervals,
         left: departed.len(),
         left_a_gap,
         recover: left_at.elapsed(),
         min_holders_recovered: min_holders(&recovered),
     })
+}
+
+/// What the members did over a quiet window once converged.
+struct QuietWindow {
+    received_bytes_per_peer_s: f64,
+    published_bytes_per_peer_s: f64,
+    tracker_published_bytes_s: f64,
+    received_messages_per_peer_s: f64,
+    peer_announce_intervals: Vec<Duration>,
+}
+
+impl QuietWindow {
+    /// Counts the gossip of `tracker` and `peers` over `length`, and the intervals the peers
+    /// announce at by its end.
+    async fn measure(length: Duration, tracker: &RunningPeer, peers: &[RunningPeer]) -> Self {
+        let before: Vec<GossipTraffic> = peers.iter().map(|p| p.status().gossip).collect();
+        let tracker_before = tracker.status().gossip;
+        let window_started = Instant::now();
+        tokio::time::sleep(length).await;
+        let window = window_started.elapsed().as_secs_f64();
+        let statuses: Vec<_> = peers.iter().map(RunningPeer::status).collect();
+        let tracker_after = tracker.status().gossip;
+        let per_peer = |field: fn(&GossipTraffic) -> u64| {
+            let total: u64 = before
+                .iter()
+                .zip(&statuses)
+                .map(|(b, a)| field(&a.gossip).saturating_sub(field(b)))
+                .sum();
+            total as f64 / (peers.len().max(1) as f64 * window)
+        };
+        let mut peer_announce_intervals: Vec<Duration> = statuses
+            .iter()
+            .map(|s| Duration::from_millis(s.announce_interval_ms))
+            .collect();
+        peer_announce_intervals.sort_unstable();
+        peer_announce_intervals.dedup();
+        QuietWindow {
+            received_bytes_per_peer_s: per_peer(|t| t.received_bytes),
+            published_bytes_per_peer_s: per_peer(|t| t.published_bytes),
+            tracker_published_bytes_s: tracker_after
+                .published_bytes
+                .saturating_sub(tracker_before.published_bytes)
+                as f64
+                / window,
+            received_messages_per_peer_s: per_peer(|t| t.received_messages),
+            peer_announce_intervals,
+        }
+    }
 }
 
 /// Whether some layer of `status`'s map is held only by peers in `departed`.
@@ -206,6 +236,14 @@ impl ScaleReport {
                     "{:.0} B/s ({:.1} messages/s)",
                     self.received_bytes_per_peer_s, self.received_messages_per_peer_s
                 ),
+            ),
+            (
+                "peers' announcement interval (as advertised)",
+                self.peer_announce_intervals
+                    .iter()
+                    .map(|interval| format!("{:.2} s", interval.as_secs_f64()))
+                    .collect::<Vec<_>>()
+                    .join(", "),
             ),
             (
                 "gossip published per peer",

@@ -17,6 +17,7 @@
 
 use std::time::Duration;
 
+use meshnet_peer::tracker::scaled_announce_interval;
 use meshnet_testkit::Kit;
 use meshnet_testkit::scale::{ANNOUNCE_INTERVAL, ScaleConfig, run};
 
@@ -34,9 +35,29 @@ async fn scenario(announce_interval: Duration, config: ScaleConfig) {
     let report = run(&kit, &config).await.unwrap();
     eprintln!("{}", report.table());
     assert_eq!(report.members, config.peers + 1);
+    // Every peer announces at the interval the tracker advertises for the mesh's size.
+    assert_eq!(
+        report.peer_announce_intervals,
+        [scaled_announce_interval(announce_interval, report.members)],
+        "{report:?}"
+    );
     assert_eq!(report.left, config.leave);
-    assert!(report.min_holders_converged >= 1, "{report:?}");
-    assert!(report.min_holders_recovered >= 1, "{report:?}");
+    // The planner spreads the peers' layers evenly over the layers after the tracker's, so
+    // the thinnest layer has as many holders as there are peer layers per such layer.
+    let spread = |peers: usize| {
+        peers * config.peer_layers as usize
+            / (kit.model.num_layers() - config.tracker_layers) as usize
+    };
+    assert_eq!(
+        report.min_holders_converged,
+        spread(config.peers),
+        "{report:?}"
+    );
+    assert_eq!(
+        report.min_holders_recovered,
+        spread(config.peers - config.leave),
+        "{report:?}"
+    );
     // Every peer announces every interval and hears the others: gossip flows both ways.
     assert!(report.published_bytes_per_peer_s > 0.0, "{report:?}");
     let heard = (config.peers / 2) as f64;
