@@ -490,7 +490,13 @@ mod tests {
         let mut waiting = VecDeque::from([layer_job(1, whole, 1)]);
         gather(&queue, &mut waiting, &mut company, 256);
         assert_eq!(describe(&waiting), ["1@0..10x1"]);
-        assert!(started.elapsed() >= GATHER_WAIT);
+        let waited = started.elapsed();
+        // A thread's timed wait ends at its deadline or later, by as much as the machine's
+        // load delays it: a second of slack still catches a wait that is not bounded.
+        assert!(
+            waited >= GATHER_WAIT && waited < GATHER_WAIT + Duration::from_secs(1),
+            "{waited:?}"
+        );
 
         // A session whose end was announced is not waited for at all.
         let ended = Arc::clone(&company.ended);

@@ -126,7 +126,12 @@ mod tests {
         order.entered(session(3), 128);
         let started = Instant::now();
         assert!(!order.wait_turn(session(3), 384, Duration::from_millis(50)));
-        assert!(started.elapsed() >= Duration::from_millis(50));
+        let waited = started.elapsed();
+        // At its deadline, late only by what the machine's load delays a thread.
+        assert!(
+            waited >= Duration::from_millis(50) && waited < Duration::from_millis(1050),
+            "{waited:?}"
+        );
     }
 
     #[test]

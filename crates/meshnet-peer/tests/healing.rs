@@ -10,15 +10,31 @@ use common::{DEADLINE, converged, peer, tracker, wait_for};
 use meshnet_peer::RunningPeer;
 use meshnet_peer::status::StatusReport;
 
+/// The prompt of [`chat`].
+const PROMPT: &str = "Tell me a long story about a lighthouse keeper.";
+
+/// The most tokens of [`chat`]'s answer.
+const MAX_TOKENS: u32 = 40;
+
 /// A greedy chat long enough to be cut in the middle.
 fn chat(model: &str, stream: bool) -> serde_json::Value {
     serde_json::json!({
         "model": model,
-        "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}],
+        "messages": [{"role": "user", "content": PROMPT}],
         "temperature": 0,
-        "max_tokens": 40,
+        "max_tokens": MAX_TOKENS,
         "stream": stream,
     })
+}
+
+/// The text [`chat`] must get from a mesh whose tracker routes over the boundaries it reports
+/// in `status`.
+async fn expected_answer(status: &StatusReport) -> String {
+    let boundaries = status
+        .route_boundaries
+        .clone()
+        .expect("the tracker has a route");
+    common::reference_chat(PROMPT, &boundaries, MAX_TOKENS).await
 }
 
 /// The whole text of a non-streaming answer from `base`.
@@ -245,6 +261,11 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
     // Every member answers the API, the others through the tracker.
     let through_other = format!("{}/v1", other.http_url());
     let reference = answer(&through_other, &model).await;
+    assert_eq!(
+        reference,
+        expected_answer(&status).await,
+        "before the takeover"
+    );
 
     old_tracker.shutdown().await;
     let died = Instant::now();
@@ -255,18 +276,16 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
     })
     .await;
     assert_eq!(taken.term, 2);
-    // A client pointed at the other member gets answers again.
+    // A client pointed at the other member gets answers again, exactly what one process
+    // computes over the new route's boundaries.
     let again = answer(&through_other, &model).await;
-    assert!(!again.is_empty());
     let healed = died.elapsed();
+    assert_eq!(again, expected_answer(&taken).await, "after the takeover");
     assert!(
         other.status().tracker.as_ref() == Some(heir.peer_id()),
         "the other member follows the heir"
     );
     eprintln!("the mesh answered again {healed:?} after its tracker died");
-    // Coverage holds with a different route, so only the boundaries may differ; the
-    // reference stays a sanity check of the answer's kind, not its text.
-    assert!(!reference.is_empty());
 
     // The old tracker, started again with its identity, loses to the higher term and joins
     // as a peer.
@@ -280,9 +299,30 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
     .await;
     // The map it follows names where the heir answers, so it passes chats on at once.
     assert_eq!(stepped_down.tracker_http.as_deref(), Some(heir.http_url()));
+    let settled = wait_for(
+        "the heir's map to settle with the old tracker in it",
+        &heir,
+        |s| {
+            converged(s, &[&other, &rejoined])
+                && s.peers
+                    .as_ref()
+                    .is_some_and(|peers| peers.iter().any(|p| &p.peer == rejoined.peer_id()))
+        },
+    )
+    .await;
+    assert_eq!(settled.role, "tracker");
     let through_old = format!("{}/v1", rejoined.http_url());
-    assert!(!answer(&through_old, &model).await.is_empty());
-    assert_eq!(heir.status().role, "tracker");
+    let through_rejoined = answer(&through_old, &model).await;
+    assert_eq!(
+        heir.status().route_boundaries,
+        settled.route_boundaries,
+        "the route held still while the chat ran"
+    );
+    assert_eq!(
+        through_rejoined,
+        expected_answer(&settled).await,
+        "through the old tracker, now a peer"
+    );
     rejoined.shutdown().await;
     other.shutdown().await;
     heir.shutdown().await;
@@ -322,6 +362,7 @@ async fn a_takeover_claimed_by_a_member_off_the_succession_list_is_rejected_and_
                 sequence: epoch,
                 num_layers: 30,
                 map: meshnet_planner::CoverageMap::empty(epoch),
+                announce_interval_ms: common::ANNOUNCE.as_millis() as u64,
             })
             .await
             .unwrap();

@@ -23,6 +23,31 @@ pub const KV_TOKENS: u64 = 1024;
 /// How long any condition may take to come true.
 pub const DEADLINE: Duration = Duration::from_secs(90);
 
+/// What `meshnet-peer generate --chat` prints for `prompt` (without its final newline) with
+/// the default model split at `boundaries` and at most `max_tokens` greedy tokens: the text a
+/// mesh whose route has those boundaries must answer. Runs off the async workers.
+pub async fn reference_chat(prompt: &str, boundaries: &[u32], max_tokens: u32) -> String {
+    let boundaries: Vec<String> = boundaries.iter().map(ToString::to_string).collect();
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_meshnet-peer"));
+    command
+        .args(["generate", "--chat", "--prompt", prompt])
+        .args(["--max-tokens", &max_tokens.to_string()])
+        .args(["--boundaries", &boundaries.join(",")])
+        .arg("--model")
+        .arg(model_path());
+    let output = tokio::task::spawn_blocking(move || command.output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let text = String::from_utf8(output.stdout).unwrap();
+    text.strip_suffix('\n').unwrap_or(&text).to_owned()
+}
+
 /// A loopback URL that refuses connections for as long as the returned socket lives: its port is
 /// bound, so no server started alongside can be given it, but never listened on. (A port bound and
 /// then freed can be handed to another test's server, which then answers in its place.)
