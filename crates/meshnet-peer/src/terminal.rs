@@ -198,23 +198,8 @@ pub fn chat(args: &ChatArgs) -> anyhow::Result<()> {
         .collect();
     let mut history = opening.clone();
     let mut stdin = std::io::stdin().lock();
-    let mut line = String::new();
-    loop {
-        if interactive {
-            eprint!("you> ");
-            std::io::stderr().flush().ok();
-        }
-        line.clear();
-        if stdin
-            .read_line(&mut line)
-            .context("reading standard input")?
-            == 0
-        {
-            break;
-        }
-        let prompt = line.trim();
-        match prompt {
-            "" => continue,
+    while let Some(prompt) = next_prompt(&mut stdin, interactive)? {
+        match prompt.as_str() {
             "/quit" | "/exit" => break,
             "/reset" => {
                 history.clone_from(&opening);
@@ -250,6 +235,30 @@ pub fn chat(args: &ChatArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The next non-empty line of `input`, trimmed (`None` at its end), after a `you>` prompt
+/// when a person types.
+fn next_prompt(input: &mut impl BufRead, interactive: bool) -> anyhow::Result<Option<String>> {
+    let mut line = String::new();
+    loop {
+        if interactive {
+            eprint!("you> ");
+            std::io::stderr().flush().ok();
+        }
+        line.clear();
+        if input
+            .read_line(&mut line)
+            .context("reading standard input")?
+            == 0
+        {
+            return Ok(None);
+        }
+        let prompt = line.trim();
+        if !prompt.is_empty() {
+            return Ok(Some(prompt.to_owned()));
+        }
+    }
 }
 
 /// `[12 tokens, 35.1 tokens/s, first token after 180 ms]`.
