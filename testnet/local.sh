@@ -23,7 +23,8 @@
 # Environment:
 #   MESHNET_BIN              meshnet-peer binary to run (default: build it with cargo)
 #   MESHNET_PROFILE          release | debug: the cargo profile to build and run (default release)
-#   MESHNET_HTTP_PORT        the tracker's HTTP port (default 8080 if free, else any free port)
+#   MESHNET_HTTP_PORT        the tracker's HTTP port (default 8080 if free, else one the system
+#                            chooses)
 #   MESHNET_TESTNET_DIR      run directory: logs, pids, data dirs ($TMPDIR/meshnet-testnet)
 #   MESHNET_TESTNET_TIMEOUT  seconds to wait for the mesh to cover the model, or for a restarted
 #                            process to answer /status (default 120)
@@ -36,11 +37,15 @@ pids_file=$run_dir/pids
 state_file=$run_dir/state
 # procs/NAME/: cmd (the argv, NUL-separated), cmdline (the same, shell-quoted, for humans),
 # http (its base URL), pid (written by the wrapper); exit/NAME: the exit status once it ended.
+# Every port a member binds is chosen by the system at its first start (--http 127.0.0.1:0,
+# --p2p /ip4/127.0.0.1/tcp/0, and the tracker's 8080 when free); `up` learns them from the JSON
+# ready line the member prints on standard output, then writes them into procs/NAME/cmd, so a
+# restart binds the same addresses again.
 procs_dir=$run_dir/procs
 exit_dir=$run_dir/exit
 
 usage() {
-  sed -n '2,30s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
+  sed -n '2,31s/^# \{0,1\}//p' "${BASH_SOURCE[0]}" >&2
 }
 
 say() { printf 'local.sh: %s\n' "$*" >&2; }
@@ -124,8 +129,10 @@ show_logs() {
 # this terminal) through a small bash wrapper that records the meshnet-peer's own pid in
 # procs/NAME/pid and, once it ends, its exit status in exit/NAME (128+N when killed by signal
 # N). Appends to logs/NAME.log, records "NAME PID" in the pids file (replacing an older line for
-# NAME) and sets launched_pid.
+# NAME) and sets launched_pid, and launched_offset to the size of the log when it started (what
+# the process prints this time comes after it).
 launched_pid=""
+launched_offset=0
 launch() {
   local name=$1 argv=() i
   local dir=$procs_dir/$name
@@ -135,6 +142,8 @@ launch() {
   rm -f "$dir/pid" "$dir/pid.tmp" "$exit_dir/$name" "$exit_dir/$name.tmp"
   printf '\n===== local.sh: starting %s at %s =====\n' "$name" "$(date '+%F %T')" \
     >>"$run_dir/logs/$name.log"
+  launched_offset=$(wc -c <"$run_dir/logs/$name.log")
+  launched_offset=$((launched_offset))
   local launcher=()
   command -v setsid >/dev/null 2>&1 && launcher=(setsid)
   # shellcheck disable=SC2016  # the wrapper's script is expanded by the wrapper
@@ -168,22 +177,110 @@ launch() {
   mv -f "$pids_file.tmp" "$pids_file"
 }
 
+# record_cmd DIR ARGV...: records ARGV as the command of the process whose procs dir is DIR.
+record_cmd() {
+  local dir=$1
+  shift
+  printf '%s\0' "$@" >"$dir/cmd.tmp"
+  mv -f "$dir/cmd.tmp" "$dir/cmd"
+  { printf '%q ' "$@" | sed 's/ $//'; echo; } >"$dir/cmdline"
+}
+
+# set_arg NAME FLAG VALUE: in the recorded command of process NAME, the value after the first
+# FLAG becomes VALUE; without FLAG, FLAG VALUE go in just before --data-dir.
+set_arg() {
+  local dir=$procs_dir/$1 flag=$2 value=$3 argv=() out=() i replaced=0
+  mapfile -d '' -t argv <"$dir/cmd"
+  for ((i = 0; i < ${#argv[@]}; i++)); do
+    if [ "$replaced" -eq 0 ] && [ "${argv[i]}" = "$flag" ] && [ $((i + 1)) -lt ${#argv[@]} ]; then
+      out+=("$flag" "$value")
+      i=$((i + 1))
+      replaced=1
+    elif [ "$replaced" -eq 0 ] && [ "${argv[i]}" = --data-dir ]; then
+      out+=("$flag" "$value" "${argv[i]}")
+      replaced=1
+    else
+      out+=("${argv[i]}")
+    fi
+  done
+  [ "$replaced" -eq 1 ] || out+=("$flag" "$value")
+  record_cmd "$dir" "${out[@]}"
+}
+
 # --- helpers -----------------------------------------------------------------------------------
 
-# N distinct free TCP ports on 127.0.0.1, one per line.
-free_ports() {
-  python3 - "$1" <<'PY'
-import socket, sys
-socks = []
-for _ in range(int(sys.argv[1])):
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    socks.append(s)
-for s in socks:
-    print(s.getsockname()[1])
+# ready_fields LOG OFFSET: the ready line a member printed in LOG after byte OFFSET, as
+# "HTTP_URL HTTP_BOUND P2P" (the URL others reach it at, the address its HTTP server is bound to,
+# its libp2p TCP listen address). Exit 3 while there is none; 1 when it names no TCP address.
+ready_fields() {
+  python3 - "$1" "$2" <<'PY'
+import json, re, sys
+with open(sys.argv[1], "rb") as log:
+    log.seek(int(sys.argv[2]))
+    text = log.read().decode("utf-8", "replace")
+for line in text.splitlines():
+    line = line.strip()
+    if not line.startswith("{"):
+        continue
+    try:
+        ready = json.loads(line)
+    except ValueError:
+        continue
+    if not isinstance(ready, dict) or ready.get("event") != "ready":
+        continue
+    p2p = [str(a) for a in ready.get("p2p") or []]
+    tcp = [a for a in p2p if re.fullmatch(r"/ip4/127\.0\.0\.1/tcp/[0-9]+", a)] or \
+        [a for a in p2p if re.fullmatch(r"/ip[46]/[^/]+/tcp/[0-9]+", a)]
+    if not tcp or not ready.get("http") or not ready.get("http_bound"):
+        sys.exit(f"its ready line names no HTTP address or libp2p TCP address: {line}")
+    print(ready["http"], ready["http_bound"], tcp[0])
+    sys.exit(0)
+sys.exit(3)
 PY
 }
 
+# wait_ready NAME PID OFFSET DEADLINE: waits until process NAME (PID), started when its log had
+# OFFSET bytes, prints its ready line; sets ready_http, ready_bound and ready_p2p (see
+# ready_fields). Returns 1 when the process exits without one; exits 1 with the logs when
+# DEADLINE (in $SECONDS) passes or the ready line is unusable.
+ready_http="" ready_bound="" ready_p2p=""
+wait_ready() {
+  local name=$1 pid=$2 offset=$3 deadline=$4 fields rc gone=0
+  while :; do
+    rc=0
+    fields=$(ready_fields "$run_dir/logs/$name.log" "$offset") || rc=$?
+    if [ "$rc" -eq 0 ]; then
+      read -r ready_http ready_bound ready_p2p <<<"$fields"
+      return 0
+    elif [ "$rc" -ne 3 ]; then
+      say "$name (pid $pid) did not say where it listens"
+      show_logs
+      exit 1
+    fi
+    # One more look at the log once the process has gone: it may have printed it last.
+    [ "$gone" -eq 1 ] && return 1
+    if ! ours_alive "$pid"; then
+      gone=1
+      continue
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+      say "$name (pid $pid) printed no ready line in time"
+      show_logs
+      exit 1
+    fi
+    sleep 0.1
+  done
+}
+
+# pin NAME: after NAME's ready line (wait_ready), records its HTTP base URL and writes the
+# addresses it bound into its command, in place of port 0.
+pin() {
+  set_arg "$1" --http "$ready_bound"
+  set_arg "$1" --p2p "$ready_p2p"
+  printf '%s\n' "$ready_http" >"$procs_dir/$1/http"
+}
+
+# Whether TCP port PORT on 127.0.0.1 can be bound now (a check only: nothing is held).
 port_is_free() {
   python3 - "$1" <<'PY' 2>/dev/null
 import socket, sys
@@ -469,30 +566,28 @@ up() {
     group_of+=("$g")
   done
 
-  # Ports.
-  local tracker_http=${MESHNET_HTTP_PORT:-}
-  if [ -z "$tracker_http" ]; then
-    if port_is_free 8080; then tracker_http=8080; else tracker_http=$(free_ports 1); fi
-  elif ! port_is_free "$tracker_http"; then
-    die "MESHNET_HTTP_PORT=$tracker_http is in use"
+  # Ports: the system chooses them (port 0), except the tracker's HTTP port: 8080 when it is free,
+  # or MESHNET_HTTP_PORT. Each member's ready line says what it bound.
+  local tracker_port=${MESHNET_HTTP_PORT:-}
+  if [ -n "$tracker_port" ]; then
+    if ! [[ $tracker_port =~ ^[0-9]{1,5}$ ]] || [ "$((10#$tracker_port))" -gt 65535 ]; then
+      die "MESHNET_HTTP_PORT must be a TCP port number, got '$tracker_port'"
+    fi
+    tracker_port=$((10#$tracker_port))
+    if [ "$tracker_port" -ne 0 ] && ! port_is_free "$tracker_port"; then
+      die "MESHNET_HTTP_PORT=$tracker_port is in use"
+    fi
+  elif port_is_free 8080; then
+    tracker_port=8080
+  else
+    tracker_port=0
   fi
-  local ports=()
-  mapfile -t ports < <(free_ports $((2 * n)))
-  # ports[0] is the tracker's p2p port; peer k (1..n-1) gets ports[2k-1] (HTTP), ports[2k] (p2p).
-  local tracker_p2p=${ports[0]}
-  local tracker_url=http://127.0.0.1:$tracker_http
-  local bootstrap=/ip4/127.0.0.1/tcp/$tracker_p2p
 
   mkdir -p "$run_dir/logs" "$run_dir/data"
   rm -f "$run_dir"/logs/*.log
   rm -rf "$procs_dir" "$exit_dir"
   mkdir -p "$procs_dir" "$exit_dir"
   : >"$pids_file"
-  {
-    printf 'tracker_http=%s\nbase_url=%s/v1\n' "$tracker_url" "$tracker_url"
-    printf 'processes=%s\nredundancy=%s\ngroups=%s\nlayers=%s\ntracker_layers=%s\n' \
-      "$n" "$redundancy" "$groups" "$layers" "$tracker_layers"
-  } >"$state_file"
 
   started=()
   ready=0
@@ -520,11 +615,8 @@ up() {
     shift 4
     local dir=$procs_dir/$name
     mkdir -p "$dir"
-    local argv=("$bin" "$@" --data-dir "$run_dir/data/$name" --reachable
-      --announce-interval 0.5 "${extra[@]+"${extra[@]}"}")
-    printf '%s\0' "${argv[@]}" >"$dir/cmd"
-    printf '%q ' "${argv[@]}" | sed 's/ $//' >"$dir/cmdline"
-    echo >>"$dir/cmdline"
+    record_cmd "$dir" "$bin" "$@" --data-dir "$run_dir/data/$name" --reachable \
+      --announce-interval 0.5 "${extra[@]+"${extra[@]}"}"
     printf '%s\n' "$http" >"$dir/http"
     printf '%s\n' "$memory" >"$dir/memory"
     printf '%s\n' "$group" >"$dir/group"
@@ -536,12 +628,50 @@ up() {
   local timeout=${MESHNET_TESTNET_TIMEOUT:-120}
   local deadline=$((SECONDS + timeout))
 
-  say "starting the tracker on $tracker_url (p2p $bootstrap, ${shares[0]} layers, memory ${memories[0]} B)"
-  # The tracker's bootstrap is peer1's address: not there yet at the first start, but a
-  # restarted tracker finds the mesh (and its successor) through it.
-  start tracker "$tracker_url" "${memories[0]}" "" \
-    --tracker --http "127.0.0.1:$tracker_http" --p2p "$bootstrap" --memory "${memories[0]}" \
-    --bootstrap "/ip4/127.0.0.1/tcp/${ports[2]}"
+  if [ "$tracker_port" -eq 0 ]; then
+    say "starting the tracker on a port the system chooses (${shares[0]} layers, memory ${memories[0]} B)"
+  else
+    say "starting the tracker on 127.0.0.1:$tracker_port (${shares[0]} layers, memory ${memories[0]} B)"
+  fi
+  start tracker "http://127.0.0.1:$tracker_port" "${memories[0]}" "" \
+    --tracker --http "127.0.0.1:$tracker_port" --p2p /ip4/127.0.0.1/tcp/0 --memory "${memories[0]}"
+  if ! wait_ready tracker "${started[0]}" "$launched_offset" "$deadline"; then
+    # Its libp2p port is the system's choice: a port in use is its HTTP port.
+    local in_use
+    in_use=$(tail -c +$((launched_offset + 1)) "$run_dir/logs/tracker.log" |
+      grep -i -m 1 'address already in use' || true)
+    if [ -n "$in_use" ] && [ -n "${MESHNET_HTTP_PORT:-}" ]; then
+      say "MESHNET_HTTP_PORT=$tracker_port is in use: the tracker could not bind" \
+        "127.0.0.1:$tracker_port"
+      show_logs
+      exit 1
+    elif [ -n "$in_use" ] && [ "$tracker_port" -ne 0 ]; then
+      # Port 8080 was free when checked and taken before the tracker bound it.
+      say "port $tracker_port was taken meanwhile; starting the tracker again on a port the" \
+        "system chooses"
+      set_arg tracker --http 127.0.0.1:0
+      launch tracker
+      started[0]=$launched_pid
+      if ! wait_ready tracker "${started[0]}" "$launched_offset" "$deadline"; then
+        say "the tracker exited"
+        show_logs
+        exit 1
+      fi
+    else
+      say "the tracker exited"
+      show_logs
+      exit 1
+    fi
+  fi
+  pin tracker
+  local tracker_url=$ready_http
+  local bootstrap=$ready_p2p
+  {
+    printf 'tracker_http=%s\nbase_url=%s/v1\n' "$tracker_url" "$tracker_url"
+    printf 'processes=%s\nredundancy=%s\ngroups=%s\nlayers=%s\ntracker_layers=%s\n' \
+      "$n" "$redundancy" "$groups" "$layers" "$tracker_layers"
+  } >"$state_file"
+  say "the tracker listens on $tracker_url (p2p $bootstrap)"
 
   # Wait for the tracker's /status before starting the peers.
   until [ "$(http_code "$tracker_url/status")" = 200 ]; do
@@ -558,24 +688,47 @@ up() {
     sleep 0.2
   done
 
-  local procs_spec=""
+  # urls[K]: peer K's HTTP base URL, from its ready line (learn_peer K). The tracker's bootstrap
+  # becomes peer1's libp2p address: not needed at the first start, but a restarted tracker finds
+  # the mesh (and its successor) through it.
+  local urls=("$tracker_url") offsets=("")
+  learn_peer() {
+    local k=$1
+    if ! wait_ready "peer$k" "${started[k]}" "${offsets[k]}" "$deadline"; then
+      say "peer$k (pid ${started[k]}) exited"
+      show_logs
+      exit 1
+    fi
+    pin "peer$k"
+    urls[k]=$ready_http
+    if [ "$k" -eq 1 ]; then
+      set_arg tracker --bootstrap "$ready_p2p"
+    fi
+  }
   for ((k = 1; k < n; k++)); do
     if [ "$redundancy" -gt 1 ]; then
       say "starting peer$k (group $((group_of[k] + 1)) of $groups, ${shares[k]} layers, memory ${memories[k]} B)"
     else
       say "starting peer$k (${shares[k]} layers, memory ${memories[k]} B)"
     fi
-    start "peer$k" "http://127.0.0.1:${ports[2 * k - 1]}" "${memories[k]}" "${group_of[k]}" \
-      --http "127.0.0.1:${ports[2 * k - 1]}" \
-      --p2p "/ip4/127.0.0.1/tcp/${ports[2 * k]}" --bootstrap "$bootstrap" \
+    start "peer$k" "" "${memories[k]}" "${group_of[k]}" \
+      --http 127.0.0.1:0 --p2p /ip4/127.0.0.1/tcp/0 --bootstrap "$bootstrap" \
       --memory "${memories[k]}"
-    procs_spec+="peer$k=http://127.0.0.1:${ports[2 * k - 1]}=${memories[k]} "
-    if [ "$redundancy" -gt 1 ] && [ "$k" -lt $((n - 1)) ]; then
-      # One at a time: each peer measures its throughput when its span loads, and the planner
-      # places the next ones by throughput; loads running side by side on a small machine
-      # measure each other's contention.
-      wait_serving "peer$k" "http://127.0.0.1:${ports[2 * k - 1]}" "${started[k]}" "$deadline"
+    offsets[k]=$launched_offset
+    if [ "$redundancy" -gt 1 ]; then
+      learn_peer "$k"
+      if [ "$k" -lt $((n - 1)) ]; then
+        # One at a time: each peer measures its throughput when its span loads, and the
+        # planner places the next ones by throughput; loads running side by side on a small
+        # machine measure each other's contention.
+        wait_serving "peer$k" "${urls[k]}" "${started[k]}" "$deadline"
+      fi
     fi
+  done
+  local procs_spec=""
+  for ((k = 1; k < n; k++)); do
+    [ -n "${urls[k]:-}" ] || learn_peer "$k"
+    procs_spec+="peer$k=${urls[k]}=${memories[k]} "
   done
 
   if [ "$redundancy" -gt 1 ]; then
@@ -645,7 +798,7 @@ sys.exit(0 if (s.get("coverage") or {}).get("complete") else 1)' "$status"; then
     say "the mesh covers the model after $((SECONDS - t0))s"
   fi
   local names=""
-  for ((k = 1; k < n; k++)); do names+="http://127.0.0.1:${ports[2 * k - 1]}=peer$k "; done
+  for ((k = 1; k < n; k++)); do names+="${urls[k]}=peer$k "; done
   python3 - "$status" "$names" <<'PY'
 import json, sys
 status = json.loads(sys.argv[1])
@@ -693,12 +846,13 @@ down() {
 wait_for_exit_records() {
   local name i
   [ -f "$pids_file" ] || return 0
-  for name in $(awk '{print $1}' "$pids_file"); do
+  while read -r name _; do
+    [ -n "$name" ] || continue
     for ((i = 0; i < 200; i++)); do
       [ -f "$exit_dir/$name" ] && break
       sleep 0.025
     done
-  done
+  done <"$pids_file"
 }
 
 status() {
