@@ -6,10 +6,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use libp2p::swarm::ConnectionId;
 use libp2p::{Multiaddr, PeerId};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Whether others can dial this node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Reachability {
     /// Dialable: started as reachable, or AutoNAT confirmed it.

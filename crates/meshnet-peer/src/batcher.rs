@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor;
 use meshnet_model::{BatchItem, ModelError, ModelSpan, SessionId};
 use meshnet_types::LayerSpan;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// The most rows one pass takes unless told otherwise (`--max-batch-tokens`; a 128-token
 /// prefill chunk fills half). The first waiting request is always taken, whatever its size, so
@@ -73,7 +73,7 @@ impl Job {
 }
 
 /// What a span's compute thread has done since the span loaded (`/status` `batching`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchingReport {
     /// Passes over the weights (layer passes and LM-head passes).
     pub passes: u64,

@@ -5,7 +5,11 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
+use meshnet_p2p::SpanStatus;
+use meshnet_types::{PeerId, SpanState};
 use serde_json::Value;
+
+use crate::status::{CoverageReport, HolderReport, StatusReport};
 
 /// The base URL of a member from what a user typed: `host:port`, `http://host:port`,
 /// `http://host:port/` or the API's `http://host:port/v1` all name the same member.
@@ -47,16 +51,6 @@ fn short_id(id: &str) -> String {
     }
 }
 
-fn text<'a>(value: &'a Value, key: &str) -> &'a str {
-    value.get(key).and_then(Value::as_str).unwrap_or("")
-}
-
-/// `[a, b)` of a span object (`{"layers": [a, b], ...}`) as `a..b`.
-fn span_text(span: &Value) -> Option<String> {
-    let layers = span.get("layers")?.as_array()?;
-    Some(format!("{}..{}", layers.first()?, layers.get(1)?))
-}
-
 /// One peer's row in the table.
 #[derive(Default)]
 struct PeerRow {
@@ -71,55 +65,54 @@ struct PeerRow {
 
 impl PeerRow {
     /// Takes what a member's own status and a tracker's peer entry share: the announced span
-    /// (when there is one), the sessions and the step time.
-    fn fill_from(&mut self, member: &Value) {
-        if let Some(span) = member.get("span").filter(|s| !s.is_null()) {
-            self.span = span_text(span).unwrap_or_default();
-            self.state = text(span, "state").to_owned();
-            self.quantization = text(span, "quantization").to_owned();
+    /// (when there is one), the sessions and the milliseconds per decode step.
+    fn fill_from(&mut self, span: Option<&SpanStatus>, sessions: u64, step_ms: f64) {
+        if let Some(span) = span {
+            self.span = span.layers.to_string();
+            self.state = span.state.to_string();
+            self.quantization = span.quantization.to_string();
         }
-        self.sessions = member
-            .get("active_sessions")
-            .map(ToString::to_string)
-            .unwrap_or_default();
-        self.latency = step_millis(member);
+        self.sessions = sessions.to_string();
+        self.latency = format!("{step_ms:.1}");
     }
 }
 
 /// A `/status` answer as text: the member, the model and tracker, a line per layer range with
 /// its holders, and a row per peer. Works on any member (a non-tracker knows the coverage map
 /// but not the tracker's book of peers, so its rows come from the map).
-pub fn status_table(status: &Value) -> String {
+pub fn status_table(status: &StatusReport) -> String {
     let mut out = String::new();
-    let model = status.get("model").cloned().unwrap_or(Value::Null);
-    let layers = model.get("layers").and_then(Value::as_u64).unwrap_or(0);
     let _ = writeln!(
         out,
         "member  {} ({}) at {}",
-        text(status, "peer"),
-        text(status, "role"),
-        text(status, "http")
+        status.peer,
+        status.role.as_str(),
+        status.http.as_deref().unwrap_or("")
     );
-    let _ = writeln!(out, "model   {} ({layers} layers)", text(&model, "id"));
+    let _ = writeln!(
+        out,
+        "model   {} ({} layers)",
+        status.model.id, status.model.layers
+    );
     let _ = writeln!(
         out,
         "tracker {} (term {}) {}",
-        status
-            .get("tracker")
-            .and_then(Value::as_str)
-            .unwrap_or("none yet"),
-        status.get("term").and_then(Value::as_u64).unwrap_or(0),
-        text(status, "tracker_http")
+        status.tracker.as_ref().map_or("none yet", PeerId::as_str),
+        status.term,
+        status.tracker_http.as_deref().unwrap_or("")
     );
-    let coverage = status.get("coverage").filter(|c| !c.is_null());
+    let coverage = status.coverage.as_ref();
     match coverage {
         Some(coverage) => {
-            let complete = coverage.get("complete").and_then(Value::as_bool) == Some(true);
             let _ = writeln!(
                 out,
                 "coverage {} (epoch {})",
-                if complete { "complete" } else { "INCOMPLETE" },
-                coverage.get("epoch").and_then(Value::as_u64).unwrap_or(0)
+                if coverage.complete {
+                    "complete"
+                } else {
+                    "INCOMPLETE"
+                },
+                coverage.epoch
             );
         }
         None => {
@@ -135,13 +128,13 @@ pub fn status_table(status: &Value) -> String {
         "PEER", "LAYERS", "STATE", "QUANT", "PATH", "SESSIONS", "STEP(ms)"
     );
     // In route order: by first layer, then id.
-    let mut rows: Vec<(String, PeerRow)> = rows.into_iter().collect();
-    rows.sort_by_key(|(peer, row)| (first_layer(&row.span), peer.clone()));
+    let mut rows: Vec<(&PeerId, PeerRow)> = rows.into_iter().collect();
+    rows.sort_by_key(|(peer, row)| (first_layer(&row.span), *peer));
     for (peer, row) in &rows {
         let _ = writeln!(
             out,
             "{:<14} {:<8} {:<9} {:<6} {:<12} {:>8} {:>10}  {}",
-            short_id(peer),
+            short_id(peer.as_str()),
             row.span,
             row.state,
             row.quantization,
@@ -153,18 +146,9 @@ pub fn status_table(status: &Value) -> String {
     }
     if let Some(coverage) = coverage {
         let _ = writeln!(out);
-        let _ = writeln!(out, "{}", redundancy_line(coverage, layers));
+        let _ = writeln!(out, "{}", redundancy_line(coverage, status.model.layers));
     }
     out
-}
-
-/// A member's milliseconds per decode step (`forward_latency_ms`) with one decimal.
-fn step_millis(member: &Value) -> String {
-    member
-        .get("forward_latency_ms")
-        .and_then(Value::as_f64)
-        .map(|ms| format!("{ms:.1}"))
-        .unwrap_or_default()
 }
 
 /// The first layer of a span written `a..b` (spans not held sort last).
@@ -176,59 +160,51 @@ fn first_layer(span: &str) -> u64 {
 
 /// The peers of a status answer, by id: the member itself, the tracker's book, and every
 /// holder in the coverage map.
-fn peer_rows(status: &Value, coverage: Option<&Value>) -> BTreeMap<String, PeerRow> {
-    let mut rows: BTreeMap<String, PeerRow> = BTreeMap::new();
-    let holders = coverage
-        .and_then(|c| c.get("layers"))
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .flat_map(|layer| {
-            let index = layer.get("layer").and_then(Value::as_u64).unwrap_or(0);
-            layer
-                .get("holders")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-                .map(move |holder| (index, holder))
-        });
-    // Spans from the map: the first and last layer each peer holds.
-    let mut held: BTreeMap<String, (u64, u64, String, String)> = BTreeMap::new();
-    for (layer, holder) in holders {
-        let entry = held.entry(text(holder, "peer").to_owned()).or_insert((
-            layer,
-            layer,
-            text(holder, "state").to_owned(),
-            text(holder, "quantization").to_owned(),
-        ));
-        entry.0 = entry.0.min(layer);
-        entry.1 = entry.1.max(layer);
+fn peer_rows<'a>(
+    status: &'a StatusReport,
+    coverage: Option<&'a CoverageReport>,
+) -> BTreeMap<&'a PeerId, PeerRow> {
+    let mut rows: BTreeMap<&PeerId, PeerRow> = BTreeMap::new();
+    // Spans from the map: the first and last layer each peer holds, and its state and format
+    // on the first of them.
+    let mut held: BTreeMap<&PeerId, (u32, u32, &HolderReport)> = BTreeMap::new();
+    for layer in coverage.into_iter().flat_map(|c| &c.layers) {
+        for holder in &layer.holders {
+            let entry = held
+                .entry(&holder.peer)
+                .or_insert((layer.layer, layer.layer, holder));
+            entry.0 = entry.0.min(layer.layer);
+            entry.1 = entry.1.max(layer.layer);
+        }
     }
-    for (peer, (first, last, state, quantization)) in held {
+    for (peer, (first, last, holder)) in held {
         rows.insert(
             peer,
             PeerRow {
-                span: format!("{first}..{}", last + 1),
-                state,
-                quantization,
+                span: format!("{first}..{}", u64::from(last) + 1),
+                state: holder.state.to_string(),
+                quantization: holder.quantization.to_string(),
                 ..PeerRow::default()
             },
         );
     }
-    let own = rows.entry(text(status, "peer").to_owned()).or_default();
-    own.fill_from(status);
+    let own = rows.entry(&status.peer).or_default();
+    own.fill_from(
+        status.span.as_ref(),
+        status.active_sessions as u64,
+        status.forward_latency_ms,
+    );
     own.path = "local".to_owned();
-    own.note = format!("this member ({})", text(status, "role"));
-    for known in status
-        .get("peers")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        let row = rows.entry(text(known, "peer").to_owned()).or_default();
-        row.fill_from(known);
-        row.path = text(known, "path").to_owned();
-        if known.get("leaving").and_then(Value::as_bool) == Some(true) {
+    own.note = format!("this member ({})", status.role.as_str());
+    for known in status.peers.iter().flatten() {
+        let row = rows.entry(&known.peer).or_default();
+        row.fill_from(
+            known.span.as_ref(),
+            u64::from(known.active_sessions),
+            known.forward_latency_ms,
+        );
+        row.path = known.path.as_str().to_owned();
+        if known.leaving {
             row.note = "leaving".to_owned();
         }
     }
@@ -248,28 +224,15 @@ fn peer_rows(status: &Value, coverage: Option<&Value>) -> BTreeMap<String, PeerR
 }
 
 /// Ready holders per layer, as runs: `layers 0..10: 1 holder, 10..30: 2 holders`.
-fn redundancy_line(coverage: &Value, layers: u64) -> String {
+fn redundancy_line(coverage: &CoverageReport, layers: u32) -> String {
     let mut counts = vec![0usize; layers as usize];
-    for layer in coverage
-        .get("layers")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        let index = layer
-            .get("layer")
-            .and_then(Value::as_u64)
-            .unwrap_or(u64::MAX) as usize;
-        if let Some(count) = counts.get_mut(index) {
+    for layer in &coverage.layers {
+        if let Some(count) = counts.get_mut(layer.layer as usize) {
             *count = layer
-                .get("holders")
-                .and_then(Value::as_array)
-                .map_or(0, |holders| {
-                    holders
-                        .iter()
-                        .filter(|holder| text(holder, "state") == "ready")
-                        .count()
-                });
+                .holders
+                .iter()
+                .filter(|holder| holder.state == SpanState::Ready)
+                .count();
         }
     }
     let mut runs = Vec::new();
@@ -395,64 +358,122 @@ mod tests {
         json!({"peer": peer, "state": state, "quantization": "q4_1"})
     }
 
-    #[test]
-    fn the_table_lists_every_holder_with_its_span_and_the_redundancy() {
-        let tracker = "12D3KooWTrackerTrackerTracker0001";
-        let a = "12D3KooWPeerAAAAAAAAAAAAAAAAAAAA";
-        let b = "12D3KooWPeerBBBBBBBBBBBBBBBBBBBB";
+    const TRACKER: &str = "12D3KooWTrackerTrackerTracker0001";
+    const A: &str = "12D3KooWPeerAAAAAAAAAAAAAAAAAAAA";
+    const B: &str = "12D3KooWPeerBBBBBBBBBBBBBBBBBBBB";
+    const C: &str = "12D3KooWPeerCCCCCCCCCCCCCCCCCCCC";
+
+    /// A tracker's `/status` with every field docs/status.md lists: six layers, held by the
+    /// tracker (0..2), A (2..4), B (2..4 while loading, 4..6 ready) and C (loading 5..6, not
+    /// in the tracker's book).
+    fn tracker_document() -> Value {
         let layers: Vec<Value> = (0..6)
             .map(|layer| {
                 let holders = match layer {
-                    0 | 1 => vec![holder(tracker, "ready")],
-                    2 | 3 => vec![holder(a, "ready"), holder(b, "loading")],
-                    _ => vec![holder(b, "ready")],
+                    0 | 1 => vec![holder(TRACKER, "ready")],
+                    2 | 3 => vec![holder(A, "ready"), holder(B, "loading")],
+                    4 => vec![holder(B, "ready")],
+                    _ => vec![holder(B, "ready"), holder(C, "loading")],
                 };
                 json!({"layer": layer, "holders": holders})
             })
             .collect();
-        let status = json!({
-            "peer": tracker, "role": "tracker", "http": "http://127.0.0.1:8080",
-            "model": {"id": "tiny", "layers": 6},
-            "tracker": tracker, "term": 2, "tracker_http": "http://127.0.0.1:8080",
-            "span": {"layers": [0, 2], "quantization": "q4_1", "state": "ready"},
-            "active_sessions": 1,
-            "coverage": {"epoch": 7, "complete": true, "layers": layers},
-            "peers": [
-                {"peer": a, "span": {"layers": [2, 4], "quantization": "q4_1", "state": "ready"},
-                 "path": "direct-http", "active_sessions": 0, "forward_latency_ms": 2.25,
-                 "leaving": false},
-                {"peer": b, "span": {"layers": [4, 6], "quantization": "q4_1", "state": "ready"},
-                 "path": "direct-http", "active_sessions": 0, "forward_latency_ms": 1.0,
-                 "leaving": true}
-            ]
+        let testimony = |peer: &str, digest: &str| json!({"peer": peer, "output_sha256": digest});
+        let peers = json!([
+            {"peer": A, "http": "http://127.0.0.1:8081", "path": "direct-http",
+             "span": {"layers": [2, 4], "quantization": "q4_1", "state": "ready"},
+             "memory_bytes": 67_108_864, "quantizations": ["q4_1", "bf16"],
+             "throughput": 1830.5, "active_sessions": 0, "free_kv_tokens": 20480,
+             "last_seen_ms": 212, "forward_latency_ms": 2.25, "leaving": false,
+             "verified_sessions": 12},
+            {"peer": B, "http": null, "path": "relayed",
+             "span": {"layers": [4, 6], "quantization": "q4_1", "state": "ready"},
+             "memory_bytes": 33_554_432, "quantizations": ["q4_1"],
+             "throughput": 950.0, "active_sessions": 2, "free_kv_tokens": 1024,
+             "last_seen_ms": 1500, "forward_latency_ms": 1.0, "leaving": true,
+             "verified_sessions": 0}
+        ]);
+        let banned = json!([
+            {"peer": "12D3KooWCheater", "cause": "returned wrong activations for layers 2-4",
+             "since_ms": 5000, "remaining_ms": 86_395_000,
+             "evidence": {"session": "5f0c", "position": 37, "tokens": 1, "layers": [2, 4],
+                          "convicted": testimony("12D3KooWCheater", "9b1e"),
+                          "witness": testimony(A, "41c7"),
+                          "arbiter": testimony(B, "41c7")}}
+        ]);
+        let network = json!({
+            "reachability": "public", "relayed_addresses": [],
+            "paths": {A: "direct-http", B: "relayed", C: "not-connected"}
         });
+        json!({
+            "peer": TRACKER, "role": "tracker", "version": "0.1.0",
+            "model": {"id": "tiny", "layers": 6},
+            "http": "http://127.0.0.1:8080", "p2p": ["/ip4/127.0.0.1/tcp/4001"],
+            "span": {"layers": [0, 2], "quantization": "q4_1", "state": "ready"},
+            "loading": null,
+            "active_sessions": 1, "free_kv_tokens": 2048,
+            "tracker": TRACKER, "tracker_http": "http://127.0.0.1:8080", "term": 2,
+            "succession": [A, B], "announce_interval_ms": 2000,
+            "failovers": 1, "checked_sessions": 12, "convictions": 1, "leaving": false,
+            "forward_latency_ms": 3.4,
+            "gossip": {"published_messages": 120, "published_bytes": 31200,
+                       "received_messages": 480, "received_bytes": 98400},
+            "network": network,
+            "rejected_messages": 1,
+            "recent_rejections": [{"from": "12D3KooWOutsider", "topic": "identify",
+                                   "reason": "serves another model"}],
+            "coverage": {"epoch": 7, "complete": true, "layers": layers},
+            "peers": peers,
+            "admission": {"max_sessions": 8, "running": 1, "queued": 0, "max_queued": 32,
+                          "queue_timeout_ms": 60000},
+            "banned": banned,
+            "batching": {"passes": 5120, "requests": 31870, "largest_pass": 8,
+                         "max_batch_tokens": 256},
+            "openai_base_url": "http://127.0.0.1:8080/v1",
+            "route_boundaries": [2, 4]
+        })
+    }
+
+    fn parse(document: &Value) -> StatusReport {
+        serde_json::from_value(document.clone()).unwrap()
+    }
+
+    #[test]
+    fn a_report_with_every_field_renders_exactly() {
+        let document = tracker_document();
+        let status = parse(&document);
+        // The document holds every field of the report and nothing else.
+        assert_eq!(serde_json::to_value(&status).unwrap(), document);
+        let expected = [
+            "member  12D3KooWTrackerTrackerTracker0001 (tracker) at http://127.0.0.1:8080",
+            "model   tiny (6 layers)",
+            "tracker 12D3KooWTrackerTrackerTracker0001 (term 2) http://127.0.0.1:8080",
+            "coverage complete (epoch 7)",
+            "",
+            "PEER           LAYERS   STATE     QUANT  PATH         SESSIONS   STEP(ms)  NOTE",
+            "…cker0001      0..2     ready     q4_1   local               1        3.4  this member (tracker)",
+            "…AAAAAAAA      2..4     ready     q4_1   direct-http         0        2.2  ",
+            "…BBBBBBBB      4..6     ready     q4_1   relayed             2        1.0  leaving",
+            "…CCCCCCCC      5..6     loading   q4_1   -                                 ",
+            "",
+            "ready holders per layer: 0..6: 1 holder",
+        ];
         let table = status_table(&status);
-        assert!(table.contains("tiny (6 layers)"), "{table}");
-        assert!(table.contains("(term 2)"), "{table}");
-        assert!(table.contains("coverage complete (epoch 7)"), "{table}");
-        let row = |id: &str| {
-            table
-                .lines()
-                .find(|line| line.starts_with(&short_id(id)))
-                .unwrap_or_else(|| panic!("no row for {id} in\n{table}"))
-                .split_whitespace()
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(row(tracker)[1..3], ["0..2", "ready"]);
-        assert_eq!(row(a)[1..5], ["2..4", "ready", "q4_1", "direct-http"]);
-        assert_eq!(row(a)[6], "2.2");
-        assert_eq!(row(b)[1], "4..6");
-        assert_eq!(*row(b).last().unwrap(), "leaving");
-        // Rows in route order.
-        let order: Vec<usize> = [tracker, a, b]
+        assert_eq!(table.lines().collect::<Vec<_>>(), expected, "{table}");
+        assert!(table.ends_with('\n'));
+    }
+
+    #[test]
+    fn rows_follow_the_route_whatever_order_the_book_lists_peers_in() {
+        let mut document = tracker_document();
+        let peers = document["peers"].as_array_mut().unwrap();
+        peers.reverse();
+        let table = status_table(&parse(&document));
+        let order: Vec<usize> = [TRACKER, A, B, C]
             .iter()
             .map(|id| table.find(&short_id(id)).unwrap())
             .collect();
         assert!(order.is_sorted(), "{table}");
-        assert!(
-            table.contains("ready holders per layer: 0..6: 1 holder"),
-            "{table}"
-        );
     }
 
     #[test]
@@ -468,19 +489,33 @@ mod tests {
                 json!({"layer": layer, "holders": holders})
             })
             .collect();
+        let coverage: CoverageReport =
+            serde_json::from_value(json!({"epoch": 1, "complete": false, "layers": layers}))
+                .unwrap();
         assert_eq!(
-            redundancy_line(&json!({"layers": layers}), 4),
+            redundancy_line(&coverage, 4),
             "ready holders per layer: 0..2: 2 holders, 2..3: 1 holder, 3..4: 0 holders"
         );
     }
 
     #[test]
     fn a_member_with_no_map_yet_says_so() {
-        let status = json!({"peer": "p", "role": "peer", "model": {"id": "m", "layers": 3},
-                            "coverage": null, "span": null});
-        let table = status_table(&status);
+        let mut document = tracker_document();
+        let fields = document.as_object_mut().unwrap();
+        for tracker_only in ["peers", "admission", "banned", "route_boundaries"] {
+            fields.remove(tracker_only);
+        }
+        fields.insert("role".to_owned(), json!("peer"));
+        for unknown in ["coverage", "span", "tracker", "tracker_http", "batching"] {
+            fields.insert(unknown.to_owned(), Value::Null);
+        }
+        let table = status_table(&parse(&document));
         assert!(table.contains("coverage none heard yet"), "{table}");
-        assert!(table.contains("tracker none yet"), "{table}");
+        assert!(table.contains("tracker none yet (term 2) \n"), "{table}");
+        assert!(
+            table.contains("…cker0001      -        -         -      local"),
+            "{table}"
+        );
     }
 
     #[test]

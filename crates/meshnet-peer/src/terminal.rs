@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use meshnet_peer::console::{SseDecoder, StreamEvent, member_base_url, status_table};
+use meshnet_peer::status::StatusReport;
 use serde_json::{Value, json};
 
 /// The member the commands talk to when `--url` is not given: `testnet/local.sh`'s tracker.
@@ -125,8 +126,8 @@ fn error_reason(body: &[u8]) -> String {
         .unwrap_or_else(|| String::from_utf8_lossy(body).trim().to_owned())
 }
 
-/// GETs a JSON document from a member; a non-200 answer is an error naming its reason.
-async fn get_json(client: &reqwest::Client, url: &str) -> anyhow::Result<Value> {
+/// GETs a document from a member; a non-200 answer is an error naming its reason.
+async fn get_body(client: &reqwest::Client, url: &str) -> anyhow::Result<Vec<u8>> {
     let response = client
         .get(url)
         .send()
@@ -137,18 +138,32 @@ async fn get_json(client: &reqwest::Client, url: &str) -> anyhow::Result<Value> 
     if !status.is_success() {
         bail!("{url} answered {status}: {}", error_reason(&body));
     }
+    Ok(body)
+}
+
+/// GETs a JSON document from a member; a non-200 answer is an error naming its reason.
+async fn get_json(client: &reqwest::Client, url: &str) -> anyhow::Result<Value> {
+    let body = get_body(client, url).await?;
     serde_json::from_slice(&body).with_context(|| format!("{url} did not answer JSON"))
+}
+
+/// The status report in a `/status` answer from `url`; a body that is not one is an error
+/// naming `url` and what does not parse.
+fn parse_status(body: &[u8], url: &str) -> anyhow::Result<StatusReport> {
+    serde_json::from_slice(body)
+        .map_err(|error| anyhow::anyhow!("{url} did not answer a status report: {error}"))
 }
 
 /// `status`: the member's `/status` as a table (or as JSON with `--json`).
 pub fn status(args: &StatusArgs) -> anyhow::Result<()> {
     let base = member_base_url(&args.url).map_err(anyhow::Error::msg)?;
     let url = format!("{base}/status");
-    let status = runtime()?.block_on(async { get_json(&http_client()?, &url).await })?;
     if args.json {
+        let status = runtime()?.block_on(async { get_json(&http_client()?, &url).await })?;
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
-        print!("{}", status_table(&status));
+        let body = runtime()?.block_on(async { get_body(&http_client()?, &url).await })?;
+        print!("{}", status_table(&parse_status(&body, &url)?));
     }
     Ok(())
 }
@@ -348,6 +363,17 @@ mod tests {
         );
         assert_eq!(error_reason(br#"{"reason":"no route"}"#), "no route");
         assert_eq!(error_reason(b"plain text\n"), "plain text");
+    }
+
+    #[test]
+    fn a_body_that_is_not_a_status_report_names_the_url_and_the_field() {
+        let url = "http://127.0.0.1:8080/status";
+        let error = parse_status(br#"{"peer": "p", "role": "tracker"}"#, url).unwrap_err();
+        let message = error.to_string();
+        assert!(message.starts_with(url), "{message}");
+        assert!(message.contains("missing field"), "{message}");
+        let error = parse_status(b"<html>", url).unwrap_err();
+        assert!(error.to_string().contains("did not answer a status report"));
     }
 
     #[test]

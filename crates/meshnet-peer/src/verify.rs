@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use meshnet_types::{LayerSpan, PeerId};
 use meshnet_wire::Activations;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 /// The share of sessions checked when `--verify-sample` is not given.
@@ -141,7 +141,7 @@ pub fn judge(
 }
 
 /// One member's output and its digest, as evidence lists it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Testimony {
     /// The member.
     pub peer: PeerId,
@@ -150,7 +150,7 @@ pub struct Testimony {
 }
 
 /// Why a member was convicted: the step two holders disagreed on and what the arbiter said.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Evidence {
     /// The session on the hops.
     pub session: String,

@@ -81,7 +81,10 @@ async fn members_behind_nat_serve_over_libp2p_streams_with_the_text_of_reachable
     assert_eq!(chat(&tracker).await, reachable_text);
 
     let status = tracker.status();
-    assert_eq!(status.network.reachability, "public");
+    assert_eq!(
+        status.network.reachability,
+        meshnet_p2p::Reachability::Public
+    );
     for hidden in [&first, &second] {
         let report = status
             .peers
@@ -92,15 +95,19 @@ async fn members_behind_nat_serve_over_libp2p_streams_with_the_text_of_reachable
             .unwrap();
         assert_eq!(report.http, None);
         assert_eq!(
-            report.path, "direct-p2p",
+            report.path,
+            meshnet_peer::status::MemberPath::DirectP2p,
             "the hidden member dialed the tracker"
         );
     }
     let first_status = first.status();
-    assert_eq!(first_status.network.reachability, "unknown");
+    assert_eq!(
+        first_status.network.reachability,
+        meshnet_p2p::Reachability::Unknown
+    );
     assert_eq!(
         first_status.network.paths.get(second.peer_id()).copied(),
-        Some("relayed"),
+        Some(meshnet_peer::status::MemberPath::Relayed),
         "{:?}",
         first_status.network
     );

@@ -270,7 +270,7 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
     old_tracker.shutdown().await;
     let died = Instant::now();
     let taken = wait_for("the heir to take over", &heir, |s| {
-        s.role == "tracker"
+        s.role == meshnet_peer::status::Role::Tracker
             && s.coverage.as_ref().is_some_and(|c| c.complete)
             && s.route_boundaries.is_some()
     })
@@ -294,7 +294,7 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
     let rejoined = meshnet_peer::start(config).await.unwrap();
     assert_eq!(rejoined.peer_id(), &old_id);
     let stepped_down = wait_for("the old tracker to step down", &rejoined, |s| {
-        s.role == "peer" && s.tracker.as_ref() == Some(heir.peer_id())
+        s.role == meshnet_peer::status::Role::Peer && s.tracker.as_ref() == Some(heir.peer_id())
     })
     .await;
     // The map it follows names where the heir answers, so it passes chats on at once.
@@ -310,7 +310,7 @@ async fn a_successor_takes_over_when_the_tracker_dies_and_the_old_one_rejoins_as
         },
     )
     .await;
-    assert_eq!(settled.role, "tracker");
+    assert_eq!(settled.role, meshnet_peer::status::Role::Tracker);
     let through_old = format!("{}/v1", rejoined.http_url());
     let through_rejoined = answer(&through_old, &model).await;
     assert_eq!(
