@@ -163,7 +163,9 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
         let raw_len = frame.activations.shape().byte_len();
         let zstd_len = frame.encode(Encoding::Zstd).body.len();
         let started = Instant::now();
-        let answer = client.forward(&urls[0], frame, Encoding::Zstd).await?;
+        let answer = client
+            .forward(&endpoint(&urls[0]), frame, Encoding::Zstd)
+            .await?;
         let elapsed = started.elapsed();
         anyhow::ensure!(
             answer.activations.values() == expected.as_slice(),
@@ -207,7 +209,9 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
             },
             activations: one,
         };
-        let answer = client.forward(&urls[0], frame, Encoding::Raw).await?;
+        let answer = client
+            .forward(&endpoint(&urls[0]), frame, Encoding::Raw)
+            .await?;
         anyhow::ensure!(
             answer.activations.values()[0] == bf16::from_f32(30.5),
             "decode step {step} came back wrong"
@@ -230,4 +234,9 @@ fn stand_in_reference(values: &[bf16], hops: &[f32]) -> Vec<bf16> {
                 .fold(v, |acc, add| bf16::from_f32(acc.to_f32() + add))
         })
         .collect()
+}
+
+/// The endpoint a URL names.
+fn endpoint(url: &str) -> meshnet_wire::Endpoint {
+    url.parse().expect("an http:// URL")
 }

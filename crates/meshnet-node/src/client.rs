@@ -7,11 +7,11 @@ use bytes::Bytes;
 use http::{HeaderMap, Method};
 use meshnet_metrics::{Direction, HopPath, Metrics};
 use meshnet_wire::header::WIRE_VERSION_HEADER;
-use meshnet_wire::{ActivationFrame, Encoding, Limits, WireError};
+use meshnet_wire::{ActivationFrame, Encoding, Endpoint, Limits, WireError};
 
 use crate::error_body::ErrorBody;
 use crate::hop::{HopFailure, HopFailureKind};
-use crate::stream::{StreamFailure, StreamOpener, endpoint_peer};
+use crate::stream::{StreamFailure, StreamOpener};
 use crate::{codec, decode_bytes};
 
 /// How long a hop may take, end to end, before the sender gives up.
@@ -239,10 +239,11 @@ impl ForwardClient {
     /// than the limits allow.
     pub async fn forward(
         &self,
-        endpoint: &str,
+        target: &Endpoint,
         frame: ActivationFrame,
         encoding: Encoding,
     ) -> Result<ActivationFrame, ClientError> {
+        let endpoint = &target.to_string();
         let started = Instant::now();
         let sent_meta = frame.meta.clone();
         let raw_sent = frame.activations.raw_len();
@@ -261,7 +262,7 @@ impl ForwardClient {
             path,
         } = self
             .send(
-                endpoint,
+                target,
                 Method::POST,
                 "forward",
                 encoded.headers,
@@ -319,9 +320,10 @@ impl ForwardClient {
     /// Asks the peer at `endpoint` to free `session` (`DELETE {endpoint}/sessions/{id}`).
     pub async fn end_session(
         &self,
-        endpoint: &str,
+        target: &Endpoint,
         session: uuid::Uuid,
     ) -> Result<(), ClientError> {
+        let endpoint = &target.to_string();
         let mut headers = HeaderMap::new();
         headers.insert(
             WIRE_VERSION_HEADER,
@@ -329,7 +331,7 @@ impl ForwardClient {
         );
         let answer = self
             .send(
-                endpoint,
+                target,
                 Method::DELETE,
                 &format!("sessions/{session}"),
                 headers,
@@ -351,15 +353,17 @@ impl ForwardClient {
     /// its body within the limits: over HTTP for a URL, over a stream for `/p2p/<id>`.
     async fn send(
         &self,
-        endpoint: &str,
+        target: &Endpoint,
         method: Method,
         path: &str,
         headers: HeaderMap,
         body: Bytes,
     ) -> Result<Answer, ClientError> {
-        match endpoint_peer(endpoint) {
-            Some(peer) => {
-                let exchange = self.send_on_stream(endpoint, peer, method, path, headers, body);
+        let endpoint = &target.to_string();
+        match target {
+            Endpoint::Peer(peer) => {
+                let exchange =
+                    self.send_on_stream(endpoint, peer.as_str(), method, path, headers, body);
                 tokio::time::timeout(self.timeout, exchange)
                     .await
                     .map_err(|_| ClientError::Timeout {
@@ -367,7 +371,7 @@ impl ForwardClient {
                         timeout: self.timeout,
                     })?
             }
-            None => self.send_http(endpoint, method, path, headers, body).await,
+            Endpoint::Http(_) => self.send_http(endpoint, method, path, headers, body).await,
         }
     }
 

@@ -1,7 +1,7 @@
 //! The activation plane over byte streams between peers (libp2p streams, in practice): the same
 //! HTTP/1.1 requests as over TCP, one request per stream, for peers others cannot dial.
 //!
-//! A hop names such a peer as `/p2p/<peer id>` instead of a URL. This module knows nothing of
+//! A hop names such a peer as `/p2p/<peer id>` instead of a URL ([`meshnet_wire::Endpoint::Peer`]). This module knows nothing of
 //! libp2p: a [`StreamOpener`] opens the stream, [`serve_stream`] answers on one.
 
 use std::future::Future;
@@ -15,21 +15,6 @@ use hyper_util::rt::TokioIo;
 use hyper_util::service::TowerToHyperService;
 use meshnet_metrics::HopPath;
 use tokio::io::{AsyncRead, AsyncWrite};
-
-/// The prefix of an endpoint that names a peer by its libp2p id.
-pub const PEER_ENDPOINT_PREFIX: &str = "/p2p/";
-
-/// The peer id an endpoint of the form `/p2p/<peer id>` names; `None` for any other endpoint
-/// (a URL).
-pub fn endpoint_peer(endpoint: &str) -> Option<&str> {
-    let peer = endpoint.strip_prefix(PEER_ENDPOINT_PREFIX)?;
-    (!peer.is_empty() && peer.chars().all(|c| c.is_ascii_alphanumeric())).then_some(peer)
-}
-
-/// The endpoint that names `peer` by its id.
-pub fn peer_endpoint(peer: &str) -> String {
-    format!("{PEER_ENDPOINT_PREFIX}{peer}")
-}
 
 /// A byte stream to a peer.
 pub trait PeerIo: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
@@ -131,19 +116,4 @@ pub(crate) async fn exchange(
         headers: parts.headers,
         body,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn peer_endpoints_name_an_id_and_nothing_else() {
-        let id = "12D3KooWGzsVqE4qHZPh3mU5Z7wYkqH2yZbnvQbmz1Xx8W3Jx3bC";
-        assert_eq!(endpoint_peer(&peer_endpoint(id)), Some(id));
-        assert_eq!(endpoint_peer("http://127.0.0.1:8080"), None);
-        assert_eq!(endpoint_peer("/p2p/"), None);
-        assert_eq!(endpoint_peer("/p2p/abc/def"), None);
-        assert_eq!(endpoint_peer("/p2p/../etc"), None);
-    }
 }

@@ -308,7 +308,7 @@ async fn a_frame_travels_the_whole_route_and_back() {
         ];
         let sent = frame((0, 10), route, 130);
         let answer = client()
-            .forward(&url_a, sent.clone(), encoding)
+            .forward(&endpoint(&url_a), sent.clone(), encoding)
             .await
             .unwrap();
         assert_eq!(answer.meta.layers, LayerSpan::new(0, 30));
@@ -334,7 +334,7 @@ async fn failures_down_the_route_come_back_as_502_with_the_reason() {
     for (next, code, needle) in cases {
         let route = vec![Hop::new(LayerSpan::new(10, 20), next).unwrap()];
         let err = client()
-            .forward(&entry, frame((0, 10), route, 2), Encoding::Zstd)
+            .forward(&endpoint(&entry), frame((0, 10), route, 2), Encoding::Zstd)
             .await
             .unwrap_err();
         match err {
@@ -380,7 +380,7 @@ async fn a_dead_last_hop_is_named_at_the_entry_and_is_retryable() {
     let (_held, third) = refusing_endpoint();
     let sent = frame((0, 10), two_more_hops(&second, &third), 2);
     let err = client()
-        .forward(&first, sent.clone(), Encoding::Zstd)
+        .forward(&endpoint(&first), sent.clone(), Encoding::Zstd)
         .await
         .unwrap_err();
     // The first hop answered...
@@ -426,7 +426,7 @@ async fn a_hop_that_refuses_the_frame_is_named_and_final() {
     let third = serve(AddOnePerLayer::new(40, 50)).await;
     let err = client()
         .forward(
-            &first,
+            &endpoint(&first),
             frame((0, 10), two_more_hops(&second, &third), 2),
             Encoding::Zstd,
         )
@@ -445,7 +445,7 @@ async fn a_hop_that_refuses_the_frame_is_named_and_final() {
 
     // The first hop itself refusing: the failure is its own, and final too.
     let err = client()
-        .forward(&third, frame((0, 10), vec![], 2), Encoding::Raw)
+        .forward(&endpoint(&third), frame((0, 10), vec![], 2), Encoding::Raw)
         .await
         .unwrap_err();
     let failure = err.hop_failure().unwrap();
@@ -469,7 +469,7 @@ async fn an_overloaded_last_hop_is_named_with_its_code_and_is_retryable() {
     .await;
     let err = client()
         .forward(
-            &first,
+            &endpoint(&first),
             frame((0, 10), two_more_hops(&second, &third), 2),
             Encoding::Zstd,
         )
@@ -487,13 +487,20 @@ async fn an_overloaded_last_hop_is_named_with_its_code_and_is_retryable() {
 async fn the_client_reports_a_dead_peer_and_a_bad_endpoint() {
     let (_held, closed) = refusing_endpoint();
     let err = client()
-        .forward(&closed, frame((0, 1), vec![], 1), Encoding::Raw)
+        .forward(&endpoint(&closed), frame((0, 1), vec![], 1), Encoding::Raw)
         .await
         .unwrap_err();
     assert!(matches!(err, ClientError::Unreachable { .. }), "{err}");
+    // Text that names no endpoint is refused where it is parsed; a URL the HTTP client cannot
+    // use (its port out of range) is refused by the client.
+    assert!(
+        "peer-without-scheme"
+            .parse::<meshnet_wire::Endpoint>()
+            .is_err()
+    );
     let err = client()
         .forward(
-            "peer-without-scheme",
+            &endpoint("http://peer:99999"),
             frame((0, 1), vec![], 1),
             Encoding::Raw,
         )
@@ -540,7 +547,7 @@ async fn a_next_hop_that_accepts_and_never_answers_times_out() {
     let client = ForwardClient::new(limits(), Duration::from_millis(300)).unwrap();
     let err = tokio::time::timeout(
         Duration::from_secs(30),
-        client.forward(&silent, frame((0, 1), vec![], 1), Encoding::Raw),
+        client.forward(&endpoint(&silent), frame((0, 1), vec![], 1), Encoding::Raw),
     )
     .await
     .expect("the client's own timeout never fired")
@@ -609,7 +616,7 @@ async fn a_stream_dropped_unread_is_sent_again_on_a_new_one() {
         let sent = frame((0, 10), vec![], 3);
         let outcome = client
             .forward(
-                &meshnet_node::stream::peer_endpoint(peer),
+                &meshnet_wire::Endpoint::Peer(peer.into()),
                 sent.clone(),
                 Encoding::Raw,
             )
@@ -630,4 +637,9 @@ async fn a_stream_dropped_unread_is_sent_again_on_a_new_one() {
             assert!(executor.calls.lock().unwrap().is_empty());
         }
     }
+}
+
+/// The endpoint a URL names.
+fn endpoint(url: &str) -> meshnet_wire::Endpoint {
+    url.parse().expect("an http:// URL")
 }

@@ -30,7 +30,7 @@ use candle_core::{DType, Device, Tensor};
 use meshnet_model::{ModelError, SessionId, Stage};
 use meshnet_node::{ClientError, ForwardClient, HopFailure, HopFailureKind};
 use meshnet_types::{LayerSpan, PeerId};
-use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Route};
+use meshnet_wire::{ActivationFrame, Activations, Encoding, Endpoint, FrameMeta, Hop, Route};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
@@ -543,7 +543,7 @@ impl RemoteStage {
         session: SessionId,
     ) {
         let client = self.client.clone();
-        let endpoints: Vec<String> = hops.map(|hop| hop.endpoint.clone()).collect();
+        let endpoints: Vec<Endpoint> = hops.map(|hop| hop.endpoint.clone()).collect();
         self.runtime.spawn(async move {
             for endpoint in endpoints {
                 let _ = tokio::time::timeout(
@@ -571,7 +571,7 @@ fn route_state(hops: Vec<PlannedHop>, avoid: Avoid) -> Result<RouteState, ModelE
     }
     let all = hops
         .iter()
-        .map(|hop| Hop::new(hop.layers, hop.endpoint.clone()).map_err(|e| e.to_string()))
+        .map(|hop| Hop::new(hop.layers, hop.endpoint.to_string()).map_err(|e| e.to_string()))
         .collect::<Result<Vec<_>, _>>()
         .map_err(invalid)?;
     let onward = Route::new(all[1..].to_vec())?;
@@ -623,7 +623,7 @@ async fn first_silent_hop(routes: &dyn MeshRoutes, hops: &[PlannedHop]) -> SendE
         let endpoint = hops
             .iter()
             .find(|hop| hop.peer == peer)
-            .map_or_else(String::new, |hop| hop.endpoint.clone());
+            .map_or_else(String::new, |hop| hop.endpoint.to_string());
         let mut failure = HopFailure::new(
             endpoint,
             HopFailureKind::Silent,
@@ -656,7 +656,7 @@ fn hop_error(hops: &[PlannedHop], error: ClientError) -> SendError {
         Some(mut failure) => {
             failure.peer = hops
                 .iter()
-                .find(|hop| hop.endpoint == failure.endpoint)
+                .find(|hop| hop.endpoint.to_string() == failure.endpoint)
                 .map(|hop| hop.peer.clone());
             SendError::Hop(Box::new(failure))
         }
@@ -911,7 +911,7 @@ mod tests {
     fn hop(peer: &str, endpoint: String) -> PlannedHop {
         PlannedHop {
             peer: PeerId::new(peer),
-            endpoint,
+            endpoint: endpoint.parse().unwrap(),
             layers: LayerSpan::new(10, 30),
         }
     }

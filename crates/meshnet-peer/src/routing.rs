@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use meshnet_types::{LayerSpan, PeerId};
+use meshnet_wire::Endpoint;
 
 use crate::verify::Evidence;
 
@@ -11,8 +12,8 @@ use crate::verify::Evidence;
 pub struct RouteCandidate {
     /// The peer's id.
     pub peer: PeerId,
-    /// Its activation-plane base URL.
-    pub endpoint: String,
+    /// Where its activation plane is reached.
+    pub endpoint: Endpoint,
     /// The layers it serves.
     pub layers: LayerSpan,
     /// Sessions it is running.
@@ -42,8 +43,8 @@ impl RouteCandidate {
 pub struct PlannedHop {
     /// The peer's id.
     pub peer: PeerId,
-    /// Its activation-plane base URL.
-    pub endpoint: String,
+    /// Where its activation plane is reached.
+    pub endpoint: Endpoint,
     /// The layers it runs for this route (within what it serves).
     pub layers: LayerSpan,
 }
@@ -130,7 +131,7 @@ mod tests {
     fn candidate(peer: &str, start: u32, end: u32, sessions: u32) -> RouteCandidate {
         RouteCandidate {
             peer: PeerId::new(peer),
-            endpoint: format!("http://{peer}"),
+            endpoint: Endpoint::Http(format!("http://{peer}")),
             layers: LayerSpan::new(start, end),
             active_sessions: sessions,
             free_kv_tokens: 1000,

@@ -10,6 +10,7 @@ use meshnet_planner::{
     CoverageMap, Directive, ModelShape, PeerCapacity, Planner, PlannerConfig, ShardHolding,
 };
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
+use meshnet_wire::Endpoint;
 
 use crate::error::PeerError;
 use crate::locking::lock;
@@ -584,8 +585,8 @@ impl TrackerBook {
                 let endpoint = a
                     .http_endpoints
                     .first()
-                    .cloned()
-                    .unwrap_or_else(|| meshnet_node::stream::peer_endpoint(a.peer.as_str()));
+                    .and_then(|url| url.parse().ok())
+                    .unwrap_or_else(|| Endpoint::Peer(a.peer.clone()));
                 let planned = self.map.holding_of(&a.peer)?;
                 let as_planned =
                     planned.layers == span.layers && planned.quantization == span.quantization;

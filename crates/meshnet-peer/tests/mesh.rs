@@ -327,7 +327,7 @@ async fn hostile_frames_are_refused_before_any_work() {
     };
     let refused = |frame, code: &str| {
         let client = client.clone();
-        let endpoint = peer.http_url().to_owned();
+        let endpoint: meshnet_wire::Endpoint = peer.http_url().parse().unwrap();
         let code = code.to_owned();
         async move {
             match client
@@ -385,7 +385,11 @@ async fn hostile_frames_are_refused_before_any_work() {
     refused(granted(0, 129), "bad_activations").await;
     // The peer still serves a proper, granted frame.
     let answer = client
-        .forward(peer.http_url(), granted(0, 3), meshnet_wire::Encoding::Raw)
+        .forward(
+            &peer.http_url().parse().unwrap(),
+            granted(0, 3),
+            meshnet_wire::Encoding::Raw,
+        )
         .await
         .unwrap();
     assert_eq!(answer.activations.shape().dims(), &[1, 3, hidden]);
@@ -429,7 +433,11 @@ async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_gives_up_naming
         .unwrap(),
     };
     match client
-        .forward(peer.http_url(), frame, meshnet_wire::Encoding::Raw)
+        .forward(
+            &peer.http_url().parse().unwrap(),
+            frame,
+            meshnet_wire::Encoding::Raw,
+        )
         .await
     {
         Err(meshnet_node::ClientError::Rejected { status, code, .. }) => {

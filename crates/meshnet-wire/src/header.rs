@@ -7,7 +7,7 @@ use meshnet_types::LayerSpan;
 use uuid::Uuid;
 
 use crate::error::quote;
-use crate::{Shape, WIRE_VERSION, WireError};
+use crate::{Endpoint, Shape, WIRE_VERSION, WireError};
 
 /// `X-Meshnet-Shape`: comma-separated dimensions, outermost first.
 pub const SHAPE: &str = "x-meshnet-shape";
@@ -107,13 +107,15 @@ fn layers_text(layers: LayerSpan) -> String {
 pub struct Hop {
     /// The layers the hop runs.
     pub layers: LayerSpan,
-    /// How to reach the hop: an HTTP base URL such as `http://10.0.0.7:8081` today.
-    pub endpoint: String,
+    /// How to reach the hop: an HTTP base URL such as `http://10.0.0.7:8081`, or
+    /// `/p2p/<peer id>` for a member reached over libp2p streams.
+    pub endpoint: Endpoint,
 }
 
 impl Hop {
     /// Builds a hop, checking that it runs at least one layer and that the endpoint can travel
-    /// in a header (visible ASCII, no comma, no `@`, at most [`MAX_ENDPOINT_LEN`] bytes).
+    /// in a header (visible ASCII, no comma, no `@`, at most [`MAX_ENDPOINT_LEN`] bytes) and
+    /// is an [`Endpoint`]: an `http(s)://` URL or `/p2p/<peer id>`.
     pub fn new(layers: LayerSpan, endpoint: impl Into<String>) -> Result<Self, WireError> {
         let endpoint = endpoint.into();
         if layers.is_empty() {
@@ -130,6 +132,13 @@ impl Hop {
                 got: quote(&endpoint),
             });
         }
+        let endpoint = endpoint
+            .parse::<Endpoint>()
+            .map_err(|_| WireError::InvalidHeader {
+                name: "X-Meshnet-Route",
+                expected: "an endpoint that is an http:// or https:// URL or /p2p/<peer id>",
+                got: quote(&endpoint),
+            })?;
         Ok(Hop { layers, endpoint })
     }
 }
@@ -533,7 +542,7 @@ mod tests {
         let (next, rest) = meta().route.pop_next().unwrap();
         assert_eq!(next.layers, LayerSpan::new(20, 25));
         let (last, empty) = rest.pop_next().unwrap();
-        assert_eq!(last.endpoint, "http://[::1]:8083");
+        assert_eq!(last.endpoint, Endpoint::Http("http://[::1]:8083".into()));
         assert!(empty.is_empty() && empty.pop_next().is_none());
     }
 
@@ -547,17 +556,21 @@ mod tests {
             other => panic!("not an invalid header: {other:?}"),
         };
         // The range's own parser names the header as sent on the wire, in lower case.
+        let not_an_endpoint = "an endpoint that is an http:// or https:// URL or /p2p/<peer id>";
         for (route, name, why) in [
             ("20-25", "X-Meshnet-Route", no_hop),
-            ("25-20@x", ROUTE, bad_range),
-            ("a-b@x", ROUTE, bad_range),
+            ("25-20@http://x", ROUTE, bad_range),
+            ("a-b@/p2p/x", ROUTE, bad_range),
             ("1-2@", "X-Meshnet-Route", bad_endpoint),
             ("1-2@a b", "X-Meshnet-Route", bad_endpoint),
-            ("1-2@x,,3-4@y", "X-Meshnet-Route", no_hop),
+            ("1-2@x", "X-Meshnet-Route", not_an_endpoint),
+            ("1-2@ftp://x", "X-Meshnet-Route", not_an_endpoint),
+            ("1-2@/p2p/x-y", "X-Meshnet-Route", not_an_endpoint),
+            ("1-2@http://x,,3-4@http://y", "X-Meshnet-Route", no_hop),
         ] {
             assert_eq!(expected_of(Route::parse(route)), (name, why), "{route:?}");
         }
-        let too_long = vec!["1-2@x"; MAX_ROUTE_HOPS + 1].join(",");
+        let too_long = vec!["1-2@/p2p/x"; MAX_ROUTE_HOPS + 1].join(",");
         assert_eq!(
             expected_of(Route::parse(&too_long)),
             ("X-Meshnet-Route", "at most 64 hops")

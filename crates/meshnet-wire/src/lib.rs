@@ -33,6 +33,7 @@
 
 mod activations;
 pub mod chunk;
+mod endpoint;
 mod error;
 mod frame;
 pub mod grant;
@@ -43,6 +44,7 @@ mod tensor;
 
 pub use activations::{Activations, bf16_from_le_bytes, bf16_to_le_bytes, write_le_bytes};
 pub use chunk::{PREFILL_CHUNK_TOKENS, PrefillChunk, reassemble, split_prefill};
+pub use endpoint::{Endpoint, NotAnEndpoint, PEER_ENDPOINT_PREFIX};
 pub use error::{ErrorClass, WireError};
 pub use frame::{
     ActivationFrame, DEFAULT_MAX_FRAME_BYTES, EncodedFrame, Limits, ZSTD_LEVEL, decode_payload,

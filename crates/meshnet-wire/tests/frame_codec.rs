@@ -16,6 +16,15 @@ use meshnet_wire::{
 use proptest::prelude::*;
 use uuid::Uuid;
 
+/// A hop's endpoint: an HTTP base URL or a peer reached over libp2p streams.
+fn endpoint() -> impl Strategy<Value = String> {
+    prop_oneof![
+        "https?://[a-z0-9.-]{1,20}(:[0-9]{1,5})?(/[a-z0-9./-]{0,10})?",
+        "http://\\[[0-9a-f:]{2,12}\\]:[0-9]{1,5}",
+        "/p2p/[A-Za-z0-9]{1,52}",
+    ]
+}
+
 fn meta(route: Route) -> FrameMeta {
     FrameMeta {
         session: Uuid::from_u128(0xfeed_beef),
@@ -83,7 +92,7 @@ fn arb_frame() -> impl Strategy<Value = ActivationFrame> {
                 Just(dims),
                 prop::collection::vec(arb_bf16_bits(), elements),
                 Just((session, total_minus, position, start, len)),
-                prop::collection::vec((0u32..200, 1u32..20, "[a-z0-9:./\\[\\]-]{1,40}"), 0..4),
+                prop::collection::vec((0u32..200, 1u32..20, endpoint()), 0..4),
             )
         })
         .prop_map(

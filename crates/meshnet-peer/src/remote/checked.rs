@@ -272,7 +272,7 @@ impl RemoteStage {
     {
         let other = |error: meshnet_wire::WireError| SendError::Other(error.into());
         let alone = Route::new(vec![
-            Hop::new(hop.layers, hop.endpoint.clone()).map_err(other)?,
+            Hop::new(hop.layers, hop.endpoint.to_string()).map_err(other)?,
         ])
         .map_err(other)?;
         let grant = match &self.grants {
@@ -282,7 +282,7 @@ impl RemoteStage {
                         .issue(step.session, alone, GRANT_TTL)
                         .map_err(|reason| {
                             SendError::Other(ModelError::Stage {
-                                stage: hop.endpoint.clone(),
+                                stage: hop.endpoint.to_string(),
                                 source: reason.into(),
                             })
                         })?;
@@ -344,7 +344,11 @@ fn testimony(peer: &PeerId, output: &Activations) -> Testimony {
 
 /// The failure that takes the session off `hop`.
 fn wrong_output(hop: &PlannedHop, message: String) -> SendError {
-    let mut failure = HopFailure::new(hop.endpoint.clone(), HopFailureKind::WrongOutput, message);
+    let mut failure = HopFailure::new(
+        hop.endpoint.to_string(),
+        HopFailureKind::WrongOutput,
+        message,
+    );
     failure.peer = Some(hop.peer.clone());
     SendError::Hop(Box::new(failure))
 }
