@@ -497,9 +497,10 @@ impl AdmittedBatch<'_> {
     fn settle(&mut self, outcome: Result<()>, width: usize) {
         let succeeded = outcome.is_ok();
         let mut failure = outcome.err();
-        let mut rest = self.rows.as_slice();
+        // A failed pass may have left no rows at all: they are sliced only after a success.
+        let mut rest = if succeeded { self.rows.as_slice() } else { &[] };
         for part in self.parts.drain(..) {
-            let (own, after) = rest.split_at(part.tokens * width);
+            let (own, after) = rest.split_at(rest.len().min(part.tokens * width));
             rest = after;
             self.results[part.index] = Some(match failure.take() {
                 None if succeeded => hidden_tensor(own.to_vec(), part.tokens, width),
