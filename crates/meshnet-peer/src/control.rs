@@ -123,6 +123,15 @@ fn coverage_due<T: Copy + Ord + std::ops::Sub<Output = Duration>>(
     !same || now.max(*at) - *at >= heartbeat
 }
 
+/// Whether `coverage` from `from` is older than the map `view` holds from the same tracker
+/// and term (a lower or equal sequence number: the tracker numbers its publications).
+fn is_older_map(view: &MeshView, from: &PeerId, coverage: &meshnet_p2p::CoverageMessage) -> bool {
+    view.following.tracker.as_ref() == Some(from)
+        && view.coverage.as_ref().is_some_and(|current| {
+            current.term == coverage.term && coverage.sequence <= current.sequence
+        })
+}
+
 /// The control loop of one member.
 pub(crate) struct ControlLoop {
     /// Set when the member cannot go on.
@@ -182,6 +191,7 @@ impl ControlLoop {
         let (load_tx, mut load_rx) = mpsc::channel::<LoadDone>(4);
         let mut announce = tokio::time::interval(self.announce_interval);
         announce.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_tick = tokio::time::Instant::now();
         let mut reap = tokio::time::interval(self.announce_interval.min(REAP_INTERVAL));
         reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -208,7 +218,8 @@ impl ControlLoop {
                         planning.replan_at = Some(tokio::time::Instant::now() + delay);
                     }
                 }
-                _ = announce.tick() => {
+                tick = announce.tick() => {
+                    last_tick = tick;
                     self.announce().await;
                     if let Some(planning) = &mut self.planning {
                         lock(&planning.book).expire(Instant::now());
@@ -230,7 +241,9 @@ impl ControlLoop {
             let every = self.announce_every();
             if announce.period() != every {
                 tracing::info!(?every, "announcing at the tracker's interval");
-                announce = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+                // The next announcement comes one new interval after the last one, not one
+                // interval after the change: a member is never kept silent by changes.
+                announce = tokio::time::interval_at(last_tick + every, every);
                 announce.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             }
         }
@@ -328,6 +341,11 @@ impl ControlLoop {
     /// down).
     fn follow(&mut self, from: PeerId, coverage: meshnet_p2p::CoverageMessage) {
         if from == self.member.peer_id {
+            return;
+        }
+        if is_older_map(&self.view.borrow(), &from, &coverage) {
+            // Gossip may deliver a map late, after a newer one of the same tracker.
+            tracing::debug!(tracker = %from, sequence = coverage.sequence, "older coverage map ignored");
             return;
         }
         if self.planning.is_some() {
@@ -728,6 +746,28 @@ mod tests {
             map: CoverageMap::empty(epoch),
             announce_interval_ms: 2000,
         }
+    }
+
+    #[test]
+    fn a_map_delivered_late_is_older_only_from_the_same_tracker_and_term() {
+        let tracker = PeerId::new("t");
+        let mut view = MeshView::default();
+        view.following.tracker = Some(tracker.clone());
+        view.coverage = Some(Arc::new(coverage(1, 10)));
+        assert!(is_older_map(&view, &tracker, &coverage(1, 9)));
+        assert!(is_older_map(&view, &tracker, &coverage(1, 10)));
+        assert!(!is_older_map(&view, &tracker, &coverage(1, 11)));
+        let mut next_term = coverage(1, 3);
+        next_term.term = 2;
+        assert!(!is_older_map(&view, &tracker, &next_term), "a new term");
+        assert!(
+            !is_older_map(&view, &PeerId::new("u"), &coverage(1, 3)),
+            "another tracker"
+        );
+        assert!(
+            !is_older_map(&MeshView::default(), &tracker, &coverage(1, 3)),
+            "no map yet"
+        );
     }
 
     #[test]

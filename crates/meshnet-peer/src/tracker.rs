@@ -21,19 +21,24 @@ use crate::verify::Evidence;
 /// announced since it failed.
 pub const BAN_BACKOFF: Duration = Duration::from_secs(10);
 
-/// How many members announce at the base interval; above this, the interval the tracker
-/// advertises grows in proportion, so the announcements each member hears per second stop
-/// growing with the mesh (every announcement reaches every member).
-pub const MEMBERS_PER_BASE_INTERVAL: usize = 40;
+/// The most announcements per second a member should hear: every announcement reaches every
+/// member, so above `20 × interval` members the tracker stretches the interval.
+pub const MAX_ANNOUNCEMENTS_PER_S: u32 = 20;
+
+/// The step the stretched interval moves in, so a mesh that is filling up changes it a few
+/// times rather than at every join.
+const INTERVAL_STEP: Duration = Duration::from_millis(500);
 
 /// The announcement interval for a mesh of `members` (the tracker included) whose base
-/// interval is `base`: `base` up to [`MEMBERS_PER_BASE_INTERVAL`] members, in proportion
-/// above (a hundred members at a 2 s base announce every 5 s).
+/// interval is `base`: long enough that a member hears at most [`MAX_ANNOUNCEMENTS_PER_S`]
+/// announcements a second, rounded up to half a second, and never below `base` (a 2 s base
+/// holds up to 40 members; 41 to 50 announce every 2.5 s, 91 to 100 every 5 s, 101 to 110
+/// every 5.5 s).
 pub fn scaled_announce_interval(base: Duration, members: usize) -> Duration {
-    if members <= MEMBERS_PER_BASE_INTERVAL {
-        return base;
-    }
-    base.mul_f64(members as f64 / MEMBERS_PER_BASE_INTERVAL as f64)
+    let members = u32::try_from(members).unwrap_or(u32::MAX);
+    let steps_per_s = (Duration::from_secs(1).as_millis() / INTERVAL_STEP.as_millis()) as u32;
+    let steps = members.div_ceil(MAX_ANNOUNCEMENTS_PER_S / steps_per_s);
+    base.max(INTERVAL_STEP * steps)
 }
 
 /// How many successors a coverage map names.
@@ -1105,6 +1110,22 @@ mod tests {
         let gone = book.expire(start + Duration::from_millis(3001));
         assert_eq!(gone, vec![PeerId::new("old")]);
         assert_eq!(book.peers().len(), 1);
+    }
+
+    #[test]
+    fn the_advertised_interval_keeps_twenty_announcements_a_second_in_half_seconds() {
+        let base = Duration::from_secs(2);
+        let at = |members| scaled_announce_interval(base, members).as_millis();
+        assert_eq!(
+            [at(1), at(40), at(41), at(50), at(51)],
+            [2000, 2000, 2500, 2500, 3000]
+        );
+        assert_eq!([at(100), at(101), at(1000)], [5000, 5500, 50_000]);
+        assert_eq!(
+            scaled_announce_interval(Duration::from_secs(9), 101),
+            Duration::from_secs(9),
+            "never below the base"
+        );
     }
 
     #[test]
