@@ -5,8 +5,8 @@
 //! deadlines.
 //!
 //! `MESHNET_SCALE_PEERS` (default 100), `MESHNET_SCALE_LEAVE` (10), `MESHNET_SCALE_ANNOUNCE_MS`
-//! (default 5000: with all members on one machine's cores, the peers' own default of 2000
-//! saturates two cores at a hundred members), `MESHNET_SCALE_SEED` (1). Needs the default model
+//! (the interval members start at, default 5000; the tracker stretches it in a large mesh),
+//! `MESHNET_SCALE_SEED` (1). Needs the default model
 //! (`scripts/fetch-model.sh`). Run with `cargo bench -p meshnet-benches --bench mesh_scale`.
 
 #![allow(missing_docs, clippy::unwrap_used, clippy::expect_used)]

@@ -250,7 +250,9 @@ struct RunArgs {
     /// ~/.local/share/meshnet/<tracker|peer>).
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Seconds between announcements; a peer silent for three is dropped from the map.
+    /// Seconds between announcements; a peer silent for three is dropped from the map. In a
+    /// large mesh the tracker asks for a longer interval (at most 20 announcements heard a
+    /// second) and members follow it.
     #[arg(long, default_value_t = 2.0)]
     announce_interval: f64,
     /// KV-cache tokens reserved per held layer.
