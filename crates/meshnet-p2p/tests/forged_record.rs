@@ -13,17 +13,18 @@
 //! reported as rejected; with a silence it is first ignored (neither delivered nor reported)
 //! while the tracker is heard. The tracker yields to no claim after its start (no grace).
 
-use std::future::Future;
+mod common;
+
+use common::{DEADLINE, Node, publish_until};
+
 use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
-use libp2p::Multiaddr;
 use libp2p::identity::Keypair;
-use libp2p::multiaddr::Protocol;
 use meshnet_p2p::{
-    CoverageMessage, P2pConfig, P2pError, P2pEvent, P2pHandle, Role, TopicKind, TrackerRecord,
-    TransportChoice, spawn, topic_name,
+    CoverageMessage, P2pConfig, P2pEvent, Role, TopicKind, TrackerRecord, TransportChoice,
+    topic_name,
 };
 use meshnet_planner::{CoverageMap, ShardHolding};
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState, claim_beats};
@@ -36,12 +37,6 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 
 const MODEL: &str = "forged-record-model";
 
-/// Upper bound for every awaited condition.
-const DEADLINE: Duration = Duration::from_secs(20);
-
-/// How long to listen for the expected event before publishing again.
-const REPUBLISH_EVERY: Duration = Duration::from_millis(250);
-
 /// The term of the genuine tracker's maps and record.
 const TRACKER_TERM: u64 = 1;
 
@@ -50,14 +45,6 @@ const HIGHER_TERM: u64 = 99;
 
 /// The topic label of tracker-record rejections.
 const RECORD_TOPIC: &str = "tracker-record";
-
-struct Node {
-    handle: P2pHandle,
-    events: Receiver<P2pEvent>,
-    /// A listen address with `/p2p/<id>` appended.
-    address: Multiaddr,
-    id: PeerId,
-}
 
 /// A node over the in-memory transport, bootstrapped from `bootstrap`. Records change only when
 /// a test stores one (no republication during a test), lookups repeat every 200 ms, claims are
@@ -77,18 +64,7 @@ async fn start_as(keypair: Keypair, role: Role, bootstrap: &[&Node]) -> Node {
     config.record_republish_interval = Duration::from_secs(3600);
     config.takeover_silence = Duration::ZERO;
     config.tracker_start_grace = Duration::ZERO;
-    let (handle, events) = spawn(config).await.unwrap();
-    let id = handle.local_peer_id();
-    let listening = handle.listen_addrs().await.unwrap();
-    let address = listening[0]
-        .clone()
-        .with(Protocol::P2p(meshnet_p2p::libp2p_peer_id(&id).unwrap()));
-    Node {
-        handle,
-        events,
-        address,
-        id,
-    }
+    Node::spawn(config).await
 }
 
 /// The forger: a member pinned to itself, so it takes no other tracker's maps or term (and
@@ -302,37 +278,6 @@ async fn next_event<T>(
         .expect("expected event did not arrive before the deadline")
 }
 
-/// Publishes with `publish` until `events` yields an event `select` maps to `Some`.
-async fn publish_until<T, F, Fut>(
-    mut publish: F,
-    events: &mut Receiver<P2pEvent>,
-    mut select: impl FnMut(P2pEvent) -> Option<T>,
-) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), P2pError>>,
-{
-    let attempts = async {
-        loop {
-            publish().await.unwrap();
-            let listen = async {
-                loop {
-                    let event = events.recv().await.expect("event channel closed");
-                    if let Some(found) = select(event) {
-                        return found;
-                    }
-                }
-            };
-            if let Ok(found) = timeout(REPUBLISH_EVERY, listen).await {
-                return found;
-            }
-        }
-    };
-    timeout(DEADLINE, attempts)
-        .await
-        .expect("published message never produced the expected event")
-}
-
 /// Waits for `node`'s first tracker record, checks it is `expected` (with the publisher's
 /// addresses filled in) and that `node` now follows the peer it names.
 async fn first_record_is(node: &mut Node, expected: &TrackerRecord) {
@@ -412,11 +357,32 @@ async fn a_follower_keeps_its_tracker(forged_term: u64) {
             || is_map_from(event, &tracker.id, epoch)
     };
 
+    forgers_map_refused_and_trackers_delivered(
+        &mut follower,
+        &tracker,
+        &forger,
+        forged_term,
+        background,
+    )
+    .await;
+}
+
+/// The forger publishes a map of `forged_term` until `member` refuses it as a claim, then the
+/// tracker publishes its next map (epoch 2) until `member` delivers it; `member` still follows
+/// the tracker. Events for which `background` (given the tracker's last epoch) holds may come
+/// in between; any other fails the test.
+async fn forgers_map_refused_and_trackers_delivered(
+    member: &mut Node,
+    tracker: &Node,
+    forger: &Node,
+    forged_term: u64,
+    background: impl Fn(&P2pEvent, u64) -> bool,
+) {
     let forged_map_refused = claim_refusal(&forger.id, forged_term, &tracker.id, TRACKER_TERM);
-    let forged_map = map(&forger, forged_term, 666);
+    let forged_map = map(forger, forged_term, 666);
     publish_until(
         || forger.handle.publish_coverage(forged_map.clone()),
-        &mut follower.events,
+        &mut member.events,
         |event| {
             if is_map_refusal(&event, &forger.id, &forged_map_refused) {
                 return Some(());
@@ -429,10 +395,10 @@ async fn a_follower_keeps_its_tracker(forged_term: u64) {
     )
     .await;
 
-    let next = map(&tracker, TRACKER_TERM, 2);
+    let next = map(tracker, TRACKER_TERM, 2);
     let delivered = publish_until(
         || tracker.handle.publish_coverage(next.clone()),
-        &mut follower.events,
+        &mut member.events,
         |event| match event {
             P2pEvent::Coverage { from, coverage } if from == tracker.id && coverage.epoch == 2 => {
                 Some(coverage)
@@ -445,7 +411,7 @@ async fn a_follower_keeps_its_tracker(forged_term: u64) {
     .await;
     assert_eq!(delivered, next);
     assert_eq!(
-        follower.handle.tracker().await.unwrap(),
+        member.handle.tracker().await.unwrap(),
         Some(tracker.id.clone())
     );
 }
@@ -526,42 +492,14 @@ async fn a_newcomer_handed_a_forged_record_settles_on_the_tracker(forged_term: u
                 || is_map_from(event, &tracker.id, epoch)
         }
     };
-    let forged_map_refused = claim_refusal(&forger.id, forged_term, &tracker.id, TRACKER_TERM);
-    let forged_map = map(&forger, forged_term, 666);
-    publish_until(
-        || forger.handle.publish_coverage(forged_map.clone()),
-        &mut newcomer.events,
-        |event| {
-            if is_map_refusal(&event, &forger.id, &forged_map_refused) {
-                return Some(());
-            }
-            if background(&event, 1) {
-                return None;
-            }
-            unexpected(event)
-        },
+    forgers_map_refused_and_trackers_delivered(
+        &mut newcomer,
+        &tracker,
+        &forger,
+        forged_term,
+        background,
     )
     .await;
-
-    let next = map(&tracker, TRACKER_TERM, 2);
-    let delivered = publish_until(
-        || tracker.handle.publish_coverage(next.clone()),
-        &mut newcomer.events,
-        |event| match event {
-            P2pEvent::Coverage { from, coverage } if from == tracker.id && coverage.epoch == 2 => {
-                Some(coverage)
-            }
-            event if is_map_refusal(&event, &forger.id, &forged_map_refused) => None,
-            event if background(&event, 1) => None,
-            other => unexpected(other),
-        },
-    )
-    .await;
-    assert_eq!(delivered, next);
-    assert_eq!(
-        newcomer.handle.tracker().await.unwrap(),
-        Some(tracker.id.clone())
-    );
 }
 
 /// (b) with a record of a higher term than the tracker's.

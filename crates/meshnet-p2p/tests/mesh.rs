@@ -3,16 +3,18 @@
 //! one TCP smoke test). Every wait is bounded by [`DEADLINE`]; messages are
 //! re-published until the expected event arrives, as the real announcers do.
 
+mod common;
+
+use common::{DEADLINE, Node, REPUBLISH_EVERY, publish_until};
+
 use std::collections::HashMap;
-use std::future::Future;
 use std::time::Duration;
 
 use libp2p::Multiaddr;
 use libp2p::identity::Keypair;
-use libp2p::multiaddr::Protocol;
 use meshnet_p2p::{
-    CoverageMessage, DirectiveMessage, P2pConfig, P2pError, P2pEvent, P2pHandle, PeerAnnouncement,
-    Role, SpanStatus, TopicKind, TrackerRecord, TransportChoice, spawn, topic_name,
+    CoverageMessage, DirectiveMessage, P2pConfig, P2pError, P2pEvent, PeerAnnouncement, Role,
+    SpanStatus, TopicKind, TrackerRecord, TransportChoice, spawn, topic_name,
 };
 use meshnet_planner::{CoverageMap, Directive, ShardHolding};
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
@@ -20,20 +22,6 @@ use tokio::sync::mpsc::Receiver;
 use tokio::time::timeout;
 
 const MODEL: &str = "test-model";
-
-/// Upper bound for every awaited condition.
-const DEADLINE: Duration = Duration::from_secs(20);
-
-/// How long to listen for the expected event before publishing again.
-const REPUBLISH_EVERY: Duration = Duration::from_millis(250);
-
-struct Node {
-    handle: P2pHandle,
-    events: Receiver<P2pEvent>,
-    /// A listen address with `/p2p/<id>` appended.
-    address: Multiaddr,
-    id: PeerId,
-}
 
 fn config(role: Role, transport: TransportChoice, bootstrap: Vec<Multiaddr>) -> P2pConfig {
     let mut config = P2pConfig::new(Keypair::generate_ed25519(), MODEL, role);
@@ -48,25 +36,9 @@ fn config(role: Role, transport: TransportChoice, bootstrap: Vec<Multiaddr>) -> 
     config
 }
 
-async fn start_with(config: P2pConfig) -> Node {
-    let (handle, events) = spawn(config).await.unwrap();
-    let id = handle.local_peer_id();
-    let listening = handle.listen_addrs().await.unwrap();
-    assert!(!listening.is_empty(), "node reported no listen address");
-    let address = listening[0]
-        .clone()
-        .with(Protocol::P2p(meshnet_p2p::libp2p_peer_id(&id).unwrap()));
-    Node {
-        handle,
-        events,
-        address,
-        id,
-    }
-}
-
 async fn start(role: Role, bootstrap: &[&Node]) -> Node {
     let addresses = bootstrap.iter().map(|node| node.address.clone()).collect();
-    start_with(config(role, TransportChoice::Memory, addresses)).await
+    Node::spawn(config(role, TransportChoice::Memory, addresses)).await
 }
 
 fn unpinned() -> Role {
@@ -113,37 +85,6 @@ async fn coverage_arrives(tracker: &Node, events: &mut Receiver<P2pEvent>, sent:
     .await;
     assert_eq!(from, tracker.id.clone());
     assert_eq!(&received, sent);
-}
-
-/// Publishes with `publish` until `events` yields an event `select` maps to `Some`.
-async fn publish_until<T, F, Fut>(
-    mut publish: F,
-    events: &mut Receiver<P2pEvent>,
-    mut select: impl FnMut(P2pEvent) -> Option<T>,
-) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), P2pError>>,
-{
-    let attempts = async {
-        loop {
-            publish().await.unwrap();
-            let listen = async {
-                loop {
-                    let event = events.recv().await.expect("event channel closed");
-                    if let Some(found) = select(event) {
-                        return found;
-                    }
-                }
-            };
-            if let Ok(found) = timeout(REPUBLISH_EVERY, listen).await {
-                return found;
-            }
-        }
-    };
-    timeout(DEADLINE, attempts)
-        .await
-        .expect("published message never produced the expected event")
 }
 
 fn announcement(peer: PeerId) -> PeerAnnouncement {
@@ -527,7 +468,7 @@ async fn a_forged_tracker_record_moves_no_follower_and_strands_no_newcomer() {
         vec![tracker.address.clone()],
     );
     follower_config.tracker_refresh_interval = Duration::from_millis(200);
-    let mut follower = start_with(follower_config).await;
+    let mut follower = Node::spawn(follower_config).await;
     coverage_arrives(
         &tracker,
         &mut follower.events,
@@ -606,8 +547,9 @@ async fn spawning_without_a_listen_address_fails() {
 
 #[tokio::test]
 async fn announcement_travels_over_tcp() {
-    let mut tracker = start_with(config(Role::Tracker, TransportChoice::Network, Vec::new())).await;
-    let peer = start_with(config(
+    let mut tracker =
+        Node::spawn(config(Role::Tracker, TransportChoice::Network, Vec::new())).await;
+    let peer = Node::spawn(config(
         pinned(&tracker),
         TransportChoice::Network,
         vec![tracker.address.clone()],

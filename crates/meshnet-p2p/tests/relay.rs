@@ -5,34 +5,24 @@
 //! no slot. The same holds in a private mesh, where every connection (the relayed circuit
 //! too) runs under the swarm key. Every wait is bounded by [`DEADLINE`].
 
+mod common;
+
+use common::{DEADLINE, Node};
+
 use std::time::Duration;
 
-use libp2p::Multiaddr;
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use meshnet_p2p::{
-    P2pConfig, P2pEvent, P2pHandle, P2pPath, PeerAnnouncement, RelayLimits, Role, SwarmKey,
-    TransportChoice, spawn,
+    P2pConfig, P2pEvent, P2pPath, PeerAnnouncement, RelayLimits, Role, SwarmKey, TransportChoice,
 };
-use meshnet_types::PeerId;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::mpsc::Receiver;
 use tokio::time::{Instant, timeout};
 
 const MODEL: &str = "relay-test-model";
 
-/// Upper bound for every awaited condition.
-const DEADLINE: Duration = Duration::from_secs(20);
-
 /// More than libp2p's default limit of 128 KiB per relayed circuit.
 const PAYLOAD_BYTES: usize = 1 << 20;
-
-struct Node {
-    handle: P2pHandle,
-    events: Receiver<P2pEvent>,
-    address: Multiaddr,
-    id: PeerId,
-}
 
 async fn start(
     model: &str,
@@ -50,17 +40,7 @@ async fn start(
     config.relay_server = reachable.then(RelayLimits::default);
     config.reserve_relays = !reachable;
     config.tracker_lookup_interval = Duration::from_millis(200);
-    let (handle, events) = spawn(config).await.unwrap();
-    let id = handle.local_peer_id();
-    let address = handle.listen_addrs().await.unwrap()[0]
-        .clone()
-        .with(Protocol::P2p(meshnet_p2p::libp2p_peer_id(&id).unwrap()));
-    Node {
-        handle,
-        events,
-        address,
-        id,
-    }
+    Node::spawn(config).await
 }
 
 fn peer() -> Role {
