@@ -62,3 +62,34 @@ pub enum P2pEvent {
         public: bool,
     },
 }
+
+#[cfg(test)]
+impl P2pEvent {
+    /// The event of an announcement by `peer` (a minimal one) sent at `sent_at` on its clock.
+    pub(crate) fn announcement_for_tests(peer: &str, sent_at: u64) -> Self {
+        P2pEvent::Announcement {
+            from: PeerId::new(peer),
+            announcement: PeerAnnouncement {
+                peer: PeerId::new(peer),
+                model_id: "m".into(),
+                software_version: "0".into(),
+                wire_version: 1,
+                http_endpoints: Vec::new(),
+                p2p_addresses: Vec::new(),
+                memory_bytes: 1,
+                quantizations: Vec::new(),
+                throughput: 1.0,
+                kv_tokens: 1,
+                span: None,
+                free_kv_tokens: 0,
+                active_sessions: 0,
+                is_tracker: false,
+                forward_latency_ms: 0.0,
+                leaving: false,
+                tracker_capable: false,
+                sent_at_unix_ms: sent_at,
+                tracker_silent_ms: None,
+            },
+        }
+    }
+}

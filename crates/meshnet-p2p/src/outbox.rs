@@ -81,33 +81,9 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::messages::PeerAnnouncement;
 
     fn announcement(peer: &str, sent_at: u64) -> P2pEvent {
-        P2pEvent::Announcement {
-            from: PeerId::new(peer),
-            announcement: PeerAnnouncement {
-                peer: PeerId::new(peer),
-                model_id: "m".into(),
-                software_version: "0".into(),
-                wire_version: 1,
-                http_endpoints: Vec::new(),
-                p2p_addresses: Vec::new(),
-                memory_bytes: 1,
-                quantizations: Vec::new(),
-                throughput: 1.0,
-                kv_tokens: 1,
-                span: None,
-                free_kv_tokens: 0,
-                active_sessions: 0,
-                is_tracker: false,
-                forward_latency_ms: 0.0,
-                leaving: false,
-                tracker_capable: false,
-                sent_at_unix_ms: sent_at,
-                tracker_silent_ms: None,
-            },
-        }
+        P2pEvent::announcement_for_tests(peer, sent_at)
     }
 
     fn sent_at(event: &P2pEvent) -> Option<(String, u64)> {
