@@ -14,7 +14,7 @@ use meshnet_peer::status::StatusReport;
 const PROMPT: &str = "Tell me a long story about a lighthouse keeper.";
 
 /// The most tokens of [`chat`]'s answer.
-const MAX_TOKENS: u32 = 40;
+const MAX_TOKENS: usize = 40;
 
 /// A greedy chat long enough to be cut in the middle.
 fn chat(model: &str, stream: bool) -> serde_json::Value {

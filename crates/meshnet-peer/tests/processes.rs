@@ -270,26 +270,7 @@ impl Drop for Mesh {
 
 /// What `meshnet-peer generate --chat` prints for `prompt`, split at `boundaries`.
 fn reference_answer(prompt: &str, boundaries: &[u64], max_tokens: usize) -> String {
-    reference_generation(&["--chat", "--prompt", prompt], boundaries, max_tokens)
-}
-
-/// What `meshnet-peer generate ARGS` prints (without its final newline), split at `boundaries`.
-fn reference_generation(args: &[&str], boundaries: &[u64], max_tokens: usize) -> String {
-    let boundaries: Vec<String> = boundaries.iter().map(ToString::to_string).collect();
-    let output = Command::new(BIN)
-        .arg("generate")
-        .args(args)
-        .args(["--max-tokens", &max_tokens.to_string()])
-        .args(["--boundaries", &boundaries.join(",")])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let text = String::from_utf8(output.stdout).unwrap();
-    text.strip_suffix('\n').unwrap_or(&text).to_owned()
+    common::reference_generation(&["--chat", "--prompt", prompt], boundaries, max_tokens)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -570,7 +551,7 @@ async fn a_two_process_gpt2_mesh_completes_exactly_like_one_process() {
     assert_eq!(code, 200, "{answer:#}\n{}", mesh.logs());
     let text = answer["choices"][0]["text"].as_str().unwrap();
     let dir_arg = dir.display().to_string();
-    let expected = reference_generation(
+    let expected = common::reference_generation(
         &[
             "--model",
             &dir_arg,
@@ -1604,7 +1585,7 @@ async fn tool_calls_through_a_three_process_mesh_required_named_none_streamed_an
         rendered.contains("<tool_response>\n{\"temperature\": 18"),
         "{rendered}"
     );
-    let raw = reference_generation(&["--prompt", &rendered], &boundaries, 48);
+    let raw = common::reference_generation(&["--prompt", &rendered], &boundaries, 48);
     let expected = meshnet_model::parse_answer(meshnet_model::ToolFormat::Generic, &raw, false);
     let message = &answer["choices"][0]["message"];
     assert_eq!(

@@ -23,21 +23,20 @@ pub const KV_TOKENS: u64 = 1024;
 /// How long any condition may take to come true.
 pub const DEADLINE: Duration = Duration::from_secs(90);
 
-/// What `meshnet-peer generate --chat` prints for `prompt` (without its final newline) with
-/// the default model split at `boundaries` and at most `max_tokens` greedy tokens: the text a
-/// mesh whose route has those boundaries must answer. Runs off the async workers.
-pub async fn reference_chat(prompt: &str, boundaries: &[u32], max_tokens: u32) -> String {
+/// What `meshnet-peer generate ARGS` prints (without its final newline), split at
+/// `boundaries`, at most `max_tokens` tokens (the default model unless ARGS name one).
+pub fn reference_generation(
+    args: &[&str],
+    boundaries: &[impl ToString],
+    max_tokens: usize,
+) -> String {
     let boundaries: Vec<String> = boundaries.iter().map(ToString::to_string).collect();
-    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_meshnet-peer"));
-    command
-        .args(["generate", "--chat", "--prompt", prompt])
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_meshnet-peer"))
+        .arg("generate")
+        .args(args)
         .args(["--max-tokens", &max_tokens.to_string()])
         .args(["--boundaries", &boundaries.join(",")])
-        .arg("--model")
-        .arg(model_path());
-    let output = tokio::task::spawn_blocking(move || command.output())
-        .await
-        .unwrap()
+        .output()
         .unwrap();
     assert!(
         output.status.success(),
@@ -46,6 +45,20 @@ pub async fn reference_chat(prompt: &str, boundaries: &[u32], max_tokens: u32) -
     );
     let text = String::from_utf8(output.stdout).unwrap();
     text.strip_suffix('\n').unwrap_or(&text).to_owned()
+}
+
+/// What `meshnet-peer generate --chat` prints for `prompt` with the default model split at
+/// `boundaries`: the text a mesh whose route has those boundaries must answer. Runs off the
+/// async workers.
+pub async fn reference_chat(prompt: &str, boundaries: &[u32], max_tokens: usize) -> String {
+    let (prompt, boundaries) = (prompt.to_owned(), boundaries.to_vec());
+    let model = model_path().display().to_string();
+    tokio::task::spawn_blocking(move || {
+        let args = ["--chat", "--prompt", &prompt, "--model", &model];
+        reference_generation(&args, &boundaries, max_tokens)
+    })
+    .await
+    .unwrap()
 }
 
 /// A loopback URL that refuses connections for as long as the returned socket lives: its port is
