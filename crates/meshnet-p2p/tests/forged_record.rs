@@ -15,7 +15,7 @@
 
 mod common;
 
-use common::{DEADLINE, Node, publish_until};
+use common::{DEADLINE, Node, next_event, publish_until};
 
 use std::io::Write;
 use std::sync::Arc;
@@ -28,7 +28,6 @@ use meshnet_p2p::{
 };
 use meshnet_planner::{CoverageMap, ShardHolding};
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState, claim_beats};
-use tokio::sync::mpsc::Receiver;
 use tokio::sync::watch;
 use tokio::time::timeout;
 use tracing::dispatcher::DefaultGuard;
@@ -65,6 +64,17 @@ async fn start_as(keypair: Keypair, role: Role, bootstrap: &[&Node]) -> Node {
     config.takeover_silence = Duration::ZERO;
     config.tracker_start_grace = Duration::ZERO;
     Node::spawn(config).await
+}
+
+/// The tracker, its record (epoch 1) stored in the DHT.
+async fn start_tracker_with_record() -> Node {
+    let tracker = start(Role::Tracker, &[]).await;
+    tracker
+        .handle
+        .set_tracker_record(genuine_record(&tracker, 1))
+        .await
+        .unwrap();
+    tracker
 }
 
 /// The forger: a member pinned to itself, so it takes no other tracker's maps or term (and
@@ -260,24 +270,6 @@ fn is_map_from(event: &P2pEvent, sender: &PeerId, up_to_epoch: u64) -> bool {
     )
 }
 
-/// Waits for the first event `select` maps to `Some` (`select` fails on forbidden ones).
-async fn next_event<T>(
-    events: &mut Receiver<P2pEvent>,
-    mut select: impl FnMut(P2pEvent) -> Option<T>,
-) -> T {
-    let wait = async {
-        loop {
-            let event = events.recv().await.expect("event channel closed");
-            if let Some(found) = select(event) {
-                return found;
-            }
-        }
-    };
-    timeout(DEADLINE, wait)
-        .await
-        .expect("expected event did not arrive before the deadline")
-}
-
 /// Waits for `node`'s first tracker record, checks it is `expected` (with the publisher's
 /// addresses filled in) and that `node` now follows the peer it names.
 async fn first_record_is(node: &mut Node, expected: &TrackerRecord) {
@@ -307,12 +299,7 @@ async fn first_record_is(node: &mut Node, expected: &TrackerRecord) {
 /// delivers the tracker's next one, and it reports no tracker discovery.
 async fn a_follower_keeps_its_tracker(forged_term: u64) {
     let mut log = DebugLog::capture();
-    let tracker = start(Role::Tracker, &[]).await;
-    tracker
-        .handle
-        .set_tracker_record(genuine_record(&tracker, 1))
-        .await
-        .unwrap();
+    let tracker = start_tracker_with_record().await;
     let mut follower = start(unpinned(), &[&tracker]).await;
     first_record_is(&mut follower, &genuine_record(&tracker, 1)).await;
     let first = map(&tracker, TRACKER_TERM, 1);
@@ -435,12 +422,7 @@ async fn a_follower_keeps_its_tracker_despite_a_forged_record_of_the_same_term()
 /// tracker's first map takes it over; from then on it rejects the forger's maps and delivers
 /// the tracker's.
 async fn a_newcomer_handed_a_forged_record_settles_on_the_tracker(forged_term: u64) {
-    let tracker = start(Role::Tracker, &[]).await;
-    tracker
-        .handle
-        .set_tracker_record(genuine_record(&tracker, 1))
-        .await
-        .unwrap();
+    let tracker = start_tracker_with_record().await;
     let forger = start_forger(forged_term, &[&tracker]).await;
     let mut newcomer = start(unpinned(), &[&forger]).await;
     first_record_is(&mut newcomer, &forged_record(&forger, forged_term)).await;
@@ -521,12 +503,7 @@ async fn a_newcomer_handed_a_forged_record_of_the_same_term_settles_on_the_track
 /// makes no difference. A peer pinned to the tracker rejects the forger's map and delivers the
 /// tracker's.
 async fn the_first_map_decides_for_an_unpinned_newcomer(forged_term: u64) {
-    let tracker = start(Role::Tracker, &[]).await;
-    tracker
-        .handle
-        .set_tracker_record(genuine_record(&tracker, 1))
-        .await
-        .unwrap();
+    let tracker = start_tracker_with_record().await;
     let mut told_truth = start(unpinned(), &[&tracker]).await;
     first_record_is(&mut told_truth, &genuine_record(&tracker, 1)).await;
     let mut pinned = start(

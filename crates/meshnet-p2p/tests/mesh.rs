@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{DEADLINE, Node, REPUBLISH_EVERY, publish_until};
+use common::{DEADLINE, Node, REPUBLISH_EVERY, next_event, publish_until};
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -51,24 +51,6 @@ fn pinned(tracker: &Node) -> Role {
     Role::Peer {
         pinned_tracker: Some(tracker.id.clone()),
     }
-}
-
-/// Waits for the first event `select` maps to `Some`, discarding the others.
-async fn next_matching<T>(
-    events: &mut Receiver<P2pEvent>,
-    mut select: impl FnMut(P2pEvent) -> Option<T>,
-) -> T {
-    let wait = async {
-        loop {
-            let event = events.recv().await.expect("event channel closed");
-            if let Some(found) = select(event) {
-                return found;
-            }
-        }
-    };
-    timeout(DEADLINE, wait)
-        .await
-        .expect("expected event did not arrive before the deadline")
 }
 
 /// Publishes `sent` from the tracker until `events` delivers it, and checks it came from the
@@ -170,7 +152,7 @@ fn tracker_record(tracker: &Node) -> TrackerRecord {
 }
 
 async fn discovered_tracker(node: &mut Node) -> TrackerRecord {
-    next_matching(&mut node.events, |event| match event {
+    next_event(&mut node.events, |event| match event {
         P2pEvent::TrackerDiscovered(record) => Some(record),
         _ => None,
     })
@@ -412,7 +394,7 @@ fn forged_record(named: &PeerId) -> TrackerRecord {
 
 /// Waits for `node` to reject a tracker record naming `named`, and returns the reason.
 async fn rejects_record_naming(node: &mut Node, named: &PeerId) -> String {
-    next_matching(&mut node.events, |event| match event {
+    next_event(&mut node.events, |event| match event {
         P2pEvent::Rejected {
             from,
             topic,
@@ -523,7 +505,7 @@ async fn message_for_another_model_is_rejected() {
 async fn shutdown_stops_the_node_and_disconnects_it() {
     let mut tracker = start(Role::Tracker, &[]).await;
     let peer = start(pinned(&tracker), &[&tracker]).await;
-    next_matching(&mut tracker.events, |event| {
+    next_event(&mut tracker.events, |event| {
         matches!(event, P2pEvent::PeerConnected(id) if id == peer.id.clone()).then_some(())
     })
     .await;
@@ -532,7 +514,7 @@ async fn shutdown_stops_the_node_and_disconnects_it() {
         peer.handle.connected_peers().await,
         Err(P2pError::Stopped)
     ));
-    next_matching(&mut tracker.events, |event| {
+    next_event(&mut tracker.events, |event| {
         matches!(event, P2pEvent::PeerDisconnected(id) if id == peer.id.clone()).then_some(())
     })
     .await;

@@ -48,6 +48,25 @@ impl Node {
     }
 }
 
+/// Waits for the first event `select` maps to `Some`, discarding the others (`select` may fail
+/// the test on a forbidden one).
+pub async fn next_event<T>(
+    events: &mut Receiver<P2pEvent>,
+    mut select: impl FnMut(P2pEvent) -> Option<T>,
+) -> T {
+    let wait = async {
+        loop {
+            let event = events.recv().await.expect("event channel closed");
+            if let Some(found) = select(event) {
+                return found;
+            }
+        }
+    };
+    timeout(DEADLINE, wait)
+        .await
+        .expect("expected event did not arrive before the deadline")
+}
+
 /// Publishes with `publish` until `events` yields an event `select` maps to `Some`.
 pub async fn publish_until<T, F, Fut>(
     mut publish: F,
