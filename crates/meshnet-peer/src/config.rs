@@ -146,7 +146,8 @@ impl PeerConfig {
 
     /// Refuses settings outside what they can mean, naming the setting and its command-line
     /// flag: a zero count, an announcement interval under [`MIN_ANNOUNCE_INTERVAL`], a timeout
-    /// over [`MAX_TIMEOUT`], an unusable verification policy. [`crate::start`] calls it first.
+    /// or announcement interval over [`MAX_TIMEOUT`], an unusable verification policy.
+    /// [`crate::start`] calls it first.
     pub fn validate(&self) -> Result<(), PeerError> {
         let invalid = |setting: &'static str, flag: Option<&'static str>, reason: String| {
             Err(PeerError::InvalidSetting {
@@ -199,6 +200,12 @@ impl PeerConfig {
             ("leave_timeout", Some("leave-timeout"), self.leave_timeout),
             ("queue_timeout", Some("queue-timeout"), self.queue_timeout),
             ("drain_timeout", None, self.drain_timeout),
+            // Longer intervals overflow the expiry and takeover timeouts derived from it.
+            (
+                "announce_interval",
+                Some("announce-interval"),
+                self.announce_interval,
+            ),
         ] {
             if timeout > MAX_TIMEOUT {
                 let seconds = timeout.as_secs_f64();
@@ -258,6 +265,12 @@ mod tests {
         assert_eq!(
             refusal(&long_drain),
             "drain_timeout must be at most a day (86400 s), got 86401 s"
+        );
+        let mut slow = config();
+        slow.announce_interval = MAX_TIMEOUT * 2;
+        assert_eq!(
+            refusal(&slow),
+            "announce_interval (--announce-interval) must be at most a day (86400 s), got 172800 s"
         );
         let mut sample = config();
         sample.verify.sample_rate = 2.0;
