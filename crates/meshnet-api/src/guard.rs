@@ -17,7 +17,7 @@ use axum::extract::{Request, State};
 use axum::http::{HeaderMap, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use meshnet_apikeys::{Admission, Clock, KeyBook, LimitKind, Ticket};
+use meshnet_apikeys::{Clock, KeyBook, LimitKind, Ticket, WindowVerdict};
 use meshnet_metrics::Metrics;
 use serde_json::Value;
 
@@ -132,9 +132,9 @@ async fn check(State(guard): State<Arc<ApiKeyGuard>>, request: Request, next: Ne
 }
 
 /// The answer to a request its key's window refused.
-fn refuse(guard: &ApiKeyGuard, id: &str, reserve: u64, refusal: Admission) -> ApiError {
+fn refuse(guard: &ApiKeyGuard, id: &str, reserve: u64, refusal: WindowVerdict) -> ApiError {
     match refusal {
-        Admission::Limited {
+        WindowVerdict::Limited {
             by,
             retry_after_seconds,
             limit,
@@ -154,7 +154,7 @@ fn refuse(guard: &ApiKeyGuard, id: &str, reserve: u64, refusal: Admission) -> Ap
                 retry_after_seconds,
             }
         }
-        Admission::TooLarge { reserved, tpm } => ApiError::invalid(
+        WindowVerdict::TooLarge { reserved, tpm } => ApiError::invalid(
             Some("max_tokens"),
             format!(
                 "This request reserves {reserved} tokens (max_tokens × n × prompts), more than \
@@ -162,7 +162,7 @@ fn refuse(guard: &ApiKeyGuard, id: &str, reserve: u64, refusal: Admission) -> Ap
                  fewer tokens."
             ),
         ),
-        Admission::Admitted => ApiError::Engine(crate::EngineError::Internal(
+        WindowVerdict::Admitted => ApiError::Engine(crate::EngineError::Internal(
             "an admitted request was refused".to_owned(),
         )),
     }

@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::file::{KeyEntry, hash_key};
-use crate::window::{Admission, Window};
+use crate::window::{Window, WindowVerdict};
 
 /// A key of a [`KeyBook`], found by [`KeyBook::find`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,11 +71,11 @@ impl KeyBook {
     }
 
     /// Admits a request of `key` reserving `reserve` tokens at `now`: its ticket, or the
-    /// window's refusal ([`Admission::Limited`] or [`Admission::TooLarge`]).
-    pub fn admit(&self, key: KeyRef, reserve: u64, now: Duration) -> Result<Ticket, Admission> {
+    /// window's refusal ([`WindowVerdict::Limited`] or [`WindowVerdict::TooLarge`]).
+    pub fn admit(&self, key: KeyRef, reserve: u64, now: Duration) -> Result<Ticket, WindowVerdict> {
         let limits = self.entries[key.0].limits;
         match self.with_window(key.0, |window| window.admit(now, limits, reserve)) {
-            Admission::Admitted => Ok(Ticket {
+            WindowVerdict::Admitted => Ok(Ticket {
                 key: key.0,
                 admitted: now,
                 reserved: reserve,
@@ -135,7 +135,7 @@ mod tests {
         // The request of second 2 leaves at 62 s: 59.5 s from now, so 60.
         assert_eq!(
             book.admit(alpha, 0, now),
-            Err(Admission::Limited {
+            Err(WindowVerdict::Limited {
                 by: LimitKind::Requests,
                 retry_after_seconds: 60,
                 limit: 1,

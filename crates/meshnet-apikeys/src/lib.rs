@@ -20,7 +20,7 @@ mod window;
 pub use book::{KeyBook, KeyRef, Ticket};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use file::{KeyEntry, KeyHash, Limits, hash_key, parse_key_file};
-pub use window::{Admission, LimitKind, WINDOW_SECONDS, Window};
+pub use window::{LimitKind, WINDOW_SECONDS, Window, WindowVerdict};
 
 /// Everything that can be wrong with a key file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -36,7 +36,7 @@ impl LimitKind {
 
 /// What the window says to a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Admission {
+pub enum WindowVerdict {
     /// Admitted and counted.
     Admitted,
     /// Over a limit: retry in `retry_after_seconds` (the later of the limits over, when both
@@ -90,17 +90,17 @@ impl Window {
     /// Admits one request reserving `reserve` tokens at `now` under `limits`, and counts it;
     /// or says why not. Under a token limit a request needs room for at least one token, so
     /// a key with its tokens spent waits even for a request that reserves none.
-    pub fn admit(&mut self, now: Duration, limits: Limits, reserve: u64) -> Admission {
+    pub fn admit(&mut self, now: Duration, limits: Limits, reserve: u64) -> WindowVerdict {
         if let Some(tpm) = limits.tpm
             && reserve > tpm
         {
-            return Admission::TooLarge {
+            return WindowVerdict::TooLarge {
                 reserved: reserve,
                 tpm,
             };
         }
         let (requests, tokens) = self.used(now);
-        let mut refusal: Option<Admission> = None;
+        let mut refusal: Option<WindowVerdict> = None;
         if let Some(rpm) = limits.rpm
             && requests + 1 > rpm
         {
@@ -114,7 +114,7 @@ impl Window {
                 b.tokens
             });
             let longer = match refusal {
-                Some(Admission::Limited {
+                Some(WindowVerdict::Limited {
                     retry_after_seconds,
                     ..
                 }) => wait > retry_after_seconds,
@@ -130,7 +130,7 @@ impl Window {
         let bucket = self.bucket_at(now);
         bucket.requests += 1;
         bucket.tokens = bucket.tokens.saturating_add(reserve);
-        Admission::Admitted
+        WindowVerdict::Admitted
     }
 
     /// Settles a request admitted at `admitted` that reserved `reserved` tokens and used
@@ -195,8 +195,8 @@ impl Window {
     }
 }
 
-fn limited(by: LimitKind, retry_after_seconds: u64, limit: u64, used: u64) -> Admission {
-    Admission::Limited {
+fn limited(by: LimitKind, retry_after_seconds: u64, limit: u64, used: u64) -> WindowVerdict {
+    WindowVerdict::Limited {
         by,
         retry_after_seconds,
         limit,
@@ -228,12 +228,12 @@ mod tests {
     #[test]
     fn rpm_refuses_the_third_request_until_the_first_leaves() {
         let mut window = Window::new();
-        assert_eq!(window.admit(ms(10_250), RPM2, 0), Admission::Admitted);
-        assert_eq!(window.admit(ms(30_000), RPM2, 0), Admission::Admitted);
+        assert_eq!(window.admit(ms(10_250), RPM2, 0), WindowVerdict::Admitted);
+        assert_eq!(window.admit(ms(30_000), RPM2, 0), WindowVerdict::Admitted);
         // The first left its bucket (second 10) at 70 s: from 40.5 s that is 29.5 s, so 30.
         assert_eq!(
             window.admit(ms(40_500), RPM2, 0),
-            Admission::Limited {
+            WindowVerdict::Limited {
                 by: LimitKind::Requests,
                 retry_after_seconds: 30,
                 limit: 2,
@@ -242,14 +242,14 @@ mod tests {
         );
         assert_eq!(
             window.admit(ms(69_999), RPM2, 0),
-            Admission::Limited {
+            WindowVerdict::Limited {
                 by: LimitKind::Requests,
                 retry_after_seconds: 1,
                 limit: 2,
                 used: 2
             }
         );
-        assert_eq!(window.admit(ms(70_000), RPM2, 0), Admission::Admitted);
+        assert_eq!(window.admit(ms(70_000), RPM2, 0), WindowVerdict::Admitted);
         assert_eq!(window.used(ms(70_000)), (2, 0));
     }
 
@@ -260,24 +260,27 @@ mod tests {
             tpm: Some(100),
         };
         let mut window = Window::new();
-        assert_eq!(window.admit(ms(0), limits, 30), Admission::Admitted);
-        assert_eq!(window.admit(ms(5_000), limits, 30), Admission::Admitted);
-        assert_eq!(window.admit(ms(9_000), limits, 30), Admission::Admitted);
+        assert_eq!(window.admit(ms(0), limits, 30), WindowVerdict::Admitted);
+        assert_eq!(window.admit(ms(5_000), limits, 30), WindowVerdict::Admitted);
+        assert_eq!(window.admit(ms(9_000), limits, 30), WindowVerdict::Admitted);
         // 90 used; 50 more needs 40 freed: the buckets of 0 s and 5 s, gone at 65 s.
         assert_eq!(
             window.admit(ms(20_000), limits, 50),
-            Admission::Limited {
+            WindowVerdict::Limited {
                 by: LimitKind::Tokens,
                 retry_after_seconds: 45,
                 limit: 100,
                 used: 90
             }
         );
-        assert_eq!(window.admit(ms(20_000), limits, 10), Admission::Admitted);
+        assert_eq!(
+            window.admit(ms(20_000), limits, 10),
+            WindowVerdict::Admitted
+        );
         // Spent: even a request reserving nothing waits for the first bucket to leave.
         assert_eq!(
             window.admit(ms(21_000), limits, 0),
-            Admission::Limited {
+            WindowVerdict::Limited {
                 by: LimitKind::Tokens,
                 retry_after_seconds: 39,
                 limit: 100,
@@ -286,7 +289,7 @@ mod tests {
         );
         assert_eq!(
             window.admit(ms(21_000), limits, 101),
-            Admission::TooLarge {
+            WindowVerdict::TooLarge {
                 reserved: 101,
                 tpm: 100
             }
@@ -300,13 +303,13 @@ mod tests {
             tpm: Some(10),
         };
         let mut window = Window::new();
-        assert_eq!(window.admit(ms(1_000), limits, 4), Admission::Admitted);
+        assert_eq!(window.admit(ms(1_000), limits, 4), WindowVerdict::Admitted);
         window.settle(ms(1_000), 4, 3, ms(2_000));
         window.settle(ms(1_000), 0, 7, ms(30_000));
         // Requests free at 61 s; 5 tokens need the buckets of 2 s (3) and 30 s (7) gone, at 90 s.
         assert_eq!(
             window.admit(ms(40_000), limits, 5),
-            Admission::Limited {
+            WindowVerdict::Limited {
                 by: LimitKind::Tokens,
                 retry_after_seconds: 50,
                 limit: 10,
@@ -322,12 +325,15 @@ mod tests {
             tpm: Some(1000),
         };
         let mut window = Window::new();
-        assert_eq!(window.admit(ms(0), limits, 500), Admission::Admitted);
+        assert_eq!(window.admit(ms(0), limits, 500), WindowVerdict::Admitted);
         assert_eq!(window.used(ms(1)), (1, 500));
         window.settle(ms(0), 500, 120, ms(3_000));
         assert_eq!(window.used(ms(3_000)), (1, 120));
         // A reservation whose bucket already left is not taken twice.
-        assert_eq!(window.admit(ms(4_000), limits, 200), Admission::Admitted);
+        assert_eq!(
+            window.admit(ms(4_000), limits, 200),
+            WindowVerdict::Admitted
+        );
         window.settle(ms(4_000), 200, 50, ms(80_000));
         assert_eq!(window.used(ms(80_000)), (0, 50));
         assert!(!window.is_idle(ms(139_999)));
@@ -347,7 +353,7 @@ mod tests {
             let mut admitted: Vec<u64> = Vec::new();
             for gap in gaps {
                 now += gap;
-                if window.admit(ms(now), limits, 0) == Admission::Admitted {
+                if window.admit(ms(now), limits, 0) == WindowVerdict::Admitted {
                     admitted.push(now / 1000);
                 }
             }
@@ -371,17 +377,20 @@ mod tests {
                 now += gap;
                 let before = window.clone();
                 match window.admit(ms(now), limits, tokens) {
-                    Admission::Admitted => {}
-                    Admission::TooLarge { .. } => prop_assert!(false, "reserve below tpm"),
-                    Admission::Limited { retry_after_seconds, .. } => {
+                    WindowVerdict::Admitted => {}
+                    WindowVerdict::TooLarge { .. } => prop_assert!(false, "reserve below tpm"),
+                    WindowVerdict::Limited { retry_after_seconds, .. } => {
                         let mut later = before.clone();
                         let at = now + retry_after_seconds * 1000;
-                        prop_assert_eq!(later.admit(ms(at), limits, tokens), Admission::Admitted);
+                        prop_assert_eq!(
+                            later.admit(ms(at), limits, tokens),
+                            WindowVerdict::Admitted
+                        );
                         if retry_after_seconds > 1 {
                             let mut earlier = before.clone();
                             let at = now + (retry_after_seconds - 1) * 1000;
                             let early = earlier.admit(ms(at), limits, tokens);
-                            prop_assert!(early != Admission::Admitted);
+                            prop_assert!(early != WindowVerdict::Admitted);
                         }
                     }
                 }
