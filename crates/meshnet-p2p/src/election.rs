@@ -13,7 +13,7 @@ use libp2p::{Multiaddr, PeerId};
 
 use crate::ids::libp2p_peer_id;
 use crate::messages::TrackerRecord;
-use crate::validation::Admission;
+use crate::validation::PublishRules;
 
 /// The label under which refused tracker records are counted and reported.
 pub(crate) const TRACKER_RECORD_TOPIC: &str = "tracker-record";
@@ -190,10 +190,10 @@ impl TrackerElection {
     }
 
     /// What this node knows at `now` when it judges a tracker message for `model_id`.
-    pub(crate) fn admission<'a>(&'a self, model_id: &'a str, now: Instant) -> Admission<'a> {
+    pub(crate) fn admission<'a>(&'a self, model_id: &'a str, now: Instant) -> PublishRules<'a> {
         let judged_without_list =
             self.yields_to_any_claim(now) || self.knows_tracker_by_record_only();
-        Admission {
+        PublishRules {
             model_id,
             local_peer: self.local_peer,
             tracker: self.tracker,

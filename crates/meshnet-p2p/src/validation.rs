@@ -1,4 +1,4 @@
-//! Admission checks for gossip messages, applied before anything propagates.
+//! Publish rules: the checks a gossip message passes before anything propagates.
 
 use libp2p::PeerId;
 
@@ -20,7 +20,7 @@ pub(crate) enum Verdict {
 
 /// What a node knows when it judges a message.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct Admission<'a> {
+pub(crate) struct PublishRules<'a> {
     /// Our model; messages for other models are rejected.
     pub(crate) model_id: &'a str,
     /// This node.
@@ -49,7 +49,7 @@ pub(crate) fn claim_beats(claimant: PeerId, term: u64, current: PeerId, current_
     )
 }
 
-impl Admission<'_> {
+impl PublishRules<'_> {
     /// Judges `data`, received on the `kind` topic and signed by `source`.
     pub(crate) fn judge(&self, kind: TopicKind, source: PeerId, data: &[u8]) -> Verdict {
         match kind {
@@ -290,7 +290,7 @@ mod tests {
     #[test]
     fn announcements_must_name_their_signer_and_model() {
         let (me, alice, bob) = (peer(), peer(), peer());
-        let admission = Admission {
+        let rules = PublishRules {
             model_id: "m",
             local_peer: me,
             tracker: None,
@@ -300,17 +300,17 @@ mod tests {
         };
         let good = encode(&announcement(alice, "m")).unwrap();
         assert!(matches!(
-            admission.judge(TopicKind::Announce, alice, &good),
+            rules.judge(TopicKind::Announce, alice, &good),
             Verdict::Accept(Some(event)) if matches!(*event, P2pEvent::Announcement { ref from, .. } if *from == mesh_peer_id(&alice))
         ));
-        assert!(is_reject(&admission.judge(TopicKind::Announce, bob, &good)));
+        assert!(is_reject(&rules.judge(TopicKind::Announce, bob, &good)));
         let other_model = encode(&announcement(alice, "other")).unwrap();
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Announce,
             alice,
             &other_model
         )));
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Announce,
             alice,
             b"garbage"
@@ -321,7 +321,7 @@ mod tests {
     fn coverage_needs_the_authorised_tracker() {
         let (me, tracker, intruder) = (peer(), peer(), peer());
         let coverage = encode(&coverage_of_term(1, vec![])).unwrap();
-        let unknown = Admission {
+        let unknown = PublishRules {
             model_id: "m",
             local_peer: me,
             tracker: None,
@@ -333,7 +333,7 @@ mod tests {
             unknown.judge(TopicKind::Coverage, tracker, &coverage),
             Verdict::Ignore(_)
         ));
-        let known = Admission {
+        let known = PublishRules {
             tracker: Some(tracker),
             term: 1,
             succession: Some(&[]),
@@ -353,7 +353,7 @@ mod tests {
     #[test]
     fn directives_reach_only_their_target() {
         let (me, other, tracker) = (peer(), peer(), peer());
-        let admission = Admission {
+        let rules = PublishRules {
             model_id: "m",
             local_peer: me,
             tracker: Some(tracker),
@@ -364,20 +364,20 @@ mod tests {
         let to_me = encode(&directive(me, me)).unwrap();
         let to_other = encode(&directive(other, other)).unwrap();
         assert!(matches!(
-            admission.judge(TopicKind::Directives, tracker, &to_me),
+            rules.judge(TopicKind::Directives, tracker, &to_me),
             Verdict::Accept(Some(event)) if matches!(*event, P2pEvent::Directive { .. })
         ));
         assert_eq!(
-            admission.judge(TopicKind::Directives, tracker, &to_other),
+            rules.judge(TopicKind::Directives, tracker, &to_other),
             Verdict::Accept(None)
         );
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Directives,
             other,
             &to_me
         )));
         let mismatched = encode(&directive(me, other)).unwrap();
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Directives,
             tracker,
             &mismatched
@@ -402,7 +402,7 @@ mod tests {
     fn only_a_listed_successor_of_a_higher_term_takes_over() {
         let (me, tracker, heir, stranger) = (peer(), peer(), peer(), peer());
         let list = [heir];
-        let admission = Admission {
+        let rules = PublishRules {
             model_id: "m",
             local_peer: me,
             tracker: Some(tracker),
@@ -412,42 +412,42 @@ mod tests {
         };
         let claim = |term| encode(&coverage_of_term(term, vec![])).unwrap();
         assert!(matches!(
-            admission.judge(TopicKind::Coverage, heir, &claim(4)),
+            rules.judge(TopicKind::Coverage, heir, &claim(4)),
             Verdict::Accept(Some(_))
         ));
         // Not listed: refused whatever the term.
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Coverage,
             stranger,
             &claim(4)
         )));
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Coverage,
             stranger,
             &claim(99)
         )));
         // Listed, but not a newer term than the living tracker's.
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Coverage,
             heir,
             &claim(2)
         )));
         // The tracker itself may not go back to an older term.
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Coverage,
             tracker,
             &claim(2)
         )));
         assert!(matches!(
-            admission.judge(TopicKind::Coverage, tracker, &claim(3)),
+            rules.judge(TopicKind::Coverage, tracker, &claim(3)),
             Verdict::Accept(Some(_))
         ));
         // A node that never followed a list (a started tracker) yields to any higher term.
-        let fresh = Admission {
+        let fresh = PublishRules {
             succession: None,
             tracker: Some(me),
             term: 1,
-            ..admission
+            ..rules
         };
         assert!(matches!(
             fresh.judge(TopicKind::Coverage, stranger, &claim(2)),
@@ -465,7 +465,7 @@ mod tests {
     #[test]
     fn directives_of_an_older_term_are_refused() {
         let (me, tracker) = (peer(), peer());
-        let admission = Admission {
+        let rules = PublishRules {
             model_id: "m",
             local_peer: me,
             tracker: Some(tracker),
@@ -475,14 +475,14 @@ mod tests {
         };
         let mut old = directive(me, me);
         old.term = 1;
-        assert!(is_reject(&admission.judge(
+        assert!(is_reject(&rules.judge(
             TopicKind::Directives,
             tracker,
             &encode(&old).unwrap()
         )));
         old.term = 2;
         assert!(matches!(
-            admission.judge(TopicKind::Directives, tracker, &encode(&old).unwrap()),
+            rules.judge(TopicKind::Directives, tracker, &encode(&old).unwrap()),
             Verdict::Accept(Some(_))
         ));
     }
@@ -506,7 +506,7 @@ mod tests {
     fn a_successor_takes_over_only_once_the_tracker_is_no_longer_heard() {
         let (me, tracker, heir) = (peer(), peer(), peer());
         let list = [heir];
-        let admission = Admission {
+        let rules = PublishRules {
             model_id: "m",
             local_peer: me,
             tracker: Some(tracker),
@@ -516,19 +516,19 @@ mod tests {
         };
         let claim = encode(&coverage_of_term(2, vec![])).unwrap();
         assert!(matches!(
-            admission.judge(TopicKind::Coverage, heir, &claim),
+            rules.judge(TopicKind::Coverage, heir, &claim),
             Verdict::Ignore(_)
         ));
-        let silent = Admission {
+        let silent = PublishRules {
             tracker_silent: true,
-            ..admission
+            ..rules
         };
         assert!(matches!(
             silent.judge(TopicKind::Coverage, heir, &claim),
             Verdict::Accept(Some(_))
         ));
         // A follower that knows no list yet accepts no takeover at all.
-        let listless = Admission {
+        let listless = PublishRules {
             succession: Some(&[]),
             ..silent
         };
