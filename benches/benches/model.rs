@@ -23,7 +23,7 @@ use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
 use meshnet_kernels::KERNEL_VARIABLE;
 use meshnet_model::{
-    BoundaryPolicy, GgufModel, LlamaSpan, ModelTokenizer, Route, SessionId, SpanSpec, Stage,
+    BoundaryPolicy, GgufModel, LayerRoute, LlamaSpan, ModelTokenizer, SessionId, SpanSpec, Stage,
 };
 use meshnet_types::{LayerSpan, Quantization};
 
@@ -111,7 +111,7 @@ fn measure_ours(quantization: Option<Quantization>) -> (f64, f64) {
         ..SpanSpec::whole(model.description())
     };
     let span = LlamaSpan::load(&model, &spec).unwrap();
-    let route = Route {
+    let route = LayerRoute {
         embedder: &span,
         stages: vec![&span],
         head: &span,

@@ -1,7 +1,7 @@
 //! The one generation loop: chunked prefill, decode, sampling and stopping, over a route of
 //! stages that may run in this process or on other peers.
 //!
-//! A [`Route`] is an embedder (the entry), a list of [`Stage`]s that each run a contiguous
+//! A [`LayerRoute`] is an embedder (the entry), a list of [`Stage`]s that each run a contiguous
 //! span of layers, and a head that turns the last hidden state into logits. Between two
 //! stages the hidden states cross a boundary; the [`BoundaryPolicy`] says whether they cross
 //! in f32 (bit-identical to one process) or cast to bfloat16 as on the wire.
@@ -94,7 +94,7 @@ impl BoundaryPolicy {
 }
 
 /// An embedder, the stages in order, and a head.
-pub struct Route<'a> {
+pub struct LayerRoute<'a> {
     /// The entry: token embedding.
     pub embedder: &'a dyn TokenEmbedder,
     /// The spans of layers, in order; together they cover every layer once.
@@ -105,7 +105,7 @@ pub struct Route<'a> {
     pub boundary: BoundaryPolicy,
 }
 
-impl Route<'_> {
+impl LayerRoute<'_> {
     /// Runs one chunk of `tokens` at absolute `position` through every stage and returns the
     /// last hidden states.
     pub fn forward_hidden(
@@ -322,7 +322,7 @@ pub struct Generation {
 /// token at a time, sampling and checking stop conditions after each step. The session is
 /// ended on every stage afterwards, also after an error.
 pub fn generate(
-    route: &Route<'_>,
+    route: &LayerRoute<'_>,
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
 ) -> Result<Generation> {
@@ -334,7 +334,7 @@ pub fn generate(
 /// generation stops with [`FinishReason::Cancelled`]. The session is ended on every stage
 /// afterwards, also after an error or a cancellation.
 pub fn generate_observed(
-    route: &Route<'_>,
+    route: &LayerRoute<'_>,
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
     observer: &mut dyn FnMut(&[u32], &[TokenLogprobs]) -> bool,
@@ -349,7 +349,7 @@ pub fn generate_observed(
 /// `logits`, the logits after the prompt's last token. The session is ended on every stage
 /// afterwards, also after an error or a cancellation.
 pub fn decode_observed(
-    route: &Route<'_>,
+    route: &LayerRoute<'_>,
     request: &GenerationRequest,
     logits: Vec<f32>,
     tokenizer: Option<&ModelTokenizer>,
@@ -361,7 +361,7 @@ pub fn decode_observed(
 }
 
 fn run(
-    route: &Route<'_>,
+    route: &LayerRoute<'_>,
     request: &GenerationRequest,
     tokenizer: Option<&ModelTokenizer>,
     observer: &mut dyn FnMut(&[u32], &[TokenLogprobs]) -> bool,
@@ -377,7 +377,7 @@ fn run(
 /// Samples from `logits` (those after the prompt), then feeds each token back one at a time
 /// until a stop condition or the token limit.
 fn decode(
-    route: &Route<'_>,
+    route: &LayerRoute<'_>,
     request: &GenerationRequest,
     mut logits: Vec<f32>,
     tokenizer: Option<&ModelTokenizer>,
@@ -576,8 +576,8 @@ mod tests {
     }
 
     impl Fixed {
-        fn route(&self) -> Route<'_> {
-            Route {
+        fn route(&self) -> LayerRoute<'_> {
+            LayerRoute {
                 embedder: self,
                 stages: vec![self],
                 head: self,

@@ -6,7 +6,7 @@
 //! A span reads only the tensors of the parts it holds, straight from their byte ranges in the
 //! safetensors file. Its KV caches live in a [`KvStore`] beside the weights, like a Llama
 //! span's, so GPT-2 spans are [`Stage`]s, [`TokenEmbedder`]s and [`LogitsHead`]s of the same
-//! [`Route`](crate::Route).
+//! [`LayerRoute`](crate::LayerRoute).
 //!
 //! Position embeddings: [`TokenEmbedder::embed`] is not told the chunk's position, so the
 //! embedder returns the token embeddings (`wte`) only, and the span that runs block 0 adds the

@@ -7,7 +7,7 @@
 //! ([`ModelTokenizer`], [`ChatTemplate`]) and turns generated ids back into text as they come
 //! ([`IncrementalDecoder`]); samples tokens apart from the model ([`Sampler`]), within the
 //! tokens a [`TokenConstraint`] allows when a request has one (structured output);
-//! and runs the one generation loop ([`generate`]) over a [`Route`] of [`Stage`]s, with the
+//! and runs the one generation loop ([`generate`]) over a [`LayerRoute`] of [`Stage`]s, with the
 //! hand-off between stages either f32 (bit-identical to one process) or bfloat16 as on the
 //! wire ([`BoundaryPolicy`]).
 //!
@@ -49,7 +49,7 @@ pub use family::{
     Activation, ArchitectureConfig, Family, RopeFrequencies, RopeStyle, SlidingWindow,
 };
 pub use generation::{
-    BoundaryPolicy, FinishReason, Generation, GenerationRequest, LogitsHead, Route, Stage,
+    BoundaryPolicy, FinishReason, Generation, GenerationRequest, LayerRoute, LogitsHead, Stage,
     TokenConstraint, TokenEmbedder, decode_observed, generate, generate_observed,
 };
 pub use gguf::{GgufModel, ModelDescription, WeightBytes};

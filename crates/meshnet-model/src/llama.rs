@@ -907,7 +907,7 @@ fn load_vector(reader: &mut TensorReader<'_>, name: &str, len: usize) -> Result<
         .map_err(|error| reader.data_error(name, error))
 }
 
-/// A model loaded as consecutive spans, ready to be joined into a [`crate::Route`]: the
+/// A model loaded as consecutive spans, ready to be joined into a [`crate::LayerRoute`]: the
 /// single-process reference for a split mesh.
 #[derive(Debug)]
 pub struct SplitModel<S = LlamaSpan> {
@@ -984,11 +984,14 @@ impl<S: Stage + TokenEmbedder + LogitsHead> SplitModel<S> {
     }
 
     /// A route over the spans with the given boundary policy.
-    pub fn route(&self, boundary: crate::generation::BoundaryPolicy) -> Result<crate::Route<'_>> {
+    pub fn route(
+        &self,
+        boundary: crate::generation::BoundaryPolicy,
+    ) -> Result<crate::LayerRoute<'_>> {
         let (Some(first), Some(last)) = (self.spans.first(), self.spans.last()) else {
             return Err(ModelError::InvalidSpan("no spans loaded".into()));
         };
-        Ok(crate::Route {
+        Ok(crate::LayerRoute {
             embedder: first,
             stages: self.spans.iter().map(|span| span as &dyn Stage).collect(),
             head: last,

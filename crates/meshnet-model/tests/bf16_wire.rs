@@ -8,11 +8,11 @@ mod common;
 
 use candle_core::{Device, Tensor};
 use meshnet_model::{
-    BoundaryPolicy, DEFAULT_KV_BUDGET_BYTES, GenerationRequest, LlamaSpan, Route, SessionId,
+    BoundaryPolicy, DEFAULT_KV_BUDGET_BYTES, GenerationRequest, LayerRoute, LlamaSpan, SessionId,
     SpanSpec, SplitModel, Stage, generate,
 };
 use meshnet_types::{LayerSpan, Quantization};
-use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Limits, Route as WireRoute};
+use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Limits, Route};
 
 /// A span reached over the wire: hidden states are encoded into a real activation frame
 /// (bf16, zstd), decoded, and handed to the span, as the receiving peer would.
@@ -35,7 +35,7 @@ impl Stage for OverTheWire<'_> {
                 chunk_total: 1,
                 position: position as u64,
                 layers,
-                route: WireRoute::default(),
+                route: Route::default(),
                 grant: None,
                 fork_from: None,
             },
@@ -97,7 +97,7 @@ fn codec_joined_spans_equal_the_bf16_reference_and_the_drift_is_bounded() {
     let exit = LlamaSpan::load(model, &spec(20..30, false, true)).unwrap();
     let middle_hop = OverTheWire { span: &middle };
     let exit_hop = OverTheWire { span: &exit };
-    let wire_route = Route {
+    let wire_route = LayerRoute {
         embedder: &entry,
         stages: vec![&entry, &middle_hop, &exit_hop],
         head: &exit,

@@ -9,8 +9,8 @@ use std::cell::Cell;
 
 use candle_core::{DType, Device, Tensor};
 use meshnet_model::{
-    BoundaryPolicy, FinishReason, GenerationRequest, IncrementalDecoder, LogitsHead, Result, Route,
-    SessionId, Stage, StopConditions, TokenEmbedder, generate,
+    BoundaryPolicy, FinishReason, GenerationRequest, IncrementalDecoder, LayerRoute, LogitsHead,
+    Result, SessionId, Stage, StopConditions, TokenEmbedder, generate,
 };
 
 /// Emoji, CJK, accented text, and a mix with ASCII.
@@ -140,8 +140,8 @@ impl Script {
         }
     }
 
-    fn route(&self) -> Route<'_> {
-        Route {
+    fn route(&self) -> LayerRoute<'_> {
+        LayerRoute {
             embedder: self,
             stages: vec![self],
             head: self,

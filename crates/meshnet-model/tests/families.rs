@@ -8,7 +8,7 @@
 
 use std::path::PathBuf;
 
-use meshnet_model::{BoundaryPolicy, Family, GgufModel, Route, SessionId, SplitModel};
+use meshnet_model::{BoundaryPolicy, Family, GgufModel, LayerRoute, SessionId, SplitModel};
 
 /// The largest difference from llama.cpp's logits any family may show. llama.cpp quantizes
 /// activations to 8 bits before every quantized matmul (as we do), keeps keys and values in
@@ -58,7 +58,7 @@ fn fixture(reference: &str) -> Fixture {
 }
 
 /// Our logits at every position, decoding the fixture's tokens one at a time.
-fn teacher_forced(route: &Route<'_>, tokens: &[u32]) -> Vec<Vec<f32>> {
+fn teacher_forced(route: &LayerRoute<'_>, tokens: &[u32]) -> Vec<Vec<f32>> {
     let session = SessionId::new_v4();
     let logits = tokens
         .iter()

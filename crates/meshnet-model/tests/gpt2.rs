@@ -11,7 +11,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 use meshnet_model::{
     BoundaryPolicy, DEFAULT_KV_BUDGET_BYTES, GenerationRequest, Gpt2Config, Gpt2Model, Gpt2Span,
-    ModelError, Route, SessionId, SpanSpec, Stage, TokenEmbedder, argmax, generate,
+    LayerRoute, ModelError, SessionId, SpanSpec, Stage, TokenEmbedder, argmax, generate,
 };
 use meshnet_types::{LayerSpan, Quantization};
 use serde_json::Value;
@@ -240,13 +240,13 @@ fn two_spans_match_the_reference_and_equal_the_whole_model() {
 
     // The same through routes with an f32 boundary: the split route's last-position logits
     // equal the one-span route's bit for bit, and the reference within the tolerance.
-    let split_route = Route {
+    let split_route = LayerRoute {
         embedder: &first,
         stages: vec![&first, &second],
         head: &second,
         boundary: BoundaryPolicy::F32,
     };
-    let whole_route = Route {
+    let whole_route = LayerRoute {
         embedder: &whole_span,
         stages: vec![&whole_span],
         head: &whole_span,
@@ -273,7 +273,7 @@ fn a_bfloat16_boundary_stays_close_to_the_reference() {
     let model = Gpt2Model::open(fixture_dir()).unwrap();
     let first = Gpt2Span::load(&model, &spec(0..2, true, false)).unwrap();
     let second = Gpt2Span::load(&model, &spec(2..4, false, true)).unwrap();
-    let route = Route {
+    let route = LayerRoute {
         embedder: &first,
         stages: vec![&first, &second],
         head: &second,
@@ -305,7 +305,7 @@ fn kv_cache_steps_match_the_reference_and_recomputation() {
     let model = Gpt2Model::open(fixture_dir()).unwrap();
     let first = Gpt2Span::load(&model, &spec(0..2, true, false)).unwrap();
     let second = Gpt2Span::load(&model, &spec(2..4, false, true)).unwrap();
-    let route = Route {
+    let route = LayerRoute {
         embedder: &first,
         stages: vec![&first, &second],
         head: &second,
@@ -379,7 +379,7 @@ fn generate_over_a_gpt2_route_uses_chunked_prefill_and_the_cache() {
     let model = Gpt2Model::open(no_prefix_dir()).unwrap();
     let first = Gpt2Span::load(&model, &spec(0..1, true, false)).unwrap();
     let second = Gpt2Span::load(&model, &spec(1..4, false, true)).unwrap();
-    let route = Route {
+    let route = LayerRoute {
         embedder: &first,
         stages: vec![&first, &second],
         head: &second,
@@ -758,7 +758,7 @@ fn q8_0_on_load_stays_close_to_f32() {
         &spec(1..2, false, true).with_quantization(Quantization::Q8_0),
     )
     .unwrap();
-    let route = Route {
+    let route = LayerRoute {
         embedder: &first,
         stages: vec![&first, &second],
         head: &second,

@@ -9,8 +9,8 @@ use std::sync::OnceLock;
 
 use candle_core::{Device, Tensor};
 use meshnet_model::{
-    BoundaryPolicy, GenerationRequest, LlamaSpan, Route, SessionId, SpanSpec, Stage, TokenEmbedder,
-    argmax, generate,
+    BoundaryPolicy, GenerationRequest, LayerRoute, LlamaSpan, SessionId, SpanSpec, Stage,
+    TokenEmbedder, argmax, generate,
 };
 use meshnet_types::{LayerSpan, Quantization};
 
@@ -33,8 +33,8 @@ fn whole_q8() -> &'static LlamaSpan {
     })
 }
 
-fn whole_q8_route() -> Route<'static> {
-    Route {
+fn whole_q8_route() -> LayerRoute<'static> {
+    LayerRoute {
         embedder: whole_q8(),
         stages: vec![whole_q8()],
         head: whole_q8(),
@@ -42,8 +42,8 @@ fn whole_q8_route() -> Route<'static> {
     }
 }
 
-fn whole_route() -> Route<'static> {
-    Route {
+fn whole_route() -> LayerRoute<'static> {
+    LayerRoute {
         embedder: whole(),
         stages: vec![whole()],
         head: whole(),
@@ -75,7 +75,7 @@ fn split_equals_whole_exactly_with_f32_hand_off() {
     assert!(first.has_embedding() && !first.has_head());
     assert!(!middle.has_embedding() && !middle.has_head());
     assert!(last.has_head() && !last.has_embedding());
-    let split = Route {
+    let split = LayerRoute {
         embedder: &first,
         stages: vec![&first, &middle, &last],
         head: &last,
@@ -170,7 +170,7 @@ fn kv_cache_decoding_matches_recomputing() {
 /// turn one step at a time; returns each session's id and the logits of each of its `steps`
 /// steps (the first from the prompt, then one per generated token).
 fn decode_in_turn(
-    route: &Route<'_>,
+    route: &LayerRoute<'_>,
     prompts: &[&[u32]],
     steps: usize,
 ) -> Vec<(SessionId, Vec<Vec<f32>>)> {

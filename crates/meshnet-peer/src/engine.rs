@@ -13,8 +13,8 @@ use meshnet_api::{
 };
 use meshnet_grammar::{JsonConstraint, JsonFormat, TokenEnvironment};
 use meshnet_model::{
-    BoundaryPolicy, EncodeOptions, FinishReason as ModelFinish, GenerationRequest, ModelError,
-    ModelTokenizer, Route, SessionId, Stage, StopConditions, TextSide, TokenConstraint,
+    BoundaryPolicy, EncodeOptions, FinishReason as ModelFinish, GenerationRequest, LayerRoute,
+    ModelError, ModelTokenizer, SessionId, Stage, StopConditions, TextSide, TokenConstraint,
     TokenLogprobs, ToolFormat, decode_observed, generate_observed,
 };
 use meshnet_node::{ForwardClient, HopFailure};
@@ -586,7 +586,7 @@ impl GenerationJob {
         if let Some(remote) = &self.remote {
             stages.push(remote);
         }
-        let route = Route {
+        let route = LayerRoute {
             embedder: span,
             stages,
             head: span,
@@ -616,7 +616,7 @@ impl GenerationJob {
     /// log-probabilities are to be echoed), then one choice decoding on that session, or
     /// several each on a session that starts as a copy of its caches (locally, and on each
     /// remote hop with its first frame), decoding side by side, batched by the spans.
-    fn run_shared_prefill(&self, route: &Route<'_>, scoring: bool) {
+    fn run_shared_prefill(&self, route: &LayerRoute<'_>, scoring: bool) {
         let prefix = self.request.session;
         let (prompt_logprobs, logits) = match self.prefill(route, scoring) {
             Ok(prefilled) => prefilled,
@@ -652,7 +652,7 @@ impl GenerationJob {
     /// when `scoring`, its tokens' log-probabilities.
     fn prefill(
         &self,
-        route: &Route<'_>,
+        route: &LayerRoute<'_>,
         scoring: bool,
     ) -> Result<(Option<PromptLogprobs>, Vec<f32>), ModelError> {
         let request = &self.request;
@@ -715,7 +715,7 @@ impl GenerationJob {
                 if let Some(remote) = &remote {
                     stages.push(remote);
                 }
-                let route = Route {
+                let route = LayerRoute {
                     embedder: span,
                     stages,
                     head: span,
@@ -732,7 +732,7 @@ impl GenerationJob {
     /// already); also says whether the answer made tool calls.
     fn stream_choice(
         &self,
-        route: &Route<'_>,
+        route: &LayerRoute<'_>,
         request: &GenerationRequest,
         logits: Option<Vec<f32>>,
         events: &mpsc::Sender<EngineEvent>,
@@ -910,7 +910,7 @@ fn send_text(
 /// add up to the generation's text. With `calls`, the text goes through it, and what it held
 /// back is sent at the end.
 fn stream_generation(
-    route: &Route<'_>,
+    route: &LayerRoute<'_>,
     request: &GenerationRequest,
     prefilled: Option<Vec<f32>>,
     tokenizer: &ModelTokenizer,
@@ -1292,7 +1292,7 @@ mod streaming_tests {
             step: Cell::new(0),
             ids: ids.clone(),
         };
-        let route = Route {
+        let route = LayerRoute {
             embedder: &script,
             stages: vec![&script],
             head: &script,
@@ -1336,7 +1336,7 @@ mod streaming_tests {
             step: Cell::new(0),
             ids: ids.clone(),
         };
-        let route = Route {
+        let route = LayerRoute {
             embedder: &script,
             stages: vec![&script],
             head: &script,
