@@ -6,9 +6,7 @@ use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use meshnet_planner::scenario::{self, MeshProfile};
-use meshnet_planner::{
-    CoverageMap, ModelShape, PeerCapacity, Planner, PlannerConfig, ShardHolding,
-};
+use meshnet_planner::{CoverageMap, ModelShape, PeerCapacity, Planner, PlannerConfig, SpanHolding};
 use meshnet_types::{LayerSpan, Quantization, SpanState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -68,7 +66,7 @@ fn bench_planner(c: &mut Criterion) {
             .map(|p| {
                 let start = rng.random_range(0..80);
                 let end = rng.random_range(start + 1..=80.min(start + 30));
-                ShardHolding {
+                SpanHolding {
                     peer: p.peer.clone(),
                     layers: LayerSpan::new(start, end),
                     quantization: Quantization::Nf4,

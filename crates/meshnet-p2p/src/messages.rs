@@ -244,7 +244,7 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, P2pError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshnet_planner::ShardHolding;
+    use meshnet_planner::SpanHolding;
     use meshnet_types::{PeerId as PlannerPeerId, SpanState};
 
     fn record() -> TrackerRecord {
@@ -281,7 +281,7 @@ mod tests {
             num_layers: 30,
             map: CoverageMap {
                 epoch: 3,
-                holdings: vec![ShardHolding {
+                holdings: vec![SpanHolding {
                     peer: PlannerPeerId::from("a"),
                     layers: LayerSpan::new(0, 12),
                     quantization: Quantization::Q4_1,

@@ -26,7 +26,7 @@ use meshnet_p2p::{
     CoverageMessage, P2pConfig, P2pEvent, Role, TopicKind, TrackerRecord, TransportChoice,
     topic_name,
 };
-use meshnet_planner::{CoverageMap, ShardHolding};
+use meshnet_planner::{CoverageMap, SpanHolding};
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState, claim_beats};
 use tokio::sync::watch;
 use tokio::time::timeout;
@@ -188,7 +188,7 @@ fn map(publisher: &Node, term: u64, epoch: u64) -> CoverageMessage {
         num_layers: 30,
         map: CoverageMap {
             epoch,
-            holdings: vec![ShardHolding {
+            holdings: vec![SpanHolding {
                 peer: publisher.id.clone(),
                 layers: LayerSpan::new(0, 30),
                 quantization: Quantization::Q8_0,

@@ -16,7 +16,7 @@ use meshnet_p2p::{
     CoverageMessage, DirectiveMessage, P2pConfig, P2pError, P2pEvent, PeerAnnouncement, Role,
     SpanStatus, TopicKind, TrackerRecord, TransportChoice, spawn, topic_name,
 };
-use meshnet_planner::{CoverageMap, Directive, ShardHolding};
+use meshnet_planner::{CoverageMap, Directive, SpanHolding};
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 use tokio::sync::mpsc::Receiver;
 use tokio::time::timeout;
@@ -108,7 +108,7 @@ fn coverage(holder: PeerId, epoch: u64) -> CoverageMessage {
         num_layers: 30,
         map: CoverageMap {
             epoch,
-            holdings: vec![ShardHolding {
+            holdings: vec![SpanHolding {
                 peer: holder.clone(),
                 layers: LayerSpan::new(0, 30),
                 quantization: Quantization::Q8_0,

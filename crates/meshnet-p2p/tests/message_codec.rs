@@ -6,7 +6,7 @@ use meshnet_p2p::{
     CoverageMessage, DirectiveMessage, P2pError, PeerAnnouncement, SpanStatus, TrackerRecord,
     decode, encode,
 };
-use meshnet_planner::{CoverageMap, Directive, ShardHolding};
+use meshnet_planner::{CoverageMap, Directive, SpanHolding};
 use meshnet_types::{LayerSpan, PeerId as PlannerPeerId, Quantization, SpanState};
 use proptest::prelude::*;
 
@@ -67,7 +67,7 @@ fn directive() -> impl Strategy<Value = Directive> {
 
 fn coverage_map() -> impl Strategy<Value = CoverageMap> {
     let holding = (planner_peer(), span(), quantization(), any::<bool>()).prop_map(
-        |(peer, layers, quantization, ready)| ShardHolding {
+        |(peer, layers, quantization, ready)| SpanHolding {
             peer,
             layers,
             quantization,
@@ -328,7 +328,7 @@ fn seed_messages() -> Vec<(&'static str, Vec<u8>)> {
         num_layers: 30,
         map: CoverageMap {
             epoch: 7,
-            holdings: vec![ShardHolding {
+            holdings: vec![SpanHolding {
                 peer: holder.clone(),
                 layers: span.layers,
                 quantization: span.quantization,

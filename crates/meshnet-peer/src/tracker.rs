@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use meshnet_p2p::{CoverageMessage, DirectiveMessage, PeerAnnouncement, SpanStatus};
 use meshnet_planner::{
-    CoverageMap, Directive, ModelShape, PeerCapacity, Planner, PlannerConfig, ShardHolding,
+    CoverageMap, Directive, ModelShape, PeerCapacity, Planner, PlannerConfig, SpanHolding,
 };
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 use meshnet_wire::Endpoint;
@@ -646,7 +646,7 @@ impl TrackerBook {
     fn current_map(&self, now: Instant) -> CoverageMap {
         let mut holdings = Vec::new();
         let mut push = |peer: &PeerId, span: &SpanStatus| {
-            holdings.push(ShardHolding {
+            holdings.push(SpanHolding {
                 peer: peer.clone(),
                 layers: span.layers,
                 quantization: span.quantization,

@@ -47,4 +47,4 @@ mod types;
 pub use error::PlanError;
 pub use model::{MAX_LAYERS, ModelShape, TransformerDimensions};
 pub use planner::{CoverageReport, Plan, Planner, PlannerConfig};
-pub use types::{CoverageMap, Directive, LayerHolder, PeerCapacity, ShardHolding};
+pub use types::{CoverageMap, Directive, LayerHolder, PeerCapacity, SpanHolding};

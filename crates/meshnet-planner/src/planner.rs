@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::PlanError;
 use crate::model::ModelShape;
-use crate::types::{CoverageMap, Directive, PeerCapacity, ShardHolding, spans_where};
+use crate::types::{CoverageMap, Directive, PeerCapacity, SpanHolding, spans_where};
 use meshnet_types::Quantization;
 use meshnet_types::{LayerSpan, PeerId, SpanState};
 
@@ -1069,7 +1069,7 @@ fn tracker_span_length(
 }
 
 /// A map entry of a live peer, with the peer's position among the candidates.
-type PeerEntry<'m> = (usize, &'m ShardHolding);
+type PeerEntry<'m> = (usize, &'m SpanHolding);
 
 /// A piece of a model's layers in one quantization.
 type Piece = (LayerSpan, Quantization);
@@ -1271,7 +1271,7 @@ fn planned_holdings(
     old: Option<&Holding>,
     span: LayerSpan,
     quantization: Quantization,
-    holdings: &mut Vec<ShardHolding>,
+    holdings: &mut Vec<SpanHolding>,
 ) {
     let mut segments: Vec<(LayerSpan, SpanState)> = Vec::new();
     let kept_segments: Vec<(LayerSpan, SpanState)> = match old {
@@ -1303,7 +1303,7 @@ fn planned_holdings(
             _ => merged.push((segment, state)),
         }
     }
-    holdings.extend(merged.into_iter().map(|(layers, state)| ShardHolding {
+    holdings.extend(merged.into_iter().map(|(layers, state)| SpanHolding {
         peer: peer.clone(),
         layers,
         quantization,

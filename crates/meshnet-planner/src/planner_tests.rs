@@ -42,8 +42,8 @@ fn tracker(nf4_layers: u64) -> PeerCapacity {
     }
 }
 
-fn holding(peer: &str, start: u32, end: u32) -> ShardHolding {
-    ShardHolding {
+fn holding(peer: &str, start: u32, end: u32) -> SpanHolding {
+    SpanHolding {
         peer: PeerId::from(peer),
         layers: LayerSpan::new(start, end),
         quantization: Quantization::Nf4,
@@ -428,7 +428,7 @@ fn stray_and_departed_holdings_are_cleaned_up() {
             holding("tracker", 0, 2),
             holding("a", 2, 4),
             holding("a", 4, 8),
-            ShardHolding {
+            SpanHolding {
                 quantization: Quantization::Int8,
                 ..holding("a", 0, 1)
             },
@@ -603,7 +603,7 @@ fn stale_pieces_get_a_drop_for_their_own_format() {
             holding("a", 2, 12),
             holding("b", 2, 8),
             // b also holds part of its span in another format.
-            ShardHolding {
+            SpanHolding {
                 quantization: Quantization::Int8,
                 ..holding("b", 4, 6)
             },

@@ -56,7 +56,7 @@ impl PeerCapacity {
 
 /// One peer holding one contiguous span in the coverage map.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ShardHolding {
+pub struct SpanHolding {
     /// The holder.
     pub peer: PeerId,
     /// The layers it holds.
@@ -88,7 +88,7 @@ pub struct CoverageMap {
     /// Version of the map; bumped every time a plan changes it.
     pub epoch: u64,
     /// Every holding, sorted by peer id.
-    pub holdings: Vec<ShardHolding>,
+    pub holdings: Vec<SpanHolding>,
 }
 
 impl CoverageMap {
@@ -140,7 +140,7 @@ impl CoverageMap {
     /// Marks every holding `Ready` (all loads finished) and merges the
     /// adjacent pieces of each peer's span.
     pub fn mark_all_ready(&mut self) {
-        let mut merged: Vec<ShardHolding> = Vec::with_capacity(self.holdings.len());
+        let mut merged: Vec<SpanHolding> = Vec::with_capacity(self.holdings.len());
         for mut holding in std::mem::take(&mut self.holdings) {
             holding.state = SpanState::Ready;
             match merged.last_mut() {
@@ -163,7 +163,7 @@ impl CoverageMap {
     }
 
     /// The holding of `peer`, if it holds anything.
-    pub fn holding_of(&self, peer: &PeerId) -> Option<&ShardHolding> {
+    pub fn holding_of(&self, peer: &PeerId) -> Option<&SpanHolding> {
         self.holdings.iter().find(|holding| &holding.peer == peer)
     }
 }
@@ -258,7 +258,7 @@ mod tests {
 
     #[test]
     fn holder_counts_and_holders_agree() {
-        let holding = |peer: &str, start, end| ShardHolding {
+        let holding = |peer: &str, start, end| SpanHolding {
             peer: PeerId::from(peer),
             layers: LayerSpan::new(start, end),
             quantization: Quantization::Nf4,

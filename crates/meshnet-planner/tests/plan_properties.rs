@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use meshnet_planner::{
     CoverageMap, Directive, ModelShape, PeerCapacity, Plan, PlanError, Planner, PlannerConfig,
-    ShardHolding,
+    SpanHolding,
 };
 
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
@@ -111,7 +111,7 @@ fn mesh_strategy(max_layers: u32, max_volunteers: usize) -> impl Strategy<Value 
                 names.push("departed-2".into());
                 let mut map = CoverageMap::empty(5);
                 for (whose, start, len, format, ready) in holdings {
-                    map.holdings.push(ShardHolding {
+                    map.holdings.push(SpanHolding {
                         peer: PeerId::new(whose.get(&names).clone()),
                         layers: LayerSpan::new(start, start + len),
                         quantization: FORMATS[format],
