@@ -190,7 +190,7 @@ impl TrackerElection {
     }
 
     /// What this node knows at `now` when it judges a tracker message for `model_id`.
-    pub(crate) fn admission<'a>(&'a self, model_id: &'a str, now: Instant) -> PublishRules<'a> {
+    pub(crate) fn publish_rules<'a>(&'a self, model_id: &'a str, now: Instant) -> PublishRules<'a> {
         let judged_without_list =
             self.yields_to_any_claim(now) || self.knows_tracker_by_record_only();
         PublishRules {
@@ -513,12 +513,12 @@ mod tests {
             }
         );
         assert_eq!(election.tracker(), Some(successor));
-        assert_eq!(election.admission(MODEL, now).term, 5);
+        assert_eq!(election.publish_rules(MODEL, now).term, 5);
         assert_eq!(
             election.on_coverage(successor, 4, &[], now),
             Following::Same
         );
-        assert_eq!(election.admission(MODEL, now).term, 5);
+        assert_eq!(election.publish_rules(MODEL, now).term, 5);
     }
 
     #[test]
@@ -546,15 +546,15 @@ mod tests {
         let grace_until = now + Duration::from_secs(30);
         let mut election = TrackerElection::started_as_tracker(local, SILENCE, grace_until);
         election.on_own_coverage(7, &[mesh_peer_id(&heir)]);
-        let admission = election.admission(MODEL, now);
-        assert_eq!(admission.succession, None);
-        assert_eq!((admission.tracker, admission.term), (Some(local), 7));
+        let rules = election.publish_rules(MODEL, now);
+        assert_eq!(rules.succession, None);
+        assert_eq!((rules.tracker, rules.term), (Some(local), 7));
         assert!(
-            admission.tracker_silent,
+            rules.tracker_silent,
             "a tracker judges rival claims at once"
         );
         assert_eq!(
-            election.admission(MODEL, grace_until).succession,
+            election.publish_rules(MODEL, grace_until).succession,
             Some(&[heir][..])
         );
     }
@@ -565,21 +565,21 @@ mod tests {
         let now = Instant::now();
         let mut election = peer_election();
         election.on_tracker_record(MODEL, record(tracker, 1, 1));
-        assert_eq!(election.admission(MODEL, now).succession, None);
+        assert_eq!(election.publish_rules(MODEL, now).succession, None);
         let list = [
             mesh_peer_id(&heir),
             meshnet_types::PeerId::new("not-a-peer-id"),
         ];
         election.on_coverage(tracker, 1, &list, now);
-        let admission = election.admission(MODEL, now);
-        assert_eq!(admission.succession, Some(&[heir][..]));
-        assert!(!admission.tracker_silent);
+        let rules = election.publish_rules(MODEL, now);
+        assert_eq!(rules.succession, Some(&[heir][..]));
+        assert!(!rules.tracker_silent);
         assert!(
             !election
-                .admission(MODEL, now + SILENCE - Duration::from_millis(1))
+                .publish_rules(MODEL, now + SILENCE - Duration::from_millis(1))
                 .tracker_silent
         );
-        assert!(election.admission(MODEL, now + SILENCE).tracker_silent);
+        assert!(election.publish_rules(MODEL, now + SILENCE).tracker_silent);
     }
 
     #[test]
@@ -589,7 +589,7 @@ mod tests {
         let mut election =
             TrackerElection::started_as_peer(PeerId::random(), Some(pinned), SILENCE);
         election.on_coverage(pinned, 1, &[mesh_peer_id(&heir)], now);
-        assert_eq!(election.admission(MODEL, now).succession, Some(&[][..]));
+        assert_eq!(election.publish_rules(MODEL, now).succession, Some(&[][..]));
     }
 
     #[test]
@@ -598,15 +598,15 @@ mod tests {
         let mut election = TrackerElection::started_as_peer(local, None, SILENCE);
         election.on_own_coverage(9, &[]);
         assert_eq!(
-            election.admission(MODEL, Instant::now()).term,
+            election.publish_rules(MODEL, Instant::now()).term,
             0,
             "not the tracker yet"
         );
         election.take_role(4);
         assert!(election.is_tracker());
         assert_eq!(election.tracker(), Some(local));
-        assert_eq!(election.admission(MODEL, Instant::now()).term, 4);
+        assert_eq!(election.publish_rules(MODEL, Instant::now()).term, 4);
         election.on_own_coverage(3, &[]);
-        assert_eq!(election.admission(MODEL, Instant::now()).term, 4);
+        assert_eq!(election.publish_rules(MODEL, Instant::now()).term, 4);
     }
 }

@@ -56,10 +56,33 @@ pub enum P2pEvent {
         /// tracker, or this node has no contact running its own model yet.
         decisive: bool,
     },
+    /// This node's election changed who leads the mesh. Reported before the coverage map
+    /// that changed it.
+    Leadership(Leadership),
     /// AutoNAT's verdict on whether this node is reachable from the internet.
     Reachability {
         /// `true` when reachable.
         public: bool,
+    },
+}
+
+/// Who leads the mesh, as this node's election decides: the only place a member learns that
+/// it leads or must stop leading.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leadership {
+    /// This node leads the mesh as the tracker of `term` (it claimed the role).
+    Leads {
+        /// The term it leads.
+        term: u64,
+    },
+    /// This node follows `tracker`, whose coverage map of `term` it accepted.
+    Follows {
+        /// The tracker.
+        tracker: PeerId,
+        /// Its term.
+        term: u64,
+        /// Whether this node led until now: it must stop planning.
+        stepped_down: bool,
     },
 }
 

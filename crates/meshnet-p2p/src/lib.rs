@@ -84,7 +84,7 @@ pub use config::RelayLimits;
 #[cfg(feature = "network")]
 pub use config::{P2pConfig, Role, TransportChoice};
 #[cfg(feature = "network")]
-pub use events::P2pEvent;
+pub use events::{Leadership, P2pEvent};
 #[cfg(feature = "network")]
 pub use handle::{IncomingHttpStreams, P2pHandle, P2pStream};
 #[cfg(feature = "network")]

@@ -24,7 +24,7 @@ use crate::behaviour::{KADEMLIA_PROTOCOL, MeshBehaviour, MeshBehaviourEvent};
 use crate::config::{P2pConfig, Role};
 use crate::dialer::{ConnectPlan, Dialer};
 use crate::election::{Following, RecordDecision, TRACKER_RECORD_TOPIC, TrackerElection};
-use crate::events::P2pEvent;
+use crate::events::{Leadership, P2pEvent};
 use crate::freshness::AnnouncementFreshness;
 use crate::handle::{Command, Reply};
 use crate::ids::{libp2p_peer_id, mesh_peer_id};
@@ -293,6 +293,7 @@ impl EventLoop {
             Command::TakeTrackerRole { term, reply } => {
                 tracing::info!(term, "taking the tracker role");
                 self.election.take_role(term);
+                self.emit(P2pEvent::Leadership(Leadership::Leads { term }));
                 let _ = reply.send(());
             }
             Command::Shutdown { reply } => {
@@ -802,6 +803,11 @@ impl EventLoop {
             if stepped_down {
                 tracing::warn!(%tracker, term, "another tracker won a later term: stepping down");
             }
+            self.emit(P2pEvent::Leadership(Leadership::Follows {
+                tracker: mesh_peer_id(&tracker),
+                term,
+                stepped_down,
+            }));
         }
     }
 
@@ -822,7 +828,7 @@ impl EventLoop {
             (Some(_), None) => Verdict::Reject("unsigned", "unsigned message".to_owned()),
             (Some(kind), Some(source)) => self
                 .election
-                .admission(&self.model_id, Instant::now())
+                .publish_rules(&self.model_id, Instant::now())
                 .judge(*kind, source, &message.data),
         };
         let verdict = self.announcement_freshness.screen(verdict);

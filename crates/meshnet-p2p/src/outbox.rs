@@ -3,7 +3,9 @@
 //! Announcements are state, not history: only a peer's latest one matters, so a burst of them
 //! (a hundred peers announcing every interval, an application busy planning) collapses to one
 //! pending announcement per peer instead of pushing out a directive or a coverage map. Other
-//! events wait in order, ahead of the announcements, up to [`MAX_QUEUED_EVENTS`]. Pure data.
+//! events wait in order, ahead of the announcements, up to [`MAX_QUEUED_EVENTS`]; a change of
+//! leadership always waits (it is rare, and a lost one would leave a deposed tracker planning).
+//! Pure data.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -52,7 +54,8 @@ impl Outbox {
             self.announcements.insert(from.clone(), event);
             return true;
         }
-        if self.events.len() >= MAX_QUEUED_EVENTS {
+        let droppable = !matches!(event, P2pEvent::Leadership(_));
+        if droppable && self.events.len() >= MAX_QUEUED_EVENTS {
             self.dropped += 1;
             return false;
         }
@@ -134,6 +137,17 @@ mod tests {
         assert_eq!(outbox.dropped(), 1);
         // Announcements have their own room.
         assert!(outbox.push(announcement("a", 1)));
+        // A change of leadership is never dropped, and keeps its place in order.
+        let deposed = P2pEvent::Leadership(crate::events::Leadership::Follows {
+            tracker: PeerId::new("t2"),
+            term: 2,
+            stepped_down: true,
+        });
+        assert!(outbox.push(deposed.clone()));
+        assert_eq!(outbox.dropped(), 1);
+        let order: Vec<P2pEvent> = std::iter::from_fn(|| outbox.pop()).collect();
+        assert_eq!(order.len(), MAX_QUEUED_EVENTS + 2);
+        assert_eq!(order[MAX_QUEUED_EVENTS], deposed);
     }
 
     proptest! {

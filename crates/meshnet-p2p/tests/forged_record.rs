@@ -23,8 +23,8 @@ use std::time::Duration;
 
 use libp2p::identity::Keypair;
 use meshnet_p2p::{
-    CoverageMessage, P2pConfig, P2pEvent, Role, TopicKind, TrackerRecord, TransportChoice,
-    topic_name,
+    CoverageMessage, Leadership, P2pConfig, P2pEvent, Role, TopicKind, TrackerRecord,
+    TransportChoice, topic_name,
 };
 use meshnet_planner::{CoverageMap, SpanHolding};
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState, claim_beats};
@@ -270,6 +270,15 @@ fn is_map_from(event: &P2pEvent, sender: &PeerId, up_to_epoch: u64) -> bool {
     )
 }
 
+/// The leadership event of a member that starts following `tracker` of `term` (it never led).
+fn follows(tracker: &Node, term: u64) -> P2pEvent {
+    P2pEvent::Leadership(Leadership::Follows {
+        tracker: tracker.id.clone(),
+        term,
+        stepped_down: false,
+    })
+}
+
 /// Waits for `node`'s first tracker record, checks it is `expected` (with the publisher's
 /// addresses filled in) and that `node` now follows the peer it names.
 async fn first_record_is(node: &mut Node, expected: &TrackerRecord) {
@@ -446,11 +455,17 @@ async fn a_newcomer_handed_a_forged_record_settles_on_the_tracker(forged_term: u
         Some(forger.id.clone())
     );
 
+    // The first map moves it from the forger to the tracker: one leadership event, then the map.
     let first = map(&tracker, TRACKER_TERM, 1);
+    let mut switched = 0;
     let delivered = publish_until(
         || tracker.handle.publish_coverage(first.clone()),
         &mut newcomer.events,
         |event| match event {
+            event if event == follows(&tracker, TRACKER_TERM) => {
+                switched += 1;
+                None
+            }
             P2pEvent::Coverage { from, coverage } if from == tracker.id => Some(coverage),
             event if is_record_refusal(&event, &tracker.id, &genuine_refused) => None,
             other => unexpected(other),
@@ -458,6 +473,7 @@ async fn a_newcomer_handed_a_forged_record_settles_on_the_tracker(forged_term: u
     )
     .await;
     assert_eq!(delivered, first);
+    assert_eq!(switched, 1, "one leadership event before the map");
     assert_eq!(
         newcomer.handle.tracker().await.unwrap(),
         Some(tracker.id.clone())
@@ -525,11 +541,18 @@ async fn the_first_map_decides_for_an_unpinned_newcomer(forged_term: u64) {
         _ => false,
     };
     let forged_map = map(&forger, forged_term, 666);
-    for newcomer in [&mut told_lie, &mut told_truth] {
+    // The one told the truth follows the tracker by record and switches to the forger (a
+    // leadership event before the map); the one told the lie follows the forger already.
+    for (newcomer, switches) in [(&mut told_lie, 0), (&mut told_truth, 1)] {
+        let mut switched = 0;
         let delivered = publish_until(
             || forger.handle.publish_coverage(forged_map.clone()),
             &mut newcomer.events,
             |event| match event {
+                event if event == follows(&forger, forged_term) => {
+                    switched += 1;
+                    None
+                }
                 P2pEvent::Coverage { from, coverage } if from == forger.id => Some(coverage),
                 event if refused_records(&event) => None,
                 other => unexpected(other),
@@ -537,6 +560,10 @@ async fn the_first_map_decides_for_an_unpinned_newcomer(forged_term: u64) {
         )
         .await;
         assert_eq!(delivered, forged_map);
+        assert_eq!(
+            switched, switches,
+            "leadership events before the forger's map"
+        );
     }
     let refused_by_pinned = claim_refusal(&forger.id, forged_term, &tracker.id, 0);
     publish_until(
