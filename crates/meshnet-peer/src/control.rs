@@ -2,19 +2,18 @@
 //! async workers), reaps idle sessions and drained spans on its timer, and on the tracker
 //! also gathers announcements, plans and publishes.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshnet_p2p::{DirectiveMessage, P2pEvent, P2pHandle, TrackerRecord};
+use meshnet_p2p::{DirectiveMessage, Leadership, P2pEvent, P2pHandle, TrackerRecord};
 use meshnet_types::{PeerId, Quantization};
 use tokio::sync::{mpsc, watch};
 
+use crate::book_routes::{BookCommand, OwnedBook};
 use crate::error::PeerError;
-use crate::locking::lock;
 use crate::member::{Member, MeshView};
 use crate::rejections::RejectionReport;
-use crate::shard::ShardTarget;
-use crate::tracker::TrackerBook;
+use crate::span_host::SpanTarget;
 
 /// How long the tracker waits after a change before planning, to batch announcements.
 const REPLAN_DEBOUNCE: Duration = Duration::from_millis(150);
@@ -36,7 +35,7 @@ fn followed_interval(advertised_ms: u64, base: Duration) -> Duration {
 #[derive(Default)]
 struct Loader {
     busy: bool,
-    queued: Option<Option<ShardTarget>>,
+    queued: Option<Option<SpanTarget>>,
 }
 
 /// The best speed this member measured per quantization, in layer-tokens per second (tokens
@@ -51,7 +50,7 @@ struct SpeedRecord {
 impl SpeedRecord {
     /// Takes in `tokens_per_s` measured through `target` and returns the throughput to
     /// announce for it: the best rate of its format over its layers.
-    fn record(&mut self, target: &ShardTarget, tokens_per_s: f64) -> f64 {
+    fn record(&mut self, target: &SpanTarget, tokens_per_s: f64) -> f64 {
         let layers = f64::from(target.layers.len().max(1));
         let best = self.best.entry(target.quantization).or_insert(0.0);
         if tokens_per_s.is_finite() && tokens_per_s > 0.0 {
@@ -67,13 +66,14 @@ impl SpeedRecord {
 
 /// What a finished load reports back to the control loop.
 struct LoadDone {
-    target: ShardTarget,
+    target: SpanTarget,
     outcome: Result<f64, PeerError>,
 }
 
 /// The tracker's part of the control loop.
 struct Planning {
-    book: Arc<Mutex<TrackerBook>>,
+    /// The book of peers; this loop is its only writer.
+    book: OwnedBook,
     /// When to plan next, if a plan is due.
     replan_at: Option<tokio::time::Instant>,
     /// The epoch of the tracker record last stored in the DHT.
@@ -86,7 +86,7 @@ struct Planning {
 
 impl Planning {
     /// Planning over `book`, starting at once.
-    fn new(book: Arc<Mutex<TrackerBook>>) -> Self {
+    fn new(book: OwnedBook) -> Self {
         Planning {
             book,
             replan_at: Some(tokio::time::Instant::now()),
@@ -132,6 +132,15 @@ fn is_older_map(view: &MeshView, from: &PeerId, coverage: &meshnet_p2p::Coverage
         })
 }
 
+/// The next command generations sent the tracker's book; never, on a member that is not the
+/// tracker.
+async fn next_book_command(planning: &mut Option<Planning>) -> Option<BookCommand> {
+    match planning {
+        Some(planning) => planning.book.next_command().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The control loop of one member.
 pub(crate) struct ControlLoop {
     /// Set when the member cannot go on.
@@ -157,17 +166,16 @@ pub(crate) struct ControlLoop {
 
 impl ControlLoop {
     /// A loop for `member`, publishing its view of the mesh on `view` and reporting a fatal
-    /// condition on `failed`.
+    /// condition on `failed`; on a member that starts as the tracker it owns `book`.
     pub(crate) fn new(
         member: Arc<Member>,
         view: watch::Sender<MeshView>,
+        book: Option<OwnedBook>,
         p2p: P2pHandle,
         announce_interval: Duration,
         failed: watch::Sender<Option<String>>,
     ) -> Self {
-        let planning = member
-            .tracker_parts()
-            .map(|parts| Planning::new(parts.book));
+        let planning = book.map(Planning::new);
         ControlLoop {
             failed,
             member,
@@ -222,7 +230,7 @@ impl ControlLoop {
                     last_tick = tick;
                     self.announce().await;
                     if let Some(planning) = &mut self.planning {
-                        lock(&planning.book).expire(Instant::now());
+                        planning.book.change(|book| book.expire(Instant::now()));
                         planning.plan_by(tokio::time::Instant::now());
                     }
                 }
@@ -230,7 +238,12 @@ impl ControlLoop {
                     self.member.host.reap(Instant::now());
                     self.maybe_take_over().await;
                 }
-                _ = self.member.announce_now.notified() => self.announce().await,
+                _ = self.member.announce_requested() => self.announce().await,
+                Some(command) = next_book_command(&mut self.planning) => {
+                    if let Some(planning) = &mut self.planning {
+                        planning.book.apply(command);
+                    }
+                }
                 _ = replan => {
                     if let Some(planning) = &mut self.planning {
                         planning.replan_at = None;
@@ -266,11 +279,12 @@ impl ControlLoop {
                         .insert(announcement.peer.clone(), (announcement.clone(), now));
                 });
                 if let Some(planning) = &mut self.planning
-                    && lock(&planning.book).observe(announcement, now)
+                    && planning.book.change(|book| book.observe(announcement, now))
                 {
                     planning.plan_by(tokio::time::Instant::now() + REPLAN_DEBOUNCE);
                 }
             }
+            P2pEvent::Leadership(leadership) => self.on_leadership(leadership),
             P2pEvent::Coverage { from, coverage } => self.follow(from, coverage),
             P2pEvent::Directive { from, directive } => {
                 self.apply_directive(from, directive, load_tx)
@@ -303,10 +317,13 @@ impl ControlLoop {
             }
             P2pEvent::ListeningOn(address) => {
                 let address = address.to_string();
-                let mut addrs = lock(&self.member.p2p_addrs);
-                if !addrs.contains(&address) {
-                    addrs.push(address);
-                }
+                self.view.send_if_modified(|view| {
+                    if view.listen_addrs.contains(&address) {
+                        return false;
+                    }
+                    Arc::make_mut(&mut view.listen_addrs).push(address);
+                    true
+                });
             }
             P2pEvent::PeerConnected(peer) => tracing::debug!(%peer, "connected"),
             P2pEvent::PeerDisconnected(peer) => tracing::debug!(%peer, "disconnected"),
@@ -336,9 +353,27 @@ impl ControlLoop {
         }
     }
 
+    /// Follows the control plane's decision on who leads: a member that led and was deposed
+    /// (another won a later term) stops planning and serves as a peer.
+    fn on_leadership(&mut self, leadership: Leadership) {
+        match leadership {
+            Leadership::Follows {
+                tracker,
+                term,
+                stepped_down: true,
+            } if self.planning.is_some() => {
+                tracing::warn!(%tracker, term, "another member won a later tracker term: stepping down to peer");
+                self.planning = None;
+                self.member.set_role(None);
+            }
+            Leadership::Follows { .. } => {}
+            Leadership::Leads { term } => tracing::debug!(term, "the control plane leads"),
+        }
+    }
+
     /// Takes in a coverage map the control plane accepted from `from`: the tracker it
-    /// follows, or a new one that won a later term (then a member that was the tracker steps
-    /// down).
+    /// follows, or a new one that won a later term (a member that was the tracker stepped
+    /// down on the [`Leadership`] event before it).
     fn follow(&mut self, from: PeerId, coverage: meshnet_p2p::CoverageMessage) {
         if from == self.member.peer_id {
             return;
@@ -347,15 +382,6 @@ impl ControlLoop {
             // Gossip may deliver a map late, after a newer one of the same tracker.
             tracing::debug!(tracker = %from, sequence = coverage.sequence, "older coverage map ignored");
             return;
-        }
-        if self.planning.is_some() {
-            tracing::warn!(
-                tracker = %from,
-                term = coverage.term,
-                "another member won a later tracker term: stepping down to peer"
-            );
-            self.planning = None;
-            self.member.set_role(None);
         }
         let every = followed_interval(coverage.announce_interval_ms, self.announce_interval);
         self.view.send_modify(|view| {
@@ -378,10 +404,7 @@ impl ControlLoop {
     /// [`crate::election`]).
     async fn maybe_take_over(&mut self) {
         let member = &self.member;
-        if self.planning.is_some()
-            || !member.settings.tracker_capable
-            || member.leaving.load(std::sync::atomic::Ordering::Relaxed)
-        {
+        if self.planning.is_some() || !member.settings.tracker_capable || member.is_leaving() {
             return;
         }
         let following = self.view.borrow().following.clone();
@@ -506,8 +529,8 @@ impl ControlLoop {
             &member.settings,
         )
         .await?;
-        {
-            let mut book = lock(&parts.book);
+        let (parts, mut book) = parts;
+        book.change(|book| {
             book.set_term(term);
             book.set_own_span(member.host.entry_span_status());
             let view = self.view.borrow();
@@ -516,7 +539,7 @@ impl ControlLoop {
                     book.observe(announcement.clone(), *at);
                 }
             }
-        }
+        });
         self.p2p.take_tracker_role(term).await?;
         self.view.send_modify(|view| {
             let following = &mut view.following;
@@ -525,7 +548,7 @@ impl ControlLoop {
             following.term = term;
             following.heard_at = Some(Instant::now());
         });
-        self.planning = Some(Planning::new(Arc::clone(&parts.book)));
+        self.planning = Some(Planning::new(book));
         // The tracker's timer runs at the base interval: it plans, expires and sends its
         // heartbeat on it.
         let base = self.announce_interval;
@@ -561,7 +584,7 @@ impl ControlLoop {
         self.member
             .metrics
             .count_directives_applied(directive.directives.len());
-        let target = directive.span_after.map(|span| ShardTarget {
+        let target = directive.span_after.map(|span| SpanTarget {
             layers: span.layers,
             quantization: span.quantization,
             entry: false,
@@ -570,7 +593,7 @@ impl ControlLoop {
     }
 
     /// Moves this member towards holding `target` (nothing when `None`).
-    fn request_span(&mut self, target: Option<ShardTarget>, load_tx: &mpsc::Sender<LoadDone>) {
+    fn request_span(&mut self, target: Option<SpanTarget>, load_tx: &mpsc::Sender<LoadDone>) {
         if self.loader.busy {
             self.loader.queued = Some(target);
             return;
@@ -580,7 +603,10 @@ impl ControlLoop {
             host.unload();
             return;
         };
-        if host.current().is_some_and(|shard| shard.target == target) {
+        if host
+            .current()
+            .is_some_and(|held_span| held_span.target == target)
+        {
             return;
         }
         self.loader.busy = true;
@@ -588,8 +614,8 @@ impl ControlLoop {
         let load_tx = load_tx.clone();
         tokio::spawn(async move {
             let outcome = tokio::task::spawn_blocking(move || {
-                let shard = host.load(target)?;
-                Ok(shard.measure_throughput(hidden))
+                let held_span = host.load(target)?;
+                Ok(held_span.measure_throughput(hidden))
             })
             .await
             .unwrap_or_else(|e| Err(PeerError::Internal(e.to_string())));
@@ -603,14 +629,16 @@ impl ControlLoop {
         let loaded = done.outcome.is_ok();
         match done.outcome {
             Ok(measured) => {
-                *lock(&self.member.throughput) = self.speed.record(&done.target, measured);
+                let throughput = self.speed.record(&done.target, measured);
+                self.view.send_modify(|view| view.throughput = throughput);
             }
             Err(error) => {
                 tracing::error!(layers = %done.target.layers, %error, "loading a span failed");
             }
         }
-        if let Some(planning) = &self.planning {
-            lock(&planning.book).set_own_span(self.member.host.entry_span_status());
+        if let Some(planning) = &mut self.planning {
+            let span = self.member.host.entry_span_status();
+            planning.book.change(|book| book.set_own_span(span));
         }
         if let Some(next) = self.loader.queued.take() {
             self.request_span(next, load_tx);
@@ -627,15 +655,7 @@ impl ControlLoop {
 
     /// The tracker's planning round: plan, publish, load its own span if it changed.
     async fn plan_round(&mut self, load_tx: &mpsc::Sender<LoadDone>) {
-        let Some(book) = self.planning.as_ref().map(|p| Arc::clone(&p.book)) else {
-            return;
-        };
-        let outcome = {
-            let mut book = lock(&book);
-            book.set_own_span(self.member.host.entry_span_status());
-            book.plan(Instant::now())
-        };
-        let outcome = match outcome {
+        let outcome = match self.plan().await {
             Ok(outcome) => outcome,
             Err(error) => {
                 tracing::error!(%error, "planning failed");
@@ -643,7 +663,7 @@ impl ControlLoop {
             }
         };
         if let Some(target) = outcome.own_target {
-            let entry = ShardTarget {
+            let entry = SpanTarget {
                 layers: target.layers,
                 quantization: target.quantization,
                 entry: true,
@@ -673,20 +693,7 @@ impl ControlLoop {
                 tracing::warn!(%error, "publishing the coverage map failed");
             }
         }
-        for directive in outcome.directives {
-            tracing::info!(
-                target = %directive.target,
-                epoch = directive.epoch,
-                sequence = directive.sequence,
-                span_after = ?directive.span_after.as_ref().map(|s| s.layers.to_string()),
-                "directive published"
-            );
-            let count = directive.directives.len();
-            match self.p2p.publish_directive(directive).await {
-                Ok(_) => self.member.metrics.count_directives_issued(count),
-                Err(error) => tracing::warn!(%error, "publishing a directive failed"),
-            }
-        }
+        self.publish_directives(outcome.directives).await;
         self.store_record(epoch).await;
         let covered = self.member.route_boundaries().is_some();
         let Some(planning) = &mut self.planning else {
@@ -703,6 +710,48 @@ impl ControlLoop {
         planning.covered = covered;
     }
 
+    /// Runs a planning round over the book, the planner itself off the async workers (this
+    /// loop waits for it: nothing changes the book meanwhile).
+    async fn plan(&mut self) -> Result<crate::tracker::PlanOutcome, PeerError> {
+        let planning = self
+            .planning
+            .as_mut()
+            .ok_or_else(|| PeerError::Internal("planning without a book".to_owned()))?;
+        let span = self.member.host.entry_span_status();
+        let now = Instant::now();
+        let round = planning.book.change(|book| {
+            book.set_own_span(span);
+            book.plan_round(now)
+        });
+        let plan = tokio::task::spawn_blocking(move || round.run())
+            .await
+            .map_err(|e| PeerError::Internal(e.to_string()))??;
+        Ok(planning.book.change(|book| book.apply_plan(plan, now)))
+    }
+
+    /// Publishes a planning round's directives, all handed to the control plane at once: one
+    /// at a time, each waiting for its reply, a hundred took the tracker's loop tens of seconds
+    /// when the control plane was busy, and announcements queued up unread meanwhile.
+    async fn publish_directives(&self, directives: Vec<DirectiveMessage>) {
+        let sends = directives.into_iter().map(|directive| {
+            tracing::info!(
+                target = %directive.target,
+                epoch = directive.epoch,
+                sequence = directive.sequence,
+                span_after = ?directive.span_after.as_ref().map(|s| s.layers.to_string()),
+                "directive published"
+            );
+            let count = directive.directives.len();
+            async move { (count, self.p2p.publish_directive(directive).await) }
+        });
+        for (count, sent) in futures::future::join_all(sends).await {
+            match sent {
+                Ok(()) => self.member.metrics.count_directives_issued(count),
+                Err(error) => tracing::warn!(%error, "publishing a directive failed"),
+            }
+        }
+    }
+
     /// Stores the tracker record for `epoch` in the DHT, once per epoch.
     async fn store_record(&mut self, epoch: u64) {
         let Some(planning) = &mut self.planning else {
@@ -713,10 +762,10 @@ impl ControlLoop {
         }
         planning.record_epoch = Some(epoch);
         let member = &self.member;
-        let term = lock(&planning.book).term();
+        let term = planning.book.book().table().term();
         let record = TrackerRecord {
             peer: member.peer_id.clone(),
-            addresses: lock(&member.p2p_addrs).clone(),
+            addresses: member.view.borrow().listen_addrs.to_vec(),
             http_endpoint: member.public_url(),
             epoch,
             term,
@@ -799,7 +848,7 @@ mod tests {
 
     #[test]
     fn the_announced_speed_is_the_best_measured_per_layer_of_the_format() {
-        let span = |start, end, quantization| ShardTarget {
+        let span = |start, end, quantization| SpanTarget {
             layers: meshnet_types::LayerSpan::new(start, end),
             quantization,
             entry: false,

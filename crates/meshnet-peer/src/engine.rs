@@ -25,7 +25,7 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use crate::admission::{Admission, AdmissionLimits};
 use crate::remote::{Failover, RemoteStage, RouteLost};
 use crate::routing::PlannedHop;
-use crate::shard::{LoadedShard, ShardHost};
+use crate::span_host::{LoadedSpan, SpanHost};
 use crate::tool_use::{self, CallReader};
 
 /// Tokens generated when a request sets no `max_tokens` (bounded by the context).
@@ -40,7 +40,7 @@ pub struct MeshEngine {
     /// This member's peer id: the first member of every route.
     local_peer: PeerId,
     text: Arc<TextSide>,
-    host: Arc<ShardHost>,
+    host: Arc<SpanHost>,
     failover: Failover,
     client: ForwardClient,
     encoding: Encoding,
@@ -88,7 +88,7 @@ impl MeshEngine {
         local_peer: PeerId,
         model_id: String,
         mut text: TextSide,
-        host: Arc<ShardHost>,
+        host: Arc<SpanHost>,
         failover: Failover,
         client: ForwardClient,
         limits: AdmissionLimits,
@@ -429,7 +429,7 @@ impl MeshEngine {
         let entry = self
             .host
             .current()
-            .filter(|shard| shard.target.entry)
+            .filter(|held_span| held_span.target.entry)
             .ok_or_else(|| {
                 EngineError::NotCovered("the entry layers are still loading".to_owned())
             })?;
@@ -556,7 +556,7 @@ struct GenerationJob {
     metrics: meshnet_metrics::Metrics,
     request_id: String,
     text: Arc<TextSide>,
-    entry: Arc<LoadedShard>,
+    entry: Arc<LoadedSpan>,
     remote: Option<RemoteStage>,
     /// What to generate (with the structured-output constraint in its starting state).
     request: GenerationRequest,
@@ -581,7 +581,7 @@ impl GenerationJob {
     }
 
     fn run(self) {
-        let span: &LoadedShard = &self.entry;
+        let span: &LoadedSpan = &self.entry;
         let mut stages: Vec<&dyn Stage> = vec![span];
         if let Some(remote) = &self.remote {
             stages.push(remote);
@@ -710,7 +710,7 @@ impl GenerationJob {
             });
         let outcome = match forked {
             Ok(remote) => {
-                let span: &LoadedShard = &self.entry;
+                let span: &LoadedSpan = &self.entry;
                 let mut stages: Vec<&dyn Stage> = vec![span];
                 if let Some(remote) = &remote {
                     stages.push(remote);
@@ -840,11 +840,7 @@ fn engine_error(error: &ModelError) -> EngineError {
 
 /// The members a generation starts on: this member (`local_peer`) with the `entry` span,
 /// then every remote hop, each with the layers it runs.
-fn route_members(
-    local_peer: &PeerId,
-    entry: &LoadedShard,
-    hops: &[PlannedHop],
-) -> Vec<RouteMember> {
+fn route_members(local_peer: &PeerId, entry: &LoadedSpan, hops: &[PlannedHop]) -> Vec<RouteMember> {
     let layers = entry.target.layers;
     std::iter::once(RouteMember {
         peer: local_peer.as_str().to_owned(),
@@ -857,7 +853,7 @@ fn route_members(
     .collect()
 }
 
-fn route_description(entry: &LoadedShard, remote: Option<&RemoteStage>) -> String {
+fn route_description(entry: &LoadedSpan, remote: Option<&RemoteStage>) -> String {
     let local = format!("local (layers {})", entry.target.layers);
     match remote {
         Some(remote) => format!("{local} -> {}", remote.name()),

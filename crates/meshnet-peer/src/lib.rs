@@ -1,5 +1,5 @@
 //! The meshnet peer: everything a member of the mesh runs, as a library the `meshnet-peer`
-//! binary and the whole-mesh tests share (ADR-0017 has the module map).
+//! binary and the whole-mesh tests share (ADR-0029 has the module map).
 //!
 //! - [`config`]: how a member is started.
 //! - [`runtime`]: starting a member (either role) and the handle to a running one.
@@ -8,11 +8,15 @@
 //! - `http`: the HTTP server (activation plane, `/status`, `/health`, the OpenAI-style API).
 //! - [`mesh_model`]: the model a mesh runs, its id (name plus content hash) and its memory
 //!   shape for the planner.
-//! - [`shard`]: the span slot — load, drop with draining, and the activation plane's
+//! - [`span_host`]: the span slot — load, drop with draining, and the activation plane's
 //!   executor.
 //! - [`batcher`]: the compute thread that runs every session's work on a span in shared passes.
 //! - [`chunk_order`]: a session's chunks enter a span in position order.
 //! - [`tracker`]: the tracker's book of peers, planning rounds, coverage map and directives.
+//! - [`route_table`]: what the book knows of the members (peers, bans, checked sessions, the
+//!   planned map) as one value, with the routes, holders and succession read from it.
+//! - `book_routes`: the book owned by the control loop, the route table it publishes, and the
+//!   commands generations send it.
 //! - `tracker_role`: what a member builds when it starts as the tracker or takes the role over.
 //! - [`routing`]: choosing the hops of a generation over ready peers.
 //! - [`remote`]: the remote part of a route as one stage of the generation loop.
@@ -26,6 +30,7 @@
 
 pub mod admission;
 pub mod batcher;
+mod book_routes;
 pub mod chunk_order;
 pub mod config;
 pub mod console;
@@ -43,9 +48,10 @@ pub mod mesh_model;
 mod p2p_plane;
 mod rejections;
 pub mod remote;
+pub mod route_table;
 pub mod routing;
 pub mod runtime;
-pub mod shard;
+pub mod span_host;
 pub mod status;
 mod tool_use;
 pub mod tracker;

@@ -780,7 +780,7 @@ async fn print_ready_line(peer: &meshnet_peer::RunningPeer) -> anyhow::Result<()
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Draws a progress bar on a terminal's stderr while a span loads.
-async fn show_progress(progress: meshnet_peer::shard::LoadProgress) {
+async fn show_progress(progress: meshnet_peer::span_host::LoadProgress) {
     let terminal = std::io::stderr().is_terminal();
     let mut shown = false;
     loop {

@@ -1,21 +1,24 @@
 //! What a running member shares between its HTTP handlers and its control loop: its
-//! identity, its role, its span slot, and what it last heard from the mesh.
+//! identity and settings (fixed), its span slot, what the control loop last published of the
+//! mesh and of itself ([`MeshView`]), and its role and leaving (changed only through its
+//! methods).
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use meshnet_p2p::{CoverageMessage, PeerAnnouncement};
 use meshnet_types::{PeerId, Quantization};
 use meshnet_wire::WIRE_VERSION;
 
+use crate::book_routes::PublishedRoutes;
 use crate::engine::MeshEngine;
-use crate::locking::lock;
 use crate::mesh_model::MeshModel;
-use crate::rejections::RejectionReport;
-use crate::shard::ShardHost;
-use crate::tracker::{TrackerBook, route_boundaries};
+use crate::rejections::{RejectionReport, Rejections};
+use crate::routing::MeshRoutes;
+use crate::span_host::SpanHost;
+use crate::tracker::route_boundaries;
 
 /// The part a member plays. Only a tracker has a book of peers and an OpenAI engine, so a
 /// peer holding either cannot be written down.
@@ -29,8 +32,8 @@ pub(crate) enum Role {
 /// What only the tracker has.
 #[derive(Clone)]
 pub(crate) struct TrackerParts {
-    /// The peers it hears from, the plan and the routes.
-    pub(crate) book: Arc<Mutex<TrackerBook>>,
+    /// What its book of peers last published: routes, bans, peers.
+    pub(crate) routes: Arc<PublishedRoutes>,
     /// The completion engine behind the API.
     pub(crate) engine: Arc<MeshEngine>,
     /// The OpenAI-style API over `engine`.
@@ -67,13 +70,24 @@ pub(crate) struct MeshView {
     /// How often this member announces: its own interval, or the longer one its tracker
     /// advertises for a large mesh.
     pub(crate) announce_every: Duration,
+    /// The libp2p addresses this member listens on.
+    pub(crate) listen_addrs: Arc<Vec<String>>,
+    /// Tokens per second through the span held now, from the best measurement of its format.
+    pub(crate) throughput: f64,
 }
 
 impl MeshView {
     /// The view of a member that starts as the tracker (`peer_id`, term 1) or as a peer that
     /// knows nobody yet, announcing every `announce_interval`.
-    pub(crate) fn at_start(tracker: bool, peer_id: &PeerId, announce_interval: Duration) -> Self {
+    pub(crate) fn at_start(
+        tracker: bool,
+        peer_id: &PeerId,
+        announce_interval: Duration,
+        listen_addrs: Vec<String>,
+    ) -> Self {
         MeshView {
+            listen_addrs: Arc::new(listen_addrs),
+            throughput: 1.0,
             following: Following {
                 tracker: tracker.then(|| peer_id.clone()),
                 term: u64::from(tracker),
@@ -117,38 +131,51 @@ pub(crate) struct Offer {
     pub(crate) kv_tokens: u64,
 }
 
+/// What changes in a member besides its view of the mesh, behind [`Member`]'s methods: its
+/// role, whether it is leaving, and its announcements' send times.
+pub(crate) struct Lifecycle {
+    role: RwLock<Role>,
+    /// Set once the member is shutting down: it announces `leaving` and takes no new work.
+    leaving: AtomicBool,
+    /// Wakes the control loop to announce at once (rather than at its next tick).
+    announce_now: tokio::sync::Notify,
+    /// The send time of the last announcement (ms since the Unix epoch): each is later than
+    /// the one before, since members ignore one not newer than what they accepted.
+    last_announced_ms: AtomicU64,
+}
+
+impl Lifecycle {
+    /// A member starting in `role`, not leaving.
+    pub(crate) fn new(role: Role) -> Self {
+        Lifecycle {
+            role: RwLock::new(role),
+            leaving: AtomicBool::new(false),
+            announce_now: tokio::sync::Notify::new(),
+            last_announced_ms: AtomicU64::new(0),
+        }
+    }
+}
+
 /// State shared by the HTTP handlers and the control loop.
 pub(crate) struct Member {
     pub(crate) peer_id: PeerId,
-    pub(crate) role: RwLock<Role>,
+    /// Its role and leaving.
+    pub(crate) lifecycle: Lifecycle,
     pub(crate) settings: Settings,
     pub(crate) model: Arc<MeshModel>,
-    pub(crate) host: Arc<ShardHost>,
+    pub(crate) host: Arc<SpanHost>,
     /// The HTTP base URL others reach this member at directly; `None` when they cannot dial
     /// it (they reach it over libp2p streams).
     pub(crate) http_url: Option<String>,
     /// The HTTP base URL of this member's own listener, as seen from this machine.
     pub(crate) local_url: String,
     pub(crate) offer: Offer,
-    /// Tokens per second through the span held now, from the best measurement of its format.
-    pub(crate) throughput: Mutex<f64>,
     /// What it knows of the mesh, as the control loop last published it.
     pub(crate) view: tokio::sync::watch::Receiver<MeshView>,
-    /// libp2p addresses it listens on.
-    pub(crate) p2p_addrs: Mutex<Vec<String>>,
-    /// Gossip messages and peers refused.
-    pub(crate) rejected: AtomicU64,
-    /// The latest refusals, newest last, at most [`RECENT_REJECTIONS`].
-    pub(crate) recent_rejections: Mutex<VecDeque<RejectionReport>>,
+    /// Gossip messages and peers refused (counted by the control loop).
+    pub(crate) rejections: Rejections,
     /// Where this member counts what `/metrics` exports (failovers, tokens, directives...).
     pub(crate) metrics: meshnet_metrics::Metrics,
-    /// Set once the member is shutting down: it announces `leaving` and takes no new work.
-    pub(crate) leaving: AtomicBool,
-    /// Wakes the control loop to announce at once (rather than at its next tick).
-    pub(crate) announce_now: tokio::sync::Notify,
-    /// The send time of the last announcement (ms since the Unix epoch): each is later than
-    /// the one before, since members ignore one not newer than what they accepted.
-    pub(crate) last_announced_ms: AtomicU64,
     /// Passes API requests on to the tracker when this member is not it.
     pub(crate) proxy: reqwest::Client,
     /// The control plane (for its gossip counts).
@@ -167,9 +194,6 @@ fn next_announcement_time(last: &AtomicU64, now_ms: u64) -> u64 {
     now_ms.max(previous + 1)
 }
 
-/// How many refusals `/status` lists.
-pub(crate) const RECENT_REJECTIONS: usize = 16;
-
 impl Member {
     /// A snapshot of what this member knows of the mesh now.
     pub(crate) fn view(&self) -> MeshView {
@@ -178,7 +202,12 @@ impl Member {
 
     /// The tracker's parts, when this member is the tracker.
     pub(crate) fn tracker_parts(&self) -> Option<TrackerParts> {
-        match &*self.role.read().unwrap_or_else(PoisonError::into_inner) {
+        match &*self
+            .lifecycle
+            .role
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+        {
             Role::Tracker(parts) => Some(parts.clone()),
             Role::Peer => None,
         }
@@ -191,7 +220,11 @@ impl Member {
 
     /// Takes the tracker role with `parts`, or gives it up (`None`).
     pub(crate) fn set_role(&self, parts: Option<TrackerParts>) {
-        *self.role.write().unwrap_or_else(PoisonError::into_inner) = match parts {
+        *self
+            .lifecycle
+            .role
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = match parts {
             Some(parts) => Role::Tracker(parts),
             None => Role::Peer,
         };
@@ -203,7 +236,7 @@ impl Member {
             peer: self.peer_id.clone(),
             memory_bytes: self.offer.memory_bytes,
             quantizations: self.offer.quantizations.clone(),
-            throughput: lock(&self.throughput).max(f64::MIN_POSITIVE),
+            throughput: self.view.borrow().throughput.max(f64::MIN_POSITIVE),
             kv_tokens: self.offer.kv_tokens,
             is_tracker,
         }
@@ -244,7 +277,7 @@ impl Member {
         if self.p2p.reachability() != meshnet_p2p::Reachability::Public && !circuits.is_empty() {
             return circuits.iter().map(ToString::to_string).collect();
         }
-        lock(&self.p2p_addrs).clone()
+        self.view.borrow().listen_addrs.to_vec()
     }
 
     /// The tracker this member follows now, if it found one.
@@ -279,18 +312,29 @@ impl Member {
     /// Counts a refused gossip message or peer and keeps it among the recent ones (both shown
     /// in `/status`).
     pub(crate) fn count_rejection(&self, rejection: RejectionReport) {
-        self.rejected.fetch_add(1, Ordering::Relaxed);
-        let mut recent = lock(&self.recent_rejections);
-        if recent.len() == RECENT_REJECTIONS {
-            recent.pop_front();
-        }
-        recent.push_back(rejection);
+        self.rejections.count(rejection);
+    }
+
+    /// Whether this member is leaving the mesh.
+    pub(crate) fn is_leaving(&self) -> bool {
+        self.lifecycle.leaving.load(Ordering::Relaxed)
+    }
+
+    /// Starts leaving the mesh: from now on it announces `leaving`, the first time at once.
+    pub(crate) fn start_leaving(&self) {
+        self.lifecycle.leaving.store(true, Ordering::Relaxed);
+        self.lifecycle.announce_now.notify_one();
+    }
+
+    /// Waits until someone asks for an announcement before the next tick.
+    pub(crate) async fn announce_requested(&self) {
+        self.lifecycle.announce_now.notified().await;
     }
 
     /// Whether every layer this member serves is also served, ready, by another member in
     /// the latest coverage map (true when it serves none): it can leave without a gap.
     pub(crate) fn covered_by_others(&self) -> bool {
-        let Some(mine) = self.host.current().map(|shard| shard.target.layers) else {
+        let Some(mine) = self.host.current().map(|held_span| held_span.target.layers) else {
             return true;
         };
         let view = self.view.borrow();
@@ -308,6 +352,7 @@ impl Member {
 
     /// What this member tells the mesh about itself now.
     pub(crate) fn announcement(&self) -> PeerAnnouncement {
+        let throughput = self.view.borrow().throughput;
         PeerAnnouncement {
             peer: self.peer_id.clone(),
             model_id: self.model.id().to_owned(),
@@ -317,7 +362,7 @@ impl Member {
             p2p_addresses: self.p2p_addresses(),
             memory_bytes: self.offer.memory_bytes,
             quantizations: self.offer.quantizations.clone(),
-            throughput: *lock(&self.throughput),
+            throughput,
             kv_tokens: self.offer.kv_tokens,
             span: self.host.span_status(),
             free_kv_tokens: self.host.free_kv_tokens(),
@@ -325,7 +370,7 @@ impl Member {
             is_tracker: self.is_tracker(),
             tracker_capable: self.settings.tracker_capable,
             forward_latency_ms: self.host.forward_latency_ms(),
-            leaving: self.leaving.load(Ordering::Relaxed),
+            leaving: self.is_leaving(),
             sent_at_unix_ms: self.announcement_time(),
             tracker_silent_ms: self
                 .tracker_silence()
@@ -347,7 +392,7 @@ impl Member {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        next_announcement_time(&self.last_announced_ms, now)
+        next_announcement_time(&self.lifecycle.last_announced_ms, now)
     }
 
     /// The span boundaries of the route a generation takes now (tracker only, when the mesh
@@ -356,7 +401,7 @@ impl Member {
         let parts = self.tracker_parts()?;
         let entry = self.host.current().filter(|s| s.target.entry)?;
         let start = entry.target.layers.end;
-        let hops = lock(&parts.book).route(start).ok()?;
+        let hops = parts.routes.route(start, &[]).ok()?;
         Some(route_boundaries(start, &hops))
     }
 

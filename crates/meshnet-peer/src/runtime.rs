@@ -5,8 +5,7 @@
 //! control loop ([`crate::control`]) and the HTTP server ([`crate::http`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 
 use libp2p::Multiaddr;
 use meshnet_metrics::{LiveCollector, Metrics, Registry};
@@ -22,10 +21,10 @@ use tokio::task::JoinHandle;
 use crate::config::PeerConfig;
 use crate::control::ControlLoop;
 use crate::error::PeerError;
-use crate::locking::lock;
-use crate::member::{Member, MeshView, Offer, Role, Settings};
+use crate::member::{Lifecycle, Member, MeshView, Offer, Role, Settings};
 use crate::mesh_model::MeshModel;
-use crate::shard::{LoadProgress, LoadedShard, ShardHost};
+use crate::rejections::Rejections;
+use crate::span_host::{LoadProgress, LoadedSpan, SpanHost};
 use crate::status::{MemberGauges, StatusReport};
 use crate::tracker_role::build_tracker_parts;
 
@@ -92,7 +91,7 @@ impl RunningPeer {
     }
 
     /// The span serving new sessions here.
-    pub fn current_span(&self) -> Option<Arc<LoadedShard>> {
+    pub fn current_span(&self) -> Option<Arc<LoadedSpan>> {
         self.member.host.current()
     }
 
@@ -107,10 +106,7 @@ impl RunningPeer {
     /// until `timeout`. Call [`RunningPeer::shutdown`] afterwards.
     pub async fn leave(&self, timeout: std::time::Duration) -> LeaveOutcome {
         let started = tokio::time::Instant::now();
-        self.member
-            .leaving
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        self.member.announce_now.notify_one();
+        self.member.start_leaving();
         let deadline = started + timeout;
         loop {
             let sessions = self.member.active_sessions();
@@ -207,7 +203,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
     p2p_config.metrics = metrics.clone();
     let (p2p, events) = meshnet_p2p::spawn_registered(p2p_config, &mut registry).await?;
     let addresses = Addresses::find(&config, &p2p, http_addr).await;
-    let host = ShardHost::new(Arc::clone(&model), config.kv_tokens, config.drain_timeout)
+    let host = SpanHost::new(Arc::clone(&model), config.kv_tokens, config.drain_timeout)
         .with_max_batch_tokens(config.max_batch_tokens);
     #[cfg(feature = "faulty-member")]
     let host = host.with_faulty_frames(config.faulty.clone());
@@ -217,25 +213,27 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         .with_metrics(metrics.clone())
         .with_streams(Arc::new(crate::p2p_plane::LibP2pStreams(p2p.clone())));
     let settings = settings(&config, client.clone(), grants);
-    let role = if config.tracker {
+    let (role, book) = if config.tracker {
         let own = capacity(&config, &quantizations, peer_id.clone());
         let tracker_url = addresses
             .http_url
             .clone()
             .unwrap_or_else(|| addresses.local_url.clone());
-        Role::Tracker(build_tracker_parts(&host, own, &tracker_url, &settings).await?)
+        let (parts, book) = build_tracker_parts(&host, own, &tracker_url, &settings).await?;
+        (Role::Tracker(parts), Some(book))
     } else {
-        Role::Peer
+        (Role::Peer, None)
     };
     let (view, view_rx) = watch::channel(MeshView::at_start(
         config.tracker,
         &peer_id,
         config.announce_interval,
+        addresses.p2p_addrs,
     ));
     let member = Arc::new(Member {
         view: view_rx,
         peer_id,
-        role: RwLock::new(role),
+        lifecycle: Lifecycle::new(role),
         settings,
         model,
         host,
@@ -246,14 +244,8 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
             quantizations,
             kv_tokens: config.kv_tokens,
         },
-        throughput: Mutex::new(1.0),
-        p2p_addrs: Mutex::new(addresses.p2p_addrs),
-        rejected: AtomicU64::new(0),
-        recent_rejections: Mutex::default(),
+        rejections: Rejections::default(),
         metrics,
-        leaving: AtomicBool::new(false),
-        announce_now: tokio::sync::Notify::new(),
-        last_announced_ms: AtomicU64::new(0),
         proxy: crate::http::proxy_client()?,
         p2p: p2p.clone(),
     });
@@ -264,6 +256,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         p2p,
         events,
         view,
+        book,
     };
     run(member, routers, listening, config.announce_interval)
 }
@@ -402,6 +395,8 @@ struct Listening {
     events: tokio::sync::mpsc::Receiver<meshnet_p2p::P2pEvent>,
     /// Where the control loop publishes the member's view of the mesh.
     view: watch::Sender<MeshView>,
+    /// The tracker's book, for the control loop to own (on a member that starts as tracker).
+    book: Option<crate::book_routes::OwnedBook>,
 }
 
 /// What `config` offers the planner, as `peer`.
@@ -457,6 +452,7 @@ fn run(
         p2p,
         events,
         view,
+        book,
     } = listening;
     let (stop, stop_rx) = watch::channel(false);
     let streams = crate::p2p_plane::serve_streams(Arc::clone(&member), plane, stop_rx.clone())?;
@@ -466,13 +462,14 @@ fn run(
         role = if member.is_tracker() { "tracker" } else { "peer" },
         model = %member.model.id(),
         http = ?member.http_url,
-        p2p = ?lock(&member.p2p_addrs),
+        p2p = ?member.view.borrow().listen_addrs,
         "peer started"
     );
     let (failed, failure) = watch::channel(None);
     let control = ControlLoop::new(
         Arc::clone(&member),
         view,
+        book,
         p2p.clone(),
         announce_interval,
         failed,

@@ -2,7 +2,6 @@
 //! the peers it knows (documented in docs/status.md). [`StatusReport::of`] is the one mapping
 //! from a running member to it; it only reads.
 
-use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use meshnet_metrics::HopPath;
@@ -11,10 +10,9 @@ use meshnet_types::{PeerId, Quantization, SpanState};
 use serde::{Deserialize, Serialize};
 
 use crate::engine::MeshEngine;
-use crate::locking::lock;
 use crate::member::{Member, MeshView};
 pub use crate::rejections::RejectionReport;
-use crate::tracker::{KnownPeer, TrackerBook};
+use crate::route_table::{KnownPeer, RouteTable};
 
 /// Everything `GET /status` reports: what a member serializes and what a client of it
 /// (`meshnet-peer status`) deserializes.
@@ -334,9 +332,10 @@ impl CoverageReport {
 }
 
 impl BanReport {
-    /// The bans of `book` running at `now`.
-    fn all(book: &TrackerBook, now: Instant) -> Vec<BanReport> {
-        book.bans(now)
+    /// The bans of `table` running at `now`.
+    fn all(table: &RouteTable, now: Instant) -> Vec<BanReport> {
+        table
+            .bans(now)
             .into_iter()
             .map(|(peer, ban)| BanReport {
                 peer,
@@ -369,25 +368,24 @@ impl StatusReport {
         let host = &member.host;
         let tracker = member.tracker_parts();
         let now = Instant::now();
-        let peers = tracker.as_ref().map(|parts| {
-            let book = lock(&parts.book);
-            book.peers()
+        let table = tracker.as_ref().map(|parts| parts.routes.table());
+        let peers = table.as_ref().map(|table| {
+            table
+                .peers()
                 .values()
-                .map(|known| PeerReport::of(member, known, &book, now))
+                .map(|known| PeerReport::of(member, known, table, now))
                 .collect()
         });
-        let banned = tracker
-            .as_ref()
-            .map(|parts| BanReport::all(&lock(&parts.book), now));
+        let banned = table.as_ref().map(|table| BanReport::all(table, now));
         let admission = tracker
             .as_ref()
             .map(|parts| AdmissionReport::of(&parts.engine));
         let view = member.view();
+        let (rejected_messages, recent_rejections) = member.rejections.snapshot();
         let mut following = view.following.clone();
-        if let Some(parts) = &tracker {
-            let book = lock(&parts.book);
-            following.term = book.term();
-            following.succession = book.succession(now);
+        if let Some(table) = &table {
+            following.term = table.term();
+            following.succession = table.succession(now);
         }
         StatusReport {
             peer: member.peer_id.clone(),
@@ -402,10 +400,10 @@ impl StatusReport {
                 layers: member.model.num_layers(),
             },
             http: member.http_url.clone(),
-            p2p: lock(&member.p2p_addrs).clone(),
+            p2p: view.listen_addrs.to_vec(),
             span: host
                 .current()
-                .map(|shard| shard.target.status(SpanState::Ready)),
+                .map(|held_span| held_span.target.status(SpanState::Ready)),
             loading: host
                 .loading()
                 .map(|target| target.status(SpanState::Loading)),
@@ -416,14 +414,14 @@ impl StatusReport {
             term: following.term,
             succession: following.succession,
             announce_interval_ms: view.announce_every.as_millis() as u64,
-            rejected_messages: member.rejected.load(Ordering::Relaxed),
-            recent_rejections: lock(&member.recent_rejections).iter().cloned().collect(),
+            rejected_messages,
+            recent_rejections,
             failovers: member.metrics.failovers(),
             checked_sessions: member.metrics.checked_sessions(),
             convictions: member.metrics.convictions(),
-            leaving: member.leaving.load(Ordering::Relaxed),
+            leaving: member.is_leaving(),
             forward_latency_ms: host.forward_latency_ms(),
-            batching: host.current().map(|shard| shard.batching()),
+            batching: host.current().map(|held_span| held_span.batching()),
             gossip: member.p2p.gossip_traffic(),
             network: NetworkReport::of(member, &view),
             banned,
@@ -458,14 +456,14 @@ impl meshnet_metrics::LiveSource for MemberGauges {
             load_progress,
             served_layers: host
                 .current()
-                .map_or(0, |shard| u64::from(shard.target.layers.len())),
+                .map_or(0, |held_span| u64::from(held_span.target.layers.len())),
         }
     }
 }
 
 impl PeerReport {
     /// A known peer as of `now`.
-    fn of(member: &Member, known: &KnownPeer, book: &TrackerBook, now: Instant) -> Self {
+    fn of(member: &Member, known: &KnownPeer, table: &RouteTable, now: Instant) -> Self {
         let a = &known.announcement;
         PeerReport {
             peer: a.peer.clone(),
@@ -480,7 +478,7 @@ impl PeerReport {
             last_seen_ms: now.saturating_duration_since(known.last_seen).as_millis() as u64,
             forward_latency_ms: a.forward_latency_ms,
             leaving: a.leaving,
-            verified_sessions: book.verified_sessions(&a.peer),
+            verified_sessions: table.verified_sessions(&a.peer),
         }
     }
 }

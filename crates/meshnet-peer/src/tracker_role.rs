@@ -1,43 +1,48 @@
 //! What a member builds when it starts as the tracker or takes the role over: the book of
-//! peers, the completion engine planning routes over it, and the OpenAI-style API.
+//! peers (handed to the control loop, its only writer), the completion engine routing over
+//! the table the book publishes, and the OpenAI-style API.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use meshnet_model::TextSide;
 use meshnet_planner::PeerCapacity;
 
+use crate::book_routes::OwnedBook;
 use crate::engine::MeshEngine;
 use crate::error::PeerError;
 use crate::member::{Settings, TrackerParts};
 use crate::remote::Failover;
 use crate::routing::MeshRoutes;
-use crate::shard::ShardHost;
+use crate::span_host::SpanHost;
 use crate::tracker::TrackerBook;
 
-/// The tracker's parts: its book of peers, the completion engine over it, and the API.
+/// The tracker's parts (the completion engine over the book's published routes, and the API)
+/// and its book of peers, for the control loop to own.
 pub(crate) async fn build_tracker_parts(
-    host: &Arc<ShardHost>,
+    host: &Arc<SpanHost>,
     own: PeerCapacity,
     http_url: &str,
     settings: &Settings,
-) -> Result<TrackerParts, PeerError> {
+) -> Result<(TrackerParts, OwnedBook), PeerError> {
     let model = host.model();
     let local_peer = own.peer.clone();
-    let book = Arc::new(Mutex::new(TrackerBook::new(
+    let book = TrackerBook::new(
         model.id().to_owned(),
         model.shape().clone(),
         own.peer.clone(),
         own,
         http_url.to_owned(),
         settings.announce_interval,
-    )?));
+    )?;
+    let (book, routes) = OwnedBook::new(book);
+    let routes = Arc::new(routes);
     let opened = Arc::clone(model.model());
     let chat_template = settings.chat_template.clone();
     let text = tokio::task::spawn_blocking(move || TextSide::of(&opened, chat_template.as_deref()))
         .await
         .map_err(|e| PeerError::Internal(e.to_string()))??;
     let failover = Failover {
-        routes: Arc::clone(&book) as Arc<dyn MeshRoutes>,
+        routes: Arc::clone(&routes) as Arc<dyn MeshRoutes>,
         policy: settings.failover.clone(),
         verify: settings.verify.clone(),
         metrics: settings.client.metrics().clone(),
@@ -57,5 +62,12 @@ pub(crate) async fn build_tracker_parts(
         .with_structured_output(),
     );
     let api = meshnet_api::openai_router(Arc::clone(&engine) as _);
-    Ok(TrackerParts { book, engine, api })
+    Ok((
+        TrackerParts {
+            routes,
+            engine,
+            api,
+        },
+        book,
+    ))
 }

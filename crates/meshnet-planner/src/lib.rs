@@ -1,4 +1,4 @@
-//! Coverage-first, memory-aware shard planner for meshnet.
+//! Coverage-first, memory-aware span planner for meshnet.
 //!
 //! meshnet runs one large language model split across volunteer machines.
 //! Every peer holds one contiguous, half-open span of transformer layers

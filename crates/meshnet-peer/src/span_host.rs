@@ -4,7 +4,7 @@
 //! A peer holds at most one current span. Replacing or dropping it moves the old span to a
 //! draining list: sessions that already have KV cache on it finish there, new sessions go to
 //! the current span only, and a draining span is freed once its last session ends or its drain
-//! time runs out. Freeing happens only in [`ShardHost::reap`], which the control loop calls on
+//! time runs out. Freeing happens only in [`SpanHost::reap`], which the control loop calls on
 //! its timer: every other method only reads, so a `/status` scrape changes nothing.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -28,7 +28,7 @@ use crate::mesh_model::MeshModel;
 
 /// What a peer is asked to hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub struct ShardTarget {
+pub struct SpanTarget {
     /// The transformer layers.
     pub layers: LayerSpan,
     /// The format they are held in.
@@ -38,7 +38,7 @@ pub struct ShardTarget {
     pub entry: bool,
 }
 
-impl ShardTarget {
+impl SpanTarget {
     /// The target as announced, in `state`.
     pub fn status(&self, state: SpanState) -> meshnet_p2p::SpanStatus {
         meshnet_p2p::SpanStatus {
@@ -51,25 +51,25 @@ impl ShardTarget {
 
 /// A span in memory, with the compute thread that batches its sessions' work.
 #[derive(Debug)]
-pub struct LoadedShard {
+pub struct LoadedSpan {
     /// What was loaded.
-    pub target: ShardTarget,
+    pub target: SpanTarget,
     /// The weights and the KV caches.
     pub span: Arc<ModelSpan>,
     batcher: SpanBatcher,
     order: ChunkOrder,
 }
 
-impl LoadedShard {
+impl LoadedSpan {
     /// Holds `span` as `target` and starts its compute thread, whose passes take at most
     /// `max_batch_tokens` rows.
     pub fn new(
-        target: ShardTarget,
+        target: SpanTarget,
         span: ModelSpan,
         max_batch_tokens: usize,
     ) -> std::io::Result<Self> {
         let span = Arc::new(span);
-        Ok(LoadedShard {
+        Ok(LoadedSpan {
             target,
             batcher: SpanBatcher::start(Arc::clone(&span), max_batch_tokens)?,
             span,
@@ -153,7 +153,7 @@ impl LoadedShard {
 
 /// The span as a stage of a generation's route at the entry: its layers and its LM head go
 /// through the span's compute thread, batched with the other sessions'.
-impl Stage for LoadedShard {
+impl Stage for LoadedSpan {
     fn forward(
         &self,
         session: SessionId,
@@ -164,7 +164,7 @@ impl Stage for LoadedShard {
     }
 
     fn end_session(&self, session: SessionId) {
-        LoadedShard::end_session(self, session);
+        LoadedSpan::end_session(self, session);
     }
 
     fn name(&self) -> String {
@@ -172,13 +172,13 @@ impl Stage for LoadedShard {
     }
 }
 
-impl TokenEmbedder for LoadedShard {
+impl TokenEmbedder for LoadedSpan {
     fn embed(&self, tokens: &[u32]) -> Result<Tensor, ModelError> {
         self.span.embed(tokens)
     }
 }
 
-impl LogitsHead for LoadedShard {
+impl LogitsHead for LoadedSpan {
     fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>, ModelError> {
         self.batcher.logits(hidden.clone())
     }
@@ -205,14 +205,14 @@ impl LoadProgress {
 
 #[derive(Debug, Default)]
 struct HostState {
-    current: Option<Arc<LoadedShard>>,
-    loading: Option<ShardTarget>,
-    draining: Vec<(Arc<LoadedShard>, Instant)>,
+    current: Option<Arc<LoadedSpan>>,
+    loading: Option<SpanTarget>,
+    draining: Vec<(Arc<LoadedSpan>, Instant)>,
 }
 
 /// The peer's span slot.
 #[derive(Debug)]
-pub struct ShardHost {
+pub struct SpanHost {
     model: Arc<MeshModel>,
     kv_tokens: u64,
     drain_timeout: Duration,
@@ -226,17 +226,17 @@ pub struct ShardHost {
     faulty: Option<Arc<crate::faulty::FaultyFrames>>,
 }
 
-/// Calls of at most this many tokens are decode steps, timed for [`ShardHost::forward_latency_ms`].
+/// Calls of at most this many tokens are decode steps, timed for [`SpanHost::forward_latency_ms`].
 pub const LATENCY_SAMPLE_TOKENS: usize = 4;
 
 /// The weight of the newest call in the smoothed latency.
 const LATENCY_SMOOTHING: f64 = 0.2;
 
-impl ShardHost {
+impl SpanHost {
     /// An empty slot for spans of `model`, reserving `kv_tokens` tokens of KV cache per held
     /// layer; a dropped span keeps serving its running sessions for at most `drain_timeout`.
     pub fn new(model: Arc<MeshModel>, kv_tokens: u64, drain_timeout: Duration) -> Self {
-        ShardHost {
+        SpanHost {
             model,
             kv_tokens,
             drain_timeout,
@@ -291,12 +291,12 @@ impl ShardHost {
     }
 
     /// The span serving new sessions, if any.
-    pub fn current(&self) -> Option<Arc<LoadedShard>> {
+    pub fn current(&self) -> Option<Arc<LoadedSpan>> {
         self.lock().current.clone()
     }
 
     /// The span being loaded right now, if any.
-    pub fn loading(&self) -> Option<ShardTarget> {
+    pub fn loading(&self) -> Option<SpanTarget> {
         self.lock().loading
     }
 
@@ -309,10 +309,10 @@ impl ShardHost {
         state
             .current
             .as_ref()
-            .map(|shard| shard.target.status(SpanState::Ready))
+            .map(|held_span| held_span.target.status(SpanState::Ready))
     }
 
-    /// [`ShardHost::span_status`], counting only an entry span (embedding and head): what a
+    /// [`SpanHost::span_status`], counting only an entry span (embedding and head): what a
     /// tracker holds as the first layers. A member that just took the tracker role still
     /// holds its old span; the planner must not see it as the tracker's.
     pub fn entry_span_status(&self) -> Option<meshnet_p2p::SpanStatus> {
@@ -323,13 +323,13 @@ impl ShardHost {
         state
             .current
             .as_ref()
-            .filter(|shard| shard.target.entry)
-            .map(|shard| shard.target.status(SpanState::Ready))
+            .filter(|held_span| held_span.target.entry)
+            .map(|held_span| held_span.target.status(SpanState::Ready))
     }
 
     /// Loads `target` (blocking; call it off the async workers) and makes it current. Loading
     /// what is already current does nothing. The previous span drains.
-    pub fn load(&self, target: ShardTarget) -> Result<Arc<LoadedShard>, PeerError> {
+    pub fn load(&self, target: SpanTarget) -> Result<Arc<LoadedSpan>, PeerError> {
         if let Some(current) = self.current()
             && current.target == target
         {
@@ -363,15 +363,15 @@ impl ShardHost {
         let mut state = self.lock();
         state.loading = None;
         let span = loaded?;
-        let shard = Arc::new(
-            LoadedShard::new(target, span, self.max_batch_tokens).map_err(|source| {
+        let held_span = Arc::new(
+            LoadedSpan::new(target, span, self.max_batch_tokens).map_err(|source| {
                 PeerError::Io {
                     what: format!("starting the compute thread of layers {layers}"),
                     source,
                 }
             })?,
         );
-        if let Some(previous) = state.current.replace(Arc::clone(&shard)) {
+        if let Some(previous) = state.current.replace(Arc::clone(&held_span)) {
             state.draining.push((previous, Instant::now()));
         }
         tracing::info!(
@@ -381,7 +381,7 @@ impl ShardHost {
             elapsed_ms = started.elapsed().as_millis() as u64,
             "span loaded"
         );
-        Ok(shard)
+        Ok(held_span)
     }
 
     /// Stops serving new sessions; running ones finish on the dropped span until they end or
@@ -399,8 +399,8 @@ impl ShardHost {
 
     /// Sessions holding KV cache on any span here.
     pub fn active_sessions(&self) -> usize {
-        all_shards(&self.lock())
-            .map(|shard| shard.span.kv_store().session_count())
+        all_spans(&self.lock())
+            .map(|held_span| held_span.span.kv_store().session_count())
             .sum()
     }
 
@@ -415,20 +415,20 @@ impl ShardHost {
     pub fn reap(&self, now: Instant) {
         let mut state = self.lock();
         if let Some(cutoff) = now.checked_sub(SESSION_IDLE_TIMEOUT) {
-            for shard in all_shards(&state) {
-                let dropped = shard.span.kv_store().end_sessions_idle_since(cutoff);
+            for held_span in all_spans(&state) {
+                let dropped = held_span.span.kv_store().end_sessions_idle_since(cutoff);
                 if dropped > 0 {
                     tracing::info!(sessions = dropped, "idle sessions dropped");
                 }
             }
         }
         let timeout = self.drain_timeout;
-        state.draining.retain(|(shard, since)| {
-            let busy = shard.span.kv_store().session_count() > 0;
+        state.draining.retain(|(held_span, since)| {
+            let busy = held_span.span.kv_store().session_count() > 0;
             let keep = busy && now.saturating_duration_since(*since) < timeout;
             if !keep && busy {
                 tracing::warn!(
-                    sessions = shard.span.kv_store().session_count(),
+                    sessions = held_span.span.kv_store().session_count(),
                     "drain time over: freeing a dropped span with sessions still open"
                 );
             }
@@ -438,8 +438,8 @@ impl ShardHost {
 
     /// Tokens of KV cache the current span can still take (over all its layers).
     pub fn free_kv_tokens(&self) -> u64 {
-        self.current().map_or(0, |shard| {
-            let store = shard.span.kv_store();
+        self.current().map_or(0, |held_span| {
+            let store = held_span.span.kv_store();
             let free = store.budget_bytes().saturating_sub(store.used_bytes());
             (free / store.bytes_per_position().max(1)) as u64
         })
@@ -448,11 +448,11 @@ impl ShardHost {
     /// KV cache bytes `(held by sessions on every span here, still free on the current span)`.
     pub fn kv_bytes(&self) -> (u64, u64) {
         let state = self.lock();
-        let used = all_shards(&state)
-            .map(|shard| shard.span.kv_store().used_bytes() as u64)
+        let used = all_spans(&state)
+            .map(|held_span| held_span.span.kv_store().used_bytes() as u64)
             .sum();
-        let free = state.current.as_ref().map_or(0, |shard| {
-            let store = shard.span.kv_store();
+        let free = state.current.as_ref().map_or(0, |held_span| {
+            let store = held_span.span.kv_store();
             store.budget_bytes().saturating_sub(store.used_bytes()) as u64
         });
         (used, free)
@@ -460,24 +460,24 @@ impl ShardHost {
 
     /// The span that should run `meta`: the one already holding the session's cache, else the
     /// current span when it covers the layers.
-    fn shard_for(&self, meta: &FrameMeta) -> Option<Arc<LoadedShard>> {
+    fn span_for(&self, meta: &FrameMeta) -> Option<Arc<LoadedSpan>> {
         let state = self.lock();
         // A forked session starts where its parent's cache is.
-        let holding = all_shards(&state).find(|shard| {
-            let store = shard.span.kv_store();
-            shard.covers(meta.layers)
+        let holding = all_spans(&state).find(|held_span| {
+            let store = held_span.span.kv_store();
+            held_span.covers(meta.layers)
                 && (store.has_session(meta.session)
                     || meta
                         .fork_from
                         .is_some_and(|parent| store.has_session(parent)))
         });
-        if let Some(shard) = holding {
-            return Some(Arc::clone(shard));
+        if let Some(held_span) = holding {
+            return Some(Arc::clone(held_span));
         }
         state
             .current
             .as_ref()
-            .filter(|shard| shard.covers(meta.layers))
+            .filter(|held_span| held_span.covers(meta.layers))
             .cloned()
     }
 
@@ -486,28 +486,28 @@ impl ShardHost {
     }
 }
 
-fn all_shards(state: &HostState) -> impl Iterator<Item = &Arc<LoadedShard>> {
+fn all_spans(state: &HostState) -> impl Iterator<Item = &Arc<LoadedSpan>> {
     state
         .current
         .iter()
-        .chain(state.draining.iter().map(|(shard, _)| shard))
+        .chain(state.draining.iter().map(|(held_span, _)| held_span))
 }
 
 /// Sessions untouched this long are dropped: their entry went away without ending them.
 pub const SESSION_IDLE_TIMEOUT: Duration = Duration::from_secs(600);
 
-impl SpanExecutor for ShardHost {
+impl SpanExecutor for SpanHost {
     fn served_layers(&self) -> Option<LayerSpan> {
         self.current().map(|current| current.target.layers)
     }
 
     fn accepts(&self, meta: &FrameMeta) -> bool {
-        self.shard_for(meta).is_some()
+        self.span_for(meta).is_some()
     }
 
     fn forward(&self, meta: &FrameMeta, input: Activations) -> Result<Activations, ExecutorError> {
-        let shard = self
-            .shard_for(meta)
+        let held_span = self
+            .span_for(meta)
             .ok_or_else(|| ExecutorError::LayersNotServed {
                 requested: meta.layers,
                 served: self.served_layers(),
@@ -538,14 +538,14 @@ impl SpanExecutor for ShardHost {
         let position = usize::try_from(meta.position)
             .map_err(|_| ExecutorError::BadActivations("position too large".into()))?;
         if let Some(parent) = meta.fork_from
-            && !shard.span.kv_store().has_session(meta.session)
+            && !held_span.span.kv_store().has_session(meta.session)
         {
-            shard
+            held_span
                 .fork_session(parent, meta.session, position)
                 .map_err(executor_error)?;
         }
         let started = Instant::now();
-        let output = shard
+        let output = held_span
             .forward_range(meta.session, position, hidden, meta.layers)
             .map_err(executor_error)?;
         self.record_latency(tokens, started.elapsed());
@@ -562,8 +562,8 @@ impl SpanExecutor for ShardHost {
 
     fn end_session(&self, session: SessionId) {
         let state = self.lock();
-        for shard in all_shards(&state) {
-            shard.end_session(session);
+        for held_span in all_spans(&state) {
+            held_span.end_session(session);
         }
     }
 }
@@ -593,7 +593,7 @@ mod tests {
     use super::*;
 
     /// A slot for the default model holding layers 0..2 in the shipped format.
-    fn host() -> ShardHost {
+    fn host() -> SpanHost {
         let path = meshnet_model::default_model_path();
         assert!(
             path.is_file(),
@@ -602,8 +602,8 @@ mod tests {
         );
         let model = Arc::new(MeshModel::open(&path).unwrap());
         let format = model.shipped_format();
-        let host = ShardHost::new(model, 64, Duration::from_secs(3600));
-        host.load(ShardTarget {
+        let host = SpanHost::new(model, 64, Duration::from_secs(3600));
+        host.load(SpanTarget {
             layers: LayerSpan::new(0, 2),
             quantization: format,
             entry: false,
@@ -613,13 +613,13 @@ mod tests {
     }
 
     /// Runs one 4-token frame of a new session on the current span.
-    fn run_one_frame(host: &ShardHost) -> SessionId {
-        let shard = host.current().unwrap();
+    fn run_one_frame(host: &SpanHost) -> SessionId {
+        let held_span = host.current().unwrap();
         let hidden = host.model().description().hidden;
         let input = candle_core::Tensor::zeros((1, 4, hidden), DType::F32, &Device::Cpu).unwrap();
         let session = SessionId::new_v4();
-        shard
-            .forward_range(session, 0, input, shard.target.layers)
+        held_span
+            .forward_range(session, 0, input, held_span.target.layers)
             .unwrap();
         session
     }
