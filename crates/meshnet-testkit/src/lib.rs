@@ -140,8 +140,8 @@ pub async fn wait_until(
 }
 
 /// Whether the tracker's `status` shows complete coverage by ready holders and exactly the
-/// peers `expected` (by id) in its book, each with a ready span that the map lists; the reason
-/// when not.
+/// peers `expected` (by id) in its book, each with a ready span that the map lists as ready;
+/// the reason when not.
 pub fn covered_by(status: &StatusReport, expected: &[meshnet_types::PeerId]) -> Result<(), String> {
     let coverage = status.coverage.as_ref().ok_or("no coverage map yet")?;
     if !coverage.complete {
@@ -171,6 +171,30 @@ pub fn covered_by(status: &StatusReport, expected: &[meshnet_types::PeerId]) -> 
         .count();
     if unready > 0 {
         return Err(format!("{unready} peers hold no ready span"));
+    }
+    // The map is replanned a little after the announcements that change it (a debounce, then
+    // the plan), so for a moment the book can show a peer ready while the map still lists it
+    // loading, or at the span it was last told to take.
+    let unlisted = peers
+        .iter()
+        .filter(|p| {
+            p.span.as_ref().is_some_and(|span| {
+                (span.layers.start..span.layers.end).any(|layer| {
+                    !coverage.layers.iter().any(|listed| {
+                        listed.layer == layer
+                            && listed
+                                .holders
+                                .iter()
+                                .any(|h| h.peer == p.peer && h.state == SpanState::Ready)
+                    })
+                })
+            })
+        })
+        .count();
+    if unlisted > 0 {
+        return Err(format!(
+            "the map does not list the ready spans of {unlisted} peers as ready"
+        ));
     }
     let stale = coverage
         .layers

@@ -3,6 +3,7 @@
 //! random peers stop at once (no goodbye: their connections close and their announcements stop)
 //! and the rest must re-cover.
 
+use std::ops::RangeInclusive;
 use std::time::{Duration, Instant};
 
 use futures::future::join_all;
@@ -53,6 +54,47 @@ impl Default for ScaleConfig {
             deadline: Duration::from_secs(300),
             seed: 1,
         }
+    }
+}
+
+impl ScaleConfig {
+    /// The layers after the tracker's in a model of `num_layers` layers: the ones the peers
+    /// share.
+    pub fn shared_layers(&self, num_layers: u32) -> u32 {
+        num_layers.saturating_sub(self.tracker_layers)
+    }
+
+    /// The range the holders of the thinnest shared layer (see [`ScaleConfig::shared_layers`])
+    /// must fall in once `peers` of this scenario's peers cover a model of `num_layers` layers:
+    /// `self.peers` when converged, `self.peers - self.leave` once recovered. A peer's budget
+    /// holds exactly `peer_layers` layers (half a layer of slack, one format) and the planner
+    /// never gives a peer more than the shared layers, so each peer holds one span of at most
+    /// `reach = min(peer_layers, shared)` layers.
+    ///
+    /// At most: the shared layers have at most `peers × reach` holdings between them, so the
+    /// thinnest has at most that divided by the number of shared layers, rounded down (the
+    /// even spread).
+    ///
+    /// At least, when `reach` is every shared layer: all `peers`, so the range is that one
+    /// count. The planner places every peer at its full reach (a new or moved peer gets a span
+    /// of its whole reach, a kept one keeps its span), a span of every shared layer is the
+    /// only one there is, and the scenario waits until the map lists every peer's span as
+    /// ready ([`covered_by`]). Otherwise only one holder, the complete coverage that
+    /// convergence checks. Free peers go where the fewest holders are, but the planner then
+    /// moves a peer to whatever raises the weakest layer's measured throughput by more than
+    /// 20 %, whatever that does to holder counts (measurements on a busy machine scatter
+    /// widely), and no free peer replaces the ones that leave: a hundred peers of one layer
+    /// after a tracker of six (an even spread of 4, then 3) were measured with 3 holders
+    /// converged and 2 recovered.
+    pub fn min_holders_bounds(&self, num_layers: u32, peers: usize) -> RangeInclusive<usize> {
+        let shared = self.shared_layers(num_layers);
+        if shared == 0 {
+            return 0..=0;
+        }
+        let reach = self.peer_layers.min(shared);
+        let most = peers * reach as usize / shared as usize;
+        let least = if reach == shared { peers } else { 1 };
+        least.min(most)..=most
     }
 }
 
