@@ -272,37 +272,13 @@ impl ControlLoop {
     /// Handles one control-plane event.
     fn handle_event(&mut self, event: P2pEvent, load_tx: &mpsc::Sender<LoadDone>) {
         match event {
-            P2pEvent::Announcement { announcement, .. } => {
-                let now = Instant::now();
-                self.view.send_modify(|view| {
-                    std::sync::Arc::make_mut(&mut view.seen)
-                        .insert(announcement.peer.clone(), (announcement.clone(), now));
-                });
-                if let Some(planning) = &mut self.planning
-                    && planning.book.change(|book| book.observe(announcement, now))
-                {
-                    planning.plan_by(tokio::time::Instant::now() + REPLAN_DEBOUNCE);
-                }
-            }
+            P2pEvent::Announcement { announcement, .. } => self.hear(announcement),
             P2pEvent::Leadership(leadership) => self.on_leadership(leadership),
             P2pEvent::Coverage { from, coverage } => self.follow(from, coverage),
             P2pEvent::Directive { from, directive } => {
                 self.apply_directive(from, directive, load_tx)
             }
-            P2pEvent::TrackerDiscovered(record) => {
-                tracing::info!(tracker = %record.peer, term = record.term, http = %record.http_endpoint, "tracker found");
-                // A record finds a tracker; only coverage maps set the term.
-                self.view.send_if_modified(|view| {
-                    let following = &mut view.following;
-                    if following.tracker.is_some() {
-                        return false;
-                    }
-                    following.tracker = Some(record.peer);
-                    following.tracker_http = Some(record.http_endpoint);
-                    following.heard_at = Some(Instant::now());
-                    true
-                });
-            }
+            P2pEvent::TrackerDiscovered(record) => self.found_tracker(record),
             P2pEvent::Rejected {
                 from,
                 topic,
@@ -315,16 +291,7 @@ impl ControlLoop {
                     reason,
                 });
             }
-            P2pEvent::ListeningOn(address) => {
-                let address = address.to_string();
-                self.view.send_if_modified(|view| {
-                    if view.listen_addrs.contains(&address) {
-                        return false;
-                    }
-                    Arc::make_mut(&mut view.listen_addrs).push(address);
-                    true
-                });
-            }
+            P2pEvent::ListeningOn(address) => self.listening_on(address.to_string()),
             P2pEvent::PeerConnected(peer) => tracing::debug!(%peer, "connected"),
             P2pEvent::PeerDisconnected(peer) => tracing::debug!(%peer, "disconnected"),
             P2pEvent::Reachability { public } => tracing::info!(public, "reachability"),
@@ -351,6 +318,48 @@ impl ControlLoop {
                 }
             }
         }
+    }
+
+    /// Takes in a member's announcement: into the view, and into the book on the tracker
+    /// (a change the planner sees schedules a plan).
+    fn hear(&mut self, announcement: meshnet_p2p::PeerAnnouncement) {
+        let now = Instant::now();
+        self.view.send_modify(|view| {
+            std::sync::Arc::make_mut(&mut view.seen)
+                .insert(announcement.peer.clone(), (announcement.clone(), now));
+        });
+        if let Some(planning) = &mut self.planning
+            && planning.book.change(|book| book.observe(announcement, now))
+        {
+            planning.plan_by(tokio::time::Instant::now() + REPLAN_DEBOUNCE);
+        }
+    }
+
+    /// A tracker record found in the DHT: followed when this member follows none yet.
+    fn found_tracker(&mut self, record: TrackerRecord) {
+        tracing::info!(tracker = %record.peer, term = record.term, http = %record.http_endpoint, "tracker found");
+        // A record finds a tracker; only coverage maps set the term.
+        self.view.send_if_modified(|view| {
+            let following = &mut view.following;
+            if following.tracker.is_some() {
+                return false;
+            }
+            following.tracker = Some(record.peer);
+            following.tracker_http = Some(record.http_endpoint);
+            following.heard_at = Some(Instant::now());
+            true
+        });
+    }
+
+    /// A new listen address of the control plane, kept in the view.
+    fn listening_on(&mut self, address: String) {
+        self.view.send_if_modified(|view| {
+            if view.listen_addrs.contains(&address) {
+                return false;
+            }
+            Arc::make_mut(&mut view.listen_addrs).push(address);
+            true
+        });
     }
 
     /// Follows the control plane's decision on who leads: a member that led and was deposed
