@@ -56,13 +56,13 @@ venv=${MESHNET_VENV:-.venv}
 "$venv/bin/python" scripts/make_family_fixtures.py check crates/meshnet-model/tests/fixtures/families
 
 # A hundred whole members in one process. The test build serves: its dependencies (libp2p,
-# the codecs) are optimised, and the hundred converge in about 90 s on two cores (45 s in a
-# release build), well inside the test's five minutes per phase; a release build would cost
-# this run some 13 minutes more. The tracker's warnings (peers it dropped from its book as
-# silent) are printed to explain a failure.
+# the codecs) are optimised; a release build would cost this run some 13 minutes more. Built
+# with the workspace's features (`--workspace`), so nothing is compiled again; `-p` alone
+# would resolve features apart and rebuild tokio and libp2p. The tracker's warnings (its own
+# stalls, peers it dropped from its book as silent) are printed to explain a failure.
 step "a hundred members in one process: converge, ten leave, re-cover"
 RUST_LOG="${RUST_LOG:-meshnet_peer::tracker=warn}" \
-  bounded 1800 cargo test --locked -p meshnet-testkit --test scale -- --ignored --nocapture
+  bounded 1800 cargo test --locked --workspace --test scale -- --ignored --nocapture
 
 step "a 3-process mesh: the OpenAI client, structured output, /metrics, and the coverage page and chat in Chromium"
 if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
@@ -217,7 +217,10 @@ if [ "$fuzz_seconds" -gt 0 ]; then
       # accept them.
       # -timeout: an input that keeps a decoder busy for a minute is a finding (libFuzzer saves
       # it and fails), not a reason to wait for libFuzzer's default of twenty minutes.
-      (cd fuzz && RUSTC_BOOTSTRAP=1 bounded 1500 cargo fuzz run "$target" "corpus/$target" \
+      # --dev: unoptimised, with debug assertions and overflow checks (and AddressSanitizer):
+      # an optimised build of the targets' dependencies (candle, the tokenizers) was most of
+      # this step's time, for twenty seconds of fuzzing per target.
+      (cd fuzz && RUSTC_BOOTSTRAP=1 bounded 1500 cargo fuzz run --dev "$target" "corpus/$target" \
         "seeds/$target" -- -max_total_time="$fuzz_seconds" -timeout=60 \
         -rss_limit_mb="$fuzz_rss_limit_mb")
     done

@@ -5,7 +5,7 @@
 //! deadlines.
 //!
 //! `MESHNET_SCALE_PEERS` (default 100), `MESHNET_SCALE_LEAVE` (10), `MESHNET_SCALE_ANNOUNCE_MS`
-//! (the interval members start at, default 5000; the tracker stretches it in a large mesh),
+//! (the interval members start at, default 2000; the tracker stretches it in a large mesh),
 //! `MESHNET_SCALE_SEED` (1). Needs the default model
 //! (`scripts/fetch-model.sh`). Run with `cargo bench -p meshnet-benches --bench mesh_scale`.
 
