@@ -176,13 +176,15 @@ impl RouteTable {
     }
 
     /// How long `known` has been silent at `now`, not counting the time this tracker itself
-    /// was stalled since it last heard from it.
+    /// was stalled since it last heard from it: only the part of a stall after that.
     fn silence(&self, known: &KnownPeer, now: Instant) -> Duration {
         let stalled: Duration = self
             .stalls
             .iter()
-            .filter(|(ended, _)| *ended > known.last_seen)
-            .map(|(_, length)| *length)
+            .map(|(ended, length)| {
+                let began = ended.checked_sub(*length).unwrap_or(known.last_seen);
+                ended.saturating_duration_since(began.max(known.last_seen))
+            })
             .sum();
         now.saturating_duration_since(known.last_seen)
             .saturating_sub(stalled)

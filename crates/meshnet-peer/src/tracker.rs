@@ -776,6 +776,30 @@ mod tests {
     }
 
     #[test]
+    fn a_late_expiry_credits_only_the_part_of_the_stall_after_a_peers_last_announcement() {
+        let mut book = book();
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let leaver = PeerId::new("leaver");
+        book.observe(announcement("leaver", None), at(0));
+        assert!(book.expire(at(0)).is_empty());
+        // The loop reads the leaver's last announcement at 9 s, but its expiry runs only at
+        // 10 s: nine seconds of stall, of which one came after that announcement.
+        book.observe(announcement("leaver", None), at(9_000));
+        assert!(book.expire(at(10_000)).is_empty());
+        // Silent for the expiry (three 1 s intervals) plus that one second: from 13 s on.
+        let table = book.table();
+        assert_eq!(
+            table.first_silent(std::slice::from_ref(&leaver), at(12_999)),
+            None
+        );
+        assert_eq!(
+            table.first_silent(std::slice::from_ref(&leaver), at(13_001)),
+            Some(leaver)
+        );
+    }
+
+    #[test]
     fn repeated_announcements_do_not_trigger_replanning() {
         let mut book = book();
         let now = Instant::now();
