@@ -262,7 +262,7 @@ impl RemoteStage {
     }
 
     /// The send of `activations` to `hop` alone (its output comes back to the entry), with a
-    /// grant for that one hop.
+    /// grant for that one hop; it fails as soon as the tracker stops hearing `hop`.
     fn post_alone(
         &self,
         hop: &PlannedHop,
@@ -304,14 +304,19 @@ impl RemoteStage {
             activations,
         };
         let client = self.client.clone();
+        let routes = Arc::clone(&self.failover.routes);
         let hop = hop.clone();
         let encoding = self.encoding;
+        // Like every hop, a shadow that stops announcing fails the step at once rather than
+        // after the hop timeout.
         Ok(async move {
-            client
-                .forward(&hop.endpoint, frame, encoding)
-                .await
-                .map(|answer| answer.activations)
-                .map_err(|error| hop_error(std::slice::from_ref(&hop), error))
+            let hops = std::slice::from_ref(&hop);
+            tokio::select! {
+                answer = client.forward(&hop.endpoint, frame, encoding) => answer
+                    .map(|answer| answer.activations)
+                    .map_err(|error| hop_error(hops, error)),
+                silent = super::first_silent_hop(routes.as_ref(), hops) => Err(silent),
+            }
         })
     }
 }
