@@ -1009,6 +1009,90 @@ mod tests {
         assert!(stage.name().contains("layers 10..30"));
     }
 
+    /// Routes through `healthy`, with `stopped` as the shadow of checked sessions until it is
+    /// banned; `stopped` counts as silent once `silent` is set.
+    struct StoppedShadow(TwoHolders);
+
+    impl MeshRoutes for StoppedShadow {
+        fn route(&self, _start: u32, _avoid: &[PeerId]) -> Result<Vec<PlannedHop>, Uncovered> {
+            Ok(vec![self.0.healthy.clone()])
+        }
+
+        fn ban(&self, peer: &PeerId, cause: &str) {
+            self.0.ban(peer, cause);
+        }
+
+        fn first_silent(&self, peers: &[PeerId]) -> Option<PeerId> {
+            self.0.first_silent(peers)
+        }
+
+        fn holders(&self, _layers: LayerSpan, avoid: &[PeerId]) -> Vec<PlannedHop> {
+            let banned = lock(&self.0.banned)
+                .iter()
+                .any(|(p, _)| *p == self.0.stopped.peer);
+            let shadow = &self.0.stopped;
+            if banned || avoid.contains(&shadow.peer) {
+                Vec::new()
+            } else {
+                vec![shadow.clone()]
+            }
+        }
+    }
+
+    /// A checked session's shadow that is stopped is given up on once it stops announcing,
+    /// like a hop of the route, not after the hop timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shadow_that_stops_announcing_is_given_up_on_before_its_timeout() {
+        let client = ForwardClient::new(Limits::default(), Duration::from_secs(60)).unwrap();
+        let healthy_url = serve(Arc::new(AddOnePerLayer), &client).await;
+        let stopped_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stopped_url = format!("http://{}", stopped_listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = stopped_listener.accept().await {
+                held.push(socket);
+            }
+        });
+        let routes = Arc::new(StoppedShadow(
+            Arc::into_inner(two_holders(stopped_url, healthy_url)).unwrap(),
+        ));
+        let failover = Failover {
+            routes: Arc::clone(&routes) as _,
+            policy: FailoverPolicy::default(),
+            metrics: meshnet_metrics::Metrics::detached(),
+            verify: VerifyPolicy {
+                sample_rate: 1.0,
+                ..VerifyPolicy::default()
+            },
+        };
+        let hops = failover.routes.route(10, &[]).unwrap();
+        let stage =
+            RemoteStage::new(10, hops, client, Handle::current(), Encoding::Raw, failover).unwrap();
+        let marker = Arc::clone(&routes);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            marker.0.silent.store(true, Ordering::Relaxed);
+        });
+        let started = Instant::now();
+        let prompt = Tensor::ones((1, 3, 4), DType::F32, &Device::Cpu).unwrap();
+        let output =
+            tokio::task::spawn_blocking(move || stage.forward(SessionId::new_v4(), 0, prompt))
+                .await
+                .unwrap()
+                .unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(30),
+            "gave up on the stopped shadow only after {took:?}"
+        );
+        let values: Vec<f32> = output.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(values.iter().all(|v| *v == 21.0), "{values:?}");
+        let banned = lock(&routes.0.banned).clone();
+        assert_eq!(banned.len(), 1, "{banned:?}");
+        assert_eq!(banned[0].0, PeerId::new("stopped"));
+        assert!(banned[0].1.contains("stopped announcing"), "{banned:?}");
+    }
+
     /// Stand-in layers that add 1 per layer, record the position of every chunk they get and,
     /// while closed, hold every chunk until they are opened.
     #[derive(Default)]
