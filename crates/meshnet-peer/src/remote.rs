@@ -926,14 +926,77 @@ mod tests {
         })
     }
 
+    /// The URL of a stopped process: it accepts connections and keeps them, answering
+    /// nothing.
+    async fn stopped_process_url() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        url
+    }
+
+    /// Marks `routes`' stopped holder silent shortly after a send to it started.
+    fn mark_stopped_silent_soon(routes: Arc<TwoHolders>) {
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            routes.silent.store(true, Ordering::Relaxed);
+        });
+    }
+
+    /// Sends a three-token prompt of ones through `stage` as `session` and checks it came back
+    /// within 30 s (long before the 60 s hop timeout: the `stopped` holder, the route's hop or
+    /// its shadow, was given up on) with the healthy holder's 20 layers of +1.
+    async fn prefill_on_the_healthy_holder(
+        stage: &Arc<RemoteStage>,
+        session: SessionId,
+        stopped: &str,
+    ) {
+        let started = Instant::now();
+        let prompt = Tensor::ones((1, 3, 4), DType::F32, &Device::Cpu).unwrap();
+        let running = Arc::clone(stage);
+        let output = tokio::task::spawn_blocking(move || running.forward(session, 0, prompt))
+            .await
+            .unwrap()
+            .unwrap();
+        let took = started.elapsed();
+        assert!(
+            took < Duration::from_secs(30),
+            "gave up on the stopped {stopped} only after {took:?}"
+        );
+        let values: Vec<f32> = output.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(values.iter().all(|v| *v == 21.0), "{values:?}");
+    }
+
+    /// The stopped holder, and only it, was banned once, for its silence.
+    fn assert_banned_once_as_silent(routes: &TwoHolders) {
+        let banned = lock(&routes.banned).clone();
+        assert_eq!(banned.len(), 1, "{banned:?}");
+        assert_eq!(banned[0].0, PeerId::new("stopped"));
+        assert!(banned[0].1.contains("stopped announcing"), "{banned:?}");
+    }
+
     /// A stage over the first route `routes` gives from layer 10, sending raw frames with
     /// `client`, and the failover it counts its failovers in.
     fn stage_over(routes: Arc<dyn MeshRoutes>, client: ForwardClient) -> (RemoteStage, Failover) {
+        stage_checking(routes, client, VerifyPolicy::OFF)
+    }
+
+    /// [`stage_over`], its sessions checked as `verify` says.
+    fn stage_checking(
+        routes: Arc<dyn MeshRoutes>,
+        client: ForwardClient,
+        verify: VerifyPolicy,
+    ) -> (RemoteStage, Failover) {
         let failover = Failover {
             routes,
             policy: FailoverPolicy::default(),
             metrics: meshnet_metrics::Metrics::detached(),
-            verify: VerifyPolicy::OFF,
+            verify,
         };
         let hops = failover.routes.route(10, &[]).unwrap();
         let stage = RemoteStage::new(
@@ -955,15 +1018,7 @@ mod tests {
     async fn a_hop_that_stops_announcing_is_routed_around_before_its_timeout() {
         let client = ForwardClient::new(Limits::default(), Duration::from_secs(60)).unwrap();
         let healthy_url = serve(Arc::new(AddOnePerLayer), &client).await;
-        // Accepts connections and keeps them, answering nothing: a stopped process.
-        let stopped_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let stopped_url = format!("http://{}", stopped_listener.local_addr().unwrap());
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((socket, _)) = stopped_listener.accept().await {
-                held.push(socket);
-            }
-        });
+        let stopped_url = stopped_process_url().await;
 
         let routes = two_holders(stopped_url, healthy_url);
         let (stage, failover) = stage_over(Arc::clone(&routes) as _, client);
@@ -971,31 +1026,10 @@ mod tests {
 
         // The prefill goes to the stopped hop's holder before it stops: it never answers.
         // Mark it silent shortly after the send started.
-        let marker = Arc::clone(&routes);
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            marker.silent.store(true, Ordering::Relaxed);
-        });
+        mark_stopped_silent_soon(Arc::clone(&routes));
         let session = SessionId::new_v4();
-        let started = Instant::now();
-        let prompt = Tensor::ones((1, 3, 4), DType::F32, &Device::Cpu).unwrap();
-        let running = Arc::clone(&stage);
-        let output = tokio::task::spawn_blocking(move || running.forward(session, 0, prompt))
-            .await
-            .unwrap()
-            .unwrap();
-        let took = started.elapsed();
-        assert!(
-            took < Duration::from_secs(30),
-            "gave up on the stopped hop only after {took:?}"
-        );
-        // 20 layers of +1 on the healthy holder.
-        let values: Vec<f32> = output.flatten_all().unwrap().to_vec1().unwrap();
-        assert!(values.iter().all(|v| *v == 21.0), "{values:?}");
-        let banned = lock(&routes.banned).clone();
-        assert_eq!(banned.len(), 1, "{banned:?}");
-        assert_eq!(banned[0].0, PeerId::new("stopped"));
-        assert!(banned[0].1.contains("stopped announcing"), "{banned:?}");
+        prefill_on_the_healthy_holder(&stage, session, "hop").await;
+        assert_banned_once_as_silent(&routes);
         assert_eq!(failover.metrics.failovers(), 1);
 
         // The next step continues on the healthy holder at the next position.
@@ -1011,7 +1045,7 @@ mod tests {
 
     /// Routes through `healthy`, with `stopped` as the shadow of checked sessions until it is
     /// banned; `stopped` counts as silent once `silent` is set.
-    struct StoppedShadow(TwoHolders);
+    struct StoppedShadow(Arc<TwoHolders>);
 
     impl MeshRoutes for StoppedShadow {
         fn route(&self, _start: u32, _avoid: &[PeerId]) -> Result<Vec<PlannedHop>, Uncovered> {
@@ -1045,52 +1079,16 @@ mod tests {
     async fn a_shadow_that_stops_announcing_is_given_up_on_before_its_timeout() {
         let client = ForwardClient::new(Limits::default(), Duration::from_secs(60)).unwrap();
         let healthy_url = serve(Arc::new(AddOnePerLayer), &client).await;
-        let stopped_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let stopped_url = format!("http://{}", stopped_listener.local_addr().unwrap());
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((socket, _)) = stopped_listener.accept().await {
-                held.push(socket);
-            }
-        });
-        let routes = Arc::new(StoppedShadow(
-            Arc::into_inner(two_holders(stopped_url, healthy_url)).unwrap(),
-        ));
-        let failover = Failover {
-            routes: Arc::clone(&routes) as _,
-            policy: FailoverPolicy::default(),
-            metrics: meshnet_metrics::Metrics::detached(),
-            verify: VerifyPolicy {
-                sample_rate: 1.0,
-                ..VerifyPolicy::default()
-            },
+        let stopped_url = stopped_process_url().await;
+        let routes = Arc::new(StoppedShadow(two_holders(stopped_url, healthy_url)));
+        let every_session = VerifyPolicy {
+            sample_rate: 1.0,
+            ..VerifyPolicy::default()
         };
-        let hops = failover.routes.route(10, &[]).unwrap();
-        let stage =
-            RemoteStage::new(10, hops, client, Handle::current(), Encoding::Raw, failover).unwrap();
-        let marker = Arc::clone(&routes);
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            marker.0.silent.store(true, Ordering::Relaxed);
-        });
-        let started = Instant::now();
-        let prompt = Tensor::ones((1, 3, 4), DType::F32, &Device::Cpu).unwrap();
-        let output =
-            tokio::task::spawn_blocking(move || stage.forward(SessionId::new_v4(), 0, prompt))
-                .await
-                .unwrap()
-                .unwrap();
-        let took = started.elapsed();
-        assert!(
-            took < Duration::from_secs(30),
-            "gave up on the stopped shadow only after {took:?}"
-        );
-        let values: Vec<f32> = output.flatten_all().unwrap().to_vec1().unwrap();
-        assert!(values.iter().all(|v| *v == 21.0), "{values:?}");
-        let banned = lock(&routes.0.banned).clone();
-        assert_eq!(banned.len(), 1, "{banned:?}");
-        assert_eq!(banned[0].0, PeerId::new("stopped"));
-        assert!(banned[0].1.contains("stopped announcing"), "{banned:?}");
+        let (stage, _) = stage_checking(Arc::clone(&routes) as _, client, every_session);
+        mark_stopped_silent_soon(Arc::clone(&routes.0));
+        prefill_on_the_healthy_holder(&Arc::new(stage), SessionId::new_v4(), "shadow").await;
+        assert_banned_once_as_silent(&routes.0);
     }
 
     /// Stand-in layers that add 1 per layer, record the position of every chunk they get and,
