@@ -16,8 +16,10 @@
 mod activations;
 mod avx2;
 mod error;
+mod formats;
 mod matrix;
 mod scalar;
+mod super_rows;
 
 pub use error::{KernelError, Result};
 pub use matrix::{MatrixBuilder, QuantizedMatrix, WeightFormat};
@@ -26,7 +28,9 @@ use std::sync::OnceLock;
 
 use activations::ActivationRow;
 use avx2::TOGETHER;
+use formats::{BlockFormat, FloatFormat, SuperFormat};
 use matrix::WeightRow;
+use super_rows::SuperRow;
 
 /// Runs `work` on a thread of the compute pool (rayon's global pool, one per process, sized
 /// to the cores) and waits for it; runs it in place when already on a pool thread. Work that
@@ -108,6 +112,36 @@ impl Kernel {
             (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q8_0) => {
                 token.dot_q8_0(weights, activations)
             }
+            _ => unreachable!("{} is not parsed into scales and quants", format.name()),
+        }
+    }
+
+    /// One row of a 32-value format's bytes against one activation row.
+    fn dot_blocks(
+        self,
+        format: BlockFormat,
+        weights: &[u8],
+        activations: ActivationRow<'_>,
+    ) -> f32 {
+        match self {
+            Self::Scalar => format.dot(weights, activations),
+            Self::Avx2(Avx2Kernel(token)) => token.dot_blocks(format, weights, activations),
+        }
+    }
+
+    /// One row of a k-quant's bytes against one activation row.
+    fn dot_super(self, format: SuperFormat, weights: &[u8], activations: SuperRow<'_>) -> f32 {
+        match self {
+            Self::Scalar => format.dot(weights, activations),
+            Self::Avx2(Avx2Kernel(token)) => token.dot_super(format, weights, activations),
+        }
+    }
+
+    /// One row of unquantized weights against one row of f32 activations.
+    fn dot_floats(self, format: FloatFormat, weights: &[u8], activations: &[f32]) -> f32 {
+        match self {
+            Self::Scalar => format.dot(weights, activations),
+            Self::Avx2(Avx2Kernel(token)) => token.dot_floats(format, weights, activations),
         }
     }
 

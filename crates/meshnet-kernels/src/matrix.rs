@@ -2,44 +2,145 @@
 //! straight through (the scales of a row together, the quants of a row together), stacked for
 //! fused projections, and multiplied by f32 activations.
 
-use half::f16;
 use rayon::prelude::*;
 
 use crate::activations::QuantizedRows;
 use crate::error::{KernelError, Result};
+use crate::formats::{BlockFormat, FloatFormat, SUPER_BLOCK, SuperFormat, half_at};
+use crate::super_rows::SuperRows;
 use crate::{BLOCK, Kernel, Q4_1_QUANT_BYTES, TOGETHER};
 
-/// The ggml block formats the kernels run.
+/// The ggml formats the kernels run: every type `llama-quantize`'s presets Q2_K … Q8_0 write,
+/// and the unquantized ones.
+#[allow(non_camel_case_types)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum WeightFormat {
+    /// 32 values as 4-bit quants minus 8 with an f16 scale: 18 bytes per block.
+    Q4_0,
     /// 32 values as 4-bit quants with an f16 scale and an f16 minimum: 20 bytes per block.
     Q4_1,
+    /// 32 values as 5-bit quants minus 16 with an f16 scale: 22 bytes per block.
+    Q5_0,
+    /// 32 values as 5-bit quants with an f16 scale and an f16 minimum: 24 bytes per block.
+    Q5_1,
     /// 32 values as signed bytes with an f16 scale: 34 bytes per block.
     Q8_0,
+    /// 256 values as 2-bit quants with 4-bit scales and minimums: 84 bytes per block.
+    Q2_K,
+    /// 256 values as 3-bit quants with 6-bit scales: 110 bytes per block.
+    Q3_K,
+    /// 256 values as 4-bit quants with 6-bit scales and minimums: 144 bytes per block.
+    Q4_K,
+    /// 256 values as 5-bit quants with 6-bit scales and minimums: 176 bytes per block.
+    Q5_K,
+    /// 256 values as 6-bit quants with 8-bit scales: 210 bytes per block.
+    Q6_K,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// IEEE single precision.
+    F32,
+}
+
+/// How the kernels hold and multiply a format.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Family {
+    /// Q4_1 and Q8_0: parsed into scales, minimums and quants (`scalar.rs`).
+    Parsed,
+    /// A 32-value format read from its block bytes.
+    Blocks(BlockFormat),
+    /// A k-quant read from its super-block bytes.
+    Super(SuperFormat),
+    /// An unquantized format read from its bytes.
+    Float(FloatFormat),
 }
 
 impl WeightFormat {
+    /// Every format, in ggml's type order.
+    pub const ALL: [Self; 13] = [
+        Self::F32,
+        Self::F16,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q8_0,
+        Self::Q2_K,
+        Self::Q3_K,
+        Self::Q4_K,
+        Self::Q5_K,
+        Self::Q6_K,
+        Self::BF16,
+    ];
+
     /// The format's name as ggml spells it.
     pub fn name(self) -> &'static str {
         match self {
+            Self::Q4_0 => "Q4_0",
             Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
             Self::Q8_0 => "Q8_0",
+            Self::Q2_K => "Q2_K",
+            Self::Q3_K => "Q3_K",
+            Self::Q4_K => "Q4_K",
+            Self::Q5_K => "Q5_K",
+            Self::Q6_K => "Q6_K",
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+            Self::F32 => "F32",
         }
     }
 
-    /// Bytes of one 32-value block in a ggml file.
-    pub fn block_bytes(self) -> usize {
+    /// The format named `name` as ggml spells it (`Q4_K`, `BF16`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|format| format.name() == name)
+    }
+
+    pub(crate) fn family(self) -> Family {
         match self {
-            Self::Q4_1 => 4 + Q4_1_QUANT_BYTES,
-            Self::Q8_0 => 2 + BLOCK,
+            Self::Q4_1 | Self::Q8_0 => Family::Parsed,
+            Self::Q4_0 => Family::Blocks(BlockFormat::Q4_0),
+            Self::Q5_0 => Family::Blocks(BlockFormat::Q5_0),
+            Self::Q5_1 => Family::Blocks(BlockFormat::Q5_1),
+            Self::Q2_K => Family::Super(SuperFormat::Q2K),
+            Self::Q3_K => Family::Super(SuperFormat::Q3K),
+            Self::Q4_K => Family::Super(SuperFormat::Q4K),
+            Self::Q5_K => Family::Super(SuperFormat::Q5K),
+            Self::Q6_K => Family::Super(SuperFormat::Q6K),
+            Self::F16 => Family::Float(FloatFormat::F16),
+            Self::BF16 => Family::Float(FloatFormat::Bf16),
+            Self::F32 => Family::Float(FloatFormat::F32),
         }
     }
 
-    /// Bytes of quants in one block.
+    /// Values per block: 32, 256 for the k-quants, 1 for the unquantized formats. A row is a
+    /// whole number of blocks.
+    pub fn block_values(self) -> usize {
+        match self.family() {
+            Family::Parsed | Family::Blocks(_) => BLOCK,
+            Family::Super(_) => SUPER_BLOCK,
+            Family::Float(_) => 1,
+        }
+    }
+
+    /// Bytes of one block in a ggml file.
+    pub fn block_bytes(self) -> usize {
+        match (self, self.family()) {
+            (Self::Q4_1, _) => 4 + Q4_1_QUANT_BYTES,
+            (_, Family::Parsed) => 2 + BLOCK,
+            (_, Family::Blocks(format)) => format.block_bytes(),
+            (_, Family::Super(format)) => format.block_bytes(),
+            (_, Family::Float(format)) => format.value_bytes(),
+        }
+    }
+
+    /// Bytes of quants in one parsed block (Q4_1, Q8_0).
     fn quant_bytes(self) -> usize {
         match self {
             Self::Q4_1 => Q4_1_QUANT_BYTES,
-            Self::Q8_0 => BLOCK,
+            _ => BLOCK,
         }
     }
 }
@@ -64,6 +165,8 @@ pub struct QuantizedMatrix {
     /// One minimum per block (Q4_1), else empty.
     mins: Vec<f32>,
     quants: Vec<u8>,
+    /// The file's bytes, row after row, for every format but Q4_1 and Q8_0 (else empty).
+    blocks: Vec<u8>,
 }
 
 impl QuantizedMatrix {
@@ -113,6 +216,10 @@ impl QuantizedMatrix {
                 .iter()
                 .flat_map(|p| p.quants.iter().copied())
                 .collect(),
+            blocks: parts
+                .iter()
+                .flat_map(|p| p.blocks.iter().copied())
+                .collect(),
         })
     }
 
@@ -132,7 +239,20 @@ impl QuantizedMatrix {
     }
 
     fn blocks_per_row(&self) -> usize {
-        self.cols / BLOCK
+        self.cols / self.format.block_values()
+    }
+
+    /// Bytes the weights take in memory (scales widened to f32 for Q4_1 and Q8_0).
+    pub fn memory_bytes(&self) -> usize {
+        (self.scales.len() + self.mins.len()) * std::mem::size_of::<f32>()
+            + self.quants.len()
+            + self.blocks.len()
+    }
+
+    /// Row `row`'s bytes, for the formats held as file bytes.
+    fn row_bytes(&self, row: usize) -> &[u8] {
+        let bytes = self.blocks_per_row() * self.format.block_bytes();
+        &self.blocks[row * bytes..(row + 1) * bytes]
     }
 
     fn row(&self, row: usize) -> WeightRow<'_> {
@@ -160,29 +280,46 @@ impl QuantizedMatrix {
                 self.cols
             )));
         }
+        match self.format.family() {
+            Family::Parsed => self.dequantize_parsed(row, output),
+            Family::Blocks(format) => {
+                let bytes = self.row_bytes(row).chunks_exact(format.block_bytes());
+                for (block, values) in bytes.zip(output.chunks_exact_mut(BLOCK)) {
+                    format.dequantize(block, values);
+                }
+            }
+            Family::Super(format) => {
+                let bytes = self.row_bytes(row).chunks_exact(format.block_bytes());
+                for (block, values) in bytes.zip(output.chunks_exact_mut(SUPER_BLOCK)) {
+                    format.dequantize(block, values);
+                }
+            }
+            Family::Float(format) => format.dequantize(self.row_bytes(row), output),
+        }
+        Ok(())
+    }
+
+    /// [`Self::dequantize_row`] for Q4_1 and Q8_0.
+    fn dequantize_parsed(&self, row: usize, output: &mut [f32]) {
         let weights = self.row(row);
         for (block, values) in output.chunks_exact_mut(BLOCK).enumerate() {
             let scale = weights.scales[block];
-            match self.format {
-                WeightFormat::Q4_1 => {
-                    let min = weights.mins[block];
-                    let quants =
-                        &weights.quants[block * Q4_1_QUANT_BYTES..(block + 1) * Q4_1_QUANT_BYTES];
-                    let (low, high) = values.split_at_mut(Q4_1_QUANT_BYTES);
-                    for ((byte, low), high) in quants.iter().zip(low).zip(high) {
-                        *low = f32::from(byte & 0x0F) * scale + min;
-                        *high = f32::from(byte >> 4) * scale + min;
-                    }
+            if self.format == WeightFormat::Q4_1 {
+                let min = weights.mins[block];
+                let quants =
+                    &weights.quants[block * Q4_1_QUANT_BYTES..(block + 1) * Q4_1_QUANT_BYTES];
+                let (low, high) = values.split_at_mut(Q4_1_QUANT_BYTES);
+                for ((byte, low), high) in quants.iter().zip(low).zip(high) {
+                    *low = f32::from(byte & 0x0F) * scale + min;
+                    *high = f32::from(byte >> 4) * scale + min;
                 }
-                WeightFormat::Q8_0 => {
-                    let quants = &weights.quants[block * BLOCK..(block + 1) * BLOCK];
-                    for (byte, value) in quants.iter().zip(values) {
-                        *value = f32::from(*byte as i8) * scale;
-                    }
+            } else {
+                let quants = &weights.quants[block * BLOCK..(block + 1) * BLOCK];
+                for (byte, value) in quants.iter().zip(values) {
+                    *value = f32::from(*byte as i8) * scale;
                 }
             }
         }
-        Ok(())
     }
 
     /// `output = input · selfᵀ` with the fastest kernel this CPU has: `input` is `m` rows of
@@ -206,11 +343,9 @@ impl QuantizedMatrix {
         if m == 0 {
             return Ok(());
         }
-        let activations = quantize_rows(input, m, self.cols);
-        let dot = |row: usize, activation: usize| {
-            kernel.dot(self.format, self.row(row), activations.row(activation))
-        };
-        if m == 1 && self.rows * self.blocks_per_row() < PARALLEL_BLOCKS {
+        let activations = Activations::quantize(self.format.family(), input, m, self.cols);
+        let dot = |row: usize, activation: usize| self.dot(kernel, &activations, row, activation);
+        if m == 1 && self.rows * self.cols < PARALLEL_BLOCKS * BLOCK {
             for (row, value) in output.iter_mut().enumerate() {
                 *value = dot(row, 0);
             }
@@ -237,15 +372,17 @@ impl QuantizedMatrix {
             .for_each(|(chunk, values)| {
                 for (offset, column) in values.chunks_exact_mut(m).enumerate() {
                     let row = chunk * chunk_rows + offset;
+                    let Activations::Blocks(activations) = &activations else {
+                        for (activation, value) in column.iter_mut().enumerate() {
+                            *value = dot(row, activation);
+                        }
+                        continue;
+                    };
                     let mut groups = column.chunks_exact_mut(TOGETHER);
                     for (group, values) in groups.by_ref().enumerate() {
                         let first = group * TOGETHER;
                         let rows = std::array::from_fn(|k| activations.row(first + k));
-                        values.copy_from_slice(&kernel.dot_together(
-                            self.format,
-                            self.row(row),
-                            rows,
-                        ));
+                        values.copy_from_slice(&self.dot_together(kernel, row, rows));
                     }
                     let done = m - m % TOGETHER;
                     for (offset, value) in groups.into_remainder().iter_mut().enumerate() {
@@ -259,6 +396,71 @@ impl QuantizedMatrix {
             }
         }
         Ok(())
+    }
+}
+
+impl QuantizedMatrix {
+    /// Weight row `row` against activation row `activation`.
+    fn dot(
+        &self,
+        kernel: Kernel,
+        activations: &Activations<'_>,
+        row: usize,
+        activation: usize,
+    ) -> f32 {
+        match (self.format.family(), activations) {
+            (Family::Parsed, Activations::Blocks(rows)) => {
+                kernel.dot(self.format, self.row(row), rows.row(activation))
+            }
+            (Family::Blocks(format), Activations::Blocks(rows)) => {
+                kernel.dot_blocks(format, self.row_bytes(row), rows.row(activation))
+            }
+            (Family::Super(format), Activations::Super(rows)) => {
+                kernel.dot_super(format, self.row_bytes(row), rows.row(activation))
+            }
+            (Family::Float(format), Activations::Floats(values)) => {
+                let values = &values[activation * self.cols..(activation + 1) * self.cols];
+                kernel.dot_floats(format, self.row_bytes(row), values)
+            }
+            _ => unreachable!("activations are quantized for the matrix's own family"),
+        }
+    }
+
+    /// Weight row `row` against [`TOGETHER`] activation rows of 32-value blocks.
+    fn dot_together(
+        &self,
+        kernel: Kernel,
+        row: usize,
+        activations: [crate::activations::ActivationRow<'_>; TOGETHER],
+    ) -> [f32; TOGETHER] {
+        match self.format.family() {
+            Family::Parsed => kernel.dot_together(self.format, self.row(row), activations),
+            Family::Blocks(format) => {
+                activations.map(|rows| kernel.dot_blocks(format, self.row_bytes(row), rows))
+            }
+            _ => unreachable!("only 32-value formats read 32-value activation blocks"),
+        }
+    }
+}
+
+/// A matmul's input rows, in the form the matrix's format reads.
+enum Activations<'a> {
+    /// 32-value blocks with scales and sums (Q4_0 … Q8_0).
+    Blocks(QuantizedRows),
+    /// 256-value super-blocks (the k-quants).
+    Super(SuperRows),
+    /// The f32 values themselves (the unquantized formats).
+    Floats(&'a [f32]),
+}
+
+impl<'a> Activations<'a> {
+    /// `input` (`m` rows of `cols`) quantized for `family`.
+    fn quantize(family: Family, input: &'a [f32], m: usize, cols: usize) -> Self {
+        match family {
+            Family::Parsed | Family::Blocks(_) => Self::Blocks(quantize_rows(input, m, cols)),
+            Family::Super(_) => Self::Super(SuperRows::quantize(input, m, cols)),
+            Family::Float(_) => Self::Floats(input),
+        }
     }
 }
 
@@ -302,19 +504,22 @@ impl MatrixBuilder {
     /// A builder for `rows × cols` values of `format`, checking that the shape is whole blocks
     /// and that its byte size fits in memory.
     pub fn new(format: WeightFormat, rows: usize, cols: usize) -> Result<Self> {
-        if cols == 0 || !cols.is_multiple_of(BLOCK) {
+        let block = format.block_values();
+        if cols == 0 || !cols.is_multiple_of(block) {
             return Err(KernelError::RaggedRow {
                 format: format.name(),
                 cols,
-                block: BLOCK,
+                block,
             });
         }
         let blocks = rows
-            .checked_mul(cols / BLOCK)
+            .checked_mul(cols / block)
             .ok_or(KernelError::TooLarge { rows, cols })?;
         let expected = blocks
             .checked_mul(format.block_bytes())
             .ok_or(KernelError::TooLarge { rows, cols })?;
+        let parsed = format.family() == Family::Parsed;
+        let parsed_blocks = if parsed { blocks } else { 0 };
         let mins = if format == WeightFormat::Q4_1 {
             blocks
         } else {
@@ -324,9 +529,10 @@ impl MatrixBuilder {
             format,
             rows,
             cols,
-            scales: Vec::with_capacity(blocks),
+            scales: Vec::with_capacity(parsed_blocks),
             mins: Vec::with_capacity(mins),
-            quants: Vec::with_capacity(blocks * format.quant_bytes()),
+            quants: Vec::with_capacity(parsed_blocks * format.quant_bytes()),
+            blocks: Vec::with_capacity(if parsed { 0 } else { expected }),
         };
         Ok(Self {
             matrix,
@@ -357,16 +563,19 @@ impl MatrixBuilder {
         if total > self.expected || !bytes.len().is_multiple_of(format.block_bytes()) {
             return Err(self.length_error(total));
         }
-        let half =
-            |block: &[u8], at: usize| f16::from_le_bytes([block[at], block[at + 1]]).to_f32();
+        if format.family() != Family::Parsed {
+            self.matrix.blocks.extend_from_slice(bytes);
+        }
         for block in bytes.chunks_exact(format.block_bytes()) {
-            self.matrix.scales.push(half(block, 0));
-            let quants = match format {
-                WeightFormat::Q4_1 => {
-                    self.matrix.mins.push(half(block, 2));
-                    &block[4..]
-                }
-                WeightFormat::Q8_0 => &block[2..],
+            if format.family() != Family::Parsed {
+                break;
+            }
+            self.matrix.scales.push(half_at(block, 0));
+            let quants = if format == WeightFormat::Q4_1 {
+                self.matrix.mins.push(half_at(block, 2));
+                &block[4..]
+            } else {
+                &block[2..]
             };
             self.matrix.quants.extend_from_slice(quants);
         }

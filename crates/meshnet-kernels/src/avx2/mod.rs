@@ -19,8 +19,18 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+mod float;
+mod legacy;
+mod q2_k;
+mod q3_k;
+mod q4_k;
+mod q5_k;
+mod q6_k;
+
 use crate::activations::ActivationRow;
+use crate::formats::{BlockFormat, FloatFormat, SuperFormat};
 use crate::matrix::WeightRow;
+use crate::super_rows::SuperRow;
 use crate::{BLOCK, Q4_1_QUANT_BYTES};
 
 /// Blocks reduced together.
@@ -30,15 +40,19 @@ const GROUP: usize = 8;
 /// weight row at once.
 pub(crate) const TOGETHER: usize = 4;
 
-/// Proof that the running CPU has AVX2: the only way to reach the kernels.
+/// Proof that the running CPU has AVX2, FMA and F16C: the only way to reach the kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Avx2(());
 
 impl Avx2 {
-    /// `Some` when the CPU this process runs on has AVX2.
+    /// `Some` when the CPU this process runs on has AVX2, FMA and F16C (every CPU with AVX2
+    /// that x86 vendors have shipped has the other two; the kernels may use all three).
     pub(crate) fn detect() -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
             return Some(Self(()));
         }
         None
@@ -75,6 +89,49 @@ impl Avx2 {
         let blocks = checked_rows(weights, &activations, BLOCK);
         // SAFETY: as in `dot_q8_0`, for each of the four activation rows.
         unsafe { q8_0_four(weights, activations, blocks) }
+    }
+
+    /// One row of a 32-value format's block bytes against one activation row (equal to
+    /// [`BlockFormat::dot`]).
+    pub(crate) fn dot_blocks(
+        self,
+        format: BlockFormat,
+        weights: &[u8],
+        activations: ActivationRow<'_>,
+    ) -> f32 {
+        match format {
+            BlockFormat::Q4_0 => legacy::dot_q4_0(self, weights, activations),
+            BlockFormat::Q5_0 => legacy::dot_q5_0(self, weights, activations),
+            BlockFormat::Q5_1 => legacy::dot_q5_1(self, weights, activations),
+        }
+    }
+
+    /// One row of a k-quant's super-block bytes against one activation row (equal to
+    /// [`SuperFormat::dot`]).
+    pub(crate) fn dot_super(
+        self,
+        format: SuperFormat,
+        weights: &[u8],
+        activations: SuperRow<'_>,
+    ) -> f32 {
+        match format {
+            SuperFormat::Q2K => q2_k::dot(self, weights, activations),
+            SuperFormat::Q3K => q3_k::dot(self, weights, activations),
+            SuperFormat::Q4K => q4_k::dot(self, weights, activations),
+            SuperFormat::Q5K => q5_k::dot(self, weights, activations),
+            SuperFormat::Q6K => q6_k::dot(self, weights, activations),
+        }
+    }
+
+    /// One row of unquantized weights against one row of f32 activations (equal to
+    /// [`FloatFormat::dot`]).
+    pub(crate) fn dot_floats(
+        self,
+        format: FloatFormat,
+        weights: &[u8],
+        activations: &[f32],
+    ) -> f32 {
+        float::dot(self, format, weights, activations)
     }
 
     /// One Q8_0 weight row against one activation row (equal to `scalar::dot_q8_0`).
