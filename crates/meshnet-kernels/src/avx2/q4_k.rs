@@ -1,10 +1,330 @@
-//! AVX2 dot product of Q4_K rows (equal to `formats::q4_k`'s).
+//! AVX2 dot product of Q4_K rows (equal to `formats::q4_k`'s), and the super-block loop and
+//! integer helpers that Q5_K's shares.
+//!
+//! Per super-block the kernel computes the reference's two exact integers and hands them to
+//! `q4_k::super_block_term`, adding the terms to the row's sum in super-block order as the
+//! reference does, so the bits are the reference's:
+//! - `scaled_dot = Σ_j scale_j · Σ_l q_l · a_l`: each run of 32 quant bytes is split into its
+//!   low and high nibbles (sub-blocks `2c` and `2c + 1`), `maddubs` multiplies them with the
+//!   activations into pairs, and `madd` against the sub-block's scale (in every i16 lane)
+//!   scales and adds the pairs into i32 lanes.
+//! - `scaled_min_sum = Σ_j min_j · Σ_l a_l`: one `madd` of the sixteen activation sums against
+//!   the minimums, each in the two lanes of its sub-block's two sums.
+//!
+//! Nothing saturates or wraps: a `maddubs` pair is at most 2 · 31 · 128 = 7936 (Q5_K's 5-bit
+//! quants, even against -128), a scaled pair at most 2 · 63 · 7936 < 2^20, and an i32 lane
+//! adds eight of those; the minimum products are at most 2 · 63 · 2048 each.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
 
 use super::Avx2;
+use crate::formats::SUPER_BLOCK;
 use crate::formats::q4_k;
-use crate::super_rows::SuperRow;
+use crate::super_rows::{SUM_GROUP, SuperRow};
+
+/// A format whose super-blocks reduce to Q4_K's two integers (Q4_K and Q5_K).
+pub(super) trait ScaledIntegers {
+    /// Bytes of one super-block.
+    const BYTES: usize;
+
+    /// `(scaled_dot, scaled_min_sum)` of one super-block.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `block` must hold [`Self::BYTES`] bytes, `quants` 256 and
+    /// `sums` 16.
+    unsafe fn integers(block: &[u8], quants: &[i8], sums: &[i16]) -> (i32, i32);
+}
+
+/// Q4_K's super-blocks.
+struct Q4K;
+
+impl ScaledIntegers for Q4K {
+    const BYTES: usize = q4_k::BYTES;
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn integers(block: &[u8], quants: &[i8], sums: &[i16]) -> (i32, i32) {
+        let scales_and_mins = scales_and_mins(block);
+        let nibble_mask = _mm256_set1_epi8(0x0F);
+        let mut scaled = _mm256_setzero_si256();
+        for run in 0..SUPER_BLOCK / 64 {
+            // SAFETY: `block` holds 144 bytes (the caller's promise), so the run's 32 bytes
+            // at 16 + 32 · run ≤ 112 are in range.
+            let packed = unsafe { load(block, q4_k::QUANTS_AT + run * q4_k::RUN_BYTES) };
+            let low = _mm256_and_si256(packed, nibble_mask);
+            let high = _mm256_and_si256(_mm256_srli_epi16::<4>(packed), nibble_mask);
+            // SAFETY: `quants` holds 256 activations (the caller's promise).
+            scaled = unsafe { add_run(scaled, [low, high], quants, run, scales_and_mins) };
+        }
+        // SAFETY: `sums` holds 16 sums (the caller's promise).
+        unsafe { finish(scaled, scales_and_mins, sums) }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    unsafe fn integers(_: &[u8], _: &[i8], _: &[i16]) -> (i32, i32) {
+        unreachable!("no AVX2 outside x86_64")
+    }
+}
 
 /// One Q4_K row against one activation row.
 pub(super) fn dot(_: Avx2, weights: &[u8], activations: SuperRow<'_>) -> f32 {
-    q4_k::dot(weights, activations)
+    q4_k::checked_super_blocks(weights, q4_k::BYTES, activations);
+    // SAFETY: the `Avx2` token exists only when the CPU has AVX2, and the lengths were checked.
+    unsafe { row_sum::<Q4K>(weights, activations) }
+}
+
+/// A row's sum: `q4_k::super_block_term` of each super-block's integers, added in order.
+///
+/// # Safety
+/// The CPU must have AVX2; `weights` must hold as many super-blocks of `K::BYTES` as
+/// `activations` has scales, and the activations' sums and quants as many super-blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn row_sum<K: ScaledIntegers>(weights: &[u8], activations: SuperRow<'_>) -> f32 {
+    let blocks = weights
+        .chunks_exact(K::BYTES)
+        .zip(activations.quants.chunks_exact(SUPER_BLOCK))
+        .zip(activations.sums.chunks_exact(SUPER_BLOCK / SUM_GROUP))
+        .zip(activations.scales);
+    let mut sum = 0f32;
+    for (((block, quants), sums), scale) in blocks {
+        // SAFETY: AVX2 is the caller's promise; `chunks_exact` gives the lengths `integers` needs.
+        let (scaled_dot, min_sum) = unsafe { K::integers(block, quants, sums) };
+        let scales = scale_and_min_scale(block);
+        sum += q4_k::super_block_term(scales, *scale, scaled_dot, min_sum);
+    }
+    sum
+}
+
+/// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn row_sum<K: ScaledIntegers>(_: &[u8], _: SuperRow<'_>) -> f32 {
+    unreachable!("no AVX2 outside x86_64")
+}
+
+/// A super-block's `d` and `dmin` (its first four bytes, two f16) as f32, converted by F16C
+/// (exact, like `q4_k::scale_and_min_scale`, without a run-time feature check per call).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+fn scale_and_min_scale(block: &[u8]) -> (f32, f32) {
+    let halves = i32::from_le_bytes([block[0], block[1], block[2], block[3]]);
+    let floats = _mm_cvtph_ps(_mm_cvtsi32_si128(halves));
+    (
+        _mm_cvtss_f32(floats),
+        _mm_cvtss_f32(_mm_movehdup_ps(floats)),
+    )
+}
+
+/// The 32 bytes at `bytes[at..at + 32]`.
+///
+/// # Safety
+/// `bytes` must hold at least `at + 32` bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn load<T>(bytes: &[T], at: usize) -> __m256i {
+    debug_assert!(size_of_val(&bytes[at..]) >= 32);
+    // SAFETY: the caller guarantees 32 readable bytes from element `at` on.
+    unsafe { _mm256_loadu_si256(bytes.as_ptr().add(at).cast()) }
+}
+
+/// A super-block's unpacked scales (bytes 0..8) and minimums (bytes 8..16), in both halves.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) fn scales_and_mins(block: &[u8]) -> __m256i {
+    let unpacked = q4_k::unpack_scales_and_mins(block);
+    let scales = i64::from_le_bytes(unpacked.scales);
+    let mins = i64::from_le_bytes(unpacked.mins);
+    _mm256_broadcastsi128_si256(_mm_set_epi64x(mins, scales))
+}
+
+/// Adds run `run`'s two sub-blocks (`quants[0]` is sub-block `2 · run`, `quants[1]` the next,
+/// each as 32 unsigned bytes), each dotted with its activations and scaled, to `scaled`.
+///
+/// # Safety
+/// `activations` must hold at least `64 · (run + 1)` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn add_run(
+    scaled: __m256i,
+    quants: [__m256i; 2],
+    activations: &[i8],
+    run: usize,
+    scales_and_mins: __m256i,
+) -> __m256i {
+    let mut scaled = scaled;
+    for (half, quants) in quants.into_iter().enumerate() {
+        let sub_block = 2 * run + half;
+        // SAFETY: the caller guarantees the 32 activations of `sub_block` are in range.
+        let activations = unsafe { load(activations, 32 * sub_block) };
+        let pairs = _mm256_maddubs_epi16(quants, activations);
+        let scale = i16::from_le_bytes([sub_block as u8, 0x80]);
+        let scales = _mm256_shuffle_epi8(scales_and_mins, _mm256_set1_epi16(scale));
+        scaled = _mm256_add_epi32(scaled, _mm256_madd_epi16(pairs, scales));
+    }
+    scaled
+}
+
+/// `(Σ scaled, Σ_j min_j · (sums[2j] + sums[2j + 1]))` of a super-block whose scaled sub-block
+/// dots are spread over the lanes of `scaled`.
+///
+/// # Safety
+/// `sums` must hold at least 16 sums.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn finish(scaled: __m256i, scales_and_mins: __m256i, sums: &[i16]) -> (i32, i32) {
+    // i16 lane k of the low half takes minimum k / 2, of the high half minimum 4 + k / 2.
+    let pick = |min: u8| i16::from_le_bytes([8 + min, 0x80]);
+    let pairs = _mm256_setr_epi16(
+        pick(0),
+        pick(0),
+        pick(1),
+        pick(1),
+        pick(2),
+        pick(2),
+        pick(3),
+        pick(3),
+        pick(4),
+        pick(4),
+        pick(5),
+        pick(5),
+        pick(6),
+        pick(6),
+        pick(7),
+        pick(7),
+    );
+    let mins = _mm256_shuffle_epi8(scales_and_mins, pairs);
+    // SAFETY: the caller guarantees 16 sums (32 bytes).
+    let min_products = _mm256_madd_epi16(unsafe { load(sums, 0) }, mins);
+    let pairs = _mm256_hadd_epi32(scaled, min_products);
+    let halves = _mm_add_epi32(
+        _mm256_castsi256_si128(pairs),
+        _mm256_extracti128_si256::<1>(pairs),
+    );
+    let totals = _mm_hadd_epi32(halves, halves);
+    (_mm_cvtsi128_si32(totals), _mm_extract_epi32::<1>(totals))
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+    use crate::formats::q4_k::tests::{Bits, OwnedRow, random_blocks};
+
+    /// The reference and the AVX2 dot product of one format.
+    pub(in crate::avx2) struct Paths {
+        /// Bytes of one super-block.
+        pub(in crate::avx2) block_bytes: usize,
+        /// The scalar reference.
+        pub(in crate::avx2) reference: fn(&[u8], SuperRow<'_>) -> f32,
+        /// The AVX2 kernel.
+        pub(in crate::avx2) fast: fn(Avx2, &[u8], SuperRow<'_>) -> f32,
+    }
+
+    impl Paths {
+        /// Asserts that both paths give the same bits on `weights` against `row`.
+        pub(in crate::avx2) fn assert_same(&self, avx2: Avx2, weights: &[u8], row: &OwnedRow) {
+            let reference = (self.reference)(weights, row.view());
+            let fast = (self.fast)(avx2, weights, row.view());
+            assert_eq!(fast.to_bits(), reference.to_bits(), "{fast} vs {reference}");
+        }
+
+        /// Random rows of many lengths.
+        pub(in crate::avx2) fn check_random_rows(&self, avx2: Avx2) {
+            let mut bits = Bits::new(0x5EED);
+            for blocks in (0..=13).chain([17, 31, 64]) {
+                for _ in 0..8 {
+                    let weights = random_blocks(&mut bits, blocks, self.block_bytes);
+                    self.assert_same(avx2, &weights, &OwnedRow::random(&mut bits, blocks));
+                }
+            }
+        }
+
+        /// Zero blocks, the largest scales and quants, and activations at ±127.
+        pub(in crate::avx2) fn check_extremes(&self, avx2: Avx2) {
+            let mut bits = Bits::new(0xE87E);
+            let blocks = 5;
+            let extremes = |a: i8| OwnedRow::new(vec![1e3; blocks], vec![a; blocks * SUPER_BLOCK]);
+            let signs = (0..blocks * SUPER_BLOCK)
+                .map(|_| if bits.below(2) == 0 { 127 } else { -127 })
+                .collect();
+            let rows = [
+                extremes(127),
+                extremes(-127),
+                OwnedRow::new(vec![0.5; blocks], signs),
+                OwnedRow::random(&mut bits, blocks),
+            ];
+            let zero = vec![0u8; blocks * self.block_bytes];
+            // Every scale, minimum and quant at its largest, with d = dmin = ±65504 (the
+            // largest f16).
+            let largest = |half: [u8; 2]| {
+                let mut weights = vec![0xFFu8; blocks * self.block_bytes];
+                for block in weights.chunks_exact_mut(self.block_bytes) {
+                    block[..2].copy_from_slice(&half);
+                    block[2..4].copy_from_slice(&half);
+                }
+                weights
+            };
+            let (largest, smallest) = (largest([0xFF, 0x7B]), largest([0xFF, 0xFB]));
+            let random = random_blocks(&mut bits, blocks, self.block_bytes);
+            for row in &rows {
+                for weights in [&zero, &largest, &smallest, &random] {
+                    self.assert_same(avx2, weights, row);
+                }
+            }
+        }
+
+        /// The best of twenty runs, in nanoseconds per 256 values per row, of each path (the
+        /// reference, then AVX2) over 576 rows of 1536 values against one activation row.
+        pub(in crate::avx2) fn time(&self, avx2: Avx2) -> (f64, f64) {
+            let (rows, blocks) = (576, 1536 / SUPER_BLOCK);
+            let mut bits = Bits::new(0x71);
+            let weights = random_blocks(&mut bits, rows * blocks, self.block_bytes);
+            let row = OwnedRow::random(&mut bits, blocks);
+            let time = |dot: &dyn Fn(&[u8]) -> f32| {
+                let mut best = f64::INFINITY;
+                for _ in 0..20 {
+                    let start = std::time::Instant::now();
+                    for weights in weights.chunks_exact(blocks * self.block_bytes) {
+                        std::hint::black_box(dot(std::hint::black_box(weights)));
+                    }
+                    let nanos = start.elapsed().as_nanos() as f64;
+                    best = best.min(nanos / (rows * blocks) as f64);
+                }
+                best
+            };
+            let reference = time(&|weights| (self.reference)(weights, row.view()));
+            let fast = time(&|weights| (self.fast)(avx2, weights, row.view()));
+            (reference, fast)
+        }
+    }
+
+    /// Q4_K's two paths.
+    const Q4_K: Paths = Paths {
+        block_bytes: q4_k::BYTES,
+        reference: q4_k::dot,
+        fast: dot,
+    };
+
+    #[test]
+    fn random_rows_give_the_reference_bits() {
+        if let Some(avx2) = Avx2::detect() {
+            Q4_K.check_random_rows(avx2);
+        }
+    }
+
+    #[test]
+    fn extreme_rows_give_the_reference_bits() {
+        if let Some(avx2) = Avx2::detect() {
+            Q4_K.check_extremes(avx2);
+        }
+    }
+
+    #[test]
+    #[ignore = "timing: run in release mode with --nocapture"]
+    fn timing() {
+        if let Some(avx2) = Avx2::detect() {
+            let (reference, fast) = Q4_K.time(avx2);
+            println!("Q4_K ns per 256 values per row: reference {reference:.1}, AVX2 {fast:.1}");
+        }
+    }
 }
