@@ -1,10 +1,390 @@
-//! AVX2 dot product of Q6_K rows (equal to `formats::q6_k`'s).
+//! AVX2 dot product of Q6_K rows (equal to `formats::q6_k`'s), and the pieces Q3_K and Q2_K
+//! share with it.
+//!
+//! A super-block is read as two halves of four runs of 32 quants; run `r` of half `h` holds
+//! values `128h + 32r..128h + 32r + 32`, that is sub-blocks `8h + 2r` (its low 128-bit lane)
+//! and `8h + 2r + 1` (its high lane). Each run's stored quants (unsigned) are multiplied with
+//! their activations by `maddubs` into pairs, and the pairs by their sub-block's scale by
+//! `madd` into i32 (exact: a Q6_K pair is at most 2 · 63 · 128 = 16128 in size, far from
+//! i16's limit, and a scale times two pairs fits an i32 by far). The quants' offset is taken
+//! out once per super-block through the activation sums: `madd(scales, sums)` gives
+//! `Σ_j scales[j] · sums[j]` in eight lanes. The eight lanes are added into the exact integer
+//! of the reference, and its f32 part is computed by the reference's own function.
 
 use super::Avx2;
-use crate::formats::q6_k;
+use crate::formats::SUPER_BLOCK;
+use crate::formats::q6_k::{self, BYTES, D_AT, HIGH_BITS_AT, SCALES_AT, SUB_BLOCKS};
 use crate::super_rows::SuperRow;
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
 
 /// One Q6_K row against one activation row.
 pub(super) fn dot(_: Avx2, weights: &[u8], activations: SuperRow<'_>) -> f32 {
-    q6_k::dot(weights, activations)
+    q6_k::checked_blocks(weights, activations, BYTES);
+    // SAFETY: the `Avx2` token exists only when the CPU has AVX2 and F16C; `checked_blocks`
+    // checked that the row holds as many super-blocks of weights, sums and quants as scales.
+    unsafe { row_dot(weights, activations) }
+}
+
+/// The row's super-blocks' parts added in order, as the reference adds them.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C, and the row must hold as many super-blocks of weights, sums and
+/// quants as it has scales.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn row_dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
+    let mut sum = 0f32;
+    for (block, scale) in activations.scales.iter().enumerate() {
+        // SAFETY: super-block `block` is in range of the weights, the sums and the quants.
+        let integer = unsafe {
+            block_integer(
+                weights.as_ptr().add(block * BYTES),
+                activations.sums.as_ptr().add(block * SUB_BLOCKS),
+                activations.quants.as_ptr().add(block * SUPER_BLOCK),
+            )
+        };
+        let d = half_at(weights, block * BYTES + D_AT);
+        sum += q6_k::scaled_integer(*scale, d, integer);
+    }
+    sum
+}
+
+/// The exact integer of one super-block, as `formats::q6_k` defines it.
+///
+/// # Safety
+/// The CPU must have AVX2; `block` must point at 210 readable bytes, `sums` at 16 i16 and
+/// `quants` at 256 i8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn block_integer(block: *const u8, sums: *const i16, quants: *const i8) -> i32 {
+    // SAFETY: `block` holds the 16 scale bytes at `SCALES_AT` and `sums` 32 bytes.
+    let (packed_scales, sums) = unsafe {
+        (
+            _mm_loadu_si128(block.add(SCALES_AT).cast()),
+            _mm256_loadu_si256(sums.cast()),
+        )
+    };
+    let scales = _mm256_cvtepi8_epi16(packed_scales);
+    let offsets = _mm256_madd_epi16(scales, sums);
+    let [first_scales, second_scales] = half_scales(scales);
+    // SAFETY: each half reads 64 bytes of low bits and 32 of high bits inside the block, and
+    // 128 activations inside `quants`.
+    let dots = unsafe {
+        let first = half_runs(block, block.add(HIGH_BITS_AT));
+        let second = half_runs(block.add(64), block.add(HIGH_BITS_AT + 32));
+        _mm256_add_epi32(
+            half_dot(first, quants, first_scales),
+            half_dot(second, quants.add(SUPER_BLOCK / 2), second_scales),
+        )
+    };
+    // `OFFSET` is 32: the offsets are taken 32 times.
+    horizontal_sum(_mm256_sub_epi32(dots, _mm256_slli_epi32::<5>(offsets)))
+}
+
+/// The four runs of stored quants (0..=63) of one half.
+///
+/// # Safety
+/// `low_bits` must point at 64 readable bytes and `high_bits` at 32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn half_runs(low_bits: *const u8, high_bits: *const u8) -> [__m256i; 4] {
+    // SAFETY: the caller guarantees the 64 and 32 bytes.
+    let (first, second, high) = unsafe {
+        (
+            _mm256_loadu_si256(low_bits.cast()),
+            _mm256_loadu_si256(low_bits.add(32).cast()),
+            _mm256_loadu_si256(high_bits.cast()),
+        )
+    };
+    let nibble = _mm256_set1_epi8(0x0F);
+    let top = _mm256_set1_epi8(0x30);
+    // Bits 2r, 2r + 1 of the high byte become bits 4 and 5; what a 16-bit shift carries over
+    // from the neighbouring byte falls outside `top`.
+    [
+        _mm256_or_si256(
+            _mm256_and_si256(first, nibble),
+            _mm256_and_si256(_mm256_slli_epi16::<4>(high), top),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(second, nibble),
+            _mm256_and_si256(_mm256_slli_epi16::<2>(high), top),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(first), nibble),
+            _mm256_and_si256(high, top),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16::<4>(second), nibble),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(high), top),
+        ),
+    ]
+}
+
+/// Sixteen i16 sub-block scales as two vectors, each holding one half's eight scales in both
+/// 128-bit lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn half_scales(scales: __m256i) -> [__m256i; 2] {
+    [
+        _mm256_permute2x128_si256::<0x00>(scales, scales),
+        _mm256_permute2x128_si256::<0x11>(scales, scales),
+    ]
+}
+
+/// `Σ scale · quant · activation` of one half's four runs (unsigned quants, at most 127 so
+/// that `maddubs` reads them right), spread over eight i32 lanes.
+///
+/// # Safety
+/// `activations` must point at 128 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn half_dot(
+    runs: [__m256i; 4],
+    activations: *const i8,
+    scales: __m256i,
+) -> __m256i {
+    let mut total = _mm256_setzero_si256();
+    for (run, quants) in runs.into_iter().enumerate() {
+        // SAFETY: run `run` reads activations `32 run..32 run + 32` of the caller's 128.
+        let activations = unsafe { _mm256_loadu_si256(activations.add(32 * run).cast()) };
+        let pairs = _mm256_maddubs_epi16(quants, activations);
+        let run_scales = _mm256_shuffle_epi8(scales, scale_pick(run));
+        total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs, run_scales));
+    }
+    total
+}
+
+/// The byte shuffle that spreads the i16 scale of sub-block `2 run` (of a half's eight) over
+/// the low lane and that of sub-block `2 run + 1` over the high lane.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn scale_pick(run: usize) -> __m256i {
+    let bytes_of = |scale: usize| ((2 * scale) | ((2 * scale + 1) << 8)) as i16;
+    _mm256_set_m128i(
+        _mm_set1_epi16(bytes_of(2 * run + 1)),
+        _mm_set1_epi16(bytes_of(2 * run)),
+    )
+}
+
+/// The f16 stored little-endian at `bytes[at..at + 2]`, as f32: the value of
+/// `formats::half_at` (a conversion that is exact, with NaNs quieted as both do it), by one
+/// F16C instruction instead of a call.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+pub(super) fn half_at(bytes: &[u8], at: usize) -> f32 {
+    let bits = u16::from_le_bytes([bytes[at], bytes[at + 1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The sum of the eight i32 lanes (wrapping, as the exact integers never need to).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn horizontal_sum(lanes: __m256i) -> i32 {
+    let quads = _mm_add_epi32(
+        _mm256_castsi256_si128(lanes),
+        _mm256_extracti128_si256::<1>(lanes),
+    );
+    let pairs = _mm_add_epi32(quads, _mm_shuffle_epi32::<0b01_00_11_10>(quads));
+    let total = _mm_add_epi32(pairs, _mm_shuffle_epi32::<0b10_11_00_01>(pairs));
+    _mm_cvtsi128_si32(total)
+}
+
+/// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn row_dot(_: &[u8], _: SuperRow<'_>) -> f32 {
+    unreachable!("no AVX2 outside x86_64")
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    //! Q6_K's AVX2 tests, and the checks that Q3_K's and Q2_K's share.
+
+    use super::*;
+    use crate::formats::q6_k::tests::{Activations, Numbers, put_half, random_weights};
+
+    /// Asserts that `fast` gives `reference`'s bits on random rows of 1 to 17 and of 33
+    /// super-blocks (`block_bytes` each, finite f16 scales at the offsets `halves`).
+    pub(in crate::avx2) fn assert_random_rows_match(
+        reference: fn(&[u8], SuperRow<'_>) -> f32,
+        fast: impl Fn(&[u8], SuperRow<'_>) -> f32,
+        block_bytes: usize,
+        halves: &[usize],
+    ) {
+        let mut numbers = Numbers::new(block_bytes as u64);
+        for blocks in (1..=17).chain([33]) {
+            for _ in 0..4 {
+                let weights = random_weights(&mut numbers, blocks, block_bytes, halves);
+                let activations = Activations::random(&mut numbers, blocks);
+                let row = activations.row();
+                let (expected, got) = (reference(&weights, row), fast(&weights, row));
+                assert_eq!(
+                    got.to_bits(),
+                    expected.to_bits(),
+                    "{blocks} blocks: {got} ≠ {expected}"
+                );
+            }
+        }
+    }
+
+    /// Asserts that `fast` gives `reference`'s bits on rows of extreme weights (zero bytes, every
+    /// byte 0xFF, 0x80, 0x7F, 0x55 or random, with f16 scales of 0, ±65504 or the smallest
+    /// subnormal) against extreme activations (quants all 127, all −128, alternating ±127, zero
+    /// or random, with scales from 0 to 1e30).
+    pub(in crate::avx2) fn assert_extreme_rows_match(
+        reference: fn(&[u8], SuperRow<'_>) -> f32,
+        fast: impl Fn(&[u8], SuperRow<'_>) -> f32,
+        block_bytes: usize,
+        halves: &[usize],
+    ) {
+        let mut numbers = Numbers::new(7);
+        for blocks in [1, 3, 8] {
+            let activation_rows = extreme_activations(&mut numbers, blocks);
+            for weights in extreme_weights(&mut numbers, blocks, block_bytes, halves) {
+                for activations in &activation_rows {
+                    let row = activations.row();
+                    let (expected, got) = (reference(&weights, row), fast(&weights, row));
+                    assert_eq!(got.to_bits(), expected.to_bits(), "{got} ≠ {expected}");
+                }
+            }
+        }
+    }
+
+    /// Rows of extreme weights: every byte pattern with every choice of f16 scales.
+    fn extreme_weights(
+        numbers: &mut Numbers,
+        blocks: usize,
+        block_bytes: usize,
+        halves: &[usize],
+    ) -> Vec<Vec<u8>> {
+        let mut rows = vec![vec![0u8; blocks * block_bytes]];
+        let random = numbers.bytes(blocks * block_bytes);
+        for pattern in [vec![0xFF], vec![0x80], vec![0x7F], vec![0x55], random] {
+            for scale in [0.0, 65504.0, -65504.0, 6e-8, 1.0] {
+                let mut weights: Vec<u8> = pattern
+                    .iter()
+                    .copied()
+                    .cycle()
+                    .take(blocks * block_bytes)
+                    .collect();
+                for block in weights.chunks_exact_mut(block_bytes) {
+                    for (index, at) in halves.iter().enumerate() {
+                        // Alternate the sign between d and dmin so that Q2_K's parts add up.
+                        let sign = if index % 2 == 0 { 1.0 } else { -1.0 };
+                        put_half(block, *at, sign * scale);
+                    }
+                }
+                rows.push(weights);
+            }
+        }
+        rows
+    }
+
+    /// Rows of extreme activations, their super-blocks' scales cycling through 1, 1e30, 0 and
+    /// 3e-5.
+    fn extreme_activations(numbers: &mut Numbers, blocks: usize) -> Vec<Activations> {
+        let scales: Vec<f32> = [1.0, 1e30, 0.0, 3e-5]
+            .into_iter()
+            .cycle()
+            .take(blocks)
+            .collect();
+        let length = blocks * SUPER_BLOCK;
+        let patterns: [Vec<i8>; 4] = [
+            vec![127; length],
+            vec![-128; length],
+            (0..length)
+                .map(|at| if at % 3 == 0 { 127 } else { -127 })
+                .collect(),
+            vec![0; length],
+        ];
+        let mut rows: Vec<Activations> = patterns
+            .into_iter()
+            .map(|quants| Activations::from_quants(scales.clone(), quants))
+            .collect();
+        rows.push(Activations::random(numbers, blocks));
+        rows
+    }
+
+    /// The AVX2 token, when this CPU has AVX2 (the tests pass vacuously without).
+    pub(in crate::avx2) fn token() -> Option<Avx2> {
+        let token = Avx2::detect();
+        if token.is_none() {
+            eprintln!("no AVX2 on this CPU: nothing to compare");
+        }
+        token
+    }
+
+    /// Prints the time of the reference and of `fast` per super-block (256 values of one row),
+    /// over a 576 × 1536 matrix (six super-blocks a row) against one activation row.
+    pub(in crate::avx2) fn report_timing(
+        name: &str,
+        reference: fn(&[u8], SuperRow<'_>) -> f32,
+        fast: impl Fn(&[u8], SuperRow<'_>) -> f32,
+        block_bytes: usize,
+        halves: &[usize],
+    ) {
+        let (rows, blocks) = (576, 6);
+        let mut numbers = Numbers::new(1);
+        let weights = random_weights(&mut numbers, rows * blocks, block_bytes, halves);
+        let activations = Activations::random(&mut numbers, blocks);
+        // The fastest of many short passes over the matrix: other work on the machine only
+        // ever slows a pass down.
+        let time = |dot: &dyn Fn(&[u8], SuperRow<'_>) -> f32| {
+            let mut fastest = f64::INFINITY;
+            for _ in 0..200 {
+                let start = std::time::Instant::now();
+                let mut total = 0f32;
+                for row in weights.chunks_exact(blocks * block_bytes) {
+                    total += dot(std::hint::black_box(row), activations.row());
+                }
+                std::hint::black_box(total);
+                fastest = fastest.min(start.elapsed().as_nanos() as f64);
+            }
+            fastest / (rows * blocks) as f64
+        };
+        let (slow, quick) = (time(&reference), time(&fast));
+        println!("{name}: reference {slow:.1} ns, avx2 {quick:.1} ns per 256 values of a row");
+    }
+
+    #[test]
+    #[ignore = "timing: run in release mode with --nocapture"]
+    fn timing() {
+        let Some(token) = token() else { return };
+        let fast = |weights: &[u8], row: SuperRow<'_>| dot(token, weights, row);
+        report_timing("Q6_K", q6_k::dot, fast, BYTES, &[D_AT]);
+    }
+
+    #[test]
+    fn f16c_reads_every_half_as_formats_half_at_does() {
+        let Some(_) = token() else { return };
+        for bits in 0..=u16::MAX {
+            let bytes = bits.to_le_bytes();
+            let expected = crate::formats::half_at(&bytes, 0);
+            // SAFETY: the token exists only when the CPU has AVX2 and F16C.
+            let got = unsafe { half_at(&bytes, 0) };
+            assert_eq!(got.to_bits(), expected.to_bits(), "{bits:#06x}");
+        }
+    }
+
+    #[test]
+    fn random_rows_give_the_reference_bits() {
+        let Some(token) = token() else { return };
+        let fast = |weights: &[u8], row: SuperRow<'_>| dot(token, weights, row);
+        assert_random_rows_match(q6_k::dot, fast, BYTES, &[D_AT]);
+    }
+
+    #[test]
+    fn extreme_rows_give_the_reference_bits() {
+        let Some(token) = token() else { return };
+        let fast = |weights: &[u8], row: SuperRow<'_>| dot(token, weights, row);
+        assert_extreme_rows_match(q6_k::dot, fast, BYTES, &[D_AT]);
+    }
 }
