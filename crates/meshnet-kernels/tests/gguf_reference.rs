@@ -1,3 +1,4 @@
+#![allow(clippy::unwrap_used)]
 //! Dequantization agrees with an independent implementation: the `gguf` Python package's
 //! `gguf.quants.dequantize`, run on random blocks of every format by
 //! `tests/fixtures/make_fixtures.py` (which documents how to rerun it and the file layout).
