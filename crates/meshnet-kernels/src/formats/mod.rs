@@ -11,8 +11,9 @@
 //!   super-block's part is one integer expression, exact, combined in f32 the same way on
 //!   every path.
 //! - [`FloatFormat`] (F32, F16, BF16): weights widened to f32 against f32 activations, summed
-//!   in eight lanes (value `i` into lane `i % 8`, multiply then add, never fused) and the lanes
-//!   added in one fixed order.
+//!   in four accumulators of eight lanes (value `i` into lane `i % 8` of accumulator
+//!   `(i / 8) % 4`, multiply then add, never fused) and the lanes added in one fixed order
+//!   (`float::combine`).
 
 pub(crate) mod float;
 pub(crate) mod legacy;
