@@ -11,6 +11,10 @@
 //! - `scaled_min_sum = Σ_j min_j · Σ_l a_l`: one `madd` of the sixteen activation sums against
 //!   the minimums, each in the two lanes of its sub-block's two sums.
 //!
+//! The twelve bytes of packed scales and minimums are unpacked in one 128-bit register, the
+//! same u32 arithmetic as `q4_k::unpack_scales_and_mins` lane by lane (a test compares them);
+//! the scalar unpacking cost this kernel a tenth of its time.
+//!
 //! Nothing saturates or wraps: a `maddubs` pair is at most 2 · 31 · 128 = 7936 (Q5_K's 5-bit
 //! quants, even against -128), a scaled pair at most 2 · 63 · 7936 < 2^20, and an i32 lane
 //! adds eight of those; the minimum products are at most 2 · 63 · 2048 each.
@@ -19,9 +23,12 @@
 use std::arch::x86_64::*;
 
 use super::Avx2;
+#[cfg(target_arch = "x86_64")]
 use crate::formats::SUPER_BLOCK;
 use crate::formats::q4_k;
-use crate::super_rows::{SUM_GROUP, SuperRow};
+#[cfg(target_arch = "x86_64")]
+use crate::super_rows::SUM_GROUP;
+use crate::super_rows::SuperRow;
 
 /// A format whose super-blocks reduce to Q4_K's two integers (Q4_K and Q5_K).
 pub(super) trait ScaledIntegers {
@@ -45,7 +52,8 @@ impl ScaledIntegers for Q4K {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     unsafe fn integers(block: &[u8], quants: &[i8], sums: &[i16]) -> (i32, i32) {
-        let scales_and_mins = scales_and_mins(block);
+        // SAFETY: `block` holds 144 bytes (the caller's promise).
+        let scales_and_mins = unsafe { scales_and_mins(block) };
         let nibble_mask = _mm256_set1_epi8(0x0F);
         let mut scaled = _mm256_setzero_si256();
         for run in 0..SUPER_BLOCK / 64 {
@@ -116,26 +124,52 @@ fn scale_and_min_scale(block: &[u8]) -> (f32, f32) {
     )
 }
 
-/// The 32 bytes at `bytes[at..at + 32]`.
+/// The 32 bytes that start at element `at` of `elements`.
 ///
 /// # Safety
-/// `bytes` must hold at least `at + 32` bytes.
+/// `elements[at..]` must span at least 32 bytes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn load<T>(bytes: &[T], at: usize) -> __m256i {
-    debug_assert!(size_of_val(&bytes[at..]) >= 32);
+pub(super) unsafe fn load<T>(elements: &[T], at: usize) -> __m256i {
+    debug_assert!(size_of_val(&elements[at..]) >= 32);
     // SAFETY: the caller guarantees 32 readable bytes from element `at` on.
-    unsafe { _mm256_loadu_si256(bytes.as_ptr().add(at).cast()) }
+    unsafe { _mm256_loadu_si256(elements.as_ptr().add(at).cast()) }
 }
 
-/// A super-block's unpacked scales (bytes 0..8) and minimums (bytes 8..16), in both halves.
+/// A super-block's unpacked scales (bytes 0..8) and minimums (bytes 8..16), in both halves:
+/// `q4_k::unpack_scales_and_mins` on the packed bytes as four u32 lanes.
+///
+/// # Safety
+/// `block` must hold at least 20 bytes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) fn scales_and_mins(block: &[u8]) -> __m256i {
-    let unpacked = q4_k::unpack_scales_and_mins(block);
-    let scales = i64::from_le_bytes(unpacked.scales);
-    let mins = i64::from_le_bytes(unpacked.mins);
-    _mm256_broadcastsi128_si256(_mm_set_epi64x(mins, scales))
+pub(super) unsafe fn scales_and_mins(block: &[u8]) -> __m256i {
+    // SAFETY: the caller guarantees bytes 4..20 (the packing and four bytes after it).
+    let words = unsafe { load_128(block, q4_k::PACKED_SCALES_AT) };
+    // Lanes [w0, w2, w1, w2 >> 4], masked: low bits of scales 0..4, 4..8, minimums 0..4, 4..8.
+    let low = _mm_shuffle_epi32::<0b10_01_10_00>(words);
+    let low = _mm_srlv_epi32(low, _mm_setr_epi32(0, 0, 0, 4));
+    let low = _mm_and_si128(
+        low,
+        _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F),
+    );
+    // Lanes [w0, w0, w1, w1] >> 2, masked to each byte's bits 4..6 in lanes 1 and 3: the top
+    // two bits of scales 4..8 and minimums 4..8.
+    let top = _mm_srli_epi32::<2>(_mm_shuffle_epi32::<0b01_01_00_00>(words));
+    let top = _mm_and_si128(top, _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    _mm256_broadcastsi128_si256(_mm_or_si128(low, top))
+}
+
+/// The 16 bytes at `bytes[at..at + 16]`.
+///
+/// # Safety
+/// `bytes` must hold at least `at + 16` bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn load_128(bytes: &[u8], at: usize) -> __m128i {
+    debug_assert!(bytes.len() >= at + 16);
+    // SAFETY: the caller guarantees 16 readable bytes from `at` on.
+    unsafe { _mm_loadu_si128(bytes.as_ptr().add(at).cast()) }
 }
 
 /// Adds run `run`'s two sub-blocks (`quants[0]` is sub-block `2 · run`, `quants[1]` the next,
@@ -158,6 +192,7 @@ pub(super) unsafe fn add_run(
         // SAFETY: the caller guarantees the 32 activations of `sub_block` are in range.
         let activations = unsafe { load(activations, 32 * sub_block) };
         let pairs = _mm256_maddubs_epi16(quants, activations);
+        // Every i16 lane takes byte `sub_block` (the scale) and a zero (index with top bit set).
         let scale = i16::from_le_bytes([sub_block as u8, 0x80]);
         let scales = _mm256_shuffle_epi8(scales_and_mins, _mm256_set1_epi16(scale));
         scaled = _mm256_add_epi32(scaled, _mm256_madd_epi16(pairs, scales));
@@ -304,6 +339,24 @@ pub(super) mod tests {
         reference: q4_k::dot,
         fast: dot,
     };
+
+    #[test]
+    fn the_vector_unpacking_is_the_reference_unpacking() {
+        let Some(_) = Avx2::detect() else { return };
+        let mut bits = Bits::new(0xACC);
+        let mut blocks = random_blocks(&mut bits, 500, q4_k::BYTES);
+        blocks[..16].fill(0xFF);
+        for block in blocks.chunks_exact(q4_k::BYTES) {
+            let reference = q4_k::unpack_scales_and_mins(block);
+            let mut lanes = [0u8; 32];
+            // SAFETY: the CPU has AVX2 (checked above), `block` holds 144 bytes and `lanes` 32.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), scales_and_mins(block)) };
+            for half in lanes.chunks_exact(16) {
+                assert_eq!(half[..8], reference.scales);
+                assert_eq!(half[8..], reference.mins);
+            }
+        }
+    }
 
     #[test]
     fn random_rows_give_the_reference_bits() {

@@ -25,7 +25,8 @@ impl ScaledIntegers for Q5K {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     unsafe fn integers(block: &[u8], quants: &[i8], sums: &[i16]) -> (i32, i32) {
-        let scales_and_mins = scales_and_mins(block);
+        // SAFETY: `block` holds 176 bytes (the caller's promise).
+        let scales_and_mins = unsafe { scales_and_mins(block) };
         let nibble_mask = _mm256_set1_epi8(0x0F);
         let (first_bit, second_bit) = (_mm256_set1_epi8(1), _mm256_set1_epi8(2));
         // SAFETY: `block` holds 176 bytes (the caller's promise): bytes 16..48 are in range.

@@ -50,10 +50,13 @@ pub(crate) struct ScalesAndMins {
     pub(crate) mins: [u8; SUB_BLOCKS],
 }
 
-/// The little-endian u32 at `bytes[at..at + 4]`.
+/// Bytes of packed scales and minimums.
+const PACKED_SCALES: usize = 12;
+
+/// The little-endian u32 at `packed[at..at + 4]`.
 #[inline]
-fn word_at(bytes: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+fn word_at(packed: &[u8; PACKED_SCALES], at: usize) -> u32 {
+    u32::from_le_bytes([packed[at], packed[at + 1], packed[at + 2], packed[at + 3]])
 }
 
 /// Unpacks the twelve bytes at [`PACKED_SCALES_AT`] of a Q4_K or Q5_K super-block.
@@ -67,9 +70,11 @@ pub(crate) fn unpack_scales_and_mins(block: &[u8]) -> ScalesAndMins {
     const LOW_SIX: u32 = 0x3F3F_3F3F;
     const LOW_FOUR: u32 = 0x0F0F_0F0F;
     const TOP_TWO_MOVED: u32 = 0x3030_3030;
-    let first = word_at(block, PACKED_SCALES_AT);
-    let second = word_at(block, PACKED_SCALES_AT + 4);
-    let third = word_at(block, PACKED_SCALES_AT + 8);
+    let mut packed = [0u8; PACKED_SCALES];
+    packed.copy_from_slice(&block[PACKED_SCALES_AT..PACKED_SCALES_AT + PACKED_SCALES]);
+    let first = word_at(&packed, 0);
+    let second = word_at(&packed, 4);
+    let third = word_at(&packed, 8);
     let low_scales = first & LOW_SIX;
     let low_mins = second & LOW_SIX;
     // `>> 2` moves each byte's top two bits to its bits 4..6 (the mask drops what crosses).
@@ -343,7 +348,7 @@ pub(crate) mod tests {
         let mut block = vec![0u8; BYTES];
         block[..2].copy_from_slice(&0x3800u16.to_le_bytes());
         block[DMIN_AT..DMIN_AT + 2].copy_from_slice(&0x3400u16.to_le_bytes());
-        block[PACKED_SCALES_AT..QUANTS_AT].copy_from_slice(&packed);
+        block[PACKED_SCALES_AT..PACKED_SCALES_AT + PACKED_SCALES].copy_from_slice(&packed);
         block
     }
 
@@ -373,7 +378,7 @@ pub(crate) mod tests {
         let mut bits = Bits::new(7);
         for _ in 0..200 {
             let block = random_blocks(&mut bits, 1, BYTES);
-            let q = &block[PACKED_SCALES_AT..QUANTS_AT];
+            let q = &block[PACKED_SCALES_AT..PACKED_SCALES_AT + PACKED_SCALES];
             let unpacked = unpack_scales_and_mins(&block);
             for j in 0..4 {
                 assert_eq!(unpacked.scales[j], q[j] & 63);
