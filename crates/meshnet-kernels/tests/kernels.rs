@@ -411,6 +411,36 @@ proptest! {
 }
 
 #[test]
+fn a_large_matrix_split_over_the_pool_gives_each_rows_own_output() {
+    // 257 rows of 512 values: a one-row product this large is split over the pool, and every
+    // output must equal that row's product computed alone (a one-row matrix, never split).
+    let (rows, cols) = (257, 512);
+    for format in WeightFormat::ALL {
+        let mut random = Random(u64::from(format.block_bytes() as u32));
+        let blocks = rows * cols / format.block_values();
+        let bytes = valid_blocks(format, blocks, &mut random, &[0.01, 0.3], Fill::Random);
+        let matrix = QuantizedMatrix::from_ggml_bytes(format, rows, cols, &bytes).unwrap();
+        for m in [1, 5] {
+            let input = random_input(&mut random, m, cols, 1.0);
+            for kernel in Kernel::available() {
+                let mut output = vec![f32::NAN; m * rows];
+                matrix.matmul_with(kernel, &input, &mut output).unwrap();
+                for (row, row_bytes) in bytes.chunks_exact(bytes.len() / rows).enumerate() {
+                    let alone = QuantizedMatrix::from_ggml_bytes(format, 1, cols, row_bytes);
+                    let mut expected = vec![0f32; m];
+                    alone
+                        .unwrap()
+                        .matmul_with(kernel, &input, &mut expected)
+                        .unwrap();
+                    let ours: Vec<f32> = (0..m).map(|i| output[i * rows + row]).collect();
+                    assert!(same_bits(&ours, &expected), "{} row {row}", format.name());
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn every_format_has_ggml_block_sizes() {
     let ggml = [
         (WeightFormat::F32, 1, 4),
