@@ -5,9 +5,11 @@
 
 use super::Avx2;
 #[cfg(target_arch = "x86_64")]
-use super::q6_k::{half_at, half_dot, half_scales, horizontal_sum};
+use super::q6_k::{
+    FOUR, Group, combined_lanes, fold_halves, half_dot, half_scales, sums_of_quarters,
+};
 use crate::formats::SUPER_BLOCK;
-use crate::formats::q2_k::{BYTES, D_AT, DMIN_AT, QUANTS_AT, scaled_integers};
+use crate::formats::q2_k::{BYTES, D_AT, DMIN_AT, QUANTS_AT};
 use crate::formats::q6_k::{SUB_BLOCKS, checked_blocks};
 use crate::super_rows::SuperRow;
 
@@ -22,32 +24,90 @@ pub(super) fn dot(_: Avx2, weights: &[u8], activations: SuperRow<'_>) -> f32 {
     unsafe { row_dot(weights, activations) }
 }
 
-/// The row's super-blocks' parts added in order, as the reference adds them.
+/// The row's dot product as the reference computes it: the parts of four super-blocks are
+/// computed side by side (lane-wise, the same operations in the same order as
+/// `formats::q2_k::scaled_integers`) and added to the four running sums in one vector add.
 ///
 /// # Safety
-/// The CPU must have AVX2 and F16C, and the row must hold as many super-blocks of weights, sums and
-/// quants as it has scales.
+/// The CPU must have AVX2 and F16C, and the row must hold as many super-blocks of weights,
+/// sums and quants as it has scales.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn row_dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
-    let mut sum = 0f32;
-    for (block, scale) in activations.scales.iter().enumerate() {
-        // SAFETY: super-block `block` is in range of the weights, the sums and the quants.
-        let (scaled, minimums) = unsafe {
-            block_integers(
+    let group = Group {
+        weights,
+        block_bytes: BYTES,
+        activation_scales: activations.scales,
+    };
+    let block_lanes = |block: usize| {
+        // SAFETY: only super-blocks of the row are asked for, which are in range of the
+        // weights, the sums and the quants.
+        unsafe {
+            block_lanes(
                 weights.as_ptr().add(block * BYTES),
                 activations.sums.as_ptr().add(block * SUB_BLOCKS),
                 activations.quants.as_ptr().add(block * SUPER_BLOCK),
             )
-        };
-        let d = half_at(weights, block * BYTES + D_AT);
-        let dmin = half_at(weights, block * BYTES + DMIN_AT);
-        sum += scaled_integers(*scale, d, dmin, scaled, minimums);
+        }
+    };
+    let blocks = activations.scales.len();
+    let mut lanes = _mm_setzero_ps();
+    for first in (0..blocks).step_by(FOUR) {
+        let count = FOUR.min(blocks - first);
+        // SAFETY: super-blocks `first..first + count` are in the row.
+        lanes = _mm_add_ps(lanes, unsafe { parts(group, first, count, &block_lanes) });
     }
-    sum
+    combined_lanes(lanes)
 }
 
-/// The exact integers `(S, M)` of one super-block, as `formats::q2_k` defines them.
+/// `(a · d) · S − (a · dmin) · M` of super-blocks `first..first + count` (`count` at most four)
+/// lane by lane, as `formats::q2_k::scaled_integers` computes it, with `S` and `M` the lane
+/// sums of `block_lanes(block)`; lanes past `count` are zero.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C, and super-blocks `first..first + count` must be in the row
+/// and safe for `block_lanes`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn parts(
+    group: Group<'_>,
+    first: usize,
+    count: usize,
+    block_lanes: &impl Fn(usize) -> (__m256i, __m256i),
+) -> __m128 {
+    // (Written out: `array::map` would call the closures, which cannot be inlined into it.)
+    let quarters = |k: usize| {
+        if k < count {
+            let (scaled, minimums) = block_lanes(first + k);
+            (fold_halves(scaled), fold_halves(minimums))
+        } else {
+            (_mm_setzero_si128(), _mm_setzero_si128())
+        }
+    };
+    let (quarters0, quarters1, quarters2, quarters3) =
+        (quarters(0), quarters(1), quarters(2), quarters(3));
+    let scaled = sums_of_quarters([quarters0.0, quarters1.0, quarters2.0, quarters3.0]);
+    let minimums = sums_of_quarters([quarters0.1, quarters1.1, quarters2.1, quarters3.1]);
+    // SAFETY: passed on from the caller.
+    let (activation_scale, d, dmin) = unsafe {
+        (
+            group.activation_scales(first, count),
+            group.halves(first, count, D_AT),
+            group.halves(first, count, DMIN_AT),
+        )
+    };
+    _mm_sub_ps(
+        _mm_mul_ps(_mm_mul_ps(activation_scale, d), _mm_cvtepi32_ps(scaled)),
+        _mm_mul_ps(
+            _mm_mul_ps(activation_scale, dmin),
+            _mm_cvtepi32_ps(minimums),
+        ),
+    )
+}
+
+/// The exact integers `(S, M)` of one super-block, as `formats::q2_k` defines them, each
+/// spread over eight lanes.
 ///
 /// # Safety
 /// The CPU must have AVX2; `block` must point at 84 readable bytes, `sums` at 16 i16 and
@@ -55,7 +115,7 @@ unsafe fn row_dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn block_integers(block: *const u8, sums: *const i16, quants: *const i8) -> (i32, i32) {
+unsafe fn block_lanes(block: *const u8, sums: *const i16, quants: *const i8) -> (__m256i, __m256i) {
     // SAFETY: the 16 scale-and-minimum bytes lie at the start of the block; `sums` holds 32
     // bytes.
     let (packed, sums) = unsafe {
@@ -78,10 +138,7 @@ unsafe fn block_integers(block: *const u8, sums: *const i16, quants: *const i8) 
             half_dot(second, quants.add(SUPER_BLOCK / 2), second_scales),
         )
     };
-    (
-        horizontal_sum(dots),
-        horizontal_sum(_mm256_madd_epi16(minimums, sums)),
-    )
+    (dots, _mm256_madd_epi16(minimums, sums))
 }
 
 /// The four runs of quants (0..=3) of one half: bits 2r, 2r + 1 of each byte for run r.

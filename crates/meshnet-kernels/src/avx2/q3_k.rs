@@ -5,10 +5,10 @@
 
 use super::Avx2;
 #[cfg(target_arch = "x86_64")]
-use super::q6_k::{half_at, half_dot, half_scales, horizontal_sum};
+use super::q6_k::{half_dot, half_scales, scaled_integer_row};
 use crate::formats::SUPER_BLOCK;
 use crate::formats::q3_k::{BYTES, D_AT, LOW_BITS_AT, SCALE_OFFSET, SCALES_AT};
-use crate::formats::q6_k::{SUB_BLOCKS, checked_blocks, scaled_integer};
+use crate::formats::q6_k::{SUB_BLOCKS, checked_blocks};
 use crate::super_rows::SuperRow;
 
 #[cfg(target_arch = "x86_64")]
@@ -22,31 +22,31 @@ pub(super) fn dot(_: Avx2, weights: &[u8], activations: SuperRow<'_>) -> f32 {
     unsafe { row_dot(weights, activations) }
 }
 
-/// The row's super-blocks' parts added in order, as the reference adds them.
+/// The row's dot product, as the reference computes it.
 ///
 /// # Safety
-/// The CPU must have AVX2 and F16C, and the row must hold as many super-blocks of weights, sums and
-/// quants as it has scales.
+/// The CPU must have AVX2 and F16C, and the row must hold as many super-blocks of weights,
+/// sums and quants as it has scales.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn row_dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
-    let mut sum = 0f32;
-    for (block, scale) in activations.scales.iter().enumerate() {
-        // SAFETY: super-block `block` is in range of the weights, the sums and the quants.
-        let integer = unsafe {
-            block_integer(
+    let block_lanes = |block: usize| {
+        // SAFETY: `scaled_integer_row` asks only for super-blocks of the row, which are in
+        // range of the weights, the sums and the quants.
+        unsafe {
+            block_lanes(
                 weights.as_ptr().add(block * BYTES),
                 activations.sums.as_ptr().add(block * SUB_BLOCKS),
                 activations.quants.as_ptr().add(block * SUPER_BLOCK),
             )
-        };
-        let d = half_at(weights, block * BYTES + D_AT);
-        sum += scaled_integer(*scale, d, integer);
-    }
-    sum
+        }
+    };
+    // SAFETY: passed on from the caller.
+    unsafe { scaled_integer_row(weights, BYTES, D_AT, activations.scales, block_lanes) }
 }
 
-/// The exact integer of one super-block, as `formats::q3_k` defines it.
+/// The exact integer of one super-block, as `formats::q3_k` defines it, spread over eight
+/// lanes.
 ///
 /// # Safety
 /// The CPU must have AVX2; `block` must point at 110 readable bytes, `sums` at 16 i16 and
@@ -54,7 +54,7 @@ unsafe fn row_dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn block_integer(block: *const u8, sums: *const i16, quants: *const i8) -> i32 {
+unsafe fn block_lanes(block: *const u8, sums: *const i16, quants: *const i8) -> __m256i {
     // SAFETY: the scales lie inside the block; `sums` holds 32 bytes.
     let (scales, sums) = unsafe { (signed_scales(block), _mm256_loadu_si256(sums.cast())) };
     let scales = _mm256_cvtepi8_epi16(scales);
@@ -74,7 +74,7 @@ unsafe fn block_integer(block: *const u8, sums: *const i16, quants: *const i8) -
         )
     };
     // `OFFSET` is 4: the offsets are taken 4 times.
-    horizontal_sum(_mm256_sub_epi32(dots, _mm256_slli_epi32::<2>(offsets)))
+    _mm256_sub_epi32(dots, _mm256_slli_epi32::<2>(offsets))
 }
 
 /// The sixteen scales of a super-block, offset removed, as bytes in sub-block order.

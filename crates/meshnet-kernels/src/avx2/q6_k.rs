@@ -8,8 +8,12 @@
 //! `madd` into i32 (exact: a Q6_K pair is at most 2 · 63 · 128 = 16128 in size, far from
 //! i16's limit, and a scale times two pairs fits an i32 by far). The quants' offset is taken
 //! out once per super-block through the activation sums: `madd(scales, sums)` gives
-//! `Σ_j scales[j] · sums[j]` in eight lanes. The eight lanes are added into the exact integer
-//! of the reference, and its f32 part is computed by the reference's own function.
+//! `Σ_j scales[j] · sums[j]` in eight lanes.
+//!
+//! Four super-blocks at a time, their eight lanes each are added up (`hadd`) into their four
+//! exact integers, their f32 parts computed lane-wise with the reference's operations in the
+//! reference's order, and the four parts added to the reference's four running sums
+//! (`formats::q6_k::add_to_lanes`) with one vector add.
 
 use super::Avx2;
 use crate::formats::SUPER_BLOCK;
@@ -27,31 +31,179 @@ pub(super) fn dot(_: Avx2, weights: &[u8], activations: SuperRow<'_>) -> f32 {
     unsafe { row_dot(weights, activations) }
 }
 
-/// The row's super-blocks' parts added in order, as the reference adds them.
+/// The row's dot product, as the reference computes it.
 ///
 /// # Safety
-/// The CPU must have AVX2 and F16C, and the row must hold as many super-blocks of weights, sums and
-/// quants as it has scales.
+/// The CPU must have AVX2 and F16C, and the row must hold as many super-blocks of weights,
+/// sums and quants as it has scales.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn row_dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
-    let mut sum = 0f32;
-    for (block, scale) in activations.scales.iter().enumerate() {
-        // SAFETY: super-block `block` is in range of the weights, the sums and the quants.
-        let integer = unsafe {
-            block_integer(
+    let block_lanes = |block: usize| {
+        // SAFETY: `scaled_integer_row` asks only for super-blocks of the row, which are in
+        // range of the weights, the sums and the quants.
+        unsafe {
+            block_lanes(
                 weights.as_ptr().add(block * BYTES),
                 activations.sums.as_ptr().add(block * SUB_BLOCKS),
                 activations.quants.as_ptr().add(block * SUPER_BLOCK),
             )
-        };
-        let d = half_at(weights, block * BYTES + D_AT);
-        sum += q6_k::scaled_integer(*scale, d, integer);
-    }
-    sum
+        }
+    };
+    // SAFETY: passed on from the caller.
+    unsafe { scaled_integer_row(weights, BYTES, D_AT, activations.scales, block_lanes) }
 }
 
-/// The exact integer of one super-block, as `formats::q6_k` defines it.
+/// The dot product of a row of Q6_K or Q3_K: `(a · d) · I` of each super-block as
+/// `formats::q6_k::scaled_integer` computes it, with `I` the sum of the eight lanes
+/// `block_lanes(block)` gives, added into four running sums and combined as
+/// `formats::q6_k::{add_to_lanes, combined_lanes}` do. The parts of four super-blocks are
+/// computed side by side (lane-wise, the same operations in the same order) and added to the
+/// four sums in one vector add.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; `weights` must hold one super-block of `block_bytes`
+/// bytes, with its f16 scale `d` at `d_at`, for each of the `activation_scales`, and
+/// `block_lanes` must be safe to call for each of them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+pub(super) unsafe fn scaled_integer_row(
+    weights: &[u8],
+    block_bytes: usize,
+    d_at: usize,
+    activation_scales: &[f32],
+    block_lanes: impl Fn(usize) -> __m256i,
+) -> f32 {
+    let group = Group {
+        weights,
+        block_bytes,
+        activation_scales,
+    };
+    let blocks = activation_scales.len();
+    let mut lanes = _mm_setzero_ps();
+    for first in (0..blocks).step_by(FOUR) {
+        let count = FOUR.min(blocks - first);
+        // SAFETY: super-blocks `first..first + count` are in the row.
+        let parts = unsafe { group.scaled_integers(first, count, d_at, &block_lanes) };
+        lanes = _mm_add_ps(lanes, parts);
+    }
+    combined_lanes(lanes)
+}
+
+/// The row that groups of four super-blocks are read from.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+pub(super) struct Group<'a> {
+    /// The row's super-blocks.
+    pub(super) weights: &'a [u8],
+    /// Bytes of one super-block.
+    pub(super) block_bytes: usize,
+    /// One activation scale per super-block.
+    pub(super) activation_scales: &'a [f32],
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Group<'_> {
+    /// `(a · d) · I` of super-blocks `first..first + count` (`count` at most four) lane by lane,
+    /// `I` the lane sum of `block_lanes(block)`; lanes past `count` are zero.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C, and super-blocks `first..first + count` must be in the
+    /// row (with their f16 scale at `d_at`) and safe for `block_lanes`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    unsafe fn scaled_integers(
+        self,
+        first: usize,
+        count: usize,
+        d_at: usize,
+        block_lanes: &impl Fn(usize) -> __m256i,
+    ) -> __m128 {
+        // (Written out: `array::map` would call the closures, which cannot be inlined into it.)
+        let quarter = |k: usize| {
+            if k < count {
+                fold_halves(block_lanes(first + k))
+            } else {
+                _mm_setzero_si128()
+            }
+        };
+        let quarters = [quarter(0), quarter(1), quarter(2), quarter(3)];
+        let integers = _mm_cvtepi32_ps(sums_of_quarters(quarters));
+        // SAFETY: passed on from the caller.
+        let (activation_scales, d) = unsafe {
+            (
+                self.activation_scales(first, count),
+                self.halves(first, count, d_at),
+            )
+        };
+        _mm_mul_ps(_mm_mul_ps(activation_scales, d), integers)
+    }
+
+    /// The activation scales of super-blocks `first..first + count`, zero past `count`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, and super-blocks `first..first + count` must be in the row.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) unsafe fn activation_scales(self, first: usize, count: usize) -> __m128 {
+        let scales = self.activation_scales.as_ptr();
+        if count == FOUR {
+            // SAFETY: the caller guarantees the four scales.
+            return unsafe { _mm_loadu_ps(scales.add(first)) };
+        }
+        let scale = |k: usize| {
+            if k < count {
+                self.activation_scales[first + k]
+            } else {
+                0.0
+            }
+        };
+        _mm_setr_ps(scale(0), scale(1), scale(2), scale(3))
+    }
+
+    /// The f16 at byte `at` of super-blocks `first..first + count` as f32 (zero past `count`):
+    /// the values of `formats::half_at` (the conversion is exact, and both quiet NaNs the same
+    /// way), by one F16C instruction.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and F16C, and super-blocks `first..first + count` must be in the
+    /// row, each with an f16 at byte `at`.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn halves(self, first: usize, count: usize, at: usize) -> __m128 {
+        let start = self.weights.as_ptr();
+        let half = |k: usize| {
+            if k < count {
+                // SAFETY: the caller guarantees super-block `first + k` and its f16.
+                unsafe {
+                    start
+                        .add((first + k) * self.block_bytes + at)
+                        .cast::<i16>()
+                        .read_unaligned()
+                }
+            } else {
+                0
+            }
+        };
+        _mm_cvtph_ps(_mm_setr_epi16(
+            half(0),
+            half(1),
+            half(2),
+            half(3),
+            0,
+            0,
+            0,
+            0,
+        ))
+    }
+}
+
+/// The exact integer of one super-block, as `formats::q6_k` defines it, spread over eight
+/// lanes.
 ///
 /// # Safety
 /// The CPU must have AVX2; `block` must point at 210 readable bytes, `sums` at 16 i16 and
@@ -59,7 +211,7 @@ unsafe fn row_dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-unsafe fn block_integer(block: *const u8, sums: *const i16, quants: *const i8) -> i32 {
+unsafe fn block_lanes(block: *const u8, sums: *const i16, quants: *const i8) -> __m256i {
     // SAFETY: `block` holds the 16 scale bytes at `SCALES_AT` and `sums` 32 bytes.
     let (packed_scales, sums) = unsafe {
         (
@@ -81,7 +233,7 @@ unsafe fn block_integer(block: *const u8, sums: *const i16, quants: *const i8) -
         )
     };
     // `OFFSET` is 32: the offsets are taken 32 times.
-    horizontal_sum(_mm256_sub_epi32(dots, _mm256_slli_epi32::<5>(offsets)))
+    _mm256_sub_epi32(dots, _mm256_slli_epi32::<5>(offsets))
 }
 
 /// The four runs of stored quants (0..=63) of one half.
@@ -173,29 +325,43 @@ fn scale_pick(run: usize) -> __m256i {
     )
 }
 
-/// The f16 stored little-endian at `bytes[at..at + 2]`, as f32: the value of
-/// `formats::half_at` (a conversion that is exact, with NaNs quieted as both do it), by one
-/// F16C instruction instead of a call.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-#[inline]
-pub(super) fn half_at(bytes: &[u8], at: usize) -> f32 {
-    let bits = u16::from_le_bytes([bytes[at], bytes[at + 1]]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-}
+/// Super-blocks whose parts are computed side by side.
+pub(super) const FOUR: usize = 4;
 
-/// The sum of the eight i32 lanes (wrapping, as the exact integers never need to).
+/// Eight i32 lanes added pairwise into four (lane `k` with lane `k + 4`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(super) fn horizontal_sum(lanes: __m256i) -> i32 {
-    let quads = _mm_add_epi32(
+pub(super) fn fold_halves(lanes: __m256i) -> __m128i {
+    _mm_add_epi32(
         _mm256_castsi256_si128(lanes),
         _mm256_extracti128_si256::<1>(lanes),
-    );
-    let pairs = _mm_add_epi32(quads, _mm_shuffle_epi32::<0b01_00_11_10>(quads));
-    let total = _mm_add_epi32(pairs, _mm_shuffle_epi32::<0b10_11_00_01>(pairs));
-    _mm_cvtsi128_si32(total)
+    )
+}
+
+/// The lane sums of four vectors of four i32, in order (wrapping, which the exact integers
+/// never need).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn sums_of_quarters(quarters: [__m128i; FOUR]) -> __m128i {
+    _mm_hadd_epi32(
+        _mm_hadd_epi32(quarters[0], quarters[1]),
+        _mm_hadd_epi32(quarters[2], quarters[3]),
+    )
+}
+
+/// `formats::q6_k::combined_lanes` of the four running sums: `(s0 + s2) + (s1 + s3)`.
+///
+/// A group of fewer than four super-blocks adds +0.0 to the sums it has no part for, which
+/// leaves every sum as it is: a sum that starts from +0.0 is never −0.0 (x + y is −0.0 only
+/// when both are), and x + (+0.0) is x for every other x, NaNs included.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) fn combined_lanes(lanes: __m128) -> f32 {
+    let pairs = _mm_add_ps(lanes, _mm_movehl_ps(lanes, lanes));
+    _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
 }
 
 /// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
@@ -365,12 +531,21 @@ pub(super) mod tests {
     #[test]
     fn f16c_reads_every_half_as_formats_half_at_does() {
         let Some(_) = token() else { return };
-        for bits in 0..=u16::MAX {
-            let bytes = bits.to_le_bytes();
-            let expected = crate::formats::half_at(&bytes, 0);
-            // SAFETY: the token exists only when the CPU has AVX2 and F16C.
-            let got = unsafe { half_at(&bytes, 0) };
-            assert_eq!(got.to_bits(), expected.to_bits(), "{bits:#06x}");
+        let weights: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
+        let group = Group {
+            weights: &weights,
+            block_bytes: 2,
+            activation_scales: &[],
+        };
+        for first in (0..=usize::from(u16::MAX)).step_by(FOUR) {
+            let mut got = [0f32; FOUR];
+            // SAFETY: the token exists only when the CPU has AVX2 and F16C; halves
+            // `first..first + 4` are in `weights` and `got` holds four f32.
+            unsafe { _mm_storeu_ps(got.as_mut_ptr(), group.halves(first, FOUR, 0)) };
+            for (k, got) in got.iter().enumerate() {
+                let expected = crate::formats::half_at(&weights, 2 * (first + k));
+                assert_eq!(got.to_bits(), expected.to_bits(), "{:#06x}", first + k);
+            }
         }
     }
 

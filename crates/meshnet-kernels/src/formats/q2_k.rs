@@ -15,11 +15,13 @@
 //! the sum of `x` over sub-block `j`) is `(a · d) · S − (a · dmin) · M`, in f32 and in that
 //! order ([`scaled_integers`]), with the exact integers
 //! `S = Σ_j (c_j & 15) · Σ_{v in j} q_v · x_v` and `M = Σ_j (c_j >> 4) · sums[j]`; the row's
-//! dot product adds the super-blocks' parts in order, starting from zero. Bounds: with
+//! dot product adds the super-blocks' parts into four running sums as Q6_K's does. Bounds: with
 //! |x| ≤ 128 and consistent sums, `|S| ≤ 16 · 15 · 16 · 3 · 128 < 2^21` and
 //! `|M| ≤ 16 · 15 · 16 · 128 < 2^19`.
 
-use super::q6_k::{SUB_BLOCKS, checked_blocks, sub_block_dots};
+use super::q6_k::{
+    LANES, SUB_BLOCKS, add_to_lanes, checked_blocks, combined_lanes, sub_block_dots,
+};
 use super::{SUPER_BLOCK, half_at};
 use crate::super_rows::{SUM_GROUP, SuperRow};
 
@@ -59,13 +61,14 @@ pub(crate) fn dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
         .zip(activations.scales)
         .zip(activations.sums.chunks_exact(SUB_BLOCKS))
         .zip(activations.quants.chunks_exact(SUPER_BLOCK));
-    let mut sum = 0f32;
-    for (((block, scale), sums), quants) in blocks {
+    let mut lanes = [0f32; LANES];
+    for (index, (((block, scale), sums), quants)) in blocks.enumerate() {
         let (scaled, minimums) = block_integers(block, sums, quants);
         let (d, dmin) = (half_at(block, D_AT), half_at(block, DMIN_AT));
-        sum += scaled_integers(*scale, d, dmin, scaled, minimums);
+        let part = scaled_integers(*scale, d, dmin, scaled, minimums);
+        add_to_lanes(&mut lanes, index, part);
     }
-    sum
+    combined_lanes(lanes)
 }
 
 /// The f32 part of one super-block: `(activation_scale · d) · scaled − (activation_scale ·

@@ -17,10 +17,12 @@
 //! the sum of `x` over sub-block `j`) is `(a · d) · I`, in f32 and in that order
 //! ([`scaled_integer`], shared with Q6_K), with the exact integer
 //! `I = Σ_j s_j · (Σ_{v in j} q_v · x_v − 4 · sums[j])`; the row's dot product adds the
-//! super-blocks' parts in order, starting from zero. Bound: with |x| ≤ 128 and consistent
-//! sums, `|I| ≤ 16 · 32 · 16 · 4 · 128 < 2^23`.
+//! super-blocks' parts into four running sums as Q6_K's does. Bound: with |x| ≤ 128 and
+//! consistent sums, `|I| ≤ 16 · 32 · 16 · 4 · 128 < 2^23`.
 
-use super::q6_k::{SUB_BLOCKS, checked_blocks, scaled_integer, sub_block_dots};
+use super::q6_k::{
+    LANES, SUB_BLOCKS, add_to_lanes, checked_blocks, combined_lanes, scaled_integer, sub_block_dots,
+};
 use super::{SUPER_BLOCK, half_at};
 use crate::super_rows::{SUM_GROUP, SuperRow};
 
@@ -65,12 +67,16 @@ pub(crate) fn dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
         .zip(activations.scales)
         .zip(activations.sums.chunks_exact(SUB_BLOCKS))
         .zip(activations.quants.chunks_exact(SUPER_BLOCK));
-    let mut sum = 0f32;
-    for (((block, scale), sums), quants) in blocks {
+    let mut lanes = [0f32; LANES];
+    for (index, (((block, scale), sums), quants)) in blocks.enumerate() {
         let integer = block_integer(block, sums, quants);
-        sum += scaled_integer(*scale, half_at(block, D_AT), integer);
+        add_to_lanes(
+            &mut lanes,
+            index,
+            scaled_integer(*scale, half_at(block, D_AT), integer),
+        );
     }
-    sum
+    combined_lanes(lanes)
 }
 
 /// The sixteen scales of a super-block, offset removed (−32..=31).

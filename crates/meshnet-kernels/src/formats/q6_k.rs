@@ -13,12 +13,15 @@
 //!
 //! The dot product of a super-block with one of activations (scale `a`, quants `x`, `sums[j]`
 //! the sum of `x` over sub-block `j`) is `(a · d) · I`, in f32 and in that order, with the
-//! exact integer `I = Σ_j scales[j] · (Σ_{v in j} q_v · x_v − 32 · sums[j])`; the row's dot
-//! product adds the super-blocks' parts in order, starting from zero. Bound: with |x| ≤ 128
-//! and consistent sums, `|I| ≤ 16 · 128 · 16 · 32 · 128 < 2^28`.
+//! exact integer `I = Σ_j scales[j] · (Σ_{v in j} q_v · x_v − 32 · sums[j])`. Bound: with
+//! |x| ≤ 128 and consistent sums, `|I| ≤ 16 · 128 · 16 · 32 · 128 < 2^28`.
+//!
+//! The row's dot product keeps four running sums, each from zero: super-block `b`'s part is
+//! added to sum `b % 4`, in order, and the result is `(s0 + s2) + (s1 + s3)` ([`add_to_lanes`],
+//! [`combined_lanes`]). A SIMD path thus adds four super-blocks' parts with one vector add.
 //!
 //! Q3_K and Q2_K cut their super-blocks into the same sixteen 16-value sub-blocks and share
-//! [`checked_blocks`], [`sub_block_dots`] and [`scaled_integer`] from here.
+//! [`checked_blocks`], [`sub_block_dots`], [`scaled_integer`] and the four sums from here.
 
 use super::{SUPER_BLOCK, half_at};
 use crate::super_rows::{SUM_GROUP, SuperRow};
@@ -64,12 +67,31 @@ pub(crate) fn dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
         .zip(activations.scales)
         .zip(activations.sums.chunks_exact(SUB_BLOCKS))
         .zip(activations.quants.chunks_exact(SUPER_BLOCK));
-    let mut sum = 0f32;
-    for (((block, scale), sums), quants) in blocks {
+    let mut lanes = [0f32; LANES];
+    for (index, (((block, scale), sums), quants)) in blocks.enumerate() {
         let integer = block_integer(block, sums, quants);
-        sum += scaled_integer(*scale, half_at(block, D_AT), integer);
+        add_to_lanes(
+            &mut lanes,
+            index,
+            scaled_integer(*scale, half_at(block, D_AT), integer),
+        );
     }
-    sum
+    combined_lanes(lanes)
+}
+
+/// Running sums of a row's super-blocks' parts.
+pub(crate) const LANES: usize = 4;
+
+/// Adds super-block `index`'s part to running sum `index % 4`.
+#[inline]
+pub(crate) fn add_to_lanes(lanes: &mut [f32; LANES], index: usize, part: f32) {
+    lanes[index % LANES] += part;
+}
+
+/// The row's dot product from its four running sums: `(s0 + s2) + (s1 + s3)`.
+#[inline]
+pub(crate) fn combined_lanes(lanes: [f32; LANES]) -> f32 {
+    (lanes[0] + lanes[2]) + (lanes[1] + lanes[3])
 }
 
 /// The f32 part of one super-block of Q6_K or Q3_K: `(activation_scale · d) · integer`,
@@ -257,7 +279,8 @@ pub(crate) mod tests {
 
     /// Asserts that `dot` is within `(blocks + 8) · u · Σ_v magnitude_v · |x_v · a|` of the
     /// f64 sum of `value_v · x_v · a` (`values` dequantized, `u` f32's unit roundoff): the
-    /// reference rounds each super-block's part a few times and each of its additions once.
+    /// reference rounds each super-block's part a few times and each of its additions (at most
+    /// `blocks / 4 + 2` on the way of any part) once.
     pub(crate) fn assert_near_float(dot: f32, values: &[f32], magnitudes: &[f32], row: SuperRow) {
         let (mut exact, mut size) = (0f64, 0f64);
         for (block, scale) in row.scales.iter().enumerate() {
