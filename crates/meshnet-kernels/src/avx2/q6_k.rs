@@ -111,7 +111,6 @@ impl Group<'_> {
     /// # Safety
     /// The CPU must have AVX2 and F16C, and super-blocks `first..first + count` must be in the
     /// row (with their f16 scale at `d_at`) and safe for `block_lanes`.
-    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     unsafe fn scaled_integers(
@@ -145,7 +144,6 @@ impl Group<'_> {
     ///
     /// # Safety
     /// The CPU must have AVX2, and super-blocks `first..first + count` must be in the row.
-    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
     #[inline]
     pub(super) unsafe fn activation_scales(self, first: usize, count: usize) -> __m128 {
@@ -171,7 +169,6 @@ impl Group<'_> {
     /// # Safety
     /// The CPU must have AVX2 and F16C, and super-blocks `first..first + count` must be in the
     /// row, each with an f16 at byte `at`.
-    #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
     pub(super) unsafe fn halves(self, first: usize, count: usize, at: usize) -> __m128 {
