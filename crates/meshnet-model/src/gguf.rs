@@ -450,11 +450,8 @@ pub(crate) fn type_name(dtype: GgmlDType) -> String {
     }
 }
 
-/// llama.cpp's `general.file_type` of a "Q4_K_M" file (`LLAMA_FTYPE_MOSTLY_Q4_K_M`).
-const FILE_TYPE_Q4_K_M: usize = 15;
-
-/// The format of the layers' matrices, when they all share one the project names, or the
-/// file's mix when `general.file_type` names one (Q4_K_M).
+/// The format of the layers' matrices, when they all share one the project names, or else
+/// the preset `general.file_type` names (a Q4_K_M file mixes Q4_K, Q6_K and others).
 fn shipped_quantization(path: &Path, content: &Content) -> Result<Option<Quantization>> {
     let mut formats = content
         .tensor_infos
@@ -467,7 +464,7 @@ fn shipped_quantization(path: &Path, content: &Content) -> Result<Option<Quantiz
         return Ok(Some(first));
     }
     let file_type = get_optional_usize(path, content, "general.file_type")?;
-    Ok((file_type == Some(FILE_TYPE_Q4_K_M)).then_some(Quantization::Q4KM))
+    Ok(file_type.and_then(|file_type| Quantization::from_gguf_file_type(file_type as u64)))
 }
 
 /// The vocabulary size: the token embedding's rows (at least one).
@@ -574,8 +571,16 @@ fn describe(
 /// The project's name for a GGUF tensor type, when it has one.
 fn quantization_of(dtype: GgmlDType) -> Option<Quantization> {
     match dtype {
+        GgmlDType::Q4_0 => Some(Quantization::Q4_0),
         GgmlDType::Q4_1 => Some(Quantization::Q4_1),
+        GgmlDType::Q5_0 => Some(Quantization::Q5_0),
+        GgmlDType::Q5_1 => Some(Quantization::Q5_1),
         GgmlDType::Q8_0 => Some(Quantization::Q8_0),
+        GgmlDType::Q2K => Some(Quantization::Q2K),
+        GgmlDType::Q3K => Some(Quantization::Q3KS),
+        GgmlDType::Q4K => Some(Quantization::Q4KS),
+        GgmlDType::Q5K => Some(Quantization::Q5KS),
+        GgmlDType::Q6K => Some(Quantization::Q6K),
         GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32 => Some(Quantization::Bf16),
         _ => None,
     }

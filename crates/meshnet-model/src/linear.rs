@@ -1,6 +1,7 @@
-//! Linear layers of a Llama span: Q4_1 and Q8_0 weights run on `meshnet-kernels` (activations
-//! quantized once per matmul, SIMD when the CPU has it, the same bits as candle's own path);
-//! any other ggml format falls back to candle's `QMatMul`.
+//! Linear layers of a Llama span: every ggml format the file may hold runs on
+//! `meshnet-kernels` (activations quantized once per matmul, SIMD when the CPU has it, the same
+//! bits on every CPU path; Q4_1 and Q8_0 also the same bits as candle's own path). Candle's
+//! `QMatMul` runs them only when `MESHNET_KERNEL=candle` asks for it, to compare against.
 //!
 //! Projections that read the same input are stacked into one matrix (query, key and value;
 //! gate and up), so one matmul and one activation quantization serve them all.
@@ -28,11 +29,7 @@ fn kernel_format(dtype: GgmlDType) -> Option<WeightFormat> {
     if candle_requested() {
         return None;
     }
-    match dtype {
-        GgmlDType::Q4_1 => Some(WeightFormat::Q4_1),
-        GgmlDType::Q8_0 => Some(WeightFormat::Q8_0),
-        _ => None,
-    }
+    WeightFormat::from_name(&crate::gguf::type_name(dtype))
 }
 
 /// A quantized tensor as a kernel matrix, when its format is one the kernels run.
@@ -207,6 +204,47 @@ fn split_rows(output: Vec<f32>, widths: &[usize]) -> Vec<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every tensor type the loader accepts runs on the kernels, and the product agrees with
+    /// candle's own quantized matmul of the same tensor to within the activations' rounding.
+    #[test]
+    fn every_loadable_type_runs_on_the_kernels() {
+        let (rows, cols) = (8, 512);
+        let weights: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let input: Vec<f32> = (0..cols)
+            .map(|i| ((i * 31) % 200) as f32 / 17.0 - 6.0)
+            .collect();
+        let weights =
+            Tensor::from_vec(weights, (rows, cols), &Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+        let tensor =
+            Tensor::from_slice(&input, (1, cols), &Device::Cpu).unwrap_or_else(|e| panic!("{e}"));
+        let loadable = (0..40).filter_map(crate::gguf_check::loadable_type);
+        let mut checked = Vec::new();
+        for dtype in loadable {
+            let quantized = QTensor::quantize(&weights, dtype).unwrap_or_else(|e| panic!("{e}"));
+            let ours = kernel_matrix(&quantized)
+                .unwrap_or_else(|e| panic!("{e}"))
+                .unwrap_or_else(|| panic!("{dtype:?} runs on the kernels"));
+            let mut output = vec![0f32; rows];
+            ours.matmul(&input, &mut output)
+                .unwrap_or_else(|e| panic!("{e}"));
+            let expected = QMatMul::from_qtensor(quantized)
+                .and_then(|matmul| matmul.forward(&tensor)?.flatten_all()?.to_vec1::<f32>())
+                .unwrap_or_else(|e| panic!("{e}"));
+            let scale = expected.iter().fold(1f32, |m, v| m.max(v.abs()));
+            for (ours, theirs) in output.iter().zip(&expected) {
+                // Both sides quantize the activations (to 8 bits) or round them (to f16).
+                assert!(
+                    (ours - theirs).abs() <= scale * 0.02,
+                    "{dtype:?}: {ours} vs {theirs}"
+                );
+            }
+            checked.push(format!("{dtype:?}"));
+        }
+        assert_eq!(checked.len(), 13, "{checked:?}");
+    }
 
     /// Our kernels give candle's quantized matmul bit for bit, so switching changes no text.
     #[test]

@@ -32,8 +32,8 @@ impl MeshModel {
         let model = Model::open(path)?;
         let shipped = model.description().shipped_quantization.ok_or_else(|| {
             PeerError::Config(format!(
-                "{}: a mesh serves models whose layers are stored as q4_1, q8_0, 16/32-bit \
-                 floats, or as a Q4_K_M mix",
+                "{}: a mesh serves models whose layers share one GGUF type or whose \
+                 general.file_type names a llama-quantize preset (Q2_K … Q8_0, F16, BF16, F32)",
                 path.display()
             ))
         })?;

@@ -75,11 +75,11 @@ impl TransformerDimensions {
             Quantization::Int8 => {
                 matrices.saturating_add(self.output_rows_per_layer().saturating_mul(2))
             }
-            Quantization::Q8_0 => matrices.div_ceil(32).saturating_mul(34),
-            Quantization::Q4_1 => matrices.div_ceil(32).saturating_mul(20),
-            // 144-byte Q4_K blocks of 256 with a share of 210-byte Q6_K ones: ~156 on average.
-            Quantization::Q4KM => matrices.div_ceil(256).saturating_mul(156),
             Quantization::Nf4 => (matrices / 2).saturating_add(matrices.div_ceil(64) * 2),
+            // Block formats: their (average) bytes per 256 weights.
+            block => matrices
+                .div_ceil(256)
+                .saturating_mul(block.bytes_per_256().unwrap_or(512)),
         };
         matrix_bytes.saturating_add(norm_bytes)
     }

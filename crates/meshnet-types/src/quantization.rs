@@ -15,8 +15,26 @@ use crate::TypesError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Quantization {
+    /// A GGUF "Q2_K" file: mostly 2-bit K-quant blocks of 256 weights (about 2.6 bits).
+    #[serde(rename = "q2_k")]
+    Q2K,
+    /// A GGUF "Q3_K_S" file: 3-bit K-quant blocks throughout (about 3.4 bits).
+    #[serde(rename = "q3_k_s")]
+    Q3KS,
+    /// A GGUF "Q3_K_M" file: 3-bit K-quants with some 4- and 5-bit tensors (about 3.9 bits).
+    #[serde(rename = "q3_k_m")]
+    Q3KM,
+    /// A GGUF "Q3_K_L" file: 3-bit K-quants with more 5-bit tensors (about 4.3 bits).
+    #[serde(rename = "q3_k_l")]
+    Q3KL,
     /// 4-bit NormalFloat with a 16-bit scale per 64 weights (about 4.25 bits per weight).
     Nf4,
+    /// GGUF 4-bit blocks of 32 weights with a 16-bit scale (4.5 bits per weight).
+    #[serde(rename = "q4_0")]
+    Q4_0,
+    /// A GGUF "Q4_K_S" file: 4-bit K-quant blocks throughout (about 4.6 bits).
+    #[serde(rename = "q4_k_s")]
+    Q4KS,
     /// A GGUF "Q4_K_M" file: mostly 4-bit K-quant blocks of 256 weights, a few tensors in
     /// 5-, 6- and 8-bit formats (about 4.9 bits per weight), as the file holds them.
     #[serde(rename = "q4_k_m")]
@@ -24,6 +42,21 @@ pub enum Quantization {
     /// GGUF 4-bit blocks of 32 weights with a 16-bit scale and minimum (5 bits per weight).
     #[serde(rename = "q4_1")]
     Q4_1,
+    /// GGUF 5-bit blocks of 32 weights with a 16-bit scale (5.5 bits per weight).
+    #[serde(rename = "q5_0")]
+    Q5_0,
+    /// A GGUF "Q5_K_S" file: 5-bit K-quant blocks throughout (about 5.5 bits).
+    #[serde(rename = "q5_k_s")]
+    Q5KS,
+    /// A GGUF "Q5_K_M" file: mostly 5-bit K-quants with some 6-bit tensors (about 5.7 bits).
+    #[serde(rename = "q5_k_m")]
+    Q5KM,
+    /// GGUF 5-bit blocks of 32 weights with a 16-bit scale and minimum (6 bits per weight).
+    #[serde(rename = "q5_1")]
+    Q5_1,
+    /// A GGUF "Q6_K" file: 6-bit K-quant blocks of 256 weights (about 6.6 bits).
+    #[serde(rename = "q6_k")]
+    Q6K,
     /// 8-bit integers with a 16-bit scale per output row (slightly over 8 bits per weight).
     Int8,
     /// GGUF 8-bit blocks of 32 weights with a 16-bit scale (8.5 bits per weight).
@@ -35,25 +68,93 @@ pub enum Quantization {
 
 impl Quantization {
     /// Every quantization, from the lowest to the highest quality.
-    pub const ALL: [Quantization; 6] = [
+    pub const ALL: [Quantization; 17] = [
+        Quantization::Q2K,
+        Quantization::Q3KS,
+        Quantization::Q3KM,
+        Quantization::Q3KL,
         Quantization::Nf4,
+        Quantization::Q4_0,
+        Quantization::Q4KS,
         Quantization::Q4KM,
         Quantization::Q4_1,
+        Quantization::Q5_0,
+        Quantization::Q5KS,
+        Quantization::Q5KM,
+        Quantization::Q5_1,
+        Quantization::Q6K,
         Quantization::Int8,
         Quantization::Q8_0,
         Quantization::Bf16,
     ];
 
-    /// The conventional lowercase name (`"bf16"`, `"q8_0"`, ...).
+    /// The conventional lowercase name (`"bf16"`, `"q8_0"`, `"q4_k_m"`, ...).
     pub fn name(self) -> &'static str {
         match self {
+            Quantization::Q2K => "q2_k",
+            Quantization::Q3KS => "q3_k_s",
+            Quantization::Q3KM => "q3_k_m",
+            Quantization::Q3KL => "q3_k_l",
             Quantization::Nf4 => "nf4",
+            Quantization::Q4_0 => "q4_0",
+            Quantization::Q4KS => "q4_k_s",
             Quantization::Q4KM => "q4_k_m",
             Quantization::Q4_1 => "q4_1",
+            Quantization::Q5_0 => "q5_0",
+            Quantization::Q5KS => "q5_k_s",
+            Quantization::Q5KM => "q5_k_m",
+            Quantization::Q5_1 => "q5_1",
+            Quantization::Q6K => "q6_k",
             Quantization::Int8 => "int8",
             Quantization::Q8_0 => "q8_0",
             Quantization::Bf16 => "bf16",
         }
+    }
+
+    /// The quantization llama.cpp's `general.file_type` names (`LLAMA_FTYPE_MOSTLY_*`: 2 is
+    /// Q4_0, 15 Q4_K_M, …), for the presets of `llama-quantize`; F32, F16 and BF16 files are
+    /// [`Quantization::Bf16`].
+    pub fn from_gguf_file_type(file_type: u64) -> Option<Self> {
+        Some(match file_type {
+            0 | 1 | 32 => Quantization::Bf16,
+            2 => Quantization::Q4_0,
+            3 => Quantization::Q4_1,
+            7 => Quantization::Q8_0,
+            8 => Quantization::Q5_0,
+            9 => Quantization::Q5_1,
+            10 => Quantization::Q2K,
+            11 => Quantization::Q3KS,
+            12 => Quantization::Q3KM,
+            13 => Quantization::Q3KL,
+            14 => Quantization::Q4KS,
+            15 => Quantization::Q4KM,
+            16 => Quantization::Q5KS,
+            17 => Quantization::Q5KM,
+            18 => Quantization::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Average bytes per 256 weights of the format's matrices (a mix counted at its main type
+    /// with a share of the larger ones); `None` for the formats whose size is not per block.
+    pub fn bytes_per_256(self) -> Option<u64> {
+        Some(match self {
+            Quantization::Q2K => 84,
+            Quantization::Q3KS => 110,
+            Quantization::Q3KM => 124,
+            Quantization::Q3KL => 135,
+            Quantization::Q4_0 => 144,
+            Quantization::Q4KS => 146,
+            Quantization::Q4KM => 156,
+            Quantization::Q4_1 => 160,
+            Quantization::Q5_0 => 176,
+            Quantization::Q5KS => 178,
+            Quantization::Q5KM => 184,
+            Quantization::Q5_1 => 192,
+            Quantization::Q6K => 210,
+            Quantization::Q8_0 => 272,
+            Quantization::Nf4 | Quantization::Int8 | Quantization::Bf16 => return None,
+        })
     }
 }
 
@@ -90,6 +191,44 @@ mod tests {
         }
         assert_eq!("Q8-0".parse::<Quantization>(), Ok(Quantization::Q8_0));
         assert!("q5_k".parse::<Quantization>().is_err());
+        assert_eq!("Q4_K_M".parse::<Quantization>(), Ok(Quantization::Q4KM));
         assert!(Quantization::Bf16 > Quantization::Q4_1);
+    }
+
+    #[test]
+    fn the_order_follows_the_bytes_per_weight() {
+        let sized: Vec<u64> = Quantization::ALL
+            .into_iter()
+            .filter_map(Quantization::bytes_per_256)
+            .collect();
+        assert_eq!(sized.len(), 14);
+        assert!(sized.windows(2).all(|pair| pair[0] < pair[1]), "{sized:?}");
+    }
+
+    #[test]
+    fn llama_cpp_file_types_name_their_preset() {
+        assert_eq!(
+            Quantization::from_gguf_file_type(15),
+            Some(Quantization::Q4KM)
+        );
+        assert_eq!(
+            Quantization::from_gguf_file_type(17),
+            Some(Quantization::Q5KM)
+        );
+        assert_eq!(
+            Quantization::from_gguf_file_type(18),
+            Some(Quantization::Q6K)
+        );
+        assert_eq!(
+            Quantization::from_gguf_file_type(2),
+            Some(Quantization::Q4_0)
+        );
+        assert_eq!(
+            Quantization::from_gguf_file_type(32),
+            Some(Quantization::Bf16)
+        );
+        // Q4_0_4_4 and the IQ presets have no name here.
+        assert_eq!(Quantization::from_gguf_file_type(19), None);
+        assert_eq!(Quantization::from_gguf_file_type(33), None);
     }
 }
