@@ -129,6 +129,36 @@ impl Kernel {
         }
     }
 
+    /// One row of a 32-value format's bytes against [`TOGETHER`] activation rows: the bits of
+    /// as many [`Self::dot_blocks`] calls.
+    fn dot_blocks_together(
+        self,
+        format: BlockFormat,
+        weights: &[u8],
+        activations: [ActivationRow<'_>; TOGETHER],
+    ) -> [f32; TOGETHER] {
+        match self {
+            Self::Scalar => activations.map(|row| format.dot(weights, row)),
+            Self::Avx2(Avx2Kernel(token)) => {
+                token.dot_blocks_together(format, weights, activations)
+            }
+        }
+    }
+
+    /// One row of a k-quant's bytes against [`TOGETHER`] activation rows: the bits of as many
+    /// [`Self::dot_super`] calls.
+    fn dot_super_together(
+        self,
+        format: SuperFormat,
+        weights: &[u8],
+        activations: [SuperRow<'_>; TOGETHER],
+    ) -> [f32; TOGETHER] {
+        match self {
+            Self::Scalar => activations.map(|row| format.dot(weights, row)),
+            Self::Avx2(Avx2Kernel(token)) => token.dot_super_together(format, weights, activations),
+        }
+    }
+
     /// One row of a k-quant's bytes against one activation row.
     fn dot_super(self, format: SuperFormat, weights: &[u8], activations: SuperRow<'_>) -> f32 {
         match self {

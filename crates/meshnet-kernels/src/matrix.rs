@@ -372,22 +372,7 @@ impl QuantizedMatrix {
             .for_each(|(chunk, values)| {
                 for (offset, column) in values.chunks_exact_mut(m).enumerate() {
                     let row = chunk * chunk_rows + offset;
-                    let Activations::Blocks(activations) = &activations else {
-                        for (activation, value) in column.iter_mut().enumerate() {
-                            *value = dot(row, activation);
-                        }
-                        continue;
-                    };
-                    let mut groups = column.chunks_exact_mut(TOGETHER);
-                    for (group, values) in groups.by_ref().enumerate() {
-                        let first = group * TOGETHER;
-                        let rows = std::array::from_fn(|k| activations.row(first + k));
-                        values.copy_from_slice(&self.dot_together(kernel, row, rows));
-                    }
-                    let done = m - m % TOGETHER;
-                    for (offset, value) in groups.into_remainder().iter_mut().enumerate() {
-                        *value = dot(row, done + offset);
-                    }
+                    self.dot_column(kernel, &activations, row, column);
                 }
             });
         for (row, column) in transposed.chunks_exact(m).enumerate() {
@@ -426,19 +411,51 @@ impl QuantizedMatrix {
         }
     }
 
-    /// Weight row `row` against [`TOGETHER`] activation rows of 32-value blocks.
+    /// Weight row `row` against every activation row, [`TOGETHER`] at a time where the
+    /// kernel has a way to.
+    fn dot_column(
+        &self,
+        kernel: Kernel,
+        activations: &Activations<'_>,
+        row: usize,
+        column: &mut [f32],
+    ) {
+        let done = column.len() - column.len() % TOGETHER;
+        let mut groups = column.chunks_exact_mut(TOGETHER);
+        for (group, values) in groups.by_ref().enumerate() {
+            values.copy_from_slice(&self.dot_together(kernel, activations, row, group * TOGETHER));
+        }
+        for (offset, value) in groups.into_remainder().iter_mut().enumerate() {
+            *value = self.dot(kernel, activations, row, done + offset);
+        }
+    }
+
+    /// Weight row `row` against activation rows `first..first + TOGETHER`: the bits of as
+    /// many [`Self::dot`] calls.
     fn dot_together(
         &self,
         kernel: Kernel,
+        activations: &Activations<'_>,
         row: usize,
-        activations: [crate::activations::ActivationRow<'_>; TOGETHER],
+        first: usize,
     ) -> [f32; TOGETHER] {
-        match self.format.family() {
-            Family::Parsed => kernel.dot_together(self.format, self.row(row), activations),
-            Family::Blocks(format) => {
-                activations.map(|rows| kernel.dot_blocks(format, self.row_bytes(row), rows))
-            }
-            _ => unreachable!("only 32-value formats read 32-value activation blocks"),
+        match (self.format.family(), activations) {
+            (Family::Parsed, Activations::Blocks(rows)) => kernel.dot_together(
+                self.format,
+                self.row(row),
+                std::array::from_fn(|k| rows.row(first + k)),
+            ),
+            (Family::Blocks(format), Activations::Blocks(rows)) => kernel.dot_blocks_together(
+                format,
+                self.row_bytes(row),
+                std::array::from_fn(|k| rows.row(first + k)),
+            ),
+            (Family::Super(format), Activations::Super(rows)) => kernel.dot_super_together(
+                format,
+                self.row_bytes(row),
+                std::array::from_fn(|k| rows.row(first + k)),
+            ),
+            _ => std::array::from_fn(|k| self.dot(kernel, activations, row, first + k)),
         }
     }
 }

@@ -692,3 +692,33 @@ mod tests {
         }
     }
 }
+
+/// One Q4_0 row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many
+/// [`dot_q4_0`] calls.
+pub(super) fn dot_q4_0_together(
+    token: Avx2,
+    weights: &[u8],
+    activations: [ActivationRow<'_>; super::TOGETHER],
+) -> [f32; super::TOGETHER] {
+    activations.map(|row| dot_q4_0(token, weights, row))
+}
+
+/// One Q5_0 row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many
+/// [`dot_q5_0`] calls.
+pub(super) fn dot_q5_0_together(
+    token: Avx2,
+    weights: &[u8],
+    activations: [ActivationRow<'_>; super::TOGETHER],
+) -> [f32; super::TOGETHER] {
+    activations.map(|row| dot_q5_0(token, weights, row))
+}
+
+/// One Q5_1 row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many
+/// [`dot_q5_1`] calls.
+pub(super) fn dot_q5_1_together(
+    token: Avx2,
+    weights: &[u8],
+    activations: [ActivationRow<'_>; super::TOGETHER],
+) -> [f32; super::TOGETHER] {
+    activations.map(|row| dot_q5_1(token, weights, row))
+}

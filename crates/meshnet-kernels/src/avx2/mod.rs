@@ -123,6 +123,37 @@ impl Avx2 {
         }
     }
 
+    /// One row of a 32-value format's block bytes against [`TOGETHER`] activation rows: the
+    /// bits of as many [`Self::dot_blocks`] calls.
+    pub(crate) fn dot_blocks_together(
+        self,
+        format: BlockFormat,
+        weights: &[u8],
+        activations: [ActivationRow<'_>; TOGETHER],
+    ) -> [f32; TOGETHER] {
+        match format {
+            BlockFormat::Q4_0 => legacy::dot_q4_0_together(self, weights, activations),
+            BlockFormat::Q5_0 => legacy::dot_q5_0_together(self, weights, activations),
+            BlockFormat::Q5_1 => legacy::dot_q5_1_together(self, weights, activations),
+        }
+    }
+
+    /// One row of a k-quant's super-block bytes against [`TOGETHER`] activation rows: the bits
+    /// of as many [`Self::dot_super`] calls.
+    pub(crate) fn dot_super_together(
+        self,
+        format: SuperFormat,
+        weights: &[u8],
+        activations: [SuperRow<'_>; TOGETHER],
+    ) -> [f32; TOGETHER] {
+        match format {
+            SuperFormat::Q4K => q4_k::dot_together(self, weights, activations),
+            SuperFormat::Q5K => q5_k::dot_together(self, weights, activations),
+            SuperFormat::Q6K => q6_k::dot_together(self, weights, activations),
+            _ => activations.map(|row| self.dot_super(format, weights, row)),
+        }
+    }
+
     /// One row of unquantized weights against one row of f32 activations (equal to
     /// [`FloatFormat::dot`]).
     pub(crate) fn dot_floats(

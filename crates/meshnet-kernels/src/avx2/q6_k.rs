@@ -560,3 +560,13 @@ pub(super) mod tests {
         assert_extreme_rows_match(q6_k::dot, fast, BYTES, &[D_AT]);
     }
 }
+
+/// One row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many [`dot`]
+/// calls.
+pub(super) fn dot_together(
+    token: Avx2,
+    weights: &[u8],
+    activations: [SuperRow<'_>; super::TOGETHER],
+) -> [f32; super::TOGETHER] {
+    activations.map(|row| dot(token, weights, row))
+}
