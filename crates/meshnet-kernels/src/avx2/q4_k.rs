@@ -240,6 +240,16 @@ pub(super) unsafe fn finish(scaled: __m256i, scales_and_mins: __m256i, sums: &[i
     (_mm_cvtsi128_si32(totals), _mm_extract_epi32::<1>(totals))
 }
 
+/// One row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many [`dot`]
+/// calls.
+pub(super) fn dot_together(
+    token: Avx2,
+    weights: &[u8],
+    activations: [SuperRow<'_>; super::TOGETHER],
+) -> [f32; super::TOGETHER] {
+    activations.map(|row| dot(token, weights, row))
+}
+
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
@@ -380,14 +390,4 @@ pub(super) mod tests {
             println!("Q4_K ns per 256 values per row: reference {reference:.1}, AVX2 {fast:.1}");
         }
     }
-}
-
-/// One row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many [`dot`]
-/// calls.
-pub(super) fn dot_together(
-    token: Avx2,
-    weights: &[u8],
-    activations: [SuperRow<'_>; super::TOGETHER],
-) -> [f32; super::TOGETHER] {
-    activations.map(|row| dot(token, weights, row))
 }

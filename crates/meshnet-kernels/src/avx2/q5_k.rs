@@ -64,6 +64,16 @@ pub(super) fn dot(_: Avx2, weights: &[u8], activations: SuperRow<'_>) -> f32 {
     unsafe { row_sum::<Q5K>(weights, activations) }
 }
 
+/// One row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many [`dot`]
+/// calls.
+pub(super) fn dot_together(
+    token: Avx2,
+    weights: &[u8],
+    activations: [SuperRow<'_>; super::TOGETHER],
+) -> [f32; super::TOGETHER] {
+    activations.map(|row| dot(token, weights, row))
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::q4_k::tests::Paths;
@@ -98,14 +108,4 @@ mod tests {
             println!("Q5_K ns per 256 values per row: reference {reference:.1}, AVX2 {fast:.1}");
         }
     }
-}
-
-/// One row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many [`dot`]
-/// calls.
-pub(super) fn dot_together(
-    token: Avx2,
-    weights: &[u8],
-    activations: [SuperRow<'_>; super::TOGETHER],
-) -> [f32; super::TOGETHER] {
-    activations.map(|row| dot(token, weights, row))
 }

@@ -367,6 +367,16 @@ unsafe fn row_dot(_: &[u8], _: SuperRow<'_>) -> f32 {
     unreachable!("no AVX2 outside x86_64")
 }
 
+/// One row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many [`dot`]
+/// calls.
+pub(super) fn dot_together(
+    token: Avx2,
+    weights: &[u8],
+    activations: [SuperRow<'_>; super::TOGETHER],
+) -> [f32; super::TOGETHER] {
+    activations.map(|row| dot(token, weights, row))
+}
+
 #[cfg(test)]
 pub(super) mod tests {
     //! Q6_K's AVX2 tests, and the checks that Q3_K's and Q2_K's share.
@@ -559,14 +569,4 @@ pub(super) mod tests {
         let fast = |weights: &[u8], row: SuperRow<'_>| dot(token, weights, row);
         assert_extreme_rows_match(q6_k::dot, fast, BYTES, &[D_AT]);
     }
-}
-
-/// One row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many [`dot`]
-/// calls.
-pub(super) fn dot_together(
-    token: Avx2,
-    weights: &[u8],
-    activations: [SuperRow<'_>; super::TOGETHER],
-) -> [f32; super::TOGETHER] {
-    activations.map(|row| dot(token, weights, row))
 }
