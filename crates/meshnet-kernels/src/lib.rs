@@ -1,15 +1,18 @@
 //! meshnet-kernels: the quantized matrix products that dominate a transformer layer on a CPU.
 //!
-//! A [`QuantizedMatrix`] holds a linear layer's weights in a ggml block format (Q4_1 or Q8_0),
-//! parsed once from the file's bytes. [`QuantizedMatrix::matmul`] quantizes the f32 input rows
-//! once (32-value blocks of signed bytes with a scale and a sum, ggml's Q8_1), then computes
-//! every output as per-block integer dot products scaled in f32, with the weight rows split
+//! A [`QuantizedMatrix`] holds a linear layer's weights in any ggml type a `llama-quantize`
+//! preset writes ([`WeightFormat`]: Q4_0 … Q8_0, Q2_K … Q6_K, F16, BF16, F32). Q4_1 and Q8_0 are
+//! parsed into rows of f32 scales and packed quants; every other format is read in place from
+//! the file's bytes (`formats/`). [`QuantizedMatrix::matmul`] quantizes the f32 input rows once
+//! (32-value blocks with a scale and a sum for the 32-value formats, 256-value super-blocks with
+//! exact sums of every 16 quants for the k-quants, none for the float formats), then computes
+//! every output from exact integer block products combined in f32, with the weight rows split
 //! over rayon's pool (one pool per process, sized to the cores).
 //!
 //! Two kernels compute the same bits: a scalar reference that runs everywhere and an AVX2
-//! kernel chosen at run time when the CPU has it ([`Kernel::best`]). The arithmetic is ggml's
-//! as candle 0.11 writes it, block after block in order, so results equal candle's own
-//! quantized matmul exactly. `MESHNET_KERNEL=scalar` forces the reference path.
+//! kernel (with FMA and F16C) chosen at run time when the CPU has it ([`Kernel::best`]). Each
+//! format's float combination is written once and called by both. For Q4_1 and Q8_0 the bits
+//! also equal candle 0.11's quantized matmul. `MESHNET_KERNEL=scalar` forces the reference.
 //!
 //! This is the only meshnet crate with `unsafe` code, confined to the `avx2` module.
 
