@@ -1,26 +1,42 @@
 #!/usr/bin/env bash
-# Builds a llama.cpp program from the source distribution of the `llama-cpp-python` package on
-# PyPI (it vendors llama.cpp) and prints the binary's path. By default that is `llama-bench`, the
-# anchor the `model` bench compares against; `llama-server` is what
-# scripts/llama_server_compare.py runs. Not part of CI: the bench uses the binary when it exists.
+# Builds llama.cpp programs from the source distribution of the `llama-cpp-python` package on
+# PyPI (it vendors llama.cpp) and prints each binary's path, one a line, in the order asked.
+# By default that is `llama-bench`, the anchor the `model` bench compares against;
+# `llama-quantize` makes the files benches/anchors/quantized_files.sh writes,
+# `llama-batched-bench` is the concurrency anchor of the `concurrency` bench, and
+# `llama-server` is what scripts/llama_server_compare.py runs. Not part of CI: the benches use
+# the binaries when they exist.
 #
 #   bash benches/anchors/llamacpp.sh               # build llama-bench once, print the path
 #   bash benches/anchors/llamacpp.sh llama-server  # any other CMake target of llama.cpp
+#   bash benches/anchors/llamacpp.sh llama-bench llama-quantize llama-batched-bench
+#                                                   # several targets, in one build
 #   MESHNET_ANCHORS=DIR                             # where to build (default ~/.cache/meshnet/anchors)
+#   MESHNET_ANCHORS_JOBS=N                          # parallel compile jobs (default: all cores)
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36                 # which source distribution (default: newest)
 #
-# A target already built is printed without building; the source is downloaded and unpacked
-# once into DIR/llama.cpp and shared by every target (remove that folder to take another
-# version). Needs python3 with pip, a C and C++ compiler and make; CMake comes from PyPI (once,
-# into DIR/cmake) when the machine has none. Builds with -DGGML_NATIVE=ON for the CPU it runs on.
+# Targets already built are printed without building; the others are built together by one
+# `cmake --build` call. The source is downloaded and unpacked once into DIR/llama.cpp and
+# shared by every target (remove that folder to take another version). Needs python3 with pip,
+# a C and C++ compiler and make; CMake comes from PyPI (once, into DIR/cmake) when the machine
+# has none. Builds with -DGGML_NATIVE=ON for the CPU it runs on.
 set -euo pipefail
 
 anchors=${MESHNET_ANCHORS:-$HOME/.cache/meshnet/anchors}
-target=${1:-llama-bench}
+if [ "$#" -eq 0 ]; then
+  set -- llama-bench
+fi
+targets=("$@")
 source_root=$anchors/llama.cpp
-binary=$source_root/build/bin/$target
-if [ -x "$binary" ]; then
-  echo "$binary"
+bin_dir=$source_root/build/bin
+missing=()
+for target in "${targets[@]}"; do
+  [ -x "$bin_dir/$target" ] || missing+=("$target")
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+  for target in "${targets[@]}"; do
+    echo "$bin_dir/$target"
+  done
   exit 0
 fi
 mkdir -p "$anchors"
@@ -70,6 +86,11 @@ fi
 
 "$cmake" -S "$source_root" -B "$source_root/build" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DBUILD_SHARED_LIBS=OFF >&2
-"$cmake" --build "$source_root/build" --target "$target" -j "$(nproc)" >&2
-[ -x "$binary" ] || { echo "llamacpp.sh: the build made no $binary" >&2; exit 1; }
-echo "$binary"
+"$cmake" --build "$source_root/build" --target "${missing[@]}" \
+  -j "${MESHNET_ANCHORS_JOBS:-$(nproc)}" >&2
+for target in "${targets[@]}"; do
+  [ -x "$bin_dir/$target" ] || { echo "llamacpp.sh: the build made no $bin_dir/$target" >&2; exit 1; }
+done
+for target in "${targets[@]}"; do
+  echo "$bin_dir/$target"
+done

@@ -1,12 +1,24 @@
-//! Tokens per second of the default model (SmolLM2-135M-Instruct) in one process: prefill and
-//! decode, 1 and 2 threads, weights as shipped (Q4_1) and requantised to Q8_0 on load. Our
-//! spans run on `meshnet-kernels` (the default), and again on candle's own quantized matmul
-//! (`MESHNET_KERNEL=candle`), beside candle-transformers' `quantized_llama::ModelWeights` and,
-//! when `benches/anchors/llamacpp.sh` has built it, llama.cpp's `llama-bench` on the same file,
-//! all in the same run. Then one synthetic Llama-7B-shaped layer (hidden 4096, intermediate
-//! 11008, random weights written as GGUF by this bench) in Q4_1 and Q8_0: a 128-token prefill
-//! chunk and a decode step through our span, with our kernels and with candle's matmul. Last,
-//! the resident memory of a peer holding layers 10..20 against the whole model.
+//! Tokens per second and memory of models in one process, ours beside llama.cpp in the same
+//! run. Five tables, each of which can be asked for alone
+//! (`cargo bench -p meshnet-benches --bench model -- formats long`):
+//!
+//! - `kernels`: the default model (SmolLM2-135M-Instruct), prefill and decode, 1 and 2
+//!   threads, weights as shipped (Q4_1) and requantised to Q8_0 on load. Our spans run on
+//!   `meshnet-kernels` (the default), and again on candle's own quantized matmul
+//!   (`MESHNET_KERNEL=candle`), beside candle-transformers' `quantized_llama::ModelWeights` and,
+//!   when `benches/anchors/llamacpp.sh` has built it, llama.cpp's `llama-bench` on the same file.
+//! - `layer`: one synthetic Llama-7B-shaped layer (hidden 4096, intermediate 11008, random
+//!   weights written as GGUF by this bench) in Q4_1 and Q8_0: a 128-token prefill chunk and a
+//!   decode step through our span, with our kernels and with candle's matmul.
+//! - `memory`: the resident memory of a peer holding layers 10..20 against the whole model.
+//! - `formats`: every GGUF format of the default model that `benches/anchors/quantized_files.sh`
+//!   makes (Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0) beside the shipped Q4_1, and Gemma 3 270M Q4_K_M:
+//!   prefill and decode tokens/s at 1 and 2 threads against `llama-bench -p 128 -n 64`, with
+//!   the resident memory of the whole-model span against the file's size. A file that is
+//!   absent is named with the command that makes it; one our model crate cannot load or run
+//!   is reported "not loadable" with the error, and the bench goes on.
+//! - `long`: the default model with 1,900 tokens of context: a 1,900-token prefill against
+//!   `llama-bench -p 1900`, and decoding after it against `llama-bench -d 1900 -n 64`.
 //!
 //! Thread counts are read once per process, so every measurement runs in a child process of
 //! this binary with `RAYON_NUM_THREADS` set. Prints tables. Run with
@@ -21,11 +33,13 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QTensor, gguf_file};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
+use meshnet_benches::{QUANTIZED_TYPES, median, rate, ratio};
 use meshnet_kernels::KERNEL_VARIABLE;
 use meshnet_model::{
     BoundaryPolicy, GgufModel, LayerRoute, LlamaSpan, ModelTokenizer, SessionId, SpanSpec, Stage,
 };
 use meshnet_types::{LayerSpan, Quantization};
+use meshnet_wire::PREFILL_CHUNK_TOKENS;
 
 const PREFILL_TOKENS: usize = 128;
 const DECODE_TOKENS: usize = 32;
@@ -172,22 +186,6 @@ fn measure_reference(path: &Path) -> (f64, f64) {
     (prefill, decode)
 }
 
-/// Resident set size of this process in bytes.
-fn resident_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix("VmRSS:"))
-        .and_then(|rest| {
-            rest.trim()
-                .trim_end_matches("kB")
-                .trim()
-                .parse::<u64>()
-                .ok()
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Resident memory after loading a span, and the growth over the process before loading.
 fn measure_memory(which: &str, quantization: Option<Quantization>) -> (u64, u64) {
     let model = GgufModel::open(model_path()).unwrap();
@@ -196,15 +194,15 @@ fn measure_memory(which: &str, quantization: Option<Quantization>) -> (u64, u64)
             Some(Quantization::Q8_0) => requantised_path(),
             _ => model_path(),
         };
-        let before = resident_bytes();
+        let before = meshnet_benches::resident_bytes();
         let mut file = std::fs::File::open(path).unwrap();
         let content = gguf_file::Content::read(&mut file).unwrap();
         let weights = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
-        let after = resident_bytes();
+        let after = meshnet_benches::resident_bytes();
         drop(weights);
         return (after, after.saturating_sub(before));
     }
-    let before = resident_bytes();
+    let before = meshnet_benches::resident_bytes();
     let spec = SpanSpec {
         quantization,
         ..match which {
@@ -213,7 +211,7 @@ fn measure_memory(which: &str, quantization: Option<Quantization>) -> (u64, u64)
         }
     };
     let span = LlamaSpan::load(&model, &spec).unwrap();
-    let after = resident_bytes();
+    let after = meshnet_benches::resident_bytes();
     drop(span);
     (after, after.saturating_sub(before))
 }
@@ -321,53 +319,244 @@ fn measure_layer(path: &Path) -> (f64, f64) {
     (prefill, decode)
 }
 
+/// What `llama-bench` printed (its JSON rows) and the most it had resident.
+struct LlamaBench {
+    rows: Vec<serde_json::Value>,
+    peak_resident: u64,
+}
+
+impl LlamaBench {
+    /// Tokens/s of the test of `prompt` tokens then `generated` tokens after `depth` tokens
+    /// already in the cache: the median of its repetitions.
+    fn rate(&self, prompt: usize, generated: usize, depth: usize) -> Option<f64> {
+        let row = self.rows.iter().find(|row| {
+            row["n_prompt"] == prompt
+                && row["n_gen"] == generated
+                && row["n_depth"].as_u64().unwrap_or(0) == depth as u64
+        })?;
+        let samples: Vec<f64> = row["samples_ts"]
+            .as_array()
+            .map(|samples| {
+                samples
+                    .iter()
+                    .filter_map(serde_json::Value::as_f64)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if samples.is_empty() {
+            row["avg_ts"].as_f64()
+        } else {
+            Some(median(&samples))
+        }
+    }
+}
+
+/// Runs llama.cpp's `llama-bench` on `path` with `threads` threads and `args`; `None` when
+/// `benches/anchors/llamacpp.sh` has not built it.
+fn llama_bench(path: &Path, threads: usize, args: &[String]) -> Option<Result<LlamaBench, String>> {
+    let binary = meshnet_benches::llamacpp_binary("llama-bench")?;
+    let mut command = Command::new(binary);
+    command
+        .arg("-m")
+        .arg(path)
+        .args(["-t", &threads.to_string(), "-o", "json"])
+        .args(args);
+    Some(
+        meshnet_benches::run_watched(&mut command).and_then(|finished| {
+            let rows = serde_json::from_str(&finished.stdout)
+                .map_err(|error| format!("llama-bench printed no JSON list: {error}"))?;
+            Ok(LlamaBench {
+                rows,
+                peak_resident: finished.peak_resident,
+            })
+        }),
+    )
+}
+
+/// `llama-bench` arguments from numbers and flags.
+fn bench_args(args: &[&dyn std::fmt::Display]) -> Vec<String> {
+    args.iter().map(ToString::to_string).collect()
+}
+
 /// Prefill and decode tokens/s of llama.cpp's `llama-bench` on `path` with `threads`, when
 /// `benches/anchors/llamacpp.sh` has built it.
 fn measure_llamacpp(path: &Path, threads: usize) -> Option<(f64, f64)> {
-    let anchors = std::env::var_os("MESHNET_ANCHORS").map_or_else(
-        || meshnet_model::models_dir().join("anchors"),
-        PathBuf::from,
-    );
-    let binary = anchors.join("llama.cpp/build/bin/llama-bench");
-    if !binary.is_file() {
-        return None;
+    let args = bench_args(&[&"-p", &PREFILL_TOKENS, &"-n", &DECODE_TOKENS, &"-r", &3]);
+    let bench = llama_bench(path, threads, &args)?.unwrap_or_else(|error| {
+        panic!("llama-bench failed: {error}");
+    });
+    Some((
+        bench.rate(PREFILL_TOKENS, 0, 0)?,
+        bench.rate(0, DECODE_TOKENS, 0)?,
+    ))
+}
+
+/// Tokens generated one at a time in the table of formats, as `llama-bench -n` counts them.
+const FILE_DECODE_TOKENS: usize = 64;
+
+/// Tokens already in the cache in the long-context table, and the length of its prefill.
+const LONG_CONTEXT: usize = 1900;
+
+/// Times each measurement of the long-context table is taken (the median is printed).
+const LONG_REPS: usize = 2;
+
+/// How many times each measurement of the table of formats is taken (the median is printed):
+/// `MESHNET_BENCH_REPS`, default 3.
+fn file_reps() -> usize {
+    std::env::var("MESHNET_BENCH_REPS")
+        .ok()
+        .and_then(|reps| reps.parse().ok())
+        .filter(|&reps| reps > 0)
+        .unwrap_or(3)
+}
+
+/// The first `count` tokens of a long repeated text in `model`'s tokenizer.
+fn text_tokens(model: &GgufModel, count: usize) -> meshnet_model::Result<Vec<u32>> {
+    let tokenizer = ModelTokenizer::from_gguf(model)?;
+    let sentence = "Peer-to-peer networks share the work of running a model across machines. ";
+    let mut text = sentence.repeat(count / 8 + 1);
+    let mut ids = tokenizer.encode(&text)?;
+    while ids.len() < count {
+        text.push_str(&sentence.repeat(count / 8 + 1));
+        ids = tokenizer.encode(&text)?;
     }
-    let output = Command::new(&binary)
-        .arg("-m")
-        .arg(path)
-        .args(["-t", &threads.to_string()])
-        .args([
-            "-p",
-            &PREFILL_TOKENS.to_string(),
-            "-n",
-            &DECODE_TOKENS.to_string(),
-        ])
-        .args(["-r", "3", "-o", "json"])
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "llama-bench failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let results: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
-    let rate = |prompt: usize, generated: usize| {
-        results
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|run| run["n_prompt"] == prompt && run["n_gen"] == generated)
-            .and_then(|run| run["avg_ts"].as_f64())
-            .unwrap()
-    };
-    Some((rate(PREFILL_TOKENS, 0), rate(0, DECODE_TOKENS)))
+    ids.truncate(count);
+    Ok(ids)
+}
+
+/// A route through one whole-model span.
+fn whole_route(span: &LlamaSpan) -> LayerRoute<'_> {
+    LayerRoute {
+        embedder: span,
+        stages: vec![span],
+        head: span,
+        boundary: BoundaryPolicy::F32,
+    }
+}
+
+/// Tokens/s of `steps` greedy decode steps of `session`, the first feeding `token` at
+/// `position`.
+fn decode_rate(
+    route: &LayerRoute<'_>,
+    session: SessionId,
+    position: usize,
+    mut token: u32,
+    steps: usize,
+) -> meshnet_model::Result<f64> {
+    let start = Instant::now();
+    for step in 0..steps {
+        let logits = route.forward(session, position + step, &[token])?;
+        token = meshnet_model::argmax(&logits);
+    }
+    Ok(steps as f64 / start.elapsed().as_secs_f64())
+}
+
+/// One file of the table of formats, in this process: the resident growth from loading the
+/// whole model as one span, the median prefill (one `PREFILL_TOKENS` chunk at position 0) and
+/// decode (`FILE_DECODE_TOKENS` steps from position 0, as `llama-bench -n` runs them) tokens/s
+/// over `reps` fresh sessions each, and the process's peak resident memory.
+fn measure_file(path: &Path, reps: usize) -> meshnet_model::Result<[f64; 4]> {
+    let model = GgufModel::open(path)?;
+    let prompt = text_tokens(&model, PREFILL_TOKENS)?;
+    let before = meshnet_benches::resident_bytes();
+    let span = LlamaSpan::load(&model, &SpanSpec::whole(model.description()))?;
+    let growth = meshnet_benches::resident_bytes().saturating_sub(before);
+    let route = whole_route(&span);
+    let warm = SessionId::new_v4();
+    route.forward(warm, 0, &prompt[..8])?;
+    route.end_session(warm);
+
+    let mut prefill = Vec::with_capacity(reps);
+    let mut decode = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let session = SessionId::new_v4();
+        let start = Instant::now();
+        route.forward(session, 0, &prompt)?;
+        prefill.push(PREFILL_TOKENS as f64 / start.elapsed().as_secs_f64());
+        route.end_session(session);
+
+        let session = SessionId::new_v4();
+        decode.push(decode_rate(
+            &route,
+            session,
+            0,
+            prompt[0],
+            FILE_DECODE_TOKENS,
+        )?);
+        route.end_session(session);
+    }
+    Ok([
+        growth as f64,
+        median(&prefill),
+        median(&decode),
+        meshnet_benches::peak_resident_bytes() as f64,
+    ])
+}
+
+/// The long-context row, in this process: the median over `LONG_REPS` fresh sessions of the
+/// tokens/s of a `LONG_CONTEXT`-token prefill in the wire's chunks, and of
+/// `FILE_DECODE_TOKENS` decode steps after it.
+fn measure_long(path: &Path) -> meshnet_model::Result<[f64; 2]> {
+    let model = GgufModel::open(path)?;
+    let prompt = text_tokens(&model, LONG_CONTEXT)?;
+    let span = LlamaSpan::load(&model, &SpanSpec::whole(model.description()))?;
+    let route = whole_route(&span);
+    let warm = SessionId::new_v4();
+    route.forward(warm, 0, &prompt[..8])?;
+    route.end_session(warm);
+
+    let mut prefill = Vec::with_capacity(LONG_REPS);
+    let mut decode = Vec::with_capacity(LONG_REPS);
+    for _ in 0..LONG_REPS {
+        let session = SessionId::new_v4();
+        let start = Instant::now();
+        let hidden = route.prefill(session, &prompt, PREFILL_CHUNK_TOKENS)?;
+        let logits = route.head.logits(&hidden)?;
+        prefill.push(LONG_CONTEXT as f64 / start.elapsed().as_secs_f64());
+        let token = meshnet_model::argmax(&logits);
+        decode.push(decode_rate(
+            &route,
+            session,
+            LONG_CONTEXT,
+            token,
+            FILE_DECODE_TOKENS,
+        )?);
+        route.end_session(session);
+    }
+    Ok([median(&prefill), median(&decode)])
+}
+
+/// Prints a worker's numbers, or its error on standard error with a failing exit status.
+fn report<const N: usize>(measured: meshnet_model::Result<[f64; N]>) {
+    match measured {
+        Ok(numbers) => {
+            let words: Vec<String> = numbers.iter().map(f64::to_string).collect();
+            println!("{}", words.join(" "));
+        }
+        Err(error) => {
+            eprintln!("error: {error}");
+            std::process::exit(1);
+        }
+    }
 }
 
 fn worker(args: &[String]) {
-    if args[1] == "layer" {
-        let (prefill, decode) = measure_layer(Path::new(&args[2]));
-        println!("{prefill} {decode}");
-        return;
+    match args[1].as_str() {
+        "layer" => {
+            let (prefill, decode) = measure_layer(Path::new(&args[2]));
+            println!("{prefill} {decode}");
+            return;
+        }
+        "file" => {
+            let reps = args[3].parse().unwrap();
+            report(measure_file(Path::new(&args[2]), reps));
+            return;
+        }
+        "long" => {
+            report(measure_long(Path::new(&args[2])));
+            return;
+        }
+        _ => {}
     }
     let quantization = match args[2].as_str() {
         "q8_0" => Some(Quantization::Q8_0),
@@ -396,13 +585,8 @@ fn worker(args: &[String]) {
 /// Runs a measurement in a child process with `threads` threads and `MESHNET_KERNEL=kernel`
 /// (the default kernel when `None`); returns the two numbers it prints.
 fn run_worker_with(threads: usize, kernel: Option<&str>, args: &[&str]) -> (f64, f64) {
-    let mut command = Command::new(std::env::current_exe().unwrap());
-    command
-        .arg(WORKER)
-        .args(args)
-        .env("RAYON_NUM_THREADS", threads.to_string())
-        .env("CANDLE_NUM_THREADS", threads.to_string())
-        .env_remove(KERNEL_VARIABLE);
+    let mut command = meshnet_benches::worker_command(WORKER, threads).unwrap();
+    command.args(args).env_remove(KERNEL_VARIABLE);
     if let Some(kernel) = kernel {
         command.env(KERNEL_VARIABLE, kernel);
     }
@@ -422,22 +606,292 @@ fn run_worker(threads: usize, kind: &str, quantization: &str) -> (f64, f64) {
     run_worker_with(threads, None, &[kind, quantization])
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some(WORKER) {
-        worker(&args);
-        return;
+/// Runs a measurement of the table of formats or the long-context table in a child process
+/// with `threads` threads and the default kernel; its numbers, or why it failed (a model the
+/// crate cannot load yet fails here without stopping the bench).
+fn try_worker(threads: usize, args: &[&str]) -> Result<Vec<f64>, String> {
+    let mut command =
+        meshnet_benches::worker_command(WORKER, threads).map_err(|error| error.to_string())?;
+    command.args(args).env_remove(KERNEL_VARIABLE);
+    let finished = meshnet_benches::run_watched(&mut command)?;
+    meshnet_benches::last_line_numbers(&finished.stdout)
+}
+
+/// A model file of the table of formats, and how to make it when it is absent.
+struct BenchFile {
+    label: String,
+    path: PathBuf,
+    make: &'static str,
+}
+
+/// The default model as shipped, its requantised copies and Gemma 3 270M.
+fn bench_files() -> Vec<BenchFile> {
+    let models = meshnet_model::models_dir();
+    let mut files = vec![BenchFile {
+        label: "SmolLM2 Q4_1".into(),
+        path: meshnet_model::default_model_path(),
+        make: "bash scripts/fetch-model.sh",
+    }];
+    for format in QUANTIZED_TYPES {
+        files.push(BenchFile {
+            label: format!("SmolLM2 {format}"),
+            path: meshnet_benches::quantized_file(&models, format),
+            make: "bash benches/anchors/quantized_files.sh",
+        });
     }
-    // `cargo test --benches` runs this with `--bench` absent; keep that quick.
-    if !args.iter().any(|a| a == "--bench") {
-        return;
+    let gemma = meshnet_model::known_model("gemma3-270m").map_or_else(
+        || models.join("gemma-3-270m-q4_k_m.gguf"),
+        |known| known.path(),
+    );
+    files.push(BenchFile {
+        label: "Gemma3-270M Q4_K_M".into(),
+        path: gemma,
+        make: "bash scripts/fetch-model.sh gemma3-270m",
+    });
+    files
+}
+
+/// The formats of a file's matrices, each with its share of their weights, largest first
+/// ("Q5_0 58%, Q4_K 33%, Q6_K 9%").
+fn format_mix(path: &Path) -> String {
+    let content = std::fs::File::open(path)
+        .map_err(candle_core::Error::from)
+        .and_then(|mut file| gguf_file::Content::read(&mut file));
+    let content = match content {
+        Ok(content) => content,
+        Err(error) => return format!("header not readable by candle: {error}"),
+    };
+    let mut weights: Vec<(String, usize)> = Vec::new();
+    for info in content.tensor_infos.values() {
+        if info.shape.dims().len() < 2 {
+            continue;
+        }
+        let name = format!("{:?}", info.ggml_dtype);
+        // candle spells the k-quants `Q4K`; GGUF spells them `Q4_K`.
+        let name = match name.strip_suffix('K') {
+            Some(stem) if stem.len() == 2 => format!("{stem}_K"),
+            _ => name,
+        };
+        match weights.iter_mut().find(|(known, _)| *known == name) {
+            Some((_, count)) => *count += info.shape.elem_count(),
+            None => weights.push((name, info.shape.elem_count())),
+        }
     }
+    let total: usize = weights.iter().map(|(_, count)| count).sum();
+    weights.sort_by_key(|(_, count)| std::cmp::Reverse(*count));
+    weights
+        .iter()
+        .map(|(name, count)| format!("{name} {:.0}%", 100.0 * *count as f64 / total.max(1) as f64))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The table of formats: every file of [`bench_files`] that is on disk, at 1 and 2 threads.
+fn files_table() {
+    let reps = file_reps();
+    println!(
+        "Every format, ours beside llama.cpp in the same run: prefill {PREFILL_TOKENS} tokens \
+         in one chunk, decode {FILE_DECODE_TOKENS} tokens from an empty cache, tokens/s, median \
+         of {reps} (MESHNET_BENCH_REPS) against llama-bench -p {PREFILL_TOKENS} -n \
+         {FILE_DECODE_TOKENS} -r {reps}, median of its samples; ratio: ours / llama.cpp. span: \
+         resident growth from loading the whole model as one span, against the file's size; \
+         peak: the most each process had resident."
+    );
+    println!(
+        "| file | threads | prefill ours | llama.cpp | ratio | decode ours | llama.cpp | ratio | span MiB | span / file | peak MiB ours | llama.cpp |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut notes = Vec::new();
+    for file in bench_files() {
+        let Ok(metadata) = std::fs::metadata(&file.path) else {
+            notes.push(format!(
+                "{}: absent ({}); make it with `{}`",
+                file.label,
+                file.path.display(),
+                file.make
+            ));
+            continue;
+        };
+        let file_bytes = metadata.len();
+        notes.push(format!(
+            "{}: {:.1} MiB, matrices in {}",
+            file.label,
+            meshnet_benches::mib(file_bytes),
+            format_mix(&file.path)
+        ));
+        let path_arg = file.path.to_string_lossy().into_owned();
+        let reps_arg = reps.to_string();
+        let mut unloadable: Option<String> = None;
+        for threads in [1, 2] {
+            let ours = match &unloadable {
+                Some(_) => None,
+                None => match try_worker(threads, &["file", &path_arg, &reps_arg]) {
+                    Ok(numbers) if numbers.len() == 4 => Some(numbers),
+                    Ok(numbers) => {
+                        unloadable = Some(format!("the worker printed {numbers:?}"));
+                        None
+                    }
+                    Err(error) => {
+                        unloadable = Some(error);
+                        None
+                    }
+                },
+            };
+            let args = bench_args(&[
+                &"-p",
+                &PREFILL_TOKENS,
+                &"-n",
+                &FILE_DECODE_TOKENS,
+                &"-r",
+                &reps,
+            ]);
+            let anchor = match llama_bench(&file.path, threads, &args) {
+                Some(Ok(bench)) => Some(bench),
+                Some(Err(error)) => {
+                    notes.push(format!(
+                        "{} at {threads} threads: llama-bench failed: {error}",
+                        file.label
+                    ));
+                    None
+                }
+                None => None,
+            };
+            let ours_value = |index: usize| ours.as_ref().map(|numbers| numbers[index]);
+            let ours_rate = |index: usize| match &ours {
+                Some(numbers) => format!("{:.1}", numbers[index]),
+                None => "not loadable".into(),
+            };
+            let anchor_prefill = anchor
+                .as_ref()
+                .and_then(|bench| bench.rate(PREFILL_TOKENS, 0, 0));
+            let anchor_decode = anchor
+                .as_ref()
+                .and_then(|bench| bench.rate(0, FILE_DECODE_TOKENS, 0));
+            let mib = |value: Option<f64>| {
+                value.map_or_else(
+                    || "-".into(),
+                    |bytes| format!("{:.1}", meshnet_benches::mib(bytes as u64)),
+                )
+            };
+            let span_share = ours_value(0).map_or_else(
+                || "-".into(),
+                |growth| format!("{:.2}", growth / file_bytes as f64),
+            );
+            println!(
+                "| {} | {threads} | {} | {} | {} | {} | {} | {} | {} | {span_share} | {} | {} |",
+                file.label,
+                ours_rate(1),
+                rate(anchor_prefill),
+                ratio(ours_value(1), anchor_prefill),
+                ours_rate(2),
+                rate(anchor_decode),
+                ratio(ours_value(2), anchor_decode),
+                mib(ours_value(0)),
+                mib(ours_value(3)),
+                mib(anchor.as_ref().map(|bench| bench.peak_resident as f64)),
+            );
+        }
+        if let Some(error) = unloadable {
+            notes.push(format!("{}: not loadable: {error}", file.label));
+        }
+    }
+    if meshnet_benches::llamacpp_binary("llama-bench").is_none() {
+        notes.push(
+            "llama.cpp: llama-bench is not built; build it with `bash benches/anchors/llamacpp.sh`"
+                .into(),
+        );
+    }
+    for note in notes {
+        println!("- {note}");
+    }
+}
+
+/// The long-context rows: the default model with `LONG_CONTEXT` tokens of context.
+fn long_table() {
+    let path = model_path();
+    println!(
+        "Long context, SmolLM2-135M-Instruct Q4_1, tokens/s, median of {LONG_REPS}: a \
+         {LONG_CONTEXT}-token prefill (ours in the wire's {PREFILL_CHUNK_TOKENS}-token chunks, \
+         as peers run it; llama-bench -p {LONG_CONTEXT} in its own 512-token micro-batches), \
+         and {FILE_DECODE_TOKENS} decode steps with {LONG_CONTEXT} tokens in the cache \
+         (llama-bench -d {LONG_CONTEXT} -n {FILE_DECODE_TOKENS}); ratio: ours / llama.cpp"
+    );
+    println!(
+        "| threads | prefill {LONG_CONTEXT} ours | llama.cpp | ratio | decode @{LONG_CONTEXT} ours | llama.cpp | ratio |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let path_arg = path.to_string_lossy().into_owned();
+    let mut notes = Vec::new();
+    for threads in [1, 2] {
+        let ours = match try_worker(threads, &["long", &path_arg]) {
+            Ok(numbers) if numbers.len() == 2 => Some(numbers),
+            Ok(numbers) => {
+                notes.push(format!("the worker printed {numbers:?}"));
+                None
+            }
+            Err(error) => {
+                notes.push(format!("ours at {threads} threads failed: {error}"));
+                None
+            }
+        };
+        let mut anchor = |args: Vec<String>| match llama_bench(&path, threads, &args) {
+            Some(Ok(bench)) => Some(bench),
+            Some(Err(error)) => {
+                notes.push(format!("llama-bench at {threads} threads failed: {error}"));
+                None
+            }
+            None => None,
+        };
+        let anchor_prefill = anchor(bench_args(&[
+            &"-p",
+            &LONG_CONTEXT,
+            &"-n",
+            &0,
+            &"-r",
+            &LONG_REPS,
+        ]))
+        .and_then(|bench| bench.rate(LONG_CONTEXT, 0, 0));
+        let anchor_decode = anchor(bench_args(&[
+            &"-p",
+            &0,
+            &"-n",
+            &FILE_DECODE_TOKENS,
+            &"-d",
+            &LONG_CONTEXT,
+            &"-r",
+            &LONG_REPS,
+        ]))
+        .and_then(|bench| bench.rate(0, FILE_DECODE_TOKENS, LONG_CONTEXT));
+        let ours_value = |index: usize| ours.as_ref().map(|numbers| numbers[index]);
+        println!(
+            "| {threads} | {} | {} | {} | {} | {} | {} |",
+            rate(ours_value(0)),
+            rate(anchor_prefill),
+            ratio(ours_value(0), anchor_prefill),
+            rate(ours_value(1)),
+            rate(anchor_decode),
+            ratio(ours_value(1), anchor_decode),
+        );
+    }
+    if meshnet_benches::llamacpp_binary("llama-bench").is_none() {
+        notes.push(
+            "llama.cpp: llama-bench is not built; build it with `bash benches/anchors/llamacpp.sh`"
+                .into(),
+        );
+    }
+    for note in notes {
+        println!("- {note}");
+    }
+}
+
+/// The first table: the default model as shipped and requantised to Q8_0 on our kernels, on
+/// candle's matmul, in candle-transformers and in llama.cpp.
+fn kernels_table(cores: usize) {
     let path = model_path();
     let requantised = requantised_path();
     if !requantised.is_file() {
         write_requantised(&path, &requantised);
     }
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
     println!(
         "SmolLM2-135M-Instruct, prefill {PREFILL_TOKENS} tokens in one chunk, decode \
          {DECODE_TOKENS} tokens, tokens/s ({cores} cores). ours: our spans on meshnet-kernels; \
@@ -466,22 +920,21 @@ fn main() {
             } else {
                 "Q4_1 (as shipped)"
             };
-            let (anchor_prefill, anchor_decode, prefill_ratio, decode_ratio) = match anchor {
-                Some((prefill, decode)) => (
-                    format!("{prefill:.1}"),
-                    format!("{decode:.1}"),
-                    format!("{:.2}", ours_prefill / prefill),
-                    format!("{:.2}", ours_decode / decode),
-                ),
-                None => ("-".into(), "-".into(), "-".into(), "-".into()),
-            };
+            let anchor_prefill = anchor.map(|(prefill, _)| prefill);
+            let anchor_decode = anchor.map(|(_, decode)| decode);
             println!(
-                "| {label} | {threads} | {ours_prefill:.1} | {candle_prefill:.1} | {ref_prefill:.1} | {anchor_prefill} | {prefill_ratio} | {ours_decode:.1} | {candle_decode:.1} | {ref_decode:.1} | {anchor_decode} | {decode_ratio} |"
+                "| {label} | {threads} | {ours_prefill:.1} | {candle_prefill:.1} | {ref_prefill:.1} | {} | {} | {ours_decode:.1} | {candle_decode:.1} | {ref_decode:.1} | {} | {} |",
+                rate(anchor_prefill),
+                ratio(Some(ours_prefill), anchor_prefill),
+                rate(anchor_decode),
+                ratio(Some(ours_decode), anchor_decode),
             );
         }
     }
+}
 
-    println!();
+/// The synthetic Llama-7B-shaped layer, ours against candle's matmul.
+fn layer_table(cores: usize) {
     println!(
         "One synthetic Llama-7B-shaped layer (hidden {LAYER_HIDDEN}, intermediate \
          {LAYER_INTERMEDIATE}, {LAYER_HEADS} heads, random weights), {cores} threads, \
@@ -507,8 +960,14 @@ fn main() {
             candle_decode / ours_decode
         );
     }
+}
 
-    println!();
+/// Resident memory of spans of the default model, as shipped and requantised to Q8_0.
+fn memory_table() {
+    let requantised = requantised_path();
+    if !requantised.is_file() {
+        write_requantised(&model_path(), &requantised);
+    }
     println!("Resident memory after loading (process total, and growth from loading the span)");
     println!("| weights | span | resident MiB | growth MiB |");
     println!("|---|---|---|---|");
@@ -526,5 +985,60 @@ fn main() {
                 mib(growth)
             );
         }
+    }
+}
+
+/// The tables, in the order they print; naming some after `--` prints only those.
+const TABLES: [&str; 5] = ["kernels", "layer", "memory", "formats", "long"];
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some(WORKER) {
+        worker(&args);
+        return;
+    }
+    // `cargo test --benches` runs this with `--bench` absent; keep that quick.
+    if !args.iter().any(|a| a == "--bench") {
+        return;
+    }
+    let asked: Vec<&str> = args
+        .iter()
+        .map(String::as_str)
+        .filter(|arg| !arg.starts_with('-'))
+        .collect();
+    if let Some(unknown) = asked.iter().find(|name| !TABLES.contains(name)) {
+        eprintln!(
+            "unknown table {unknown:?}; the tables are {}",
+            TABLES.join(", ")
+        );
+        std::process::exit(2);
+    }
+    let wanted = |table: &str| asked.is_empty() || asked.contains(&table);
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut first = true;
+    let mut gap = || {
+        if !std::mem::take(&mut first) {
+            println!();
+        }
+    };
+    if wanted("kernels") {
+        gap();
+        kernels_table(cores);
+    }
+    if wanted("layer") {
+        gap();
+        layer_table(cores);
+    }
+    if wanted("memory") {
+        gap();
+        memory_table();
+    }
+    if wanted("formats") {
+        gap();
+        files_table();
+    }
+    if wanted("long") {
+        gap();
+        long_table();
     }
 }
