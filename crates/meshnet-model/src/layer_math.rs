@@ -386,6 +386,33 @@ mod tests {
         }
     }
 
+    /// Decode attention over a long cache at the default model's shape, timed (run with
+    /// `--ignored --nocapture`): what one layer's attention costs a token at ~1,900 positions.
+    #[test]
+    #[ignore]
+    fn long_context_decode_timing() {
+        let shape = Heads {
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+        };
+        let known = 1900;
+        let queries = filler(9 * 64, 1);
+        let keys = filler(known * 3 * 64, 2);
+        let values = filler(known * 3 * 64, 3);
+        let rule = AttentionRule::causal(64);
+        let mut best = f64::MAX;
+        for _ in 0..200 {
+            let start = std::time::Instant::now();
+            std::hint::black_box(attend(shape, rule, &queries, &keys, &values, known - 1));
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        println!(
+            "decode attention over {known} positions: {:.1} µs",
+            best * 1e6
+        );
+    }
+
     #[test]
     fn a_sliding_window_sees_only_its_last_positions() {
         let shape = Heads {
