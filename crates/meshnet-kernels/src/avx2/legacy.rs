@@ -9,6 +9,11 @@
 //! group whose lanes past the row's end add `+0.0`; the lanes are then combined by the
 //! reference's own `combine_lanes`.
 //!
+//! Against four activation rows at once (`dot_*_together`, a prefill's matmul), each whole
+//! group's blocks are unpacked and its scales widened once for the four rows; each row then
+//! runs the very operations of its one-row dot (its own `maddubs`, reduction, float terms and
+//! lanes), so it gets that dot's bits.
+//!
 //! The quants enter `maddubs` unsigned, in value order (16 low nibbles, then 16 high nibbles);
 //! a 5-bit quant gets bit 4 from its bit of the block's high bits, spread to one byte per value.
 //! The offsets of Q4_0 (8) and Q5_0 (16) are a second `maddubs` of the offsets with the same
@@ -23,7 +28,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-use super::Avx2;
+use super::{Avx2, TOGETHER};
 use crate::activations::ActivationRow;
 use crate::formats::legacy;
 #[cfg(target_arch = "x86_64")]
@@ -65,33 +70,57 @@ trait Layout {
     /// Bytes of one block.
     const BYTES: usize;
 
-    /// The products of one block's quants (less the offset) with its 32 activations, added in
-    /// adjacent pairs: 16 i16 lanes, each at most 7936 in magnitude (see the module's notes),
-    /// whose sum is the block's exact integer dot product.
+    /// Where a block's f16 minimum lies, for the formats that have one.
+    const MIN: Option<usize>;
+
+    /// A block's quants unpacked into registers, ready for any activation row.
+    type Unpacked: Copy;
+
+    /// Unpacks the quants of the block at `block` (the part of a block's work that does not
+    /// depend on the activations).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `block` must point at `BYTES` readable bytes.
+    unsafe fn unpack(block: *const u8) -> Self::Unpacked;
+
+    /// The products of one unpacked block's quants (less the offset) with its 32 activations,
+    /// added in adjacent pairs: 16 i16 lanes, each at most 7936 in magnitude (see the module's
+    /// notes), whose sum is the block's exact integer dot product.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    unsafe fn pairs(quants: Self::Unpacked, activations: __m256i) -> __m256i;
+
+    /// [`Self::pairs`] of the block at `block` with the 32 activations at `activations`.
     ///
     /// # Safety
     /// The CPU must have AVX2; `block` must point at `BYTES` readable bytes and `activations`
     /// at 32.
-    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i;
-
-    /// Where a block's f16 minimum lies, for the formats that have one.
-    const MIN: Option<usize>;
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i {
+        // SAFETY: passed on from the caller.
+        unsafe { Self::pairs(Self::unpack(block), _mm256_loadu_si256(activations.cast())) }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Layout for Q4_0 {
     const BYTES: usize = legacy::Q4_0_BYTES;
     const MIN: Option<usize> = None;
+    /// The 32 nibbles in value order.
+    type Unpacked = __m256i;
 
+    #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i {
-        // SAFETY: the caller guarantees a whole block at `block` and 32 bytes at `activations`.
-        let (quants, activations) = unsafe {
-            (
-                nibbles(block.add(legacy::Q4_0_NIBBLES)),
-                _mm256_loadu_si256(activations.cast()),
-            )
-        };
+    unsafe fn unpack(block: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees a whole block at `block`.
+        unsafe { nibbles(block.add(legacy::Q4_0_NIBBLES)) }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn pairs(quants: __m256i, activations: __m256i) -> __m256i {
         let offsets = _mm256_maddubs_epi16(_mm256_set1_epi8(8), activations);
         _mm256_sub_epi16(_mm256_maddubs_epi16(quants, activations), offsets)
     }
@@ -101,19 +130,26 @@ impl Layout for Q4_0 {
 impl Layout for Q5_0 {
     const BYTES: usize = legacy::Q5_0_BYTES;
     const MIN: Option<usize> = None;
+    /// The 32 low nibbles in value order, and per value the part of the offset 16 that the
+    /// quant lacks (16 where bit 4 is clear, else 0).
+    type Unpacked = (__m256i, __m256i);
 
+    #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i {
-        // SAFETY: the caller guarantees a whole block at `block` and 32 bytes at `activations`.
-        let (nibbles, high, activations) = unsafe {
+    unsafe fn unpack(block: *const u8) -> (__m256i, __m256i) {
+        // SAFETY: the caller guarantees a whole block at `block`.
+        let (nibbles, high) = unsafe {
             (
                 nibbles(block.add(legacy::Q5_0_NIBBLES)),
                 high_bits(block.add(legacy::Q5_0_HIGH_BITS)),
-                _mm256_loadu_si256(activations.cast()),
             )
         };
-        // 16 where bit 4 is clear: the part of the offset 16 that the quant lacks.
-        let missing = _mm256_andnot_si256(high, _mm256_set1_epi8(16));
+        (nibbles, _mm256_andnot_si256(high, _mm256_set1_epi8(16)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn pairs((nibbles, missing): (__m256i, __m256i), activations: __m256i) -> __m256i {
         let offsets = _mm256_maddubs_epi16(missing, activations);
         _mm256_sub_epi16(_mm256_maddubs_epi16(nibbles, activations), offsets)
     }
@@ -123,18 +159,25 @@ impl Layout for Q5_0 {
 impl Layout for Q5_1 {
     const BYTES: usize = legacy::Q5_1_BYTES;
     const MIN: Option<usize> = Some(legacy::Q5_1_MIN);
+    /// The 32 five-bit quants in value order.
+    type Unpacked = __m256i;
 
+    #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i {
-        // SAFETY: the caller guarantees a whole block at `block` and 32 bytes at `activations`.
-        let (nibbles, high, activations) = unsafe {
+    unsafe fn unpack(block: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees a whole block at `block`.
+        let (nibbles, high) = unsafe {
             (
                 nibbles(block.add(legacy::Q5_1_NIBBLES)),
                 high_bits(block.add(legacy::Q5_1_HIGH_BITS)),
-                _mm256_loadu_si256(activations.cast()),
             )
         };
-        let quants = _mm256_or_si256(nibbles, _mm256_and_si256(high, _mm256_set1_epi8(16)));
+        _mm256_or_si256(nibbles, _mm256_and_si256(high, _mm256_set1_epi8(16)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn pairs(quants: __m256i, activations: __m256i) -> __m256i {
         _mm256_maddubs_epi16(quants, activations)
     }
 }
@@ -176,13 +219,7 @@ unsafe fn scales_and_mins<F: Layout>(group: *const u8, count: usize) -> (__m256,
 }
 
 /// The dot products of the first `count` blocks at `group` with their activations at `quants`,
-/// one block per i32 lane, the other lanes zero.
-///
-/// The sums stay in i16 for two rounds of `hadd` (each lane then a sum of at most eight
-/// products, at most 4 · 7936 = 31744 in magnitude: no lane wraps), then `madd` widens them
-/// to i32 (sums of 16 products: values 0..16 in the low half, 16..32 in the high half) and the
-/// two halves are added. Eight blocks take two `madd` instead of eight; the integer sums are
-/// exact, so their order does not matter.
+/// one block per i32 lane, the other lanes zero (by [`reduce_group`]).
 ///
 /// # Safety
 /// The CPU must have AVX2; `count <= 8`, and `count` blocks must be readable at `group` and
@@ -190,14 +227,28 @@ unsafe fn scales_and_mins<F: Layout>(group: *const u8, count: usize) -> (__m256,
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn group_dots<F: Layout>(group: *const u8, quants: *const i8, count: usize) -> __m256i {
-    let pairs = |offset: usize| {
+    reduce_group(|offset: usize| {
         if offset < count {
             // SAFETY: block `offset < count` and its 32 activations are readable (the caller).
             unsafe { F::block_pairs(group.add(offset * F::BYTES), quants.add(offset * BLOCK)) }
         } else {
             _mm256_setzero_si256()
         }
-    };
+    })
+}
+
+/// Eight blocks' dot products, one block per i32 lane, from their `pairs` (offset `0..8` in the
+/// group: the block's products added in adjacent pairs, as [`Layout::pairs`] gives them).
+///
+/// The sums stay in i16 for two rounds of `hadd` (each lane then a sum of at most eight
+/// products, at most 4 · 7936 = 31744 in magnitude: no lane wraps), then `madd` widens them
+/// to i32 (sums of 16 products: values 0..16 in the low half, 16..32 in the high half) and the
+/// two halves are added. Eight blocks take two `madd` instead of eight; the integer sums are
+/// exact, so their order does not matter.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn reduce_group(pairs: impl Fn(usize) -> __m256i) -> __m256i {
     // Per half, blocks a, b: a a a a b b b b (sums of four products).
     let two_blocks = |first: usize| _mm256_hadd_epi16(pairs(first), pairs(first + 1));
     // Per half, blocks a..d: a b c d (sums of 16 products).
@@ -345,6 +396,138 @@ unsafe fn tail<F: Layout>(
 /// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn row<F>(_: &[u8], _: ActivationRow<'_>, _: usize) -> f32 {
+    unreachable!("no AVX2 outside x86_64")
+}
+
+/// One Q4_0 row against [`TOGETHER`] activation rows: the bits of as many [`dot_q4_0`] calls.
+pub(super) fn dot_q4_0_together(
+    _: Avx2,
+    weights: &[u8],
+    activations: [ActivationRow<'_>; TOGETHER],
+) -> [f32; TOGETHER] {
+    let blocks = checked_rows(weights, &activations, legacy::Q4_0_BYTES);
+    // SAFETY: the token exists only when the CPU has AVX2, FMA and F16C (`Avx2::detect`), and
+    // `checked_rows` checked that the weights and every part of every activation row hold
+    // `blocks` blocks.
+    unsafe { rows::<Q4_0>(weights, activations, blocks) }
+}
+
+/// One Q5_0 row against [`TOGETHER`] activation rows: the bits of as many [`dot_q5_0`] calls.
+pub(super) fn dot_q5_0_together(
+    _: Avx2,
+    weights: &[u8],
+    activations: [ActivationRow<'_>; TOGETHER],
+) -> [f32; TOGETHER] {
+    let blocks = checked_rows(weights, &activations, legacy::Q5_0_BYTES);
+    // SAFETY: as in `dot_q4_0_together`.
+    unsafe { rows::<Q5_0>(weights, activations, blocks) }
+}
+
+/// One Q5_1 row against [`TOGETHER`] activation rows: the bits of as many [`dot_q5_1`] calls.
+pub(super) fn dot_q5_1_together(
+    _: Avx2,
+    weights: &[u8],
+    activations: [ActivationRow<'_>; TOGETHER],
+) -> [f32; TOGETHER] {
+    let blocks = checked_rows(weights, &activations, legacy::Q5_1_BYTES);
+    // SAFETY: as in `dot_q4_0_together`.
+    unsafe { rows::<Q5_1>(weights, activations, blocks) }
+}
+
+/// The number of blocks of a weight row, after checking (`legacy::checked_blocks`) that every
+/// one of the activation rows holds that many.
+fn checked_rows(weights: &[u8], activations: &[ActivationRow<'_>], block_bytes: usize) -> usize {
+    let mut blocks = weights.len() / block_bytes;
+    for row in activations {
+        blocks = legacy::checked_blocks(weights, *row, block_bytes);
+    }
+    blocks
+}
+
+/// The dot products of a whole row of `F` blocks with [`TOGETHER`] activation rows, each with
+/// the operations [`row`] performs for it, so with its bits.
+///
+/// Each whole group of eight blocks is unpacked once (`Layout::unpack`) and its scales (and
+/// minimums) widened once, then used by the four rows in turn: what a row adds on its own is
+/// its activations' `maddubs`, the group's reduction and the float terms. Each row keeps its
+/// own eight lanes. The blocks after the last whole group come first, row by row, by [`tail`].
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; `weights` must hold `blocks` blocks of `F` and every
+/// part of every activation row `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn rows<F: Layout>(
+    weights: &[u8],
+    activations: [ActivationRow<'_>; TOGETHER],
+    blocks: usize,
+) -> [f32; TOGETHER] {
+    let whole = blocks / GROUP * GROUP;
+    let mut lanes = [_mm256_setzero_ps(); TOGETHER];
+    if whole < blocks {
+        for (lanes, row) in lanes.iter_mut().zip(&activations) {
+            // SAFETY: passed on from the caller.
+            *lanes = _mm256_add_ps(*lanes, unsafe { tail::<F>(weights, *row, whole..blocks) });
+        }
+    }
+    for first in (0..whole).step_by(GROUP) {
+        // SAFETY: `first + 8 <= blocks`, so blocks `first..first + 8` are in range of the
+        // weights and of every part of every activation row.
+        unsafe { group_four::<F>(weights, &activations, first, &mut lanes) };
+    }
+    lanes.map(|lanes| {
+        let mut sums = [0f32; GROUP];
+        // SAFETY: `sums` holds eight f32, what an unaligned 256-bit store writes.
+        unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), lanes) };
+        legacy::combine_lanes(sums)
+    })
+}
+
+/// Adds the terms of blocks `first..first + 8` to each activation row's `lanes`, the weight
+/// blocks unpacked once for the four rows.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; blocks `first..first + 8` must be in range of `weights`
+/// and of every part of every activation row.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn group_four<F: Layout>(
+    weights: &[u8],
+    activations: &[ActivationRow<'_>; TOGETHER],
+    first: usize,
+    lanes: &mut [__m256; TOGETHER],
+) {
+    // SAFETY: blocks `first..first + 8` of the weights are readable (the caller).
+    let group = unsafe { weights.as_ptr().add(first * F::BYTES) };
+    let unpacked: [F::Unpacked; GROUP] = std::array::from_fn(|offset| {
+        // SAFETY: block `first + offset` is readable.
+        unsafe { F::unpack(group.add(offset * F::BYTES)) }
+    });
+    // SAFETY: as above.
+    let scales = unsafe { scales_and_mins::<F>(group, GROUP) };
+    for (lanes, row) in lanes.iter_mut().zip(activations) {
+        // SAFETY: blocks `first..first + 8` of every part of the row are readable.
+        let terms = unsafe {
+            let quants = row.quants.as_ptr().add(first * BLOCK);
+            let dots = reduce_group(|offset: usize| {
+                let block = _mm256_loadu_si256(quants.add(offset * BLOCK).cast());
+                F::pairs(unpacked[offset], block)
+            });
+            combine::<F>(
+                dots,
+                scales,
+                _mm256_loadu_ps(row.scales.as_ptr().add(first)),
+                _mm256_loadu_ps(row.sums.as_ptr().add(first)),
+            )
+        };
+        *lanes = _mm256_add_ps(*lanes, terms);
+    }
+}
+
+/// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn rows<F>(_: &[u8], _: [ActivationRow<'_>; TOGETHER], _: usize) -> [f32; TOGETHER] {
     unreachable!("no AVX2 outside x86_64")
 }
 
@@ -691,34 +874,196 @@ mod tests {
             }
         }
     }
-}
 
-/// One Q4_0 row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many
-/// [`dot_q4_0`] calls.
-pub(super) fn dot_q4_0_together(
-    token: Avx2,
-    weights: &[u8],
-    activations: [ActivationRow<'_>; super::TOGETHER],
-) -> [f32; super::TOGETHER] {
-    activations.map(|row| dot_q4_0(token, weights, row))
-}
+    type Together = fn(Avx2, &[u8], [ActivationRow<'_>; TOGETHER]) -> [f32; TOGETHER];
 
-/// One Q5_0 row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many
-/// [`dot_q5_0`] calls.
-pub(super) fn dot_q5_0_together(
-    token: Avx2,
-    weights: &[u8],
-    activations: [ActivationRow<'_>; super::TOGETHER],
-) -> [f32; super::TOGETHER] {
-    activations.map(|row| dot_q5_0(token, weights, row))
-}
+    const TOGETHER_FORMATS: [(&str, usize, Reference, Together); 3] = [
+        (
+            "Q4_0",
+            legacy::Q4_0_BYTES,
+            legacy::dot_q4_0,
+            dot_q4_0_together,
+        ),
+        (
+            "Q5_0",
+            legacy::Q5_0_BYTES,
+            legacy::dot_q5_0,
+            dot_q5_0_together,
+        ),
+        (
+            "Q5_1",
+            legacy::Q5_1_BYTES,
+            legacy::dot_q5_1,
+            dot_q5_1_together,
+        ),
+    ];
 
-/// One Q5_1 row against [`TOGETHER`](super::TOGETHER) activation rows: the bits of as many
-/// [`dot_q5_1`] calls.
-pub(super) fn dot_q5_1_together(
-    token: Avx2,
-    weights: &[u8],
-    activations: [ActivationRow<'_>; super::TOGETHER],
-) -> [f32; super::TOGETHER] {
-    activations.map(|row| dot_q5_1(token, weights, row))
+    /// Four activation rows of `blocks` blocks, each of a kind of its own (random for the
+    /// first `random_rounds` rounds).
+    fn four_rows(
+        random: &mut Random,
+        blocks: usize,
+        round: usize,
+    ) -> [(Vec<f32>, Vec<f32>, Vec<i8>); TOGETHER] {
+        let kinds = [
+            Activations::Random,
+            Activations::Extreme,
+            Activations::Lowest,
+            Activations::Zero,
+        ];
+        std::array::from_fn(|_| {
+            let kind = if round < 8 {
+                Activations::Random
+            } else {
+                random.pick(&kinds)
+            };
+            activation_row(random, kind, blocks)
+        })
+    }
+
+    #[test]
+    fn the_four_row_dots_give_the_bits_of_four_reference_dots() {
+        let Some(token) = Avx2::detect() else {
+            return;
+        };
+        let mut random = Random(0x5EED_4444);
+        let weight_kinds = [Weights::Random, Weights::Zero, Weights::Extreme];
+        for (name, block_bytes, reference, together) in TOGETHER_FORMATS {
+            for blocks in BLOCK_COUNTS {
+                for round in 0..24 {
+                    let weights: Vec<u8> = (0..blocks)
+                        .flat_map(|_| {
+                            let kind = if round < 12 {
+                                Weights::Random
+                            } else {
+                                random.pick(&weight_kinds)
+                            };
+                            weight_block(&mut random, kind, block_bytes)
+                        })
+                        .collect();
+                    let rows = four_rows(&mut random, blocks, round);
+                    let rows = rows.each_ref().map(|(scales, sums, quants)| ActivationRow {
+                        scales,
+                        sums,
+                        quants,
+                    });
+                    let got = together(token, &weights, rows);
+                    for (k, (row, got)) in rows.into_iter().zip(got).enumerate() {
+                        let want = reference(&weights, row);
+                        assert_eq!(
+                            want.to_bits(),
+                            got.to_bits(),
+                            "{name}, {blocks} blocks, round {round}, row {k}: {want} vs {got}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn four_row_dots_of_raw_random_blocks_give_the_reference_results() {
+        let Some(token) = Avx2::detect() else {
+            return;
+        };
+        let mut random = Random(0xBAD_5EED);
+        for (name, block_bytes, reference, together) in TOGETHER_FORMATS {
+            for blocks in BLOCK_COUNTS {
+                for round in 0..16 {
+                    // Every byte random (some scales infinite or NaN).
+                    let weights: Vec<u8> = (0..blocks * block_bytes)
+                        .map(|_| random.next() as u8)
+                        .collect();
+                    let rows = four_rows(&mut random, blocks, round);
+                    let rows = rows.each_ref().map(|(scales, sums, quants)| ActivationRow {
+                        scales,
+                        sums,
+                        quants,
+                    });
+                    let got = together(token, &weights, rows);
+                    for (row, got) in rows.into_iter().zip(got) {
+                        let want = reference(&weights, row);
+                        // NaN payloads may differ (an add's operands may be taken either way).
+                        assert!(
+                            want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()),
+                            "{name}, {blocks} blocks: {want} vs {got}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "unequal length")]
+    fn four_row_dots_refuse_a_row_of_another_length() {
+        let Some(token) = Avx2::detect() else {
+            panic!("unequal length (no AVX2 to test)");
+        };
+        let weights = vec![0u8; 2 * legacy::Q5_0_BYTES];
+        let (scales, sums, quants) = (vec![0f32; 2], vec![0f32; 2], vec![0i8; 2 * BLOCK]);
+        let row = ActivationRow {
+            scales: &scales,
+            sums: &sums,
+            quants: &quants,
+        };
+        let short = ActivationRow {
+            scales: &scales[..1],
+            sums: &sums[..1],
+            quants: &quants[..BLOCK],
+        };
+        dot_q5_0_together(token, &weights, [row, row, short, row]);
+    }
+
+    /// Times four one-row dots against the four-row dot of each format on 1536- and 576-wide
+    /// rows (576 rows of 1536 values, 1536 of 576), four activation rows as in a prefill; prints
+    /// ns per 256 values per activation row.
+    /// `cargo test --release -p meshnet-kernels --lib together_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn together_timing() {
+        let Some(token) = Avx2::detect() else {
+            return;
+        };
+        let mut random = Random(11);
+        for (name, block_bytes, _, together) in TOGETHER_FORMATS {
+            let (_, _, _, one) = FORMATS.into_iter().find(|f| f.0 == name).unwrap();
+            for (rows, cols) in [(576, 1536), (1536, 576)] {
+                let blocks = cols / BLOCK;
+                let weights: Vec<u8> = (0..rows * blocks)
+                    .flat_map(|_| weight_block(&mut random, Weights::Random, block_bytes))
+                    .collect();
+                let activations: [_; TOGETHER] = std::array::from_fn(|_| {
+                    activation_row(&mut random, Activations::Random, blocks)
+                });
+                let activations =
+                    activations
+                        .each_ref()
+                        .map(|(scales, sums, quants)| ActivationRow {
+                            scales,
+                            sums,
+                            quants,
+                        });
+                let row_bytes = blocks * block_bytes;
+                let time = |dot: &dyn Fn(&[u8]) -> [f32; TOGETHER]| {
+                    let mut best = f64::MAX;
+                    let mut total = 0f32;
+                    for _ in 0..30 {
+                        let start = std::time::Instant::now();
+                        for weights in weights.chunks_exact(row_bytes) {
+                            total += dot(std::hint::black_box(weights)).iter().sum::<f32>();
+                        }
+                        best = best.min(start.elapsed().as_secs_f64());
+                    }
+                    std::hint::black_box(total);
+                    best * 1e9 / (rows * TOGETHER) as f64 / (cols as f64 / 256.0)
+                };
+                let singly = time(&|weights| activations.map(|row| one(token, weights, row)));
+                let four = time(&|weights| together(token, weights, activations));
+                println!(
+                    "{name} {rows}x{cols}: one-row x4 {singly:.1} ns, four-row {four:.1} ns per 256 values per row"
+                );
+            }
+        }
+    }
 }
