@@ -249,17 +249,37 @@ unsafe fn group_dots<F: Layout>(group: *const u8, quants: *const i8, count: usiz
 #[inline]
 #[target_feature(enable = "avx2")]
 fn reduce_group(pairs: impl Fn(usize) -> __m256i) -> __m256i {
-    // Per half, blocks a, b: a a a a b b b b (sums of four products).
-    let two_blocks = |first: usize| _mm256_hadd_epi16(pairs(first), pairs(first + 1));
-    // Per half, blocks a..d: a b c d (sums of 16 products).
-    let four_blocks = |first: usize| {
-        let eights = _mm256_hadd_epi16(two_blocks(first), two_blocks(first + 2));
-        _mm256_madd_epi16(eights, _mm256_set1_epi16(1))
-    };
-    let (first_four, last_four) = (four_blocks(0), four_blocks(4));
+    let (first_four, last_four) = (four_blocks(&pairs, 0), four_blocks(&pairs, 4));
     let low_halves = _mm256_permute2x128_si256(first_four, last_four, 0x20);
     let high_halves = _mm256_permute2x128_si256(first_four, last_four, 0x31);
     _mm256_add_epi32(low_halves, high_halves)
+}
+
+/// [`reduce_group`] of a group of at most four blocks (`pairs` of offsets `0..4`): their dots
+/// in lanes 0..4, the other lanes zero.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn reduce_half_group(pairs: impl Fn(usize) -> __m256i) -> __m256i {
+    let sums = four_blocks(&pairs, 0);
+    let halves_added = _mm_add_epi32(
+        _mm256_castsi256_si128(sums),
+        _mm256_extracti128_si256(sums, 1),
+    );
+    _mm256_zextsi128_si256(halves_added)
+}
+
+/// Four blocks' dot products from their `pairs` (offsets `first..first + 4`), in both 128-bit
+/// halves as `a b c d` in i32 (the low half the sums of values 0..16, the high half of 16..32).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn four_blocks(pairs: &impl Fn(usize) -> __m256i, first: usize) -> __m256i {
+    // Per half, blocks a, b: a a a a b b b b (sums of four products).
+    let two_blocks = |first: usize| _mm256_hadd_epi16(pairs(first), pairs(first + 1));
+    // Per half, blocks a..d: a b c d (sums of 16 products).
+    let eights = _mm256_hadd_epi16(two_blocks(first), two_blocks(first + 2));
+    _mm256_madd_epi16(eights, _mm256_set1_epi16(1))
 }
 
 /// The terms of eight blocks, lane by lane as the reference computes one: `dot · d · d_a`
@@ -450,7 +470,7 @@ fn checked_rows(weights: &[u8], activations: &[ActivationRow<'_>], block_bytes: 
 /// Each whole group of eight blocks is unpacked once (`Layout::unpack`) and its scales (and
 /// minimums) widened once, then used by the four rows in turn: what a row adds on its own is
 /// its activations' `maddubs`, the group's reduction and the float terms. Each row keeps its
-/// own eight lanes. The blocks after the last whole group come first, row by row, by [`tail`].
+/// own eight lanes. The blocks after the last whole group come first, by [`tail_four`].
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C; `weights` must hold `blocks` blocks of `F` and every
@@ -465,10 +485,8 @@ unsafe fn rows<F: Layout>(
     let whole = blocks / GROUP * GROUP;
     let mut lanes = [_mm256_setzero_ps(); TOGETHER];
     if whole < blocks {
-        for (lanes, row) in lanes.iter_mut().zip(&activations) {
-            // SAFETY: passed on from the caller.
-            *lanes = _mm256_add_ps(*lanes, unsafe { tail::<F>(weights, *row, whole..blocks) });
-        }
+        // SAFETY: passed on from the caller.
+        unsafe { tail_four::<F>(weights, &activations, whole..blocks, &mut lanes) };
     }
     for first in (0..whole).step_by(GROUP) {
         // SAFETY: `first + 8 <= blocks`, so blocks `first..first + 8` are in range of the
@@ -522,6 +540,65 @@ unsafe fn group_four<F: Layout>(
             )
         };
         *lanes = _mm256_add_ps(*lanes, terms);
+    }
+}
+
+/// Adds the terms of the blocks after the last whole group (one to seven) to each activation
+/// row's `lanes`, each row as [`tail`] computes and adds them, the weight blocks unpacked and
+/// their scales widened once for the four rows.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; `weights` and every part of every activation row must
+/// hold at least `tail.end` blocks, and `tail` must hold one to seven blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn tail_four<F: Layout>(
+    weights: &[u8],
+    activations: &[ActivationRow<'_>; TOGETHER],
+    tail: std::ops::Range<usize>,
+    lanes: &mut [__m256; TOGETHER],
+) {
+    let count = tail.len();
+    let present = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(count as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    );
+    // SAFETY: blocks `tail` of the weights are readable (the caller).
+    let group = unsafe { weights.as_ptr().add(tail.start * F::BYTES) };
+    let unpacked: [F::Unpacked; GROUP] = std::array::from_fn(|offset| {
+        // SAFETY: block `tail.start + min(offset, count − 1)` is readable; the places past the
+        // tail repeat its last block, whose pairs are then not used.
+        unsafe { F::unpack(group.add(offset.min(count - 1) * F::BYTES)) }
+    });
+    // SAFETY: as above.
+    let scales = unsafe { scales_and_mins::<F>(group, count) };
+    for (lanes, row) in lanes.iter_mut().zip(activations) {
+        // SAFETY: blocks `tail` of every part of the row are readable; the masked loads read
+        // only the lanes of those blocks.
+        let terms = unsafe {
+            let quants = row.quants.as_ptr().add(tail.start * BLOCK);
+            let pairs = |offset: usize| {
+                if offset < count {
+                    let block = _mm256_loadu_si256(quants.add(offset * BLOCK).cast());
+                    F::pairs(unpacked[offset], block)
+                } else {
+                    _mm256_setzero_si256()
+                }
+            };
+            // The tail of a 576-wide row has two blocks: half the reduction is enough.
+            let dots = if count <= GROUP / 2 {
+                reduce_half_group(pairs)
+            } else {
+                reduce_group(pairs)
+            };
+            combine::<F>(
+                dots,
+                scales,
+                _mm256_maskload_ps(row.scales.as_ptr().add(tail.start), present),
+                _mm256_maskload_ps(row.sums.as_ptr().add(tail.start), present),
+            )
+        };
+        *lanes = _mm256_add_ps(*lanes, _mm256_and_ps(terms, _mm256_castsi256_ps(present)));
     }
 }
 
