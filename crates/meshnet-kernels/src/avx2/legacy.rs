@@ -11,8 +11,13 @@
 //!
 //! Against four activation rows at once (`dot_*_together`, a prefill's matmul), each whole
 //! group's blocks are unpacked and its scales widened once for the four rows; each row then
-//! runs the very operations of its one-row dot (its own `maddubs`, reduction, float terms and
-//! lanes), so it gets that dot's bits.
+//! runs the operations of its one-row dot from the integer dots on (float terms, lanes), so
+//! it gets that dot's bits. Q4_0 and Q5_0 blocks are unpacked there to the signed values
+//! `w = q − c` (−16..=15), which enter `maddubs` as its signed side against the activations
+//! plus 128 (their sign bit flipped: 0..=255): `Σ(a + 128)·w`, less the group's `128 · Σw`
+//! (`maddubs` of 128 with `w`, reduced once for the four rows), is the exact `Σ(q − c)·a`.
+//! A pair is then at most 2 · 255 · 16 = 8160 in magnitude and a reduced lane of eight
+//! products 8 · 255 · 16 = 32640 < 32768: still no step saturates or wraps.
 //!
 //! The quants enter `maddubs` unsigned, in value order (16 low nibbles, then 16 high nibbles);
 //! a 5-bit quant gets bit 4 from its bit of the block's high bits, spread to one byte per value.
@@ -73,56 +78,66 @@ trait Layout {
     /// Where a block's f16 minimum lies, for the formats that have one.
     const MIN: Option<usize>;
 
-    /// A block's quants unpacked into registers, ready for any activation row.
-    type Unpacked: Copy;
+    /// Whether [`Self::pairs`] multiplies the activations plus 128 (and the dots of a group
+    /// then exceed the exact ones by [`bias`] of its blocks), for the formats with an offset.
+    const BIASED: bool;
 
-    /// Unpacks the quants of the block at `block` (the part of a block's work that does not
-    /// depend on the activations).
-    ///
-    /// # Safety
-    /// The CPU must have AVX2; `block` must point at `BYTES` readable bytes.
-    unsafe fn unpack(block: *const u8) -> Self::Unpacked;
-
-    /// The products of one unpacked block's quants (less the offset) with its 32 activations,
-    /// added in adjacent pairs: 16 i16 lanes, each at most 7936 in magnitude (see the module's
-    /// notes), whose sum is the block's exact integer dot product.
-    ///
-    /// # Safety
-    /// The CPU must have AVX2.
-    unsafe fn pairs(quants: Self::Unpacked, activations: __m256i) -> __m256i;
-
-    /// [`Self::pairs`] of the block at `block` with the 32 activations at `activations`.
+    /// The products of one block's quants (less the offset) with its 32 activations, added in
+    /// adjacent pairs: 16 i16 lanes, each at most 7936 in magnitude (see the module's notes),
+    /// whose sum is the block's exact integer dot product.
     ///
     /// # Safety
     /// The CPU must have AVX2; `block` must point at `BYTES` readable bytes and `activations`
     /// at 32.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i {
-        // SAFETY: passed on from the caller.
-        unsafe { Self::pairs(Self::unpack(block), _mm256_loadu_si256(activations.cast())) }
-    }
+    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i;
+
+    /// A block's quants unpacked for any number of activation rows (the part of a block's work
+    /// that does not depend on the activations): the 32 values `q − c` as signed bytes for the
+    /// formats with an offset `c`, the 32 quants `q` for Q5_1.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `block` must point at `BYTES` readable bytes.
+    unsafe fn unpack(block: *const u8) -> __m256i;
+
+    /// The products of an unpacked block with its 32 activations, added in adjacent pairs;
+    /// their sum is the block's exact dot product, plus `128 · Σ(q − c)` when `BIASED`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    unsafe fn pairs(unpacked: __m256i, activations: __m256i) -> __m256i;
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Layout for Q4_0 {
     const BYTES: usize = legacy::Q4_0_BYTES;
     const MIN: Option<usize> = None;
-    /// The 32 nibbles in value order.
-    type Unpacked = __m256i;
+    const BIASED: bool = true;
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i {
+        // SAFETY: the caller guarantees a whole block at `block` and 32 bytes at `activations`.
+        let (quants, activations) = unsafe {
+            (
+                nibbles(block.add(legacy::Q4_0_NIBBLES)),
+                _mm256_loadu_si256(activations.cast()),
+            )
+        };
+        let offsets = _mm256_maddubs_epi16(_mm256_set1_epi8(8), activations);
+        _mm256_sub_epi16(_mm256_maddubs_epi16(quants, activations), offsets)
+    }
 
     #[inline]
     #[target_feature(enable = "avx2")]
     unsafe fn unpack(block: *const u8) -> __m256i {
         // SAFETY: the caller guarantees a whole block at `block`.
-        unsafe { nibbles(block.add(legacy::Q4_0_NIBBLES)) }
+        let quants = unsafe { nibbles(block.add(legacy::Q4_0_NIBBLES)) };
+        _mm256_sub_epi8(quants, _mm256_set1_epi8(8))
     }
 
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn pairs(quants: __m256i, activations: __m256i) -> __m256i {
-        let offsets = _mm256_maddubs_epi16(_mm256_set1_epi8(8), activations);
-        _mm256_sub_epi16(_mm256_maddubs_epi16(quants, activations), offsets)
+    unsafe fn pairs(unpacked: __m256i, activations: __m256i) -> __m256i {
+        biased_pairs(unpacked, activations)
     }
 }
 
@@ -130,37 +145,65 @@ impl Layout for Q4_0 {
 impl Layout for Q5_0 {
     const BYTES: usize = legacy::Q5_0_BYTES;
     const MIN: Option<usize> = None;
-    /// The 32 low nibbles in value order, and per value the part of the offset 16 that the
-    /// quant lacks (16 where bit 4 is clear, else 0).
-    type Unpacked = (__m256i, __m256i);
+    const BIASED: bool = true;
 
-    #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn unpack(block: *const u8) -> (__m256i, __m256i) {
-        // SAFETY: the caller guarantees a whole block at `block`.
-        let (nibbles, high) = unsafe {
-            (
-                nibbles(block.add(legacy::Q5_0_NIBBLES)),
-                high_bits(block.add(legacy::Q5_0_HIGH_BITS)),
-            )
+    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i {
+        // SAFETY: the caller guarantees a whole block at `block` and 32 bytes at `activations`.
+        let (nibbles, missing, activations) = unsafe {
+            let (nibbles, missing) = q5_0_parts(block);
+            (nibbles, missing, _mm256_loadu_si256(activations.cast()))
         };
-        (nibbles, _mm256_andnot_si256(high, _mm256_set1_epi8(16)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn pairs((nibbles, missing): (__m256i, __m256i), activations: __m256i) -> __m256i {
         let offsets = _mm256_maddubs_epi16(missing, activations);
         _mm256_sub_epi16(_mm256_maddubs_epi16(nibbles, activations), offsets)
     }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn unpack(block: *const u8) -> __m256i {
+        // SAFETY: the caller guarantees a whole block at `block`.
+        let (nibbles, missing) = unsafe { q5_0_parts(block) };
+        // `nibble + 16 · bit − 16`.
+        _mm256_sub_epi8(nibbles, missing)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn pairs(unpacked: __m256i, activations: __m256i) -> __m256i {
+        biased_pairs(unpacked, activations)
+    }
+}
+
+/// A Q5_0 block's 32 low nibbles in value order, and per value the part of the offset 16 that
+/// its quant lacks: 16 where bit 4 is clear, else 0.
+///
+/// # Safety
+/// The CPU must have AVX2; `block` must point at a whole Q5_0 block.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q5_0_parts(block: *const u8) -> (__m256i, __m256i) {
+    // SAFETY: the caller guarantees a whole block at `block`.
+    let (nibbles, high) = unsafe {
+        (
+            nibbles(block.add(legacy::Q5_0_NIBBLES)),
+            high_bits(block.add(legacy::Q5_0_HIGH_BITS)),
+        )
+    };
+    (nibbles, _mm256_andnot_si256(high, _mm256_set1_epi8(16)))
 }
 
 #[cfg(target_arch = "x86_64")]
 impl Layout for Q5_1 {
     const BYTES: usize = legacy::Q5_1_BYTES;
     const MIN: Option<usize> = Some(legacy::Q5_1_MIN);
-    /// The 32 five-bit quants in value order.
-    type Unpacked = __m256i;
+    const BIASED: bool = false;
+
+    #[target_feature(enable = "avx2")]
+    unsafe fn block_pairs(block: *const u8, activations: *const i8) -> __m256i {
+        // SAFETY: the caller guarantees a whole block at `block` and 32 bytes at `activations`.
+        unsafe { Self::pairs(Self::unpack(block), _mm256_loadu_si256(activations.cast())) }
+    }
 
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -177,9 +220,29 @@ impl Layout for Q5_1 {
 
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn pairs(quants: __m256i, activations: __m256i) -> __m256i {
-        _mm256_maddubs_epi16(quants, activations)
+    unsafe fn pairs(unpacked: __m256i, activations: __m256i) -> __m256i {
+        _mm256_maddubs_epi16(unpacked, activations)
     }
+}
+
+/// The pairs of `(a + 128) · w` for signed values `w = q − c` and activations `a`: the
+/// activations' sign bit flipped makes them the unsigned operand of `maddubs`, one `xor`
+/// where the offset would cost a second `maddubs` and a subtraction per activation row.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn biased_pairs(values: __m256i, activations: __m256i) -> __m256i {
+    let shifted = _mm256_xor_si256(activations, _mm256_set1_epi8(-128));
+    _mm256_maddubs_epi16(shifted, values)
+}
+
+/// The pairs of `128 · w` for the signed values `w` of an unpacked block of a `BIASED`
+/// format: what [`biased_pairs`] adds to the exact products.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn bias(values: __m256i) -> __m256i {
+    _mm256_maddubs_epi16(_mm256_set1_epi8(-128), values)
 }
 
 /// The f16 numbers at `first + k · stride` for `k < 8`, widened to f32 (exactly, as `half_at`
@@ -241,7 +304,8 @@ unsafe fn group_dots<F: Layout>(group: *const u8, quants: *const i8, count: usiz
 /// group: the block's products added in adjacent pairs, as [`Layout::pairs`] gives them).
 ///
 /// The sums stay in i16 for two rounds of `hadd` (each lane then a sum of at most eight
-/// products, at most 4 · 7936 = 31744 in magnitude: no lane wraps), then `madd` widens them
+/// products, at most 4 · 7936 = 31744 in magnitude, 32640 for the biased pairs: no lane
+/// wraps), then `madd` widens them
 /// to i32 (sums of 16 products: values 0..16 in the low half, 16..32 in the high half) and the
 /// two halves are added. Eight blocks take two `madd` instead of eight; the integer sums are
 /// exact, so their order does not matter.
@@ -518,12 +582,13 @@ unsafe fn group_four<F: Layout>(
 ) {
     // SAFETY: blocks `first..first + 8` of the weights are readable (the caller).
     let group = unsafe { weights.as_ptr().add(first * F::BYTES) };
-    let unpacked: [F::Unpacked; GROUP] = std::array::from_fn(|offset| {
+    let unpacked: [__m256i; GROUP] = std::array::from_fn(|offset| {
         // SAFETY: block `first + offset` is readable.
         unsafe { F::unpack(group.add(offset * F::BYTES)) }
     });
     // SAFETY: as above.
     let scales = unsafe { scales_and_mins::<F>(group, GROUP) };
+    let biases = reduce_group(|offset: usize| bias(unpacked[offset]));
     for (lanes, row) in lanes.iter_mut().zip(activations) {
         // SAFETY: blocks `first..first + 8` of every part of the row are readable.
         let terms = unsafe {
@@ -533,7 +598,7 @@ unsafe fn group_four<F: Layout>(
                 F::pairs(unpacked[offset], block)
             });
             combine::<F>(
-                dots,
+                unbiased::<F>(dots, biases),
                 scales,
                 _mm256_loadu_ps(row.scales.as_ptr().add(first)),
                 _mm256_loadu_ps(row.sums.as_ptr().add(first)),
@@ -565,13 +630,15 @@ unsafe fn tail_four<F: Layout>(
     );
     // SAFETY: blocks `tail` of the weights are readable (the caller).
     let group = unsafe { weights.as_ptr().add(tail.start * F::BYTES) };
-    let unpacked: [F::Unpacked; GROUP] = std::array::from_fn(|offset| {
+    let unpacked: [__m256i; GROUP] = std::array::from_fn(|offset| {
         // SAFETY: block `tail.start + min(offset, count − 1)` is readable; the places past the
         // tail repeat its last block, whose pairs are then not used.
         unsafe { F::unpack(group.add(offset.min(count - 1) * F::BYTES)) }
     });
     // SAFETY: as above.
     let scales = unsafe { scales_and_mins::<F>(group, count) };
+    // The lanes past the tail take the biases of its last block; `present` drops them.
+    let biases = reduce_tail(count, |offset: usize| bias(unpacked[offset]));
     for (lanes, row) in lanes.iter_mut().zip(activations) {
         // SAFETY: blocks `tail` of every part of the row are readable; the masked loads read
         // only the lanes of those blocks.
@@ -585,20 +652,40 @@ unsafe fn tail_four<F: Layout>(
                     _mm256_setzero_si256()
                 }
             };
-            // The tail of a 576-wide row has two blocks: half the reduction is enough.
-            let dots = if count <= GROUP / 2 {
-                reduce_half_group(pairs)
-            } else {
-                reduce_group(pairs)
-            };
             combine::<F>(
-                dots,
+                unbiased::<F>(reduce_tail(count, pairs), biases),
                 scales,
                 _mm256_maskload_ps(row.scales.as_ptr().add(tail.start), present),
                 _mm256_maskload_ps(row.sums.as_ptr().add(tail.start), present),
             )
         };
         *lanes = _mm256_add_ps(*lanes, _mm256_and_ps(terms, _mm256_castsi256_ps(present)));
+    }
+}
+
+/// [`reduce_group`] of the first `count` blocks of a group (`pairs` zero past them); a tail
+/// of at most four blocks (a 576-wide row's is two) takes half the reduction.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn reduce_tail(count: usize, pairs: impl Fn(usize) -> __m256i) -> __m256i {
+    if count <= GROUP / 2 {
+        reduce_half_group(pairs)
+    } else {
+        reduce_group(pairs)
+    }
+}
+
+/// A group's exact dots from the [`Layout::pairs`] sums `dots`: less `biases` (the reduced
+/// [`bias`] of its blocks) for a `BIASED` format. Both are exact, so is the difference.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn unbiased<F: Layout>(dots: __m256i, biases: __m256i) -> __m256i {
+    if F::BIASED {
+        _mm256_sub_epi32(dots, biases)
+    } else {
+        dots
     }
 }
 
