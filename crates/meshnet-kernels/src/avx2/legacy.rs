@@ -1062,8 +1062,8 @@ mod tests {
         ),
     ];
 
-    /// Four activation rows of `blocks` blocks, each of a kind of its own (random for the
-    /// first `random_rounds` rounds).
+    /// Four activation rows of `blocks` blocks, each of a kind drawn on its own (all random
+    /// in the first eight rounds).
     fn four_rows(
         random: &mut Random,
         blocks: usize,
