@@ -201,11 +201,11 @@ fn main() {
         let ours = match ours {
             Ok(numbers) if numbers.len() == 2 * CHATS.len() => Some(numbers),
             Ok(numbers) => {
-                notes.push(format!("ours at {threads} threads printed {numbers:?}"));
+                notes.push(format!("ours at -t {threads} printed {numbers:?}"));
                 None
             }
             Err(error) => {
-                notes.push(format!("ours at {threads} threads failed: {error}"));
+                notes.push(format!("ours at -t {threads} failed: {error}"));
                 None
             }
         };
@@ -213,7 +213,7 @@ fn main() {
             Some(Ok(rows)) => rows,
             Some(Err(error)) => {
                 notes.push(format!(
-                    "llama-batched-bench at {threads} threads failed: {error}"
+                    "llama-batched-bench at -t {threads} failed: {error}"
                 ));
                 Vec::new()
             }

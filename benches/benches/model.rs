@@ -749,7 +749,7 @@ fn files_table() {
                 Some(Ok(bench)) => Some(bench),
                 Some(Err(error)) => {
                     notes.push(format!(
-                        "{} at {threads} threads: llama-bench failed: {error}",
+                        "{} at -t {threads}: llama-bench failed: {error}",
                         file.label
                     ));
                     None
@@ -830,14 +830,14 @@ fn long_table() {
                 None
             }
             Err(error) => {
-                notes.push(format!("ours at {threads} threads failed: {error}"));
+                notes.push(format!("ours at -t {threads} failed: {error}"));
                 None
             }
         };
         let mut anchor = |args: Vec<String>| match llama_bench(&path, threads, &args) {
             Some(Ok(bench)) => Some(bench),
             Some(Err(error)) => {
-                notes.push(format!("llama-bench at {threads} threads failed: {error}"));
+                notes.push(format!("llama-bench at -t {threads} failed: {error}"));
                 None
             }
             None => None,

@@ -164,8 +164,8 @@ fn drain<R: Read + Send + 'static>(pipe: Option<R>) -> std::thread::JoinHandle<S
     })
 }
 
-/// The gist of a failed child's standard error, on one line: a panic's message, else an
-/// `error:` line, else the last line written (else `status`).
+/// The gist of a failed child's standard error, on one line: a panic's message, else the last
+/// `error:` line (without that word), else the last line written (else `status`).
 pub fn failure_message(stderr: &str, status: &str) -> String {
     let lines: Vec<&str> = stderr.lines().map(str::trim).collect();
     if let Some(at) = lines.iter().position(|line| line.contains("panicked at")) {
@@ -181,7 +181,7 @@ pub fn failure_message(stderr: &str, status: &str) -> String {
         return lines[at].to_string();
     }
     if let Some(line) = lines.iter().rev().find(|line| line.starts_with("error")) {
-        return (*line).to_string();
+        return line.strip_prefix("error: ").unwrap_or(line).to_string();
     }
     lines
         .iter()
@@ -232,7 +232,7 @@ mod tests {
         assert_eq!(failure_message(panic, "1"), "panic: Q6_K has no AVX2 body");
         assert_eq!(
             failure_message("loading\nerror: unsupported tensor type\n", "1"),
-            "error: unsupported tensor type"
+            "unsupported tensor type"
         );
         assert_eq!(failure_message("", "exit status: 3"), "exit status: 3");
     }
