@@ -9,12 +9,29 @@ use crate::TypesError;
 
 /// A weight format a peer can hold a layer in.
 ///
-/// Variants are declared from the lowest to the highest quality, so the derived `Ord` means
-/// "better quality": `Quantization::Bf16 > Quantization::Nf4`. Quality follows the effective
-/// bits per weight of each format. Activations cross the wire in bfloat16 whatever the format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+/// `Ord` means "better quality", following the effective bits per weight of each format
+/// ([`Quantization::ALL`]'s order): `Quantization::Bf16 > Quantization::Nf4`. The declaration
+/// order is the wire encoding's (a variant's index), so new formats are appended, never
+/// inserted. Activations cross the wire in bfloat16 whatever the format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Quantization {
+    /// 4-bit NormalFloat with a 16-bit scale per 64 weights (about 4.25 bits per weight).
+    Nf4,
+    /// A GGUF "Q4_K_M" file: mostly 4-bit K-quant blocks of 256 weights, a few tensors in
+    /// 5-, 6- and 8-bit formats (about 4.9 bits per weight), as the file holds them.
+    #[serde(rename = "q4_k_m")]
+    Q4KM,
+    /// GGUF 4-bit blocks of 32 weights with a 16-bit scale and minimum (5 bits per weight).
+    #[serde(rename = "q4_1")]
+    Q4_1,
+    /// 8-bit integers with a 16-bit scale per output row (slightly over 8 bits per weight).
+    Int8,
+    /// GGUF 8-bit blocks of 32 weights with a 16-bit scale (8.5 bits per weight).
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// 16- or 32-bit floats, the unquantized reference (counted at 16 bits per weight).
+    Bf16,
     /// A GGUF "Q2_K" file: mostly 2-bit K-quant blocks of 256 weights (about 2.6 bits).
     #[serde(rename = "q2_k")]
     Q2K,
@@ -27,21 +44,12 @@ pub enum Quantization {
     /// A GGUF "Q3_K_L" file: 3-bit K-quants with more 5-bit tensors (about 4.3 bits).
     #[serde(rename = "q3_k_l")]
     Q3KL,
-    /// 4-bit NormalFloat with a 16-bit scale per 64 weights (about 4.25 bits per weight).
-    Nf4,
     /// GGUF 4-bit blocks of 32 weights with a 16-bit scale (4.5 bits per weight).
     #[serde(rename = "q4_0")]
     Q4_0,
     /// A GGUF "Q4_K_S" file: 4-bit K-quant blocks throughout (about 4.6 bits).
     #[serde(rename = "q4_k_s")]
     Q4KS,
-    /// A GGUF "Q4_K_M" file: mostly 4-bit K-quant blocks of 256 weights, a few tensors in
-    /// 5-, 6- and 8-bit formats (about 4.9 bits per weight), as the file holds them.
-    #[serde(rename = "q4_k_m")]
-    Q4KM,
-    /// GGUF 4-bit blocks of 32 weights with a 16-bit scale and minimum (5 bits per weight).
-    #[serde(rename = "q4_1")]
-    Q4_1,
     /// GGUF 5-bit blocks of 32 weights with a 16-bit scale (5.5 bits per weight).
     #[serde(rename = "q5_0")]
     Q5_0,
@@ -57,13 +65,6 @@ pub enum Quantization {
     /// A GGUF "Q6_K" file: 6-bit K-quant blocks of 256 weights (about 6.6 bits).
     #[serde(rename = "q6_k")]
     Q6K,
-    /// 8-bit integers with a 16-bit scale per output row (slightly over 8 bits per weight).
-    Int8,
-    /// GGUF 8-bit blocks of 32 weights with a 16-bit scale (8.5 bits per weight).
-    #[serde(rename = "q8_0")]
-    Q8_0,
-    /// 16- or 32-bit floats, the unquantized reference (counted at 16 bits per weight).
-    Bf16,
 }
 
 impl Quantization {
@@ -158,6 +159,28 @@ impl Quantization {
     }
 }
 
+impl Quantization {
+    /// The place in [`Quantization::ALL`]: 0 for the lowest quality.
+    fn quality_rank(self) -> usize {
+        Quantization::ALL
+            .iter()
+            .position(|quantization| *quantization == self)
+            .unwrap_or(usize::MAX)
+    }
+}
+
+impl Ord for Quantization {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.quality_rank().cmp(&other.quality_rank())
+    }
+}
+
+impl PartialOrd for Quantization {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
 impl fmt::Display for Quantization {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -193,6 +216,26 @@ mod tests {
         assert!("q5_k".parse::<Quantization>().is_err());
         assert_eq!("Q4_K_M".parse::<Quantization>(), Ok(Quantization::Q4KM));
         assert!(Quantization::Bf16 > Quantization::Q4_1);
+    }
+
+    #[test]
+    fn every_variant_has_a_quality_rank_and_the_first_six_keep_their_wire_index() {
+        let mut ranks: Vec<usize> = Quantization::ALL.iter().map(|q| q.quality_rank()).collect();
+        ranks.sort_unstable();
+        assert_eq!(ranks, (0..Quantization::ALL.len()).collect::<Vec<_>>());
+        // Schema 4's messages encode a variant by its declaration index.
+        let declared = [
+            Quantization::Nf4,
+            Quantization::Q4KM,
+            Quantization::Q4_1,
+            Quantization::Int8,
+            Quantization::Q8_0,
+            Quantization::Bf16,
+        ];
+        for (index, quantization) in declared.into_iter().enumerate() {
+            assert_eq!(quantization as usize, index, "{quantization}");
+        }
+        assert!(Quantization::Q6K > Quantization::Q5KM && Quantization::Q6K < Quantization::Int8);
     }
 
     #[test]
