@@ -89,7 +89,10 @@ pub(crate) enum Projections {
         /// Each part's number of outputs.
         widths: Vec<usize>,
     },
-    /// Separate candle matmuls (a format the kernels do not run).
+    /// Separate kernel matrices: parts in different formats (a Q4_K_M file keeps its value
+    /// projection in a larger type than its query and key), which do not stack.
+    Kernels(Vec<Arc<QuantizedMatrix>>),
+    /// Separate candle matmuls (under `MESHNET_KERNEL=candle`).
     Separate(Vec<QMatMul>),
     /// One candle matmul over a fused matrix whose output rows are split into `widths`.
     Split {
@@ -101,7 +104,8 @@ pub(crate) enum Projections {
 }
 
 impl Projections {
-    /// Stacks `parts` when the kernels run all of them in one format, else keeps candle's.
+    /// Stacks `parts` when they share one format, else keeps them as separate kernel matrices
+    /// (candle's matmuls when `MESHNET_KERNEL=candle` asks for them).
     pub(crate) fn new(parts: Vec<QTensor>) -> Result<Self> {
         let matrices = parts
             .iter()
@@ -109,12 +113,13 @@ impl Projections {
             .collect::<Result<Option<Vec<_>>>>()?;
         if let Some(matrices) = matrices {
             let references: Vec<&QuantizedMatrix> = matrices.iter().collect();
-            if let Ok(stacked) = QuantizedMatrix::stack(&references) {
-                return Ok(Self::Stacked {
+            return Ok(match QuantizedMatrix::stack(&references) {
+                Ok(stacked) => Self::Stacked {
                     widths: matrices.iter().map(QuantizedMatrix::rows).collect(),
                     matrix: Arc::new(stacked),
-                });
-            }
+                },
+                Err(_) => Self::Kernels(matrices.into_iter().map(Arc::new).collect()),
+            });
         }
         parts
             .into_iter()
@@ -161,6 +166,14 @@ impl Projections {
                 matrix.matmul(input, &mut output)?;
                 Ok(split_rows(output, widths))
             }
+            Self::Kernels(matrices) => matrices
+                .iter()
+                .map(|matrix| {
+                    let mut output = vec![0f32; tokens * matrix.rows()];
+                    matrix.matmul(input, &mut output)?;
+                    Ok(output)
+                })
+                .collect(),
             Self::Separate(matmuls) => matmuls
                 .iter()
                 .map(|matmul| candle_matmul(matmul, input, tokens))
@@ -244,6 +257,52 @@ mod tests {
             checked.push(format!("{dtype:?}"));
         }
         assert_eq!(checked.len(), 13, "{checked:?}");
+    }
+
+    /// Projections in different formats stay on the kernels, each part computing what it
+    /// would alone.
+    #[test]
+    fn projections_in_different_formats_stay_on_the_kernels() {
+        let cols = 256;
+        let weights = |rows: usize| {
+            let values: Vec<f32> = (0..rows * cols)
+                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                .collect();
+            Tensor::from_vec(values, (rows, cols), &Device::Cpu).unwrap_or_else(|e| panic!("{e}"))
+        };
+        let parts = [
+            (GgmlDType::Q5_0, 4),
+            (GgmlDType::Q5_0, 2),
+            (GgmlDType::Q8_0, 2),
+        ]
+        .map(|(dtype, rows)| {
+            QTensor::quantize(&weights(rows), dtype).unwrap_or_else(|e| panic!("{e}"))
+        });
+        let alone: Vec<QuantizedMatrix> = parts
+            .iter()
+            .map(|part| {
+                kernel_matrix(part)
+                    .ok()
+                    .flatten()
+                    .unwrap_or_else(|| panic!("kernel"))
+            })
+            .collect();
+        let projections = Projections::new(parts.into()).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            matches!(projections, Projections::Kernels(_)),
+            "{projections:?}"
+        );
+        let input: Vec<f32> = (0..2 * cols).map(|i| (i % 13) as f32 - 6.0).collect();
+        let outputs = projections
+            .forward_values(&input, 2)
+            .unwrap_or_else(|e| panic!("{e}"));
+        for (output, matrix) in outputs.iter().zip(&alone) {
+            let mut expected = vec![0f32; 2 * matrix.rows()];
+            matrix
+                .matmul(&input, &mut expected)
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(output, &expected);
+        }
     }
 
     /// Our kernels give candle's quantized matmul bit for bit, so switching changes no text.
