@@ -6,7 +6,8 @@
 //! lies in -127..=127 (a zero block has scale 0 and zero quants). The sums are exact, so a
 //! kernel can fold a format's minimums or offsets into integer arithmetic.
 
-use crate::formats::SUPER_BLOCK;
+/// Values per super-block: the k-quants' block, and so their activations'.
+pub(crate) const SUPER_BLOCK: usize = 256;
 
 /// Values summed into one entry of a super-block's sums.
 pub(crate) const SUM_GROUP: usize = 16;

@@ -26,8 +26,8 @@ pub(crate) mod q6_k;
 use crate::activations::ActivationRow;
 use crate::super_rows::SuperRow;
 
-/// Values per k-quant super-block.
-pub(crate) const SUPER_BLOCK: usize = 256;
+/// Values per k-quant super-block (the activations' super-block, `super_rows.rs`).
+pub(crate) use crate::super_rows::SUPER_BLOCK;
 
 /// The 32-value formats read from their block bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
