@@ -19,9 +19,7 @@
 //! |x| ≤ 128 and consistent sums, `|S| ≤ 16 · 15 · 16 · 3 · 128 < 2^21` and
 //! `|M| ≤ 16 · 15 · 16 · 128 < 2^19`.
 
-use super::q6_k::{
-    LANES, SUB_BLOCKS, add_to_lanes, checked_blocks, combined_lanes, sub_block_dots,
-};
+use super::q6_k::{lane_summed_dot, sub_block_dots};
 use super::{SUPER_BLOCK, half_at};
 use crate::super_rows::{SUM_GROUP, SuperRow};
 
@@ -55,20 +53,11 @@ pub(crate) fn dequantize(block: &[u8], values: &mut [f32]) {
 
 /// One Q2_K row against one activation row.
 pub(crate) fn dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
-    checked_blocks(weights, activations, BYTES);
-    let blocks = weights
-        .chunks_exact(BYTES)
-        .zip(activations.scales)
-        .zip(activations.sums.chunks_exact(SUB_BLOCKS))
-        .zip(activations.quants.chunks_exact(SUPER_BLOCK));
-    let mut lanes = [0f32; LANES];
-    for (index, (((block, scale), sums), quants)) in blocks.enumerate() {
+    lane_summed_dot(weights, activations, BYTES, |block, scale, sums, quants| {
         let (scaled, minimums) = block_integers(block, sums, quants);
         let (d, dmin) = (half_at(block, D_AT), half_at(block, DMIN_AT));
-        let part = scaled_integers(*scale, d, dmin, scaled, minimums);
-        add_to_lanes(&mut lanes, index, part);
-    }
-    combined_lanes(lanes)
+        scaled_integers(scale, d, dmin, scaled, minimums)
+    })
 }
 
 /// The f32 part of one super-block: `(activation_scale · d) · scaled − (activation_scale ·

@@ -20,9 +20,7 @@
 //! super-blocks' parts into four running sums as Q6_K's does. Bound: with |x| ≤ 128 and
 //! consistent sums, `|I| ≤ 16 · 32 · 16 · 4 · 128 < 2^23`.
 
-use super::q6_k::{
-    LANES, SUB_BLOCKS, add_to_lanes, checked_blocks, combined_lanes, scaled_integer, sub_block_dots,
-};
+use super::q6_k::{SUB_BLOCKS, lane_summed_dot, scaled_integer, sub_block_dots};
 use super::{SUPER_BLOCK, half_at};
 use crate::super_rows::{SUM_GROUP, SuperRow};
 
@@ -61,22 +59,13 @@ pub(crate) fn dequantize(block: &[u8], values: &mut [f32]) {
 
 /// One Q3_K row against one activation row.
 pub(crate) fn dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
-    checked_blocks(weights, activations, BYTES);
-    let blocks = weights
-        .chunks_exact(BYTES)
-        .zip(activations.scales)
-        .zip(activations.sums.chunks_exact(SUB_BLOCKS))
-        .zip(activations.quants.chunks_exact(SUPER_BLOCK));
-    let mut lanes = [0f32; LANES];
-    for (index, (((block, scale), sums), quants)) in blocks.enumerate() {
-        let integer = block_integer(block, sums, quants);
-        add_to_lanes(
-            &mut lanes,
-            index,
-            scaled_integer(*scale, half_at(block, D_AT), integer),
-        );
-    }
-    combined_lanes(lanes)
+    lane_summed_dot(weights, activations, BYTES, |block, scale, sums, quants| {
+        scaled_integer(
+            scale,
+            half_at(block, D_AT),
+            block_integer(block, sums, quants),
+        )
+    })
 }
 
 /// The sixteen scales of a super-block, offset removed (−32..=31).

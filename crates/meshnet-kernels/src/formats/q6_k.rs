@@ -61,20 +61,33 @@ pub(crate) fn dequantize(block: &[u8], values: &mut [f32]) {
 
 /// One Q6_K row against one activation row.
 pub(crate) fn dot(weights: &[u8], activations: SuperRow<'_>) -> f32 {
-    checked_blocks(weights, activations, BYTES);
+    lane_summed_dot(weights, activations, BYTES, |block, scale, sums, quants| {
+        scaled_integer(
+            scale,
+            half_at(block, D_AT),
+            block_integer(block, sums, quants),
+        )
+    })
+}
+
+/// A row of `bytes`-byte super-blocks against one activation row: each super-block's part
+/// (`part(block, activation scale, its 16 sums, its 256 quants)`) added to running sum
+/// `index % 4`, the sums then combined ([`combined_lanes`]). Q6_K, Q3_K and Q2_K sum this way.
+pub(crate) fn lane_summed_dot(
+    weights: &[u8],
+    activations: SuperRow<'_>,
+    bytes: usize,
+    part: impl Fn(&[u8], f32, &[i16], &[i8]) -> f32,
+) -> f32 {
+    checked_blocks(weights, activations, bytes);
     let blocks = weights
-        .chunks_exact(BYTES)
+        .chunks_exact(bytes)
         .zip(activations.scales)
         .zip(activations.sums.chunks_exact(SUB_BLOCKS))
         .zip(activations.quants.chunks_exact(SUPER_BLOCK));
     let mut lanes = [0f32; LANES];
     for (index, (((block, scale), sums), quants)) in blocks.enumerate() {
-        let integer = block_integer(block, sums, quants);
-        add_to_lanes(
-            &mut lanes,
-            index,
-            scaled_integer(*scale, half_at(block, D_AT), integer),
-        );
+        add_to_lanes(&mut lanes, index, part(block, *scale, sums, quants));
     }
     combined_lanes(lanes)
 }
