@@ -582,11 +582,10 @@ impl MatrixBuilder {
         }
         if format.family() != Family::Parsed {
             self.matrix.blocks.extend_from_slice(bytes);
+            self.received = total;
+            return Ok(());
         }
         for block in bytes.chunks_exact(format.block_bytes()) {
-            if format.family() != Family::Parsed {
-                break;
-            }
             self.matrix.scales.push(half_at(block, 0));
             let quants = if format == WeightFormat::Q4_1 {
                 self.matrix.mins.push(half_at(block, 2));
