@@ -156,6 +156,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 route: route.clone(),
                 grant: None,
                 fork_from: None,
+                return_to: None,
             },
             activations: chunk.activations,
         };
@@ -206,6 +207,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 route: route.clone(),
                 grant: None,
                 fork_from: None,
+                return_to: None,
             },
             activations: one,
         };

@@ -4,9 +4,14 @@
 //! further hops, posts the result to the next one (which does the same) and answers with what
 //! comes back: the hidden states after the last layer of the route travel back up the chain to
 //! the sender. Answers use the request's encoding.
+//!
+//! With direct return (ADR-0031) the frame names the entry's return address: the last hop
+//! posts the output there and answers `202` with no body, which each hop passes back up; if
+//! the entry cannot be reached that way, the output travels back along the route as before.
+//! `POST /return` is the entry's side: it admits an output by the ticket its frame carried.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -20,11 +25,13 @@ use meshnet_metrics::Direction;
 use meshnet_types::LayerSpan;
 use meshnet_wire::grant::GrantedFrame;
 use meshnet_wire::header::{Encoding, check_wire_version};
-use meshnet_wire::{ActivationFrame, Limits, WireError};
+use meshnet_wire::return_address::{RETURN_TICKET, read_return_ticket};
+use meshnet_wire::{ActivationFrame, Limits, ReturnAddress, WireError};
 
-use crate::client::ForwardClient;
+use crate::client::{Delivery, ForwardClient};
 use crate::error::NodeError;
 use crate::executor::{ExecutorError, SpanExecutor};
+use crate::return_desk::ReturnDesk;
 use crate::{blocking, codec, decode_bytes};
 
 /// Decides from a `/forward` request's headers alone, before its body is read, whether to
@@ -42,7 +49,12 @@ pub struct ActivationPlane {
     limits: Limits,
     client: ForwardClient,
     gate: Option<Arc<dyn ForwardGate>>,
+    returns: Option<Arc<ReturnDesk>>,
 }
+
+/// How long the last hop tries to post a route's output to the entry before sending it back
+/// along the route instead.
+pub const RETURN_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl ActivationPlane {
     /// An activation plane over `executor`, enforcing `limits` on requests and on answers from the
@@ -53,7 +65,15 @@ impl ActivationPlane {
             limits,
             client,
             gate: None,
+            returns: None,
         }
+    }
+
+    /// The same plane, admitting on `POST /return` the outputs `desk` awaits (without one,
+    /// every return is refused).
+    pub fn with_returns(mut self, desk: Arc<ReturnDesk>) -> Self {
+        self.returns = Some(desk);
+        self
     }
 
     /// The same plane, serving only the requests `gate` admits (without one, anyone's).
@@ -62,22 +82,24 @@ impl ActivationPlane {
         self
     }
 
-    /// The routes of the activation plane: `POST /forward` and `DELETE /sessions/{id}` (frees
-    /// a session's KV cache on this peer).
+    /// The routes of the activation plane: `POST /forward`, `POST /return` (a route's output
+    /// for this entry) and `DELETE /sessions/{id}` (frees a session's KV cache on this peer).
     pub fn router(self) -> Router {
         Router::new()
             .route("/forward", post(forward))
+            .route("/return", post(return_output))
             .route("/sessions/{session}", delete(end_session))
             .with_state(Arc::new(self))
     }
 
     /// Runs one frame through this peer and the rest of its route, sending it onward in
-    /// `encoding`, and returns the hidden states after the route's last layer.
+    /// `encoding`: the hidden states after the route's last layer, or word that the last hop
+    /// posted them to the frame's return address.
     pub async fn handle(
         &self,
         frame: ActivationFrame,
         encoding: Encoding,
-    ) -> Result<ActivationFrame, NodeError> {
+    ) -> Result<Delivery, NodeError> {
         let executor = Arc::clone(&self.executor);
         let my_layers = frame.meta.layers;
         let metrics = self.client.metrics().clone();
@@ -97,13 +119,19 @@ impl ActivationPlane {
         .map_err(NodeError::Internal)??;
 
         let Some((next, rest)) = meta.route.pop_next() else {
+            let return_to = meta.return_to.clone();
             let mut meta = meta;
             meta.route = Default::default();
             meta.grant = None;
             meta.fork_from = None;
-            return Ok(ActivationFrame {
+            meta.return_to = None;
+            let output = ActivationFrame {
                 meta,
                 activations: output,
+            };
+            return Ok(match return_to {
+                Some(address) => self.return_directly(&address, output, encoding).await,
+                None => Delivery::Answered(output),
             });
         };
         let mut onward = meta.clone();
@@ -111,7 +139,7 @@ impl ActivationPlane {
         onward.route = rest;
         let answer = self
             .client
-            .forward(
+            .forward_delivering(
                 &next.endpoint,
                 ActivationFrame {
                     meta: onward,
@@ -120,12 +148,37 @@ impl ActivationPlane {
                 encoding,
             )
             .await?;
+        let Delivery::Answered(answer) = answer else {
+            return Ok(Delivery::ReturnedDirectly);
+        };
         let mut meta = answer.meta;
         meta.layers = LayerSpan::new(my_layers.start, meta.layers.end.max(my_layers.end));
-        Ok(ActivationFrame {
+        Ok(Delivery::Answered(ActivationFrame {
             meta,
             activations: answer.activations,
-        })
+        }))
+    }
+
+    /// Posts the route's `output` to the entry at `address`; when that fails, the output goes
+    /// back along the route instead.
+    async fn return_directly(
+        &self,
+        address: &ReturnAddress,
+        output: ActivationFrame,
+        encoding: Encoding,
+    ) -> Delivery {
+        let posting = self.client.return_output(address, output.clone(), encoding);
+        match tokio::time::timeout(RETURN_TIMEOUT, posting).await {
+            Ok(Ok(())) => Delivery::ReturnedDirectly,
+            Ok(Err(error)) => {
+                tracing::debug!(entry = %address.endpoint, %error, "direct return failed; answering along the route");
+                Delivery::Answered(output)
+            }
+            Err(_) => {
+                tracing::debug!(entry = %address.endpoint, "direct return timed out; answering along the route");
+                Delivery::Answered(output)
+            }
+        }
     }
 }
 
@@ -168,6 +221,9 @@ async fn forward(
     let answer = plane.handle(frame, encoding).await.inspect_err(|e| {
         tracing::debug!(%session, error = %e, "forward failed");
     })?;
+    let Delivery::Answered(answer) = answer else {
+        return Ok(with_wire_version(StatusCode::ACCEPTED.into_response()));
+    };
     let raw_sent = answer.activations.raw_len();
     let encoded = codec(raw_sent, move || answer.into_encoded(encoding))
         .await
@@ -193,12 +249,50 @@ async fn end_session(
     blocking(move || executor.end_session(session))
         .await
         .map_err(NodeError::Internal)?;
-    let mut response = StatusCode::NO_CONTENT.into_response();
+    Ok(with_wire_version(StatusCode::NO_CONTENT.into_response()))
+}
+
+/// `response` with this build's `X-Meshnet-Wire-Version`.
+fn with_wire_version(mut response: Response) -> Response {
     response.headers_mut().insert(
         meshnet_wire::header::WIRE_VERSION_HEADER,
         axum::http::HeaderValue::from(meshnet_wire::WIRE_VERSION),
     );
-    Ok(response)
+    response
+}
+
+/// `POST /return`: a route's output for a frame this entry sent. The ticket is checked before
+/// the body is read (401 without one, 403 for one no frame awaits), the frame against what
+/// the ticket was drawn for (403); 204 once the output is handed over.
+async fn return_output(
+    State(plane): State<Arc<ActivationPlane>>,
+    mut headers: HeaderMap,
+    body: Body,
+) -> Result<Response, NodeError> {
+    check_wire_version(&headers)?;
+    let ticket = read_return_ticket(&headers)?;
+    // The ticket is the request's credential, not part of the frame (whose own return
+    // address, a ticket with an endpoint, must be absent).
+    headers.remove(RETURN_TICKET);
+    let desk = plane.returns.as_ref().ok_or(WireError::ReturnRefused {
+        reason: "this member awaits no outputs".to_owned(),
+    })?;
+    desk.check(ticket)?;
+    let body = read_limited(body, plane.limits.max_body_bytes()).await?;
+    let limits = plane.limits;
+    let encoded_received = body.len();
+    let frame = codec(decode_bytes(&headers, encoded_received), move || {
+        ActivationFrame::decode(&headers, &body, &limits)
+    })
+    .await
+    .map_err(NodeError::Internal)??;
+    plane.client.metrics().count_wire_bytes(
+        Direction::Received,
+        frame.activations.raw_len(),
+        encoded_received,
+    );
+    desk.deliver(ticket, frame)?;
+    Ok(with_wire_version(StatusCode::NO_CONTENT.into_response()))
 }
 
 /// Reads a request body, refusing (413) as soon as it passes `limit` bytes.

@@ -7,7 +7,10 @@ use bytes::Bytes;
 use http::{HeaderMap, Method};
 use meshnet_metrics::{Direction, HopPath, Metrics};
 use meshnet_wire::header::WIRE_VERSION_HEADER;
-use meshnet_wire::{ActivationFrame, Encoding, Endpoint, Limits, WireError};
+use meshnet_wire::return_address::RETURN_TICKET;
+use meshnet_wire::{
+    ActivationFrame, Encoding, Endpoint, FrameMeta, Limits, ReturnAddress, WireError,
+};
 
 use crate::error_body::ErrorBody;
 use crate::hop::{HopFailure, HopFailureKind};
@@ -187,6 +190,15 @@ impl std::fmt::Debug for ForwardClient {
 }
 
 /// An answer from a peer: status, headers, body, and the path it travelled.
+/// What became of a frame posted to `/forward`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Delivery {
+    /// The route's output came back along the route.
+    Answered(ActivationFrame),
+    /// The route's last hop posted the output to the frame's return address (`202`).
+    ReturnedDirectly,
+}
+
 struct Answer {
     status: u16,
     headers: HeaderMap,
@@ -236,45 +248,147 @@ impl ForwardClient {
     /// Posts `frame` to `{endpoint}/forward` in `encoding` and returns the peer's answer frame.
     ///
     /// The answer must carry the same session, chunk and position; its body is read no further
-    /// than the limits allow.
+    /// than the limits allow. A frame with a return address may be answered
+    /// [`Delivery::ReturnedDirectly`]: use [`Self::forward_delivering`] for those.
     pub async fn forward(
         &self,
         target: &Endpoint,
         frame: ActivationFrame,
         encoding: Encoding,
     ) -> Result<ActivationFrame, ClientError> {
+        match self.forward_delivering(target, frame, encoding).await? {
+            Delivery::Answered(frame) => Ok(frame),
+            Delivery::ReturnedDirectly => Err(ClientError::MismatchedResponse {
+                endpoint: target.to_string(),
+                reason: "answered 202: the output went to the return address".to_owned(),
+            }),
+        }
+    }
+
+    /// [`Self::forward`] for a frame that may carry a return address: the answer is the output
+    /// frame, or word that the route's last hop posted the output to the return address
+    /// (`202 Accepted`; refused as a mismatched answer when the frame had no return address).
+    pub async fn forward_delivering(
+        &self,
+        target: &Endpoint,
+        frame: ActivationFrame,
+        encoding: Encoding,
+    ) -> Result<Delivery, ClientError> {
         let endpoint = &target.to_string();
         let started = Instant::now();
         let sent_meta = frame.meta.clone();
-        let raw_sent = frame.activations.raw_len();
-        let encoded = codec(raw_sent, move || frame.into_encoded(encoding))
-            .await
-            .map_err(|reason| ClientError::Unreachable {
-                endpoint: endpoint.to_owned(),
-                reason,
-            })?;
+        let answer = self.post_frame(target, "forward", frame, encoding).await?;
+        if answer.status == 202 {
+            if sent_meta.return_to.is_none() {
+                return Err(ClientError::MismatchedResponse {
+                    endpoint: endpoint.to_owned(),
+                    reason: "answered 202 to a frame without a return address".to_owned(),
+                });
+            }
+            self.metrics
+                .record_forward_request(endpoint, answer.path, started.elapsed());
+            return Ok(Delivery::ReturnedDirectly);
+        }
+        let path = answer.path;
+        let answer = self.read_frame(endpoint, answer).await?;
         self.metrics
-            .count_wire_bytes(Direction::Sent, raw_sent, encoded.body.len());
-        let Answer {
-            status,
-            headers,
-            body,
-            path,
-        } = self
-            .send(
-                target,
-                Method::POST,
-                "forward",
-                encoded.headers,
-                encoded.body,
+            .record_forward_request(endpoint, path, started.elapsed());
+        check_answer_matches(endpoint, &sent_meta, &answer.meta)?;
+        Ok(Delivery::Answered(answer))
+    }
+
+    /// Posts a route's output `frame` to the entry at `address` (`POST {endpoint}/return`
+    /// with the address's ticket), in `encoding`.
+    pub async fn return_output(
+        &self,
+        address: &ReturnAddress,
+        frame: ActivationFrame,
+        encoding: Encoding,
+    ) -> Result<(), ClientError> {
+        let endpoint = &address.endpoint.to_string();
+        let mut frame = frame;
+        frame.meta.return_to = None;
+        let ticket = address.ticket;
+        let answer = self
+            .post_frame_with(
+                &address.endpoint,
+                "return",
+                frame,
+                encoding,
+                move |headers| {
+                    if let Ok(value) = http::HeaderValue::try_from(ticket.to_string()) {
+                        headers.insert(RETURN_TICKET, value);
+                    }
+                },
             )
             .await?;
-        if !(200..300).contains(&status) {
-            return Err(rejection(endpoint, status, &headers, &body));
+        if (200..300).contains(&answer.status) {
+            return Ok(());
         }
+        Err(rejection(
+            endpoint,
+            answer.status,
+            &answer.headers,
+            &answer.body,
+        ))
+    }
+
+    /// Encodes `frame` and posts it to `{target}/{path}`; a non-2xx answer is the peer's
+    /// rejection.
+    async fn post_frame(
+        &self,
+        target: &Endpoint,
+        path: &str,
+        frame: ActivationFrame,
+        encoding: Encoding,
+    ) -> Result<Answer, ClientError> {
+        let answer = self
+            .post_frame_with(target, path, frame, encoding, |_| ())
+            .await?;
+        if !(200..300).contains(&answer.status) {
+            return Err(rejection(
+                &target.to_string(),
+                answer.status,
+                &answer.headers,
+                &answer.body,
+            ));
+        }
+        Ok(answer)
+    }
+
+    /// Encodes `frame`, lets `extra` add headers, and posts it to `{target}/{path}`.
+    async fn post_frame_with(
+        &self,
+        target: &Endpoint,
+        path: &str,
+        frame: ActivationFrame,
+        encoding: Encoding,
+        extra: impl FnOnce(&mut HeaderMap),
+    ) -> Result<Answer, ClientError> {
+        let raw_sent = frame.activations.raw_len();
+        let mut encoded = codec(raw_sent, move || frame.into_encoded(encoding))
+            .await
+            .map_err(|reason| ClientError::Unreachable {
+                endpoint: target.to_string(),
+                reason,
+            })?;
+        extra(&mut encoded.headers);
+        self.metrics
+            .count_wire_bytes(Direction::Sent, raw_sent, encoded.body.len());
+        self.send(target, Method::POST, path, encoded.headers, encoded.body)
+            .await
+    }
+
+    /// Decodes the frame of a 2xx answer, within the limits.
+    async fn read_frame(
+        &self,
+        endpoint: &str,
+        answer: Answer,
+    ) -> Result<ActivationFrame, ClientError> {
+        let Answer { headers, body, .. } = answer;
         let limits = self.limits;
         let encoded_received = body.len();
-        let answer = codec(decode_bytes(&headers, encoded_received), move || {
+        let frame = codec(decode_bytes(&headers, encoded_received), move || {
             ActivationFrame::decode(&headers, &body, &limits)
         })
         .await
@@ -288,33 +402,10 @@ impl ForwardClient {
         })?;
         self.metrics.count_wire_bytes(
             Direction::Received,
-            answer.activations.raw_len(),
+            frame.activations.raw_len(),
             encoded_received,
         );
-        self.metrics
-            .record_forward_request(endpoint, path, started.elapsed());
-        let m = &answer.meta;
-        if m.session != sent_meta.session
-            || m.chunk_index != sent_meta.chunk_index
-            || m.chunk_total != sent_meta.chunk_total
-            || m.position != sent_meta.position
-        {
-            return Err(ClientError::MismatchedResponse {
-                endpoint: endpoint.to_owned(),
-                reason: format!(
-                    "sent session {} chunk {}/{} at {}, got session {} chunk {}/{} at {}",
-                    sent_meta.session,
-                    sent_meta.chunk_index,
-                    sent_meta.chunk_total,
-                    sent_meta.position,
-                    m.session,
-                    m.chunk_index,
-                    m.chunk_total,
-                    m.position
-                ),
-            });
-        }
-        Ok(answer)
+        Ok(frame)
     }
 
     /// Asks the peer at `endpoint` to free `session` (`DELETE {endpoint}/sessions/{id}`).
@@ -587,6 +678,38 @@ fn rejection(endpoint: &str, status: u16, headers: &HeaderMap, body: &[u8]) -> C
             .map(str::to_owned),
         failed_hop,
     }
+}
+
+/// Refuses an answer for another session, chunk or position than the frame sent.
+fn check_answer_matches(
+    endpoint: &str,
+    sent: &FrameMeta,
+    got: &FrameMeta,
+) -> Result<(), ClientError> {
+    if (got.session, got.chunk_index, got.chunk_total, got.position)
+        == (
+            sent.session,
+            sent.chunk_index,
+            sent.chunk_total,
+            sent.position,
+        )
+    {
+        return Ok(());
+    }
+    Err(ClientError::MismatchedResponse {
+        endpoint: endpoint.to_owned(),
+        reason: format!(
+            "sent session {} chunk {}/{} at {}, got session {} chunk {}/{} at {}",
+            sent.session,
+            sent.chunk_index,
+            sent.chunk_total,
+            sent.position,
+            got.session,
+            got.chunk_index,
+            got.chunk_total,
+            got.position
+        ),
+    })
 }
 
 #[cfg(test)]

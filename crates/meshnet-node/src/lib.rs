@@ -9,6 +9,10 @@
 //! [`ClientError::hop_failure`] gives the sender a [`HopFailure`]: which hop failed, its status
 //! and code, and whether sending again may succeed.
 //!
+//! With direct return (ADR-0031) the entry's frames name a return address: the route's last
+//! hop posts the output straight to the entry's `POST /return`, where a [`ReturnDesk`] admits
+//! it by ticket, and answers `202` back along the route.
+//!
 //! A hop may also name a peer by id (`/p2p/<peer id>`, for a peer others cannot dial): then
 //! the same requests travel over a byte stream to it ([`stream`]), opened by a
 //! [`stream::StreamOpener`] the application provides (a libp2p stream, direct or relayed).
@@ -19,14 +23,16 @@ mod error;
 mod error_body;
 mod executor;
 mod hop;
+mod return_desk;
 pub mod stream;
 
 pub use activation::{ActivationPlane, ForwardGate};
-pub use client::{ClientError, DEFAULT_HOP_TIMEOUT, ForwardClient};
+pub use client::{ClientError, DEFAULT_HOP_TIMEOUT, Delivery, ForwardClient};
 pub use error::NodeError;
 pub use error_body::{ErrorBody, ErrorDetail};
 pub use executor::{ExecutorError, SpanExecutor};
 pub use hop::{HopFailure, HopFailureKind};
+pub use return_desk::{AwaitedReturn, DEFAULT_RETURN_CAPACITY, ReturnDesk};
 
 /// Frames up to this many bytes (raw or encoded) are encoded and decoded on the async worker
 /// that handles them: a decode step's frame (one token, a few KiB) takes microseconds, less than

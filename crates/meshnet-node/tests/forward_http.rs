@@ -9,12 +9,15 @@ use axum::body::{Body, to_bytes};
 use axum::http::{Request, StatusCode};
 use half::bf16;
 use meshnet_node::{
-    ActivationPlane, ClientError, ErrorBody, ExecutorError, ForwardClient, HopFailureKind,
-    SpanExecutor,
+    ActivationPlane, AwaitedReturn, ClientError, Delivery, ErrorBody, ExecutorError, ForwardClient,
+    HopFailureKind, ReturnDesk, SpanExecutor,
 };
 use meshnet_types::LayerSpan;
 use meshnet_wire::header::{DTYPE, ENCODING, SHAPE, WIRE_VERSION_HEADER};
-use meshnet_wire::{ActivationFrame, Activations, Encoding, FrameMeta, Hop, Limits, Route, Shape};
+use meshnet_wire::{
+    ActivationFrame, Activations, Encoding, FrameMeta, Hop, Limits, ReturnAddress, ReturnTicket,
+    Route, Shape,
+};
 use tower::ServiceExt;
 use uuid::Uuid;
 
@@ -87,6 +90,7 @@ fn frame(layers: (u32, u32), route: Vec<Hop>, tokens: usize) -> ActivationFrame 
             route: Route::new(route).unwrap(),
             grant: None,
             fork_from: None,
+            return_to: None,
         },
         activations: Activations::new(shape, values).unwrap(),
     }
@@ -642,4 +646,163 @@ async fn a_stream_dropped_unread_is_sent_again_on_a_new_one() {
 /// The endpoint a URL names.
 fn endpoint(url: &str) -> meshnet_wire::Endpoint {
     url.parse().expect("an http:// URL")
+}
+
+/// Starts an entry that awaits outputs on `desk` (and serves no layers) on a free loopback
+/// port, and returns its base URL.
+async fn serve_entry(desk: Arc<ReturnDesk>) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = plane(AddOnePerLayer::new(0, 0)).with_returns(desk).router();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://{addr}")
+}
+
+/// `frame` with the return address of `awaited` at `entry`.
+fn returning(mut frame: ActivationFrame, entry: &str, awaited: &AwaitedReturn) -> ActivationFrame {
+    frame.meta.return_to = Some(ReturnAddress {
+        endpoint: endpoint(entry),
+        ticket: awaited.ticket(),
+    });
+    frame
+}
+
+#[tokio::test]
+async fn the_last_hop_returns_the_output_straight_to_the_entry() {
+    let desk = ReturnDesk::new(16);
+    let entry = serve_entry(Arc::clone(&desk)).await;
+    let a = serve(AddOnePerLayer::new(0, 10)).await;
+    let b = serve(AddOnePerLayer::new(10, 20)).await;
+    let c = serve(AddOnePerLayer::new(20, 30)).await;
+    for encoding in [Encoding::Raw, Encoding::Zstd] {
+        let plain = frame((0, 10), two_more_hops(&b, &c), 130);
+        let mut awaited = desk.expect(&plain.meta).unwrap();
+        let sent = returning(plain.clone(), &entry, &awaited);
+        let delivery = client()
+            .forward_delivering(&endpoint(&a), sent, encoding)
+            .await
+            .unwrap();
+        assert_eq!(delivery, Delivery::ReturnedDirectly);
+        let returned = awaited.received().await.unwrap();
+        assert_eq!(returned.meta.session, plain.meta.session);
+        assert_eq!(returned.meta.position, 128);
+        assert_eq!(returned.meta.return_to, None);
+        assert_eq!(
+            returned.activations.values(),
+            shifted(&plain, 30.0).as_slice()
+        );
+        drop(awaited);
+        assert_eq!(desk.awaited(), 0);
+    }
+}
+
+#[tokio::test]
+async fn an_unreachable_entry_gets_the_output_back_along_the_route() {
+    let desk = ReturnDesk::new(16);
+    let (_held, closed) = refusing_endpoint();
+    let a = serve(AddOnePerLayer::new(0, 10)).await;
+    let b = serve(AddOnePerLayer::new(10, 20)).await;
+    let c = serve(AddOnePerLayer::new(20, 30)).await;
+    let plain = frame((0, 10), two_more_hops(&b, &c), 3);
+    let awaited = desk.expect(&plain.meta).unwrap();
+    let sent = returning(plain.clone(), &closed, &awaited);
+    let delivery = client()
+        .forward_delivering(&endpoint(&a), sent, Encoding::Zstd)
+        .await
+        .unwrap();
+    let Delivery::Answered(answer) = delivery else {
+        panic!("expected the answer along the route, got {delivery:?}");
+    };
+    assert_eq!(answer.meta.layers, LayerSpan::new(0, 30));
+    assert_eq!(
+        answer.activations.values(),
+        shifted(&plain, 30.0).as_slice()
+    );
+}
+
+/// Posts `frame` to `{entry}/return` with `ticket` (none when `None`) and returns the status
+/// and error code.
+async fn post_return(entry: &str, frame: &ActivationFrame, ticket: Option<&str>) -> (u16, String) {
+    let encoded = frame.encode(Encoding::Raw);
+    let mut request = reqwest::Client::new()
+        .post(format!("{entry}/return"))
+        .headers(encoded.headers)
+        .body(encoded.body);
+    if let Some(ticket) = ticket {
+        request = request.header(meshnet_wire::return_address::RETURN_TICKET, ticket);
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    let body = response.bytes().await.unwrap();
+    let code = serde_json::from_slice::<ErrorBody>(&body)
+        .map(|error| error.error.code)
+        .unwrap_or_default();
+    (status, code)
+}
+
+#[tokio::test]
+async fn a_stranger_cannot_inject_an_output() {
+    let desk = ReturnDesk::new(16);
+    let entry = serve_entry(Arc::clone(&desk)).await;
+    let expected = frame((20, 30), vec![], 1);
+    let mut awaited = desk.expect(&expected.meta).unwrap();
+    let ticket = awaited.ticket().to_string();
+    let mut other_session = expected.clone();
+    other_session.meta.session = Uuid::new_v4();
+    let mut other_position = expected.clone();
+    other_position.meta.position += 1;
+    let guessed = ReturnTicket::from_bits(7).to_string();
+    let cases = [
+        (None, &expected, 401, "return_ticket_missing"),
+        (Some("not-hex"), &expected, 403, "return_refused"),
+        (Some(guessed.as_str()), &expected, 403, "return_refused"),
+        (Some(ticket.as_str()), &other_session, 403, "return_refused"),
+        (
+            Some(ticket.as_str()),
+            &other_position,
+            403,
+            "return_refused",
+        ),
+    ];
+    for (ticket, frame, status, code) in cases {
+        assert_eq!(
+            post_return(&entry, frame, ticket).await,
+            (status, code.to_owned()),
+            "ticket {ticket:?}"
+        );
+    }
+    // None of those reached the generation; the real output still does, once.
+    assert_eq!(post_return(&entry, &expected, Some(&ticket)).await.0, 204);
+    assert_eq!(awaited.received().await, Some(expected.clone()));
+    assert_eq!(
+        post_return(&entry, &expected, Some(&ticket)).await,
+        (403, "return_refused".to_owned())
+    );
+    // A member that awaits nothing refuses every return.
+    let plain = serve(AddOnePerLayer::new(0, 10)).await;
+    assert_eq!(
+        post_return(&plain, &expected, Some(&ticket)).await,
+        (403, "return_refused".to_owned())
+    );
+}
+
+#[tokio::test]
+async fn a_202_to_a_frame_without_a_return_address_is_a_mismatched_answer() {
+    let desk = ReturnDesk::new(16);
+    let entry = serve_entry(Arc::clone(&desk)).await;
+    let a = serve(AddOnePerLayer::new(0, 10)).await;
+    let b = serve(AddOnePerLayer::new(10, 20)).await;
+    let c = serve(AddOnePerLayer::new(20, 30)).await;
+    let plain = frame((0, 10), two_more_hops(&b, &c), 1);
+    let awaited = desk.expect(&plain.meta).unwrap();
+    let sent = returning(plain, &entry, &awaited);
+    // `forward` expects the answer itself: word that it went elsewhere is an error.
+    let error = client()
+        .forward(&endpoint(&a), sent, Encoding::Raw)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, ClientError::MismatchedResponse { .. }),
+        "{error}"
+    );
 }

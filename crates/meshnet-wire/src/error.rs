@@ -159,6 +159,16 @@ pub enum WireError {
         /// Why.
         reason: String,
     },
+    /// A `POST /return` carries no ticket (`X-Meshnet-Return-Ticket`).
+    #[error("no return ticket: a /return needs the ticket of the frame in X-Meshnet-Return-Ticket")]
+    ReturnTicketMissing,
+    /// A `POST /return` whose ticket is malformed, unknown, already used, or not for the
+    /// session, chunk and position of the frame it carries.
+    #[error("return refused: {reason}")]
+    ReturnRefused {
+        /// Why.
+        reason: String,
+    },
     /// A candle tensor could not be converted.
     #[cfg(feature = "candle")]
     #[error("tensor conversion failed: {0}")]
@@ -208,6 +218,8 @@ impl WireError {
             WireError::Reassembly { .. } | WireError::ElementCount { .. } => ErrorClass::Internal,
             WireError::GrantMissing => ErrorClass::Unauthenticated,
             WireError::GrantRefused { .. } => ErrorClass::Forbidden,
+            WireError::ReturnTicketMissing => ErrorClass::Unauthenticated,
+            WireError::ReturnRefused { .. } => ErrorClass::Forbidden,
             #[cfg(feature = "candle")]
             WireError::Tensor(_) => ErrorClass::Internal,
         }
@@ -233,6 +245,8 @@ impl WireError {
             WireError::ElementCount { .. } => "element_count_mismatch",
             WireError::GrantMissing => "grant_missing",
             WireError::GrantRefused { .. } => "grant_refused",
+            WireError::ReturnTicketMissing => "return_ticket_missing",
+            WireError::ReturnRefused { .. } => "return_refused",
             #[cfg(feature = "candle")]
             WireError::Tensor(_) => "tensor_conversion_failed",
         }

@@ -7,6 +7,7 @@ use meshnet_types::LayerSpan;
 use uuid::Uuid;
 
 use crate::error::quote;
+use crate::return_address::{RETURN_TICKET, RETURN_TO, ReturnAddress, read_return_address};
 use crate::{Endpoint, Shape, WIRE_VERSION, WireError};
 
 /// `X-Meshnet-Shape`: comma-separated dimensions, outermost first.
@@ -256,6 +257,10 @@ pub struct FrameMeta {
     /// a copy of this session's first `position` cached positions; passed on from hop to hop.
     /// `None` in a response and for ordinary frames.
     pub fork_from: Option<Uuid>,
+    /// `X-Meshnet-Return-To` and `X-Meshnet-Return-Ticket`: where the last hop posts the
+    /// route's output directly (see [`crate::return_address`]); passed on from hop to hop.
+    /// `None` in a response and when the output is to travel back along the route.
+    pub return_to: Option<ReturnAddress>,
 }
 
 impl FrameMeta {
@@ -342,6 +347,7 @@ pub fn read_meta(headers: &HeaderMap) -> Result<(Shape, FrameMeta), WireError> {
         },
         grant: optional_str(headers, GRANT_HEADER, "a grant")?.map(Into::into),
         fork_from,
+        return_to: read_return_address(headers)?,
     };
     meta.validate()?;
     Ok((shape, meta))
@@ -384,6 +390,10 @@ pub fn write_headers(shape: &Shape, meta: &FrameMeta, encoding: Encoding) -> Hea
     if let Some(parent) = meta.fork_from {
         put(FORK_FROM, parent.to_string());
     }
+    if let Some(address) = &meta.return_to {
+        put(RETURN_TO, address.endpoint.to_string());
+        put(RETURN_TICKET, address.ticket.to_string());
+    }
     if let Some(value) = encoding.header_value() {
         put(ENCODING, value.to_owned());
     }
@@ -411,11 +421,13 @@ fn display_name(name: &'static str) -> &'static str {
         POSITION => "X-Meshnet-Position",
         LAYERS => "X-Meshnet-Layers",
         ROUTE => "X-Meshnet-Route",
+        RETURN_TO => "X-Meshnet-Return-To",
+        RETURN_TICKET => "X-Meshnet-Return-Ticket",
         other => other,
     }
 }
 
-fn optional_str<'h>(
+pub(crate) fn optional_str<'h>(
     headers: &'h HeaderMap,
     name: &'static str,
     expected: &'static str,
@@ -482,6 +494,7 @@ mod tests {
             .unwrap(),
             grant: None,
             fork_from: None,
+            return_to: None,
         }
     }
 
@@ -490,6 +503,7 @@ mod tests {
         let shape = Shape::new(&[1, 1, 576]).unwrap();
         let forked = FrameMeta {
             fork_from: Some(Uuid::from_u128(0x99)),
+            return_to: None,
             ..meta()
         };
         let mut headers = write_headers(&shape, &forked, Encoding::Raw);

@@ -23,6 +23,7 @@
 //!     route: Route::default(),
 //!     grant: None,
 //!     fork_from: None,
+//!     return_to: None,
 //! };
 //! let frame = ActivationFrame { meta, activations };
 //! let encoded = frame.encode(Encoding::Zstd);
@@ -38,6 +39,7 @@ mod error;
 mod frame;
 pub mod grant;
 pub mod header;
+pub mod return_address;
 mod shape;
 #[cfg(feature = "candle")]
 mod tensor;
@@ -51,6 +53,7 @@ pub use frame::{
     encode_payload,
 };
 pub use header::{Encoding, FrameMeta, Hop, Route};
+pub use return_address::{ReturnAddress, ReturnTicket};
 pub use shape::{MAX_DIMS, Shape};
 
 /// The version of the wire format this build speaks, sent in `X-Meshnet-Wire-Version`.

@@ -10,8 +10,8 @@ use meshnet_wire::header::{
     WIRE_VERSION_HEADER,
 };
 use meshnet_wire::{
-    ActivationFrame, Activations, Encoding, ErrorClass, FrameMeta, Hop, Limits, Route, Shape,
-    WireError,
+    ActivationFrame, Activations, Encoding, Endpoint, ErrorClass, FrameMeta, Hop, Limits,
+    ReturnAddress, ReturnTicket, Route, Shape, WireError,
 };
 use proptest::prelude::*;
 use uuid::Uuid;
@@ -35,6 +35,7 @@ fn meta(route: Route) -> FrameMeta {
         route,
         grant: None,
         fork_from: None,
+        return_to: None,
     }
 }
 
@@ -115,6 +116,10 @@ fn arb_frame() -> impl Strategy<Value = ActivationFrame> {
                         route,
                         grant: (session % 2 == 0).then(|| format!("grant-{session}.sig").into()),
                         fork_from: (session % 3 == 1).then(|| Uuid::from_u128(!session)),
+                        return_to: (session % 5 == 2).then(|| ReturnAddress {
+                            endpoint: Endpoint::Http(format!("http://10.0.0.{}:80", session % 250)),
+                            ticket: ReturnTicket::from_bits(session.rotate_left(7)),
+                        }),
                     },
                     activations: Activations::new(
                         Shape::new(&dims).unwrap(),
