@@ -38,6 +38,7 @@ impl Stage for OverTheWire<'_> {
                 route: Route::default(),
                 grant: None,
                 fork_from: None,
+                return_to: None,
             },
             activations: Activations::from_tensor(&hidden)?,
         };

@@ -131,7 +131,7 @@ impl ActivationPlane {
             };
             return Ok(match return_to {
                 Some(address) => self.return_directly(&address, output, encoding).await,
-                None => Delivery::Answered(output),
+                None => Delivery::Answered(Box::new(output)),
             });
         };
         let mut onward = meta.clone();
@@ -153,10 +153,10 @@ impl ActivationPlane {
         };
         let mut meta = answer.meta;
         meta.layers = LayerSpan::new(my_layers.start, meta.layers.end.max(my_layers.end));
-        Ok(Delivery::Answered(ActivationFrame {
+        Ok(Delivery::Answered(Box::new(ActivationFrame {
             meta,
             activations: answer.activations,
-        }))
+        })))
     }
 
     /// Posts the route's `output` to the entry at `address`; when that fails, the output goes
@@ -172,11 +172,11 @@ impl ActivationPlane {
             Ok(Ok(())) => Delivery::ReturnedDirectly,
             Ok(Err(error)) => {
                 tracing::debug!(entry = %address.endpoint, %error, "direct return failed; answering along the route");
-                Delivery::Answered(output)
+                Delivery::Answered(Box::new(output))
             }
             Err(_) => {
                 tracing::debug!(entry = %address.endpoint, "direct return timed out; answering along the route");
-                Delivery::Answered(output)
+                Delivery::Answered(Box::new(output))
             }
         }
     }

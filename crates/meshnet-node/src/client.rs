@@ -194,7 +194,7 @@ impl std::fmt::Debug for ForwardClient {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Delivery {
     /// The route's output came back along the route.
-    Answered(ActivationFrame),
+    Answered(Box<ActivationFrame>),
     /// The route's last hop posted the output to the frame's return address (`202`).
     ReturnedDirectly,
 }
@@ -257,7 +257,7 @@ impl ForwardClient {
         encoding: Encoding,
     ) -> Result<ActivationFrame, ClientError> {
         match self.forward_delivering(target, frame, encoding).await? {
-            Delivery::Answered(frame) => Ok(frame),
+            Delivery::Answered(frame) => Ok(*frame),
             Delivery::ReturnedDirectly => Err(ClientError::MismatchedResponse {
                 endpoint: target.to_string(),
                 reason: "answered 202: the output went to the return address".to_owned(),
@@ -294,7 +294,7 @@ impl ForwardClient {
         self.metrics
             .record_forward_request(endpoint, path, started.elapsed());
         check_answer_matches(endpoint, &sent_meta, &answer.meta)?;
-        Ok(Delivery::Answered(answer))
+        Ok(Delivery::Answered(Box::new(answer)))
     }
 
     /// Posts a route's output `frame` to the entry at `address` (`POST {endpoint}/return`

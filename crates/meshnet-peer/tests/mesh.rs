@@ -314,6 +314,7 @@ async fn hostile_frames_are_refused_before_any_work() {
             route: meshnet_wire::Route::default(),
             grant,
             fork_from: None,
+            return_to: None,
         },
         activations: meshnet_wire::Activations::new(
             meshnet_wire::Shape::new(&[tokens, hidden]).unwrap(),
@@ -425,6 +426,7 @@ async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_gives_up_naming
             route: meshnet_wire::Route::default(),
             grant: common::grant_to(&signer, session, span, peer.http_url()),
             fork_from: None,
+            return_to: None,
         },
         activations: meshnet_wire::Activations::new(
             meshnet_wire::Shape::new(&[64, hidden]).unwrap(),

@@ -240,6 +240,7 @@ impl RemoteStage {
             session: SessionId::new_v4(),
             position: 0,
             fork_from: None,
+            return_to: None,
         };
         let recorded = state
             .checks
@@ -300,6 +301,7 @@ impl RemoteStage {
                 route: Route::new(Vec::new()).map_err(other)?,
                 grant,
                 fork_from: step.fork_from,
+                return_to: None,
             },
             activations,
         };
