@@ -149,6 +149,7 @@ pub struct Metrics {
     gossip_rejected: Family<RejectionLabels, Counter>,
     connections_refused: Family<ReasonLabels, Counter>,
     failovers: Counter,
+    direct_returns: Counter,
     checked_sessions: Counter,
     convictions: Counter,
     api_key_requests: Family<KeyLabels, Counter>,
@@ -179,6 +180,7 @@ impl Metrics {
             gossip_rejected: Family::default(),
             connections_refused: Family::default(),
             failovers: Counter::default(),
+            direct_returns: Counter::default(),
             checked_sessions: Counter::default(),
             convictions: Counter::default(),
             api_key_requests: Family::default(),
@@ -270,6 +272,12 @@ impl Metrics {
             "failovers",
             "Generations that got past a failed hop on a new route",
             self.failovers.clone(),
+        );
+        meshnet.register(
+            "direct_returns",
+            "Route outputs the last hop posted straight to this entry (POST /return) instead of \
+             back along the route",
+            self.direct_returns.clone(),
         );
         meshnet.register(
             "checked_sessions",
@@ -401,6 +409,11 @@ impl Metrics {
         self.failovers.inc();
     }
 
+    /// Counts a route output posted straight to this entry.
+    pub fn count_direct_return(&self) {
+        self.direct_returns.inc();
+    }
+
     /// Counts a checked generation that ended without a disagreement.
     pub fn count_checked_session(&self) {
         self.checked_sessions.inc();
@@ -457,6 +470,11 @@ impl Metrics {
     /// Failovers so far.
     pub fn failovers(&self) -> u64 {
         self.failovers.get()
+    }
+
+    /// Route outputs posted straight to this entry so far.
+    pub fn direct_returns(&self) -> u64 {
+        self.direct_returns.get()
     }
 
     /// Checked generations that ended without a disagreement so far.

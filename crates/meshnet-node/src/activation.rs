@@ -292,6 +292,7 @@ async fn return_output(
         encoded_received,
     );
     desk.deliver(ticket, frame)?;
+    plane.client.metrics().count_direct_return();
     Ok(with_wire_version(StatusCode::NO_CONTENT.into_response()))
 }
 

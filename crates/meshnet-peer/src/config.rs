@@ -63,6 +63,9 @@ pub struct PeerConfig {
     /// Chunks of one prompt the tracker keeps travelling through the other peers at once
     /// (pipelined prefill); 1 sends the next only when the last is answered.
     pub prefill_in_flight: usize,
+    /// Whether the last hop of the tracker's routes posts its output straight back to the
+    /// tracker (ADR-0031) instead of back along the route.
+    pub direct_return: bool,
     /// Requests the tracker keeps waiting for a generation slot; one more is answered 429.
     pub max_queued_sessions: usize,
     /// How long a request waits in line for a slot before it is answered 429.
@@ -126,6 +129,7 @@ impl PeerConfig {
             max_sessions: 8,
             max_batch_tokens: crate::batcher::DEFAULT_MAX_BATCH_TOKENS,
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
+            direct_return: true,
             max_queued_sessions: 32,
             queue_timeout: Duration::from_secs(60),
             assume_reachable: false,

@@ -17,13 +17,13 @@ use meshnet_model::{
     ModelError, ModelTokenizer, SessionId, Stage, StopConditions, TextSide, TokenConstraint,
     TokenLogprobs, ToolFormat, decode_observed, generate_observed,
 };
-use meshnet_node::{ForwardClient, HopFailure};
+use meshnet_node::{ForwardClient, HopFailure, ReturnDesk};
 use meshnet_types::PeerId;
 use meshnet_wire::Encoding;
 use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::admission::{Admission, AdmissionLimits};
-use crate::remote::{Failover, RemoteStage, RouteLost};
+use crate::remote::{DirectReturn, Failover, RemoteStage, RouteLost};
 use crate::routing::PlannedHop;
 use crate::span_host::{LoadedSpan, SpanHost};
 use crate::tool_use::{self, CallReader};
@@ -46,6 +46,9 @@ pub struct MeshEngine {
     encoding: Encoding,
     admission: Admission,
     prefill_in_flight: usize,
+    /// Where the last hops of its routes post their outputs, and the desk that awaits them;
+    /// `None` has outputs come back along the routes.
+    direct_return: Option<DirectReturn>,
     grants: Option<Arc<crate::grants::GrantSigner>>,
     /// What `response_format` schemas and required tool calls compile against.
     structured: StructuredOutput,
@@ -125,6 +128,7 @@ impl MeshEngine {
             encoding: Encoding::Zstd,
             admission: Admission::new(limits),
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
+            direct_return: None,
             grants: None,
             structured: StructuredOutput::Off(
                 "structured output is not set up on this tracker".to_owned(),
@@ -161,6 +165,18 @@ impl MeshEngine {
     /// without one).
     pub fn with_grants(mut self, signer: Arc<crate::grants::GrantSigner>) -> Self {
         self.grants = Some(signer);
+        self
+    }
+
+    /// Has the last hop of every route post its output to `endpoint` (this member's own
+    /// activation plane, serving `desk`) instead of back along the route; `None` keeps the
+    /// answers on the route.
+    pub fn with_direct_return(
+        mut self,
+        desk: Arc<ReturnDesk>,
+        endpoint: Option<meshnet_wire::Endpoint>,
+    ) -> Self {
+        self.direct_return = endpoint.map(|endpoint| DirectReturn { desk, endpoint });
         self
     }
 
@@ -542,6 +558,10 @@ impl MeshEngine {
         .map_err(|e| EngineError::Internal(e.to_string()))?;
         let stage = match &self.grants {
             Some(signer) => stage.with_grants(Arc::clone(signer)),
+            None => stage,
+        };
+        let stage = match &self.direct_return {
+            Some(direct) => stage.with_direct_return(direct.clone()),
             None => stage,
         };
         Ok(Some(stage.with_prefill_in_flight(self.prefill_in_flight)))

@@ -63,7 +63,7 @@ pub(crate) fn router(
         .layer(axum::middleware::from_fn(refuse_oversized_bodies))
 }
 
-/// The activation plane's routes (`/forward`, `/sessions/{id}`) over this member's spans: served
+/// The activation plane's routes (`/forward`, `/return`, `/sessions/{id}`) over this member's spans: served
 /// on the HTTP listener and on libp2p streams.
 pub(crate) fn activation_plane(member: &Arc<Member>, client: ForwardClient) -> Router {
     let executor: Arc<dyn SpanExecutor> = Arc::clone(&member.host) as Arc<dyn SpanExecutor>;
@@ -71,6 +71,7 @@ pub(crate) fn activation_plane(member: &Arc<Member>, client: ForwardClient) -> R
     let gate = MemberGate::new(Arc::new(move || followed.followed_tracker()));
     ActivationPlane::new(executor, Limits::default(), client)
         .with_gate(Arc::new(gate))
+        .with_returns(Arc::clone(&member.settings.returns))
         .router()
 }
 
@@ -90,7 +91,7 @@ fn is_api_path(path: &str) -> bool {
 fn body_limit(path: &str) -> usize {
     if is_api_path(path) {
         meshnet_api::MAX_BODY_BYTES
-    } else if path == "/forward" {
+    } else if path == "/forward" || path == "/return" {
         Limits::default().max_body_bytes()
     } else {
         // Status, health and session ends carry no body.

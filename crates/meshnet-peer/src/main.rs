@@ -271,6 +271,10 @@ struct RunArgs {
     /// each chunk's answer.
     #[arg(long, default_value_t = meshnet_peer::remote::DEFAULT_PREFILL_IN_FLIGHT)]
     prefill_chunks_in_flight: usize,
+    /// Send every route's output back along the route instead of straight from its last hop
+    /// to the tracker (which saves one link's delay per hop after the first on every token).
+    #[arg(long)]
+    no_direct_return: bool,
     /// Requests the tracker keeps waiting for a generation slot (0: none); one more is
     /// answered 429.
     #[arg(long, default_value_t = 32)]

@@ -119,6 +119,11 @@ pub(crate) struct Settings {
     pub(crate) grants: Arc<crate::grants::GrantSigner>,
     /// The chat template file that replaces the model's own, if one was given.
     pub(crate) chat_template: Option<std::path::PathBuf>,
+    /// The outputs of routes this member's generations await on `POST /return`.
+    pub(crate) returns: Arc<meshnet_node::ReturnDesk>,
+    /// Where the last hops of this member's routes post their outputs (its own activation
+    /// plane, as others reach it); `None` sends them back along the route.
+    pub(crate) return_endpoint: Option<meshnet_wire::Endpoint>,
 }
 
 /// What this member offers the mesh, as announced.

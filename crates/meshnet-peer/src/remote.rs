@@ -28,9 +28,13 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
 use meshnet_model::{ModelError, SessionId, Stage};
-use meshnet_node::{ClientError, ForwardClient, HopFailure, HopFailureKind};
+use meshnet_node::{
+    AwaitedReturn, ClientError, Delivery, ForwardClient, HopFailure, HopFailureKind, ReturnDesk,
+};
 use meshnet_types::{LayerSpan, PeerId};
-use meshnet_wire::{ActivationFrame, Activations, Encoding, Endpoint, FrameMeta, Hop, Route};
+use meshnet_wire::{
+    ActivationFrame, Activations, Encoding, Endpoint, FrameMeta, Hop, ReturnAddress, Route,
+};
 use tokio::runtime::Handle;
 use tokio::task::JoinHandle;
 
@@ -88,6 +92,20 @@ pub struct Failover {
     /// Which sessions are checked against a second holder of each hop (ADR-0026).
     pub verify: VerifyPolicy,
 }
+
+/// Where the last hop of a route posts the route's output (ADR-0031): the entry's own
+/// activation plane, and the desk that awaits the outputs there.
+#[derive(Clone)]
+pub struct DirectReturn {
+    /// Awaits the outputs.
+    pub desk: Arc<ReturnDesk>,
+    /// The entry's activation plane, as the hops reach it.
+    pub endpoint: Endpoint,
+}
+
+/// How long the entry waits for an output the route said it returned directly: the last hop
+/// answers only once the entry took the output, so this is a bound for a bug, not a delay.
+const RETURNED_OUTPUT_WAIT: Duration = Duration::from_secs(5);
 
 /// A generation that could not get past a failed hop.
 #[derive(Debug, thiserror::Error)]
@@ -171,6 +189,8 @@ pub struct RemoteStage {
     grants: Option<Arc<GrantSigner>>,
     /// The grant issued last: for which session and route, and until when.
     grant: Mutex<Option<IssuedGrant>>,
+    /// Where the route's last hop posts its output (none: it comes back along the route).
+    direct_return: Option<DirectReturn>,
 }
 
 /// A grant issued for one session on one route.
@@ -213,9 +233,17 @@ impl RemoteStage {
             state: Mutex::new(state),
             grants: None,
             grant: Mutex::new(None),
+            direct_return: None,
         };
         stage.attach_checks(&mut lock(&stage.state));
         Ok(stage)
+    }
+
+    /// The route's last hop posts every output straight to `direct` (see [`DirectReturn`])
+    /// instead of back along the route.
+    pub fn with_direct_return(mut self, direct: DirectReturn) -> Self {
+        self.direct_return = Some(direct);
+        self
     }
 
     /// Frames carry a grant `signer` signs for their session and route (see
@@ -288,6 +316,7 @@ impl RemoteStage {
             state: Mutex::new(child),
             grants: self.grants.clone(),
             grant: Mutex::new(None),
+            direct_return: self.direct_return.clone(),
         })
     }
 
@@ -341,19 +370,34 @@ impl RemoteStage {
                 route: state.onward.clone(),
                 grant: self.grant_for(state, session)?,
                 fork_from: state.fork_from(position),
+                return_to: None,
             },
             activations,
         };
+        let mut frame = frame;
+        let awaited = self.direct_return.as_ref().and_then(|direct| {
+            let awaited = direct.desk.expect(&frame.meta)?;
+            frame.meta.return_to = Some(ReturnAddress {
+                endpoint: direct.endpoint.clone(),
+                ticket: awaited.ticket(),
+            });
+            Some(awaited)
+        });
         let client = self.client.clone();
         let routes = Arc::clone(&self.failover.routes);
         let hops = Arc::clone(&state.hops);
+        let silent_hops = Arc::clone(&state.hops);
         let encoding = self.encoding;
         Ok(async move {
+            let sending = async move {
+                client
+                    .forward_delivering(&hops[0].endpoint, frame, encoding)
+                    .await
+                    .map_err(|error| hop_error(&hops, error))
+            };
             tokio::select! {
-                answer = client.forward(&hops[0].endpoint, frame, encoding) => {
-                    answer.map(|answer| answer.activations).map_err(|error| hop_error(&hops, error))
-                }
-                silent = first_silent_hop(routes.as_ref(), &hops) => Err(silent),
+                output = deliver(sending, awaited, Arc::clone(&silent_hops)) => output,
+                silent = first_silent_hop(routes.as_ref(), &silent_hops) => Err(silent),
             }
         })
     }
@@ -697,6 +741,81 @@ fn culprit(state: &RouteState, failure: &HopFailure) -> PeerId {
 
 /// A hop that is merely busy (503 overloaded, 429): another holder may take the session, and
 /// the hop stays routable for other generations.
+/// The output of a frame `sending` posts: with a return address (`awaited`), whichever comes
+/// first of the output posted to the entry and the answer along the route. The send goes on
+/// in the background once the output is in: its `202` unwinding back up the route is not
+/// waited for.
+async fn deliver(
+    sending: impl Future<Output = Result<Delivery, SendError>> + Send + 'static,
+    awaited: Option<AwaitedReturn>,
+    hops: Arc<[PlannedHop]>,
+) -> Result<Activations, SendError> {
+    let Some(mut awaited) = awaited else {
+        return match sending.await? {
+            Delivery::Answered(answer) => Ok(answer.activations),
+            Delivery::ReturnedDirectly => Err(broken_return(
+                &hops,
+                "the route answered 202 to a frame without a return address",
+            )),
+        };
+    };
+    let mut sending = tokio::spawn(sending);
+    let joined = tokio::select! {
+        biased;
+        returned = awaited.received() => match returned {
+            Some(output) => return Ok(output.activations),
+            None => (&mut sending).await,
+        },
+        joined = &mut sending => joined,
+    };
+    finish_sending(joined, awaited, &hops).await
+}
+
+/// The output of a send that has ended: its answer, or the output posted to the entry when
+/// the answer says it was returned directly.
+async fn finish_sending(
+    joined: Result<Result<Delivery, SendError>, tokio::task::JoinError>,
+    mut awaited: AwaitedReturn,
+    hops: &[PlannedHop],
+) -> Result<Activations, SendError> {
+    let answer = joined.map_err(|join| {
+        SendError::Other(ModelError::Stage {
+            stage: describe(hops),
+            source: format!("the task sending a frame failed: {join}").into(),
+        })
+    })??;
+    match answer {
+        Delivery::Answered(answer) => Ok(answer.activations),
+        Delivery::ReturnedDirectly => {
+            match tokio::time::timeout(RETURNED_OUTPUT_WAIT, awaited.received()).await {
+                Ok(Some(output)) => Ok(output.activations),
+                _ => Err(broken_return(
+                    hops,
+                    "the route said it returned the output, and none arrived",
+                )),
+            }
+        }
+    }
+}
+
+/// A route whose last hop claimed a direct return that did not happen: a broken answer of
+/// that hop, which another route may get past.
+fn broken_return(hops: &[PlannedHop], reason: &str) -> SendError {
+    let Some(last) = hops.last() else {
+        return SendError::Other(ModelError::Stage {
+            stage: describe(hops),
+            source: reason.to_owned().into(),
+        });
+    };
+    let mut failure = HopFailure::new(
+        last.endpoint.to_string(),
+        HopFailureKind::BadResponse,
+        reason,
+    );
+    failure.peer = Some(last.peer.clone());
+    SendError::Hop(Box::new(failure))
+}
+
 fn is_busy(failure: &HopFailure) -> bool {
     matches!(&failure.kind, HopFailureKind::Rejected { status: 429, .. })
         || matches!(&failure.kind, HopFailureKind::Rejected { status: 503, code } if code == "overloaded")

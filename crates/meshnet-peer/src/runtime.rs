@@ -212,7 +212,11 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         .map_err(|e| PeerError::Internal(e.to_string()))?
         .with_metrics(metrics.clone())
         .with_streams(Arc::new(crate::p2p_plane::LibP2pStreams(p2p.clone())));
-    let settings = settings(&config, client.clone(), grants);
+    let return_endpoint = config.direct_return.then(|| match &addresses.http_url {
+        Some(url) => meshnet_wire::Endpoint::Http(url.clone()),
+        None => meshnet_wire::Endpoint::peer(peer_id.clone()),
+    });
+    let settings = settings(&config, client.clone(), grants, return_endpoint);
     let (role, book) = if config.tracker {
         let own = capacity(&config, &quantizations, peer_id.clone());
         let tracker_url = addresses
@@ -369,6 +373,7 @@ fn settings(
     config: &PeerConfig,
     client: ForwardClient,
     grants: Arc<crate::grants::GrantSigner>,
+    return_endpoint: Option<meshnet_wire::Endpoint>,
 ) -> Settings {
     Settings {
         announce_interval: config.announce_interval,
@@ -384,6 +389,8 @@ fn settings(
         client,
         grants,
         chat_template: config.chat_template.clone(),
+        returns: meshnet_node::ReturnDesk::new(meshnet_node::DEFAULT_RETURN_CAPACITY),
+        return_endpoint,
     }
 }
 

@@ -58,6 +58,10 @@ pub(crate) async fn build_tracker_parts(
             settings.admission,
         )
         .with_prefill_in_flight(settings.prefill_in_flight)
+        .with_direct_return(
+            Arc::clone(&settings.returns),
+            settings.return_endpoint.clone(),
+        )
         .with_grants(Arc::clone(&settings.grants))
         .with_structured_output(),
     );

@@ -692,9 +692,11 @@ async fn a_long_prompt_pipelined_through_two_peers_gives_the_text_of_one_chunk_a
         "The quick brown fox jumps over the lazy dog near the river bank. ".repeat(30)
     );
     let mut answers = Vec::new();
-    for in_flight in [1, 4] {
+    // Chunks in flight, and whether outputs return straight from the last hop.
+    for (in_flight, direct_return) in [(1, false), (4, false), (4, true), (1, true)] {
         let mut config = common::config(true, 10, vec![]);
         config.prefill_in_flight = in_flight;
+        config.direct_return = direct_return;
         let tracker = meshnet_peer::start(config).await.unwrap();
         let first = peer(10, &tracker).await;
         let second = peer(10, &tracker).await;
@@ -702,6 +704,14 @@ async fn a_long_prompt_pipelined_through_two_peers_gives_the_text_of_one_chunk_a
         let base = tracker.openai_base_url().unwrap();
         let model = tracker.model_id().to_owned();
         answers.push(greedy_chat(&base, &model, &prompt, 12, &[], false).await);
+        // Every prompt chunk and every decode step came straight back, or none did.
+        let returned = direct_returns(&tracker).await;
+        if direct_return {
+            let chunks = 3; // the prompt's tokens in 128-token chunks
+            assert!(returned >= chunks + 11, "{returned} direct returns");
+        } else {
+            assert_eq!(returned, 0);
+        }
         for member in [&first, &second] {
             wait_for("the hops to free the session", member, |s| {
                 s.active_sessions == 0
@@ -712,8 +722,26 @@ async fn a_long_prompt_pipelined_through_two_peers_gives_the_text_of_one_chunk_a
             member.shutdown().await;
         }
     }
-    assert_eq!(answers[0], answers[1]);
+    assert!(
+        answers.windows(2).all(|pair| pair[0] == pair[1]),
+        "{answers:?}"
+    );
     assert!(!answers[0].0.is_empty());
+}
+
+/// `meshnet_direct_returns_total` in `member`'s `/metrics`.
+async fn direct_returns(member: &meshnet_peer::RunningPeer) -> u64 {
+    let scrape = reqwest::get(format!("{}/metrics", member.http_url()))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    scrape
+        .lines()
+        .find_map(|line| line.strip_prefix("meshnet_direct_returns_total "))
+        .map(|value| value.parse::<f64>().unwrap() as u64)
+        .unwrap_or_else(|| panic!("no direct return count in {scrape}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

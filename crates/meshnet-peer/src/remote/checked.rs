@@ -240,7 +240,6 @@ impl RemoteStage {
             session: SessionId::new_v4(),
             position: 0,
             fork_from: None,
-            return_to: None,
         };
         let recorded = state
             .checks
