@@ -2,7 +2,8 @@
 //!
 //! The input is split at the first NUL byte: before it, newline-separated header values in a
 //! fixed order (version, content type, dtype, shape, session, chunk index, chunk total, position,
-//! layers, route, encoding; a missing line leaves the header out); after it, the body. Decoding
+//! layers, route, encoding, return-to, return ticket; a missing line leaves the header out);
+//! after it, the body. Decoding
 //! must never panic, never allocate past the frame limit, and every success must re-encode to a
 //! frame that decodes to itself.
 
@@ -14,9 +15,10 @@ use meshnet_wire::header::{
     CHUNK_INDEX, CHUNK_TOTAL, DTYPE, ENCODING, LAYERS, POSITION, ROUTE, SESSION, SHAPE,
     WIRE_VERSION_HEADER,
 };
+use meshnet_wire::return_address::{RETURN_TICKET, RETURN_TO};
 use meshnet_wire::{ActivationFrame, Encoding, Limits};
 
-const NAMES: [&str; 11] = [
+const NAMES: [&str; 13] = [
     WIRE_VERSION_HEADER,
     "content-type",
     DTYPE,
@@ -28,6 +30,8 @@ const NAMES: [&str; 11] = [
     LAYERS,
     ROUTE,
     ENCODING,
+    RETURN_TO,
+    RETURN_TICKET,
 ];
 
 fuzz_target!(|data: &[u8]| {
