@@ -375,7 +375,9 @@ impl RemoteStage {
             activations,
         };
         let mut frame = frame;
-        let awaited = self.direct_return.as_ref().and_then(|direct| {
+        // With one remote hop its answer is already the shortest way back.
+        let direct_return = self.direct_return.as_ref().filter(|_| state.hops.len() > 1);
+        let awaited = direct_return.and_then(|direct| {
             let awaited = direct.desk.expect(&frame.meta)?;
             frame.meta.return_to = Some(ReturnAddress {
                 endpoint: direct.endpoint.clone(),
