@@ -607,3 +607,92 @@ impl MatrixBuilder {
         Ok(self.matrix)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+
+    use super::*;
+
+    /// Random bytes for `rows × cols` values of `format` whose f16 scales and minimums are
+    /// small finite numbers (at the places ggml-common.h puts them).
+    fn random_matrix(format: WeightFormat, rows: usize, cols: usize, seed: u64) -> QuantizedMatrix {
+        let halves: &[usize] = match format {
+            WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q8_0 => &[0],
+            WeightFormat::Q4_1 | WeightFormat::Q5_1 | WeightFormat::Q4_K | WeightFormat::Q5_K => {
+                &[0, 2]
+            }
+            WeightFormat::Q2_K => &[80, 82],
+            WeightFormat::Q3_K => &[108],
+            WeightFormat::Q6_K => &[208],
+            _ => &[],
+        };
+        let mut state = seed;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) as u32
+        };
+        let blocks = rows * cols / format.block_values();
+        let mut bytes = Vec::with_capacity(blocks * format.block_bytes());
+        for _ in 0..blocks {
+            let start = bytes.len();
+            bytes.extend((0..format.block_bytes()).map(|_| next() as u8));
+            for at in halves {
+                let value = f16::from_f32((next() % 1000) as f32 * 1e-4 - 0.05);
+                bytes[start + at..start + at + 2].copy_from_slice(&value.to_le_bytes());
+            }
+        }
+        QuantizedMatrix::from_ggml_bytes(format, rows, cols, &bytes).expect("whole blocks")
+    }
+
+    /// Times the batched matmul (128 input rows, a prefill) of a 1536 × 576 and a 576 × 1536
+    /// matrix of each quantized format on one thread with the fastest kernel; prints ns per
+    /// weight row × input row.
+    /// `cargo test --release -p meshnet-kernels --lib batched_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn batched_timing() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .expect("a pool of one thread");
+        let m = 128;
+        let formats = [
+            WeightFormat::Q8_0,
+            WeightFormat::Q4_0,
+            WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
+            WeightFormat::Q4_1,
+            WeightFormat::Q4_K,
+            WeightFormat::Q6_K,
+        ];
+        for format in formats {
+            for (rows, cols) in [(1536usize, 576usize), (576, 1536)] {
+                if !cols.is_multiple_of(format.block_values()) {
+                    continue;
+                }
+                let matrix = random_matrix(format, rows, cols, 17);
+                let input: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+                let mut output = vec![0f32; m * rows];
+                let best = pool.install(|| {
+                    (0..10)
+                        .map(|_| {
+                            let start = std::time::Instant::now();
+                            matrix
+                                .matmul_with(Kernel::best(), &input, &mut output)
+                                .expect("shapes fit");
+                            start.elapsed().as_secs_f64()
+                        })
+                        .fold(f64::MAX, f64::min)
+                });
+                let per = best * 1e9 / (rows * m) as f64;
+                println!(
+                    "{} {rows}x{cols} x {m} rows: {per:.1} ns per weight row x input row",
+                    format.name()
+                );
+            }
+        }
+    }
+}
