@@ -30,7 +30,7 @@ pub use matrix::{MatrixBuilder, QuantizedMatrix, WeightFormat};
 use std::sync::OnceLock;
 
 use activations::ActivationRow;
-use avx2::TOGETHER;
+use avx2::{TILE_ROWS, TOGETHER};
 use formats::{BlockFormat, FloatFormat, SuperFormat};
 use matrix::WeightRow;
 use super_rows::SuperRow;
@@ -194,6 +194,22 @@ impl Kernel {
                 token.dot_q8_0_four(weights, activations)
             }
             _ => activations.map(|row| self.dot(format, weights, row)),
+        }
+    }
+
+    /// [`TILE_ROWS`] weight rows against [`TOGETHER`] activation rows: the bits of as many
+    /// [`Self::dot`] calls, computed as one tile where the kernel has a way to.
+    fn dot_tile(
+        self,
+        format: WeightFormat,
+        weights: [WeightRow<'_>; TILE_ROWS],
+        activations: [ActivationRow<'_>; TOGETHER],
+    ) -> [[f32; TOGETHER]; TILE_ROWS] {
+        match (self, format) {
+            (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q8_0) => {
+                token.dot_q8_0_tile(weights, activations)
+            }
+            _ => weights.map(|row| self.dot_together(format, row, activations)),
         }
     }
 }

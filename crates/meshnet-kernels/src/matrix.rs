@@ -8,7 +8,7 @@ use crate::activations::QuantizedRows;
 use crate::error::{KernelError, Result};
 use crate::formats::{BlockFormat, FloatFormat, SUPER_BLOCK, SuperFormat, half_at};
 use crate::super_rows::SuperRows;
-use crate::{BLOCK, Kernel, Q4_1_QUANT_BYTES, TOGETHER};
+use crate::{BLOCK, Kernel, Q4_1_QUANT_BYTES, TILE_ROWS, TOGETHER};
 
 /// The ggml formats the kernels run: every type `llama-quantize`'s presets Q2_K … Q8_0 write,
 /// and the unquantized ones.
@@ -370,10 +370,7 @@ impl QuantizedMatrix {
             .par_chunks_mut(chunk_rows * m)
             .enumerate()
             .for_each(|(chunk, values)| {
-                for (offset, column) in values.chunks_exact_mut(m).enumerate() {
-                    let row = chunk * chunk_rows + offset;
-                    self.dot_column(kernel, &activations, row, column);
-                }
+                self.dot_band(kernel, &activations, chunk * chunk_rows, values, m);
             });
         for (row, column) in transposed.chunks_exact(m).enumerate() {
             for (activation, value) in column.iter().enumerate() {
@@ -408,6 +405,71 @@ impl QuantizedMatrix {
                 kernel.dot_floats(format, self.row_bytes(row), values)
             }
             _ => unreachable!("activations are quantized for the matrix's own family"),
+        }
+    }
+
+    /// Weight rows `first..` (as many as `values` has columns of `m`) against every activation
+    /// row, into `values` (`[rows, m]`): [`TILE_ROWS`] weight rows at a time, the rows after
+    /// the last whole tile one at a time.
+    fn dot_band(
+        &self,
+        kernel: Kernel,
+        activations: &Activations<'_>,
+        first: usize,
+        values: &mut [f32],
+        m: usize,
+    ) {
+        let mut tiles = values.chunks_exact_mut(TILE_ROWS * m);
+        let mut row = first;
+        for columns in tiles.by_ref() {
+            self.dot_tile_columns(kernel, activations, row, columns, m);
+            row += TILE_ROWS;
+        }
+        for (offset, column) in tiles.into_remainder().chunks_exact_mut(m).enumerate() {
+            self.dot_column(kernel, activations, row + offset, column);
+        }
+    }
+
+    /// Weight rows `first..first + TILE_ROWS` against every activation row, into `values`
+    /// (`[TILE_ROWS, m]`): [`TOGETHER`] activation rows at a time, the rest one at a time.
+    fn dot_tile_columns(
+        &self,
+        kernel: Kernel,
+        activations: &Activations<'_>,
+        first: usize,
+        values: &mut [f32],
+        m: usize,
+    ) {
+        let whole = m - m % TOGETHER;
+        for group in (0..whole).step_by(TOGETHER) {
+            let tile = self.dot_tile(kernel, activations, first, group);
+            for (outputs, column) in tile.iter().zip(values.chunks_exact_mut(m)) {
+                column[group..group + TOGETHER].copy_from_slice(outputs);
+            }
+        }
+        for (offset, column) in values.chunks_exact_mut(m).enumerate() {
+            for (activation, value) in column.iter_mut().enumerate().skip(whole) {
+                *value = self.dot(kernel, activations, first + offset, activation);
+            }
+        }
+    }
+
+    /// Weight rows `first..first + TILE_ROWS` against activation rows `group..group +
+    /// TOGETHER`: the bits of as many [`Self::dot`] calls.
+    fn dot_tile(
+        &self,
+        kernel: Kernel,
+        activations: &Activations<'_>,
+        first: usize,
+        group: usize,
+    ) -> [[f32; TOGETHER]; TILE_ROWS] {
+        match (self.format.family(), activations) {
+            (Family::Parsed, Activations::Blocks(rows)) => kernel.dot_tile(
+                self.format,
+                std::array::from_fn(|r| self.row(first + r)),
+                std::array::from_fn(|k| rows.row(group + k)),
+            ),
+            _ => std::array::from_fn(|r| self.dot_together(kernel, activations, first + r, group)),
         }
     }
 
@@ -499,11 +561,14 @@ fn quantize_rows(input: &[f32], m: usize, cols: usize) -> QuantizedRows {
     QuantizedRows::concat(parts, cols)
 }
 
-/// Weight rows per task: about four tasks per thread, at least a few rows each.
+/// Weight rows per task: about four tasks per thread, at least a few rows each, and whole
+/// tiles ([`TILE_ROWS`]) when there are several input rows.
 fn chunk_rows(rows: usize, m: usize) -> usize {
     let tasks = rayon::current_num_threads().max(1) * 4;
-    let minimum = if m == 1 { 16 } else { 4 };
-    rows.div_ceil(tasks).max(minimum)
+    if m == 1 {
+        return rows.div_ceil(tasks).max(16);
+    }
+    rows.div_ceil(tasks).next_multiple_of(TILE_ROWS)
 }
 
 /// Builds a [`QuantizedMatrix`] from its ggml block bytes a piece at a time, so a large table

@@ -26,6 +26,9 @@ mod q3_k;
 mod q4_k;
 mod q5_k;
 mod q6_k;
+mod tile;
+
+pub(crate) use tile::TILE_ROWS;
 
 use crate::activations::ActivationRow;
 use crate::formats::{BlockFormat, FloatFormat, SuperFormat};
@@ -89,6 +92,18 @@ impl Avx2 {
         let blocks = checked_rows(weights, &activations, BLOCK);
         // SAFETY: as in `dot_q8_0`, for each of the four activation rows.
         unsafe { q8_0_four(weights, activations, blocks) }
+    }
+
+    /// [`TILE_ROWS`] Q8_0 weight rows against [`TOGETHER`] activation rows: the bits of as many
+    /// `dot_q8_0` calls, each weight and activation block loaded once for the tile.
+    pub(crate) fn dot_q8_0_tile(
+        self,
+        weights: [WeightRow<'_>; TILE_ROWS],
+        activations: [ActivationRow<'_>; TOGETHER],
+    ) -> [[f32; TOGETHER]; TILE_ROWS] {
+        let blocks = checked_tile(&weights, &activations, BLOCK);
+        // SAFETY: as in `dot_q8_0`, for every weight row and every activation row.
+        unsafe { tile::q8_0(weights, activations, blocks) }
     }
 
     /// One row of a 32-value format's block bytes against one activation row (equal to
@@ -200,6 +215,19 @@ fn checked_rows(
     let mut blocks = weights.scales.len();
     for row in activations {
         blocks = checked_blocks(weights, *row, quant_bytes);
+    }
+    blocks
+}
+
+/// [`checked_rows`] for every one of several weight rows.
+fn checked_tile(
+    weights: &[WeightRow<'_>],
+    activations: &[ActivationRow<'_>],
+    quant_bytes: usize,
+) -> usize {
+    let mut blocks = 0;
+    for row in weights {
+        blocks = checked_rows(*row, activations, quant_bytes);
     }
     blocks
 }

@@ -1,0 +1,124 @@
+//! Register tiles: [`TILE_ROWS`] weight rows against [`TOGETHER`] activation rows at once (a
+//! prefill's matmul), each weight block and each activation block loaded once for the tile
+//! instead of once per output.
+//!
+//! Q8_0: every block's 16 integer dots are computed and reduced side by side, and their float
+//! terms computed and added in two vectors of eight outputs (lane `4·(r % 2) + c` of vector
+//! `r / 2` is weight row `r` against activation row `c`). Each lane takes, block after block
+//! in order, `dot · d_w · d_a` (multiplied left to right, never fused) onto its running sum,
+//! the reference's own operations (`scalar::dot_q8_0`), so each output has its bits. The
+//! integer dots are those of `q8_block` (exact, see `avx2/mod.rs`).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use super::TOGETHER;
+#[cfg(target_arch = "x86_64")]
+use crate::BLOCK;
+use crate::activations::ActivationRow;
+use crate::matrix::WeightRow;
+
+/// Weight rows a tile computes at once.
+pub(crate) const TILE_ROWS: usize = 4;
+
+/// Vectors of eight running sums a Q8_0 tile keeps (two weight rows each).
+#[cfg(target_arch = "x86_64")]
+const PAIRS: usize = TILE_ROWS / 2;
+
+/// The dot products of [`TILE_ROWS`] Q8_0 weight rows with [`TOGETHER`] activation rows.
+///
+/// # Safety
+/// The CPU must have AVX2, and every slice of every row must hold at least `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn q8_0(
+    weights: [WeightRow<'_>; TILE_ROWS],
+    activations: [ActivationRow<'_>; TOGETHER],
+    blocks: usize,
+) -> [[f32; TOGETHER]; TILE_ROWS] {
+    let mut sums = [_mm256_setzero_ps(); PAIRS];
+    for block in 0..blocks {
+        // SAFETY: `block < blocks`, so 32 quants and a scale of every activation row are in
+        // range.
+        let (quants, activation_scales) = unsafe {
+            let quants: [__m256i; TOGETHER] = std::array::from_fn(|c| {
+                _mm256_loadu_si256(activations[c].quants.as_ptr().add(block * BLOCK).cast())
+            });
+            let scale = |c: usize| *activations[c].scales.get_unchecked(block);
+            let four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
+            (quants, _mm256_set_m128(four, four))
+        };
+        for (pair, sum) in sums.iter_mut().enumerate() {
+            let (upper, lower) = (weights[2 * pair], weights[2 * pair + 1]);
+            // SAFETY: as above, for the two weight rows.
+            let (dots, scales) = unsafe {
+                let upper_dots = q8_0_four_dots(upper.quants.as_ptr().add(block * BLOCK), &quants);
+                let lower_dots = q8_0_four_dots(lower.quants.as_ptr().add(block * BLOCK), &quants);
+                let scales = _mm256_set_m128(
+                    _mm_set1_ps(*lower.scales.get_unchecked(block)),
+                    _mm_set1_ps(*upper.scales.get_unchecked(block)),
+                );
+                (halves_added(upper_dots, lower_dots), scales)
+            };
+            let terms = _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(dots), scales),
+                activation_scales,
+            );
+            *sum = _mm256_add_ps(*sum, terms);
+        }
+    }
+    let mut results = [[0f32; TOGETHER]; TILE_ROWS];
+    for (pair, sum) in sums.into_iter().enumerate() {
+        let mut lanes = [0f32; 2 * TOGETHER];
+        // SAFETY: `lanes` holds eight f32, what an unaligned 256-bit store writes.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
+        results[2 * pair].copy_from_slice(&lanes[..TOGETHER]);
+        results[2 * pair + 1].copy_from_slice(&lanes[TOGETHER..]);
+    }
+    results
+}
+
+/// One Q8_0 weight block (32 signed bytes at `quants`) against four activation blocks: in each
+/// 128-bit half, lane `c` holds part of the dot with activation block `c` (the two halves add
+/// up to it, see [`halves_added`]).
+///
+/// # Safety
+/// The CPU must have AVX2; `quants` must point at 32 readable bytes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_four_dots(quants: *const u8, activations: &[__m256i; TOGETHER]) -> __m256i {
+    // SAFETY: the caller guarantees 32 readable bytes at `quants`.
+    let weights = unsafe { _mm256_loadu_si256(quants.cast()) };
+    let magnitudes = _mm256_sign_epi8(weights, weights);
+    let dot = |c: usize| {
+        let pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(activations[c], weights));
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    };
+    _mm256_hadd_epi32(
+        _mm256_hadd_epi32(dot(0), dot(1)),
+        _mm256_hadd_epi32(dot(2), dot(3)),
+    )
+}
+
+/// The four dots of `upper` (lanes 0..4) and of `lower` (lanes 4..8), each the sum of its two
+/// halves.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn halves_added(upper: __m256i, lower: __m256i) -> __m256i {
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256(upper, lower, 0x20),
+        _mm256_permute2x128_si256(upper, lower, 0x31),
+    )
+}
+
+/// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn q8_0(
+    _: [WeightRow<'_>; TILE_ROWS],
+    _: [ActivationRow<'_>; TOGETHER],
+    _: usize,
+) -> [[f32; TOGETHER]; TILE_ROWS] {
+    unreachable!("no AVX2 outside x86_64")
+}
