@@ -87,7 +87,7 @@ fn quantize_block(values: &[f32], quants: &mut [i8]) -> (f32, f32) {
     let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
     let mut sum = 0i32;
     for (quant, value) in quants.iter_mut().zip(values) {
-        *quant = (value * inverse).round() as i8;
+        *quant = round_to_i8(value * inverse);
         sum += i32::from(*quant);
     }
     let scale = f16::from_f32(scale);
@@ -95,9 +95,43 @@ fn quantize_block(values: &[f32], quants: &mut [i8]) -> (f32, f32) {
     (scale.to_f32(), scaled_sum.to_f32())
 }
 
+/// `x.round() as i8` (halves away from zero, saturating, NaN to 0) without a call to the C
+/// library's `roundf`, so that a block's loop stays inline: `x` clamped to ±200 (beyond which
+/// both saturate alike), truncated, and moved one away from zero when the dropped fraction
+/// (exact) is at least one half.
+#[inline]
+pub(crate) fn round_to_i8(x: f32) -> i8 {
+    let x = x.clamp(-200.0, 200.0);
+    let whole = x as i32;
+    let fraction = x - whole as f32;
+    let rounded = whole + i32::from(fraction >= 0.5) - i32::from(fraction <= -0.5);
+    rounded.clamp(i32::from(i8::MIN), i32::from(i8::MAX)) as i8
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rounding_to_i8_equals_rounding_then_casting() {
+        let halves = (-600..=600).map(|k| k as f32 * 0.5);
+        let near_halves = (-600..=600).flat_map(|k| {
+            let half = k as f32 * 0.5;
+            [half.next_down(), half.next_up()]
+        });
+        let special = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN,
+            -0.0,
+        ];
+        let spread = (0..=u32::MAX).step_by(4099).map(f32::from_bits);
+        for x in halves.chain(near_halves).chain(special).chain(spread) {
+            assert_eq!(round_to_i8(x), x.round() as i8, "{x}");
+        }
+    }
 
     #[test]
     fn a_block_round_trips_within_half_a_step() {

@@ -6,6 +6,8 @@
 //! lies in -127..=127 (a zero block has scale 0 and zero quants). The sums are exact, so a
 //! kernel can fold a format's minimums or offsets into integer arithmetic.
 
+use crate::activations::round_to_i8;
+
 /// Values per super-block: the k-quants' block, and so their activations'.
 pub(crate) const SUPER_BLOCK: usize = 256;
 
@@ -77,7 +79,7 @@ fn quantize_super_block(values: &[f32], quants: &mut [i8]) -> f32 {
     let scale = largest / 127.0;
     let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
     for (quant, value) in quants.iter_mut().zip(values) {
-        *quant = (value * inverse).round() as i8;
+        *quant = round_to_i8(value * inverse);
     }
     scale
 }
