@@ -122,3 +122,122 @@ pub(super) unsafe fn q8_0(
 ) -> [[f32; TOGETHER]; TILE_ROWS] {
     unreachable!("no AVX2 outside x86_64")
 }
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::activations::QuantizedRows;
+    use crate::avx2::Avx2;
+
+    /// Bytes of `len` from a small generator.
+    fn bytes(len: usize, seed: u64) -> Vec<u8> {
+        let mut state = seed;
+        (0..len)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                (state >> 56) as u8
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_q8_0_tile_gives_the_bits_of_every_reference_dot() {
+        let Some(token) = Avx2::detect() else {
+            return;
+        };
+        for (round, blocks) in [1, 2, 7, 8, 9, 18, 48].into_iter().enumerate() {
+            let cols = blocks * BLOCK;
+            // Activations at their extremes (±127) and random; weights random, all -128 or 127.
+            let input: Vec<f32> = (0..TOGETHER * cols)
+                .map(|i| match (i / cols + round) % 3 {
+                    0 => (i as f32 * 0.37).sin() * 40.0,
+                    1 => {
+                        if i % 2 == 0 {
+                            3.0
+                        } else {
+                            -3.0
+                        }
+                    }
+                    _ => (i as f32).cos(),
+                })
+                .collect();
+            let rows = QuantizedRows::quantize(&input, TOGETHER, cols);
+            let activations: [ActivationRow<'_>; TOGETHER] = std::array::from_fn(|k| rows.row(k));
+            let mut quants = bytes(TILE_ROWS * cols, round as u64);
+            quants[..cols].fill(0x80);
+            quants[cols..2 * cols].fill(0x7F);
+            let scales: Vec<f32> = bytes(TILE_ROWS * blocks, 9)
+                .into_iter()
+                .map(|b| f32::from(b) * 1e-3 - 0.1)
+                .collect();
+            let weight = |r: usize| WeightRow {
+                scales: &scales[r * blocks..(r + 1) * blocks],
+                mins: &[],
+                quants: &quants[r * cols..(r + 1) * cols],
+            };
+            let tile = token.dot_q8_0_tile(std::array::from_fn(weight), activations);
+            for (r, outputs) in tile.iter().enumerate() {
+                for (c, got) in outputs.iter().enumerate() {
+                    let want = crate::scalar::dot_q8_0(weight(r), activations[c]);
+                    assert_eq!(want.to_bits(), got.to_bits(), "{blocks} blocks, ({r}, {c})");
+                }
+            }
+        }
+    }
+
+    /// Times the Q8_0 tile against the one-row, four-activation-row kernel on data that stays
+    /// in L1 (16 weight rows of 18 and of 48 blocks, four activation rows); prints ns per weight
+    /// row × activation row × block.
+    /// `cargo test --release -p meshnet-kernels --lib tile_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn tile_timing() {
+        let Some(token) = Avx2::detect() else {
+            return;
+        };
+        for blocks in [18, 48] {
+            let cols = blocks * BLOCK;
+            let input: Vec<f32> = (0..TOGETHER * cols)
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect();
+            let rows = QuantizedRows::quantize(&input, TOGETHER, cols);
+            let activations: [ActivationRow<'_>; TOGETHER] = std::array::from_fn(|k| rows.row(k));
+            let scales: Vec<f32> = (0..16 * blocks).map(|i| (i % 7) as f32 * 0.01).collect();
+            let quants = bytes(16 * cols, 3);
+            let weight = |r: usize| WeightRow {
+                scales: &scales[r * blocks..(r + 1) * blocks],
+                mins: &[],
+                quants: &quants[r * cols..(r + 1) * cols],
+            };
+            let per = |run: &dyn Fn() -> f32| {
+                let mut best = f64::MAX;
+                for _ in 0..20 {
+                    let start = std::time::Instant::now();
+                    let mut total = 0f32;
+                    for _ in 0..200 {
+                        total += run();
+                    }
+                    std::hint::black_box(total);
+                    best = best.min(start.elapsed().as_secs_f64());
+                }
+                best * 1e9 / (200 * 16 * TOGETHER * blocks) as f64
+            };
+            let four = per(&|| {
+                (0..16)
+                    .map(|r| token.dot_q8_0_four(weight(r), activations)[0])
+                    .sum()
+            });
+            let tiled = per(&|| {
+                (0..16 / TILE_ROWS)
+                    .map(|t| {
+                        let rows = std::array::from_fn(|r| weight(t * TILE_ROWS + r));
+                        token.dot_q8_0_tile(rows, activations)[0][0]
+                    })
+                    .sum()
+            });
+            println!("Q8_0 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block");
+        }
+    }
+}
