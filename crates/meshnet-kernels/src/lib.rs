@@ -148,6 +148,20 @@ impl Kernel {
         }
     }
 
+    /// [`TILE_ROWS`] rows of a 32-value format's bytes against [`TOGETHER`] activation rows:
+    /// the bits of as many [`Self::dot_blocks`] calls.
+    fn dot_blocks_tile(
+        self,
+        format: BlockFormat,
+        weights: [&[u8]; TILE_ROWS],
+        activations: [ActivationRow<'_>; TOGETHER],
+    ) -> [[f32; TOGETHER]; TILE_ROWS] {
+        match self {
+            Self::Scalar => weights.map(|row| activations.map(|column| format.dot(row, column))),
+            Self::Avx2(Avx2Kernel(token)) => token.dot_blocks_tile(format, weights, activations),
+        }
+    }
+
     /// One row of a k-quant's bytes against [`TOGETHER`] activation rows: the bits of as many
     /// [`Self::dot_super`] calls.
     fn dot_super_together(

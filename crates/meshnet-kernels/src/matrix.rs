@@ -469,6 +469,11 @@ impl QuantizedMatrix {
                 std::array::from_fn(|r| self.row(first + r)),
                 std::array::from_fn(|k| rows.row(group + k)),
             ),
+            (Family::Blocks(format), Activations::Blocks(rows)) => kernel.dot_blocks_tile(
+                format,
+                std::array::from_fn(|r| self.row_bytes(first + r)),
+                std::array::from_fn(|k| rows.row(group + k)),
+            ),
             _ => std::array::from_fn(|r| self.dot_together(kernel, activations, first + r, group)),
         }
     }

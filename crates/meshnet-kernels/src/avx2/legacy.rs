@@ -63,15 +63,15 @@ pub(super) fn dot_q5_1(_: Avx2, weights: &[u8], activations: ActivationRow<'_>) 
 }
 
 /// The Q4_0 kernel's parts.
-struct Q4_0;
+pub(super) struct Q4_0;
 /// The Q5_0 kernel's parts.
-struct Q5_0;
+pub(super) struct Q5_0;
 /// The Q5_1 kernel's parts.
-struct Q5_1;
+pub(super) struct Q5_1;
 
 /// What differs between the three formats' kernels.
 #[cfg(target_arch = "x86_64")]
-trait Layout {
+pub(super) trait Layout {
     /// Bytes of one block.
     const BYTES: usize;
 
@@ -106,6 +106,17 @@ trait Layout {
     /// The CPU must have AVX2.
     unsafe fn pairs(unpacked: __m256i, activations: __m256i) -> __m256i;
 }
+
+/// The formats whose quants are offset (`q − c`), so that [`Layout::unpack`] gives signed
+/// values of at most 16 in magnitude: Q4_0 and Q5_0.
+#[cfg(target_arch = "x86_64")]
+pub(super) trait Offset: Layout {}
+
+#[cfg(target_arch = "x86_64")]
+impl Offset for Q4_0 {}
+
+#[cfg(target_arch = "x86_64")]
+impl Offset for Q5_0 {}
 
 #[cfg(target_arch = "x86_64")]
 impl Layout for Q4_0 {
@@ -520,7 +531,11 @@ pub(super) fn dot_q5_1_together(
 
 /// The number of blocks of a weight row, after checking (`legacy::checked_blocks`) that every
 /// one of the activation rows holds that many.
-fn checked_rows(weights: &[u8], activations: &[ActivationRow<'_>], block_bytes: usize) -> usize {
+pub(super) fn checked_rows(
+    weights: &[u8],
+    activations: &[ActivationRow<'_>],
+    block_bytes: usize,
+) -> usize {
     let mut blocks = weights.len() / block_bytes;
     for row in activations {
         blocks = legacy::checked_blocks(weights, *row, block_bytes);

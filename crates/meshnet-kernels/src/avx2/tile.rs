@@ -8,15 +8,18 @@
 //! in order, `dot · d_w · d_a` (multiplied left to right, never fused) onto its running sum,
 //! the reference's own operations (`scalar::dot_q8_0`), so each output has its bits. The
 //! integer dots are those of `q8_block` (exact, see `avx2/mod.rs`).
+//!
+//! Q4_0 and Q5_0: the same side-by-side dots from the weight blocks unpacked once to their
+//! signed values, the terms kept in the reference's eight lanes per output (`offset_blocks`).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 use super::TOGETHER;
-#[cfg(target_arch = "x86_64")]
-use crate::BLOCK;
 use crate::activations::ActivationRow;
 use crate::matrix::WeightRow;
+#[cfg(target_arch = "x86_64")]
+use {super::GROUP, super::legacy::Offset, crate::BLOCK, crate::formats::legacy};
 
 /// Weight rows a tile computes at once.
 pub(crate) const TILE_ROWS: usize = 4;
@@ -113,6 +116,175 @@ fn halves_added(upper: __m256i, lower: __m256i) -> __m256i {
     )
 }
 
+/// The dot products of [`TILE_ROWS`] rows of Q4_0 or Q5_0 (`F`, block bytes) with
+/// [`TOGETHER`] activation rows, each with the bits of `formats::legacy`'s reference.
+///
+/// Each block's 16 exact integer dots are computed side by side as Q8_0's are, from the weight
+/// blocks unpacked once to their signed values `q − c` ([`offset_four_dots`]), and their 16
+/// terms `dot · d · d_a` computed with the reference's multiplies; the reference's eight lanes
+/// per output (block `b` into lane `b % 8`, the blocks after the last whole group of eight
+/// first) are eight accumulators of the tile's outputs, added block by block in that order,
+/// and combined per output by the reference's `combine_lanes`.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; every weight row must hold `blocks` blocks of `F` and
+/// every part of every activation row `blocks` blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn offset_blocks<F: Offset>(
+    weights: [&[u8]; TILE_ROWS],
+    activations: [ActivationRow<'_>; TOGETHER],
+    blocks: usize,
+) -> [[f32; TOGETHER]; TILE_ROWS] {
+    let whole = blocks / GROUP * GROUP;
+    let mut lanes = [[_mm256_setzero_ps(); PAIRS]; GROUP];
+    let add = |lanes: &mut [__m256; PAIRS], block: usize| {
+        // SAFETY: `block < blocks`, in range of every row (the caller).
+        let terms = unsafe { block_terms::<F>(&weights, &activations, block) };
+        for (lane, term) in lanes.iter_mut().zip(terms) {
+            *lane = _mm256_add_ps(*lane, term);
+        }
+    };
+    // The blocks after the last whole group first, then the groups, as the reference.
+    for (lanes, block) in lanes.iter_mut().zip(whole..blocks) {
+        add(lanes, block);
+    }
+    for first in (0..whole).step_by(GROUP) {
+        for (offset, lanes) in lanes.iter_mut().enumerate() {
+            add(lanes, first + offset);
+        }
+    }
+    combined(&lanes)
+}
+
+/// Each output's eight lanes (lane `k` of output `(r, c)` is lane `4 · (r % 2) + c` of
+/// `lanes[k][r / 2]`) combined by the reference's `combine_lanes`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn combined(lanes: &[[__m256; PAIRS]; GROUP]) -> [[f32; TOGETHER]; TILE_ROWS] {
+    let mut results = [[0f32; TOGETHER]; TILE_ROWS];
+    for pair in 0..PAIRS {
+        let mut sums = [[0f32; 2 * TOGETHER]; GROUP];
+        for (sums, lanes) in sums.iter_mut().zip(lanes) {
+            // SAFETY: `sums` holds eight f32, what an unaligned 256-bit store writes.
+            unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), lanes[pair]) };
+        }
+        let outputs = results[2 * pair..2 * pair + 2].iter_mut().flatten();
+        for (output, sum) in outputs.enumerate() {
+            *sum = legacy::combine_lanes(sums.map(|lanes| lanes[output]));
+        }
+    }
+    results
+}
+
+/// Block `block`'s terms of the tile's outputs, laid out as [`combined`] reads them.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; block `block` must be in range of every weight row and
+/// of every part of every activation row.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn block_terms<F: Offset>(
+    weights: &[&[u8]; TILE_ROWS],
+    activations: &[ActivationRow<'_>; TOGETHER],
+    block: usize,
+) -> [__m256; PAIRS] {
+    // SAFETY: the block's bytes in every weight row and its part of every activation row are
+    // readable (the caller).
+    let (blocks, quants, scales, activation_scales) = unsafe {
+        let blocks = weights.map(|row| row.as_ptr().add(block * F::BYTES));
+        let quants: [__m256i; TOGETHER] = std::array::from_fn(|c| {
+            _mm256_loadu_si256(activations[c].quants.as_ptr().add(block * BLOCK).cast())
+        });
+        let scale = |c: usize| *activations[c].scales.get_unchecked(block);
+        let four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
+        (
+            blocks,
+            quants,
+            tile_scales(&blocks),
+            _mm256_set_m128(four, four),
+        )
+    };
+    let magnitudes = quants.map(|quants| _mm256_sign_epi8(quants, quants));
+    let mut terms = [_mm256_setzero_ps(); PAIRS];
+    for (pair, terms) in terms.iter_mut().enumerate() {
+        // SAFETY: as above, the two weight rows' blocks.
+        let dots = unsafe {
+            let upper = offset_four_dots::<F>(blocks[2 * pair], &magnitudes, &quants);
+            let lower = offset_four_dots::<F>(blocks[2 * pair + 1], &magnitudes, &quants);
+            halves_added(upper, lower)
+        };
+        // Lanes 0..4 take weight row `2 · pair`'s scale, lanes 4..8 the next row's.
+        let at = _mm256_add_epi32(
+            _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+            _mm256_set1_epi32(2 * pair as i32),
+        );
+        let scales = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales), at);
+        *terms = _mm256_mul_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(dots), scales),
+            activation_scales,
+        );
+    }
+    terms
+}
+
+/// The f16 scales at the start of the tile's four blocks, widened to f32 (exactly, as
+/// `half_at` widens one).
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; two bytes must be readable at every block.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn tile_scales(blocks: &[*const u8; TILE_ROWS]) -> __m128 {
+    let half = |r: usize| {
+        // SAFETY: the caller guarantees two readable bytes at block `r`.
+        u64::from(unsafe { blocks[r].cast::<u16>().read_unaligned() })
+    };
+    let packed = half(0) | half(1) << 16 | half(2) << 32 | half(3) << 48;
+    _mm_cvtph_ps(_mm_set_epi64x(0, packed as i64))
+}
+
+/// One weight block of `F` against four activation blocks, laid out as [`q8_0_four_dots`]
+/// lays them out: the block's signed values `w = q − c` take the activations' signs and meet
+/// their `magnitudes` (`|a| · ±w`, as Q8_0's products).
+///
+/// The products are summed in i16 as far as they fit: with activations in -127..=127 (as
+/// `activations.rs` rounds them) and |w| ≤ 16, 16 products are at most 32512 in magnitude,
+/// so three rounds of `hadd` after `maddubs` are exact before `madd` widens the sums.
+///
+/// # Safety
+/// The CPU must have AVX2; `block` must point at a whole block of `F`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn offset_four_dots<F: Offset>(
+    block: *const u8,
+    magnitudes: &[__m256i; TOGETHER],
+    activations: &[__m256i; TOGETHER],
+) -> __m256i {
+    // SAFETY: the caller guarantees a whole block at `block`.
+    let values = unsafe { F::unpack(block) };
+    let pairs =
+        |c: usize| _mm256_maddubs_epi16(magnitudes[c], _mm256_sign_epi8(values, activations[c]));
+    let sums = _mm256_hadd_epi16(
+        _mm256_hadd_epi16(pairs(0), pairs(1)),
+        _mm256_hadd_epi16(pairs(2), pairs(3)),
+    );
+    _mm256_madd_epi16(sums, _mm256_set1_epi16(1))
+}
+
+/// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
+#[cfg(not(target_arch = "x86_64"))]
+pub(super) unsafe fn offset_blocks<F>(
+    _: [&[u8]; TILE_ROWS],
+    _: [ActivationRow<'_>; TOGETHER],
+    _: usize,
+) -> [[f32; TOGETHER]; TILE_ROWS] {
+    unreachable!("no AVX2 outside x86_64")
+}
+
 /// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn q8_0(
@@ -128,6 +300,9 @@ mod tests {
     use super::*;
     use crate::activations::QuantizedRows;
     use crate::avx2::Avx2;
+    use half::f16;
+
+    use crate::formats::BlockFormat;
 
     /// Bytes of `len` from a small generator.
     fn bytes(len: usize, seed: u64) -> Vec<u8> {
@@ -187,8 +362,63 @@ mod tests {
         }
     }
 
-    /// Times the Q8_0 tile against the one-row, four-activation-row kernel on data that stays
-    /// in L1 (16 weight rows of 18 and of 48 blocks, four activation rows); prints ns per weight
+    #[test]
+    fn the_offset_tiles_give_the_bits_of_every_reference_dot() {
+        let Some(token) = Avx2::detect() else {
+            return;
+        };
+        type Reference = fn(&[u8], ActivationRow<'_>) -> f32;
+        let formats: [(BlockFormat, Reference); 2] = [
+            (BlockFormat::Q4_0, crate::formats::legacy::dot_q4_0),
+            (BlockFormat::Q5_0, crate::formats::legacy::dot_q5_0),
+        ];
+        for (format, reference) in formats {
+            for (round, blocks) in [1, 2, 7, 8, 9, 17, 18, 48].into_iter().enumerate() {
+                let cols = blocks * BLOCK;
+                let input: Vec<f32> = (0..TOGETHER * cols)
+                    .map(|i| match (i / cols + round) % 3 {
+                        0 => (i as f32 * 0.37).sin() * 40.0,
+                        1 => {
+                            if i % 3 == 0 {
+                                3.0
+                            } else {
+                                -3.0
+                            }
+                        }
+                        _ => (i as f32).cos(),
+                    })
+                    .collect();
+                let rows = QuantizedRows::quantize(&input, TOGETHER, cols);
+                let activations: [ActivationRow<'_>; TOGETHER] =
+                    std::array::from_fn(|k| rows.row(k));
+                let row_bytes = blocks * format.block_bytes();
+                // Random bytes, then row 0 all quants 0 (the most negative values) and row 1
+                // all bits set; every scale finite.
+                let mut weights = bytes(TILE_ROWS * row_bytes, 11 + round as u64);
+                weights[2..row_bytes].fill(0);
+                weights[row_bytes..2 * row_bytes].fill(0xFF);
+                for block in weights.chunks_exact_mut(format.block_bytes()) {
+                    let scale = f16::from_f32(f32::from(block[3]) * 1e-3 - 0.1);
+                    block[..2].copy_from_slice(&scale.to_le_bytes());
+                }
+                let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
+                let tile = token.dot_blocks_tile(format, std::array::from_fn(row), activations);
+                for (r, outputs) in tile.iter().enumerate() {
+                    for (c, got) in outputs.iter().enumerate() {
+                        let want = reference(row(r), activations[c]);
+                        assert_eq!(
+                            want.to_bits(),
+                            got.to_bits(),
+                            "{format:?}, {blocks} blocks, ({r}, {c})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Times the tiles against the one-row, four-activation-row kernels on data that stays in
+    /// L1 (16 weight rows of 18 and of 48 blocks, four activation rows); prints ns per weight
     /// row × activation row × block.
     /// `cargo test --release -p meshnet-kernels --lib tile_timing -- --ignored --nocapture`
     #[test]
@@ -238,6 +468,30 @@ mod tests {
                     .sum()
             });
             println!("Q8_0 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block");
+            for format in [BlockFormat::Q4_0, BlockFormat::Q5_0, BlockFormat::Q5_1] {
+                let row_bytes = blocks * format.block_bytes();
+                let mut weights = bytes(16 * row_bytes, 5);
+                for block in weights.chunks_exact_mut(format.block_bytes()) {
+                    block[..4].copy_from_slice(&[0x1F, 0x21, 0x1F, 0x21]);
+                }
+                let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
+                let four = per(&|| {
+                    (0..16)
+                        .map(|r| token.dot_blocks_together(format, row(r), activations)[0])
+                        .sum()
+                });
+                let tiled = per(&|| {
+                    (0..16 / TILE_ROWS)
+                        .map(|t| {
+                            let rows = std::array::from_fn(|r| row(t * TILE_ROWS + r));
+                            token.dot_blocks_tile(format, rows, activations)[0][0]
+                        })
+                        .sum()
+                });
+                println!(
+                    "{format:?} {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block"
+                );
+            }
         }
     }
 }
