@@ -364,17 +364,20 @@ impl QuantizedMatrix {
             return Ok(());
         }
         // Each task takes a band of weight rows against every input row (the band stays in
-        // cache), writing a `[rows, m]` buffer that is then turned around into `[m, rows]`.
-        let mut transposed = vec![0f32; self.rows * m];
-        transposed
+        // cache), writing the band's outputs input row by input row (`[m, band]`); each input
+        // row's outputs are then copied into place.
+        let mut bands = vec![0f32; self.rows * m];
+        bands
             .par_chunks_mut(chunk_rows * m)
             .enumerate()
             .for_each(|(chunk, values)| {
                 self.dot_band(kernel, &activations, chunk * chunk_rows, values, m);
             });
-        for (row, column) in transposed.chunks_exact(m).enumerate() {
-            for (activation, value) in column.iter().enumerate() {
-                output[activation * self.rows + row] = *value;
+        for (chunk, values) in bands.chunks(chunk_rows * m).enumerate() {
+            let band = values.len() / m;
+            for (activation, outputs) in values.chunks_exact(band).enumerate() {
+                let start = activation * self.rows + chunk * chunk_rows;
+                output[start..start + band].copy_from_slice(outputs);
             }
         }
         Ok(())
@@ -408,9 +411,9 @@ impl QuantizedMatrix {
         }
     }
 
-    /// Weight rows `first..` (as many as `values` has columns of `m`) against every activation
-    /// row, into `values` (`[rows, m]`): [`TILE_ROWS`] weight rows at a time, the rows after
-    /// the last whole tile one at a time.
+    /// Weight rows `first..first + band` against every activation row, into `values`
+    /// (`[m, band]`, `band = values.len() / m`): [`TILE_ROWS`] weight rows at a time, the rows
+    /// after the last whole tile one at a time.
     fn dot_band(
         &self,
         kernel: Kernel,
@@ -419,81 +422,100 @@ impl QuantizedMatrix {
         values: &mut [f32],
         m: usize,
     ) {
-        let mut tiles = values.chunks_exact_mut(TILE_ROWS * m);
-        let mut row = first;
-        for columns in tiles.by_ref() {
-            self.dot_tile_columns(kernel, activations, row, columns, m);
-            row += TILE_ROWS;
+        let band = values.len() / m;
+        let whole = band - band % TILE_ROWS;
+        for local in (0..whole).step_by(TILE_ROWS) {
+            self.dot_tile_columns(
+                kernel,
+                activations,
+                first + local,
+                Band {
+                    values: &mut *values,
+                    band,
+                    local,
+                },
+            );
         }
-        for (offset, column) in tiles.into_remainder().chunks_exact_mut(m).enumerate() {
-            self.dot_column(kernel, activations, row + offset, column);
+        for local in whole..band {
+            self.dot_column(
+                kernel,
+                activations,
+                first + local,
+                Band {
+                    values: &mut *values,
+                    band,
+                    local,
+                },
+            );
         }
     }
 
-    /// Weight rows `first..first + TILE_ROWS` against every activation row, into `values`
-    /// (`[TILE_ROWS, m]`): [`TOGETHER`] activation rows at a time, the rest one at a time.
+    /// Weight rows `first..first + TILE_ROWS` against every activation row, into `outputs`
+    /// ([`TOGETHER`] activation rows at a time, the rest one at a time).
     fn dot_tile_columns(
         &self,
         kernel: Kernel,
         activations: &Activations<'_>,
         first: usize,
-        values: &mut [f32],
-        m: usize,
+        mut outputs: Band<'_>,
     ) {
-        let whole = m - m % TOGETHER;
-        for group in (0..whole).step_by(TOGETHER) {
-            let tile = self.dot_tile(kernel, activations, first, group);
-            for (outputs, column) in tile.iter().zip(values.chunks_exact_mut(m)) {
-                column[group..group + TOGETHER].copy_from_slice(outputs);
-            }
-        }
-        for (offset, column) in values.chunks_exact_mut(m).enumerate() {
-            for (activation, value) in column.iter_mut().enumerate().skip(whole) {
-                *value = self.dot(kernel, activations, first + offset, activation);
-            }
-        }
-    }
-
-    /// Weight rows `first..first + TILE_ROWS` against activation rows `group..group +
-    /// TOGETHER`: the bits of as many [`Self::dot`] calls.
-    fn dot_tile(
-        &self,
-        kernel: Kernel,
-        activations: &Activations<'_>,
-        first: usize,
-        group: usize,
-    ) -> [[f32; TOGETHER]; TILE_ROWS] {
+        let m = outputs.values.len() / outputs.band;
+        let groups = (0..m - m % TOGETHER).step_by(TOGETHER);
         match (self.format.family(), activations) {
-            (Family::Parsed, Activations::Blocks(rows)) => kernel.dot_tile(
-                self.format,
-                std::array::from_fn(|r| self.row(first + r)),
-                std::array::from_fn(|k| rows.row(group + k)),
-            ),
-            (Family::Blocks(format), Activations::Blocks(rows)) => kernel.dot_blocks_tile(
-                format,
-                std::array::from_fn(|r| self.row_bytes(first + r)),
-                std::array::from_fn(|k| rows.row(group + k)),
-            ),
-            _ => std::array::from_fn(|r| self.dot_together(kernel, activations, first + r, group)),
+            (Family::Parsed, Activations::Blocks(rows)) => {
+                let weights = std::array::from_fn(|r| self.row(first + r));
+                for group in groups {
+                    let columns = std::array::from_fn(|k| rows.row(group + k));
+                    outputs.put_tile(group, kernel.dot_tile(self.format, weights, columns));
+                }
+            }
+            (Family::Blocks(format), Activations::Blocks(rows)) => {
+                let weights = std::array::from_fn(|r| self.row_bytes(first + r));
+                for group in groups {
+                    let columns = std::array::from_fn(|k| rows.row(group + k));
+                    outputs.put_tile(group, kernel.dot_blocks_tile(format, weights, columns));
+                }
+            }
+            _ => {
+                for group in groups {
+                    let tile = std::array::from_fn(|r| {
+                        self.dot_together(kernel, activations, first + r, group)
+                    });
+                    outputs.put_tile(group, tile);
+                }
+            }
+        }
+        for activation in m - m % TOGETHER..m {
+            for row in 0..TILE_ROWS {
+                let value = self.dot(kernel, activations, first + row, activation);
+                outputs.put(activation, row, value);
+            }
         }
     }
 
-    /// Weight row `row` against every activation row, [`TOGETHER`] at a time where the
-    /// kernel has a way to.
+    /// Weight row `row` against every activation row, into `outputs`, [`TOGETHER`] at a time
+    /// where the kernel has a way to.
     fn dot_column(
         &self,
         kernel: Kernel,
         activations: &Activations<'_>,
         row: usize,
-        column: &mut [f32],
+        mut outputs: Band<'_>,
     ) {
-        let done = column.len() - column.len() % TOGETHER;
-        let mut groups = column.chunks_exact_mut(TOGETHER);
-        for (group, values) in groups.by_ref().enumerate() {
-            values.copy_from_slice(&self.dot_together(kernel, activations, row, group * TOGETHER));
+        let m = outputs.values.len() / outputs.band;
+        let whole = m - m % TOGETHER;
+        for group in (0..whole).step_by(TOGETHER) {
+            let values = self.dot_together(kernel, activations, row, group);
+            for (offset, value) in values.into_iter().enumerate() {
+                outputs.put(group + offset, 0, value);
+            }
         }
-        for (offset, value) in groups.into_remainder().iter_mut().enumerate() {
-            *value = self.dot(kernel, activations, row, done + offset);
+        for activation in whole..m {
+            outputs.put(
+                activation,
+                0,
+                self.dot(kernel, activations, row, activation),
+            );
         }
     }
 
@@ -523,6 +545,32 @@ impl QuantizedMatrix {
                 std::array::from_fn(|k| rows.row(first + k)),
             ),
             _ => std::array::from_fn(|k| self.dot(kernel, activations, row, first + k)),
+        }
+    }
+}
+
+/// A band's outputs (`[m, band]`: input row after input row, `band` outputs each) seen from
+/// weight row `local` of the band on.
+struct Band<'a> {
+    values: &'a mut [f32],
+    band: usize,
+    local: usize,
+}
+
+impl Band<'_> {
+    /// Sets the output of input row `activation` against the band's weight row `local + row`.
+    fn put(&mut self, activation: usize, row: usize, value: f32) {
+        self.values[activation * self.band + self.local + row] = value;
+    }
+
+    /// Sets a tile's outputs: weight rows `local..local + TILE_ROWS` against input rows
+    /// `group..group + TOGETHER`.
+    fn put_tile(&mut self, group: usize, tile: [[f32; TOGETHER]; TILE_ROWS]) {
+        let columns: [[f32; TILE_ROWS]; TOGETHER] =
+            std::array::from_fn(|k| std::array::from_fn(|r| tile[r][k]));
+        for (k, outputs) in columns.iter().enumerate() {
+            let start = (group + k) * self.band + self.local;
+            self.values[start..start + TILE_ROWS].copy_from_slice(outputs);
         }
     }
 }
