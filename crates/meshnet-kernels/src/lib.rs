@@ -30,7 +30,7 @@ pub use matrix::{MatrixBuilder, QuantizedMatrix, WeightFormat};
 use std::sync::OnceLock;
 
 use activations::ActivationRow;
-use avx2::{TILE_ROWS, TOGETHER};
+use avx2::{TILE_ROWS, TOGETHER, WIDE_GROUPS};
 use formats::{BlockFormat, FloatFormat, SuperFormat};
 use matrix::WeightRow;
 use super_rows::SuperRow;
@@ -148,17 +148,25 @@ impl Kernel {
         }
     }
 
-    /// [`TILE_ROWS`] rows of a 32-value format's bytes against [`TOGETHER`] activation rows:
-    /// the bits of as many [`Self::dot_blocks`] calls.
+    /// [`TILE_ROWS`] rows of a 32-value format's bytes against groups of [`TOGETHER`]
+    /// activation rows (at most [`WIDE_GROUPS`]), one tile of results per group: the bits of
+    /// as many [`Self::dot_blocks`] calls.
     fn dot_blocks_tile(
         self,
         format: BlockFormat,
         weights: [&[u8]; TILE_ROWS],
-        activations: [ActivationRow<'_>; TOGETHER],
-    ) -> [[f32; TOGETHER]; TILE_ROWS] {
+        activations: &[[ActivationRow<'_>; TOGETHER]],
+        results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+    ) {
         match self {
-            Self::Scalar => weights.map(|row| activations.map(|column| format.dot(row, column))),
-            Self::Avx2(Avx2Kernel(token)) => token.dot_blocks_tile(format, weights, activations),
+            Self::Scalar => {
+                for (group, result) in activations.iter().zip(results) {
+                    *result = weights.map(|row| group.map(|column| format.dot(row, column)));
+                }
+            }
+            Self::Avx2(Avx2Kernel(token)) => {
+                token.dot_blocks_tile(format, weights, activations, results)
+            }
         }
     }
 

@@ -4,11 +4,12 @@
 
 use rayon::prelude::*;
 
+use crate::activations::ActivationRow;
 use crate::activations::QuantizedRows;
 use crate::error::{KernelError, Result};
 use crate::formats::{BlockFormat, FloatFormat, SUPER_BLOCK, SuperFormat, half_at};
 use crate::super_rows::SuperRows;
-use crate::{BLOCK, Kernel, Q4_1_QUANT_BYTES, TILE_ROWS, TOGETHER};
+use crate::{BLOCK, Kernel, Q4_1_QUANT_BYTES, TILE_ROWS, TOGETHER, WIDE_GROUPS};
 
 /// The ggml formats the kernels run: every type `llama-quantize`'s presets Q2_K … Q8_0 write,
 /// and the unquantized ones.
@@ -471,9 +472,17 @@ impl QuantizedMatrix {
             }
             (Family::Blocks(format), Activations::Blocks(rows)) => {
                 let weights = std::array::from_fn(|r| self.row_bytes(first + r));
-                for group in groups {
-                    let columns = std::array::from_fn(|k| rows.row(group + k));
-                    outputs.put_tile(group, kernel.dot_blocks_tile(format, weights, columns));
+                for wide in groups.step_by(WIDE_GROUPS) {
+                    let count = ((m - m % TOGETHER - wide) / TOGETHER).min(WIDE_GROUPS);
+                    let columns: [[ActivationRow<'_>; TOGETHER]; WIDE_GROUPS] =
+                        std::array::from_fn(|g| {
+                            std::array::from_fn(|k| rows.row((wide + g * TOGETHER + k).min(m - 1)))
+                        });
+                    let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; WIDE_GROUPS];
+                    kernel.dot_blocks_tile(format, weights, &columns[..count], &mut tiles[..count]);
+                    for (g, tile) in tiles[..count].iter().enumerate() {
+                        outputs.put_tile(wide + g * TOGETHER, *tile);
+                    }
                 }
             }
             _ => {

@@ -451,7 +451,7 @@ proptest! {
             1usize..24,
             (40usize..80),
         ],
-        m in 4usize..19,
+        m in prop_oneof![4usize..19, 30usize..75],
         fill in fill_strategy(),
         seed in any::<u64>(),
     ) {

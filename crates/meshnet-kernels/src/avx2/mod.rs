@@ -28,7 +28,7 @@ mod q5_k;
 mod q6_k;
 mod tile;
 
-pub(crate) use tile::TILE_ROWS;
+pub(crate) use tile::{TILE_ROWS, WIDE_GROUPS};
 
 use crate::activations::ActivationRow;
 use crate::formats::{BlockFormat, FloatFormat, SuperFormat};
@@ -153,30 +153,43 @@ impl Avx2 {
         }
     }
 
-    /// [`TILE_ROWS`] rows of a 32-value format's block bytes against [`TOGETHER`] activation
-    /// rows: the bits of as many [`Self::dot_blocks`] calls, each weight and activation block
-    /// read once for the tile (Q4_0 and Q5_0; Q5_1 runs four-row dots, which measured faster).
+    /// [`TILE_ROWS`] rows of a 32-value format's block bytes against groups of [`TOGETHER`]
+    /// activation rows (at most [`WIDE_GROUPS`]), one tile of results per group: the bits of
+    /// as many [`Self::dot_blocks`] calls. Q4_0 and Q5_0 read each weight block once for all
+    /// the groups; Q5_1 runs four-row dots (faster measured).
     pub(crate) fn dot_blocks_tile(
         self,
         format: BlockFormat,
         weights: [&[u8]; TILE_ROWS],
-        activations: [ActivationRow<'_>; TOGETHER],
-    ) -> [[f32; TOGETHER]; TILE_ROWS] {
+        activations: &[[ActivationRow<'_>; TOGETHER]],
+        results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+    ) {
+        assert!(
+            activations.len() == results.len() && activations.len() <= WIDE_GROUPS,
+            "a tile of {} groups for {} results",
+            activations.len(),
+            results.len()
+        );
         let tile = match format {
             BlockFormat::Q4_0 => tile::offset_blocks::<legacy::Q4_0>,
             BlockFormat::Q5_0 => tile::offset_blocks::<legacy::Q5_0>,
             BlockFormat::Q5_1 => {
-                return weights.map(|row| self.dot_blocks_together(format, row, activations));
+                for (group, result) in activations.iter().zip(results) {
+                    *result = weights.map(|row| self.dot_blocks_together(format, row, *group));
+                }
+                return;
             }
         };
         let mut blocks = 0;
         for row in weights {
-            blocks = legacy::checked_rows(row, &activations, format.block_bytes());
+            for group in activations {
+                blocks = legacy::checked_rows(row, group, format.block_bytes());
+            }
         }
-        // SAFETY: the token exists only when the CPU has AVX2, FMA and F16C (`detect`), and
+        // SAFETY: the token exists only when the CPU has AVX2, FMA and F16C (`detect`);
         // `checked_rows` checked that every weight row and every part of every activation row
-        // hold `blocks` blocks.
-        unsafe { tile(weights, activations, blocks) }
+        // hold `blocks` blocks, and the groups and results are as many, at most `WIDE_GROUPS`.
+        unsafe { tile(weights, activations, blocks, results) }
     }
 
     /// One row of a k-quant's super-block bytes against [`TOGETHER`] activation rows: the bits

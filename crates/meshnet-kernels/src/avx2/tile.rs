@@ -24,6 +24,10 @@ use {super::GROUP, super::legacy::Offset, crate::BLOCK, crate::formats::legacy};
 /// Weight rows a tile computes at once.
 pub(crate) const TILE_ROWS: usize = 4;
 
+/// Groups of [`TOGETHER`] activation rows a Q4_0 or Q5_0 tile takes at once (each weight
+/// block unpacked once for all of them).
+pub(crate) const WIDE_GROUPS: usize = 8;
+
 /// Vectors of eight running sums a Q8_0 tile keeps (two weight rows each).
 #[cfg(target_arch = "x86_64")]
 const PAIRS: usize = TILE_ROWS / 2;
@@ -116,33 +120,40 @@ fn halves_added(upper: __m256i, lower: __m256i) -> __m256i {
     )
 }
 
-/// The dot products of [`TILE_ROWS`] rows of Q4_0 or Q5_0 (`F`, block bytes) with
-/// [`TOGETHER`] activation rows, each with the bits of `formats::legacy`'s reference.
+/// The dot products of [`TILE_ROWS`] rows of Q4_0 or Q5_0 (`F`, block bytes) with up to
+/// [`WIDE_GROUPS`] groups of [`TOGETHER`] activation rows, into `results` (one tile per group),
+/// each with the bits of `formats::legacy`'s reference.
 ///
-/// Each block's 16 exact integer dots are computed side by side as Q8_0's are, from the weight
-/// blocks unpacked once to their signed values `q − c` ([`offset_four_dots`]), and their 16
-/// terms `dot · d · d_a` computed with the reference's multiplies; the reference's eight lanes
-/// per output (block `b` into lane `b % 8`, the blocks after the last whole group of eight
-/// first) are eight accumulators of the tile's outputs, added block by block in that order,
-/// and combined per output by the reference's `combine_lanes`.
+/// Each weight block is unpacked once to its signed values `q − c` for all the groups; each
+/// group's 16 exact integer dots are computed side by side as Q8_0's are
+/// ([`offset_four_dots`]), and their terms `dot · d · d_a` with the reference's multiplies.
+/// The reference's eight lanes per output (block `b` into lane `b % 8`, the blocks after the
+/// last whole group of eight first) are eight accumulators of the outputs, added block by
+/// block in that order, and combined per output by the reference's `combine_lanes`.
 ///
 /// # Safety
-/// The CPU must have AVX2 and F16C; every weight row must hold `blocks` blocks of `F` and
-/// every part of every activation row `blocks` blocks.
+/// The CPU must have AVX2 and F16C; `activations` must hold at most [`WIDE_GROUPS`] groups
+/// and `results` as many tiles; every weight row must hold `blocks` blocks of `F` and every
+/// part of every activation row `blocks` blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 pub(super) unsafe fn offset_blocks<F: Offset>(
     weights: [&[u8]; TILE_ROWS],
-    activations: [ActivationRow<'_>; TOGETHER],
+    activations: &[[ActivationRow<'_>; TOGETHER]],
     blocks: usize,
-) -> [[f32; TOGETHER]; TILE_ROWS] {
+    results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+) {
     let whole = blocks / GROUP * GROUP;
-    let mut lanes = [[_mm256_setzero_ps(); PAIRS]; GROUP];
-    let add = |lanes: &mut [__m256; PAIRS], block: usize| {
+    let mut lanes = [[[_mm256_setzero_ps(); PAIRS]; WIDE_GROUPS]; GROUP];
+    let add = |lanes: &mut [[__m256; PAIRS]; WIDE_GROUPS], block: usize| {
         // SAFETY: `block < blocks`, in range of every row (the caller).
-        let terms = unsafe { block_terms::<F>(&weights, &activations, block) };
-        for (lane, term) in lanes.iter_mut().zip(terms) {
-            *lane = _mm256_add_ps(*lane, term);
+        let (values, scales) = unsafe { unpacked_blocks::<F>(&weights, block) };
+        for (lanes, group) in lanes.iter_mut().zip(activations) {
+            // SAFETY: as above.
+            let terms = unsafe { block_terms(&values, scales, group, block) };
+            for (lane, term) in lanes.iter_mut().zip(terms) {
+                *lane = _mm256_add_ps(*lane, term);
+            }
         }
     };
     // The blocks after the last whole group first, then the groups, as the reference.
@@ -154,7 +165,9 @@ pub(super) unsafe fn offset_blocks<F: Offset>(
             add(lanes, first + offset);
         }
     }
-    combined(&lanes)
+    for (group, result) in results.iter_mut().enumerate() {
+        *result = combined(&lanes.map(|lanes| lanes[group]));
+    }
 }
 
 /// Each output's eight lanes (lane `k` of output `(r, c)` is lane `4 · (r % 2) + c` of
@@ -177,44 +190,55 @@ fn combined(lanes: &[[__m256; PAIRS]; GROUP]) -> [[f32; TOGETHER]; TILE_ROWS] {
     results
 }
 
-/// Block `block`'s terms of the tile's outputs, laid out as [`combined`] reads them.
+/// Block `block` of every weight row unpacked to its signed values, and the rows' scales of
+/// the block.
 ///
 /// # Safety
-/// The CPU must have AVX2 and F16C; block `block` must be in range of every weight row and
-/// of every part of every activation row.
+/// The CPU must have AVX2 and F16C; block `block` must be in range of every weight row.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn block_terms<F: Offset>(
+unsafe fn unpacked_blocks<F: Offset>(
     weights: &[&[u8]; TILE_ROWS],
+    block: usize,
+) -> ([__m256i; TILE_ROWS], __m128) {
+    // SAFETY: the block's bytes in every weight row are readable (the caller).
+    unsafe {
+        let blocks = weights.map(|row| row.as_ptr().add(block * F::BYTES));
+        (blocks.map(|block| F::unpack(block)), tile_scales(&blocks))
+    }
+}
+
+/// Block `block`'s terms of a group's outputs, laid out as [`combined`] reads them, from the
+/// weight rows' unpacked `values` and `scales` of the block.
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; block `block` must be in range of every part of every
+/// activation row.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn block_terms(
+    values: &[__m256i; TILE_ROWS],
+    scales: __m128,
     activations: &[ActivationRow<'_>; TOGETHER],
     block: usize,
 ) -> [__m256; PAIRS] {
-    // SAFETY: the block's bytes in every weight row and its part of every activation row are
-    // readable (the caller).
-    let (blocks, quants, scales, activation_scales) = unsafe {
-        let blocks = weights.map(|row| row.as_ptr().add(block * F::BYTES));
+    // SAFETY: the block's part of every activation row is readable (the caller).
+    let (quants, activation_scales) = unsafe {
         let quants: [__m256i; TOGETHER] = std::array::from_fn(|c| {
             _mm256_loadu_si256(activations[c].quants.as_ptr().add(block * BLOCK).cast())
         });
         let scale = |c: usize| *activations[c].scales.get_unchecked(block);
         let four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
-        (
-            blocks,
-            quants,
-            tile_scales(&blocks),
-            _mm256_set_m128(four, four),
-        )
+        (quants, _mm256_set_m128(four, four))
     };
     let magnitudes = quants.map(|quants| _mm256_sign_epi8(quants, quants));
     let mut terms = [_mm256_setzero_ps(); PAIRS];
     for (pair, terms) in terms.iter_mut().enumerate() {
-        // SAFETY: as above, the two weight rows' blocks.
-        let dots = unsafe {
-            let upper = offset_four_dots::<F>(blocks[2 * pair], &magnitudes, &quants);
-            let lower = offset_four_dots::<F>(blocks[2 * pair + 1], &magnitudes, &quants);
-            halves_added(upper, lower)
-        };
+        let upper = offset_four_dots(values[2 * pair], &magnitudes, &quants);
+        let lower = offset_four_dots(values[2 * pair + 1], &magnitudes, &quants);
+        let dots = halves_added(upper, lower);
         // Lanes 0..4 take weight row `2 · pair`'s scale, lanes 4..8 the next row's.
         let at = _mm256_add_epi32(
             _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
@@ -246,26 +270,21 @@ unsafe fn tile_scales(blocks: &[*const u8; TILE_ROWS]) -> __m128 {
     _mm_cvtph_ps(_mm_set_epi64x(0, packed as i64))
 }
 
-/// One weight block of `F` against four activation blocks, laid out as [`q8_0_four_dots`]
-/// lays them out: the block's signed values `w = q − c` take the activations' signs and meet
-/// their `magnitudes` (`|a| · ±w`, as Q8_0's products).
+/// One weight block's signed values `w = q − c` (|w| ≤ 16) against four activation blocks,
+/// laid out as [`q8_0_four_dots`] lays them out: the values take the activations' signs and
+/// meet their `magnitudes` (`|a| · ±w`, as Q8_0's products).
 ///
 /// The products are summed in i16 as far as they fit: with activations in -127..=127 (as
-/// `activations.rs` rounds them) and |w| ≤ 16, 16 products are at most 32512 in magnitude,
-/// so three rounds of `hadd` after `maddubs` are exact before `madd` widens the sums.
-///
-/// # Safety
-/// The CPU must have AVX2; `block` must point at a whole block of `F`.
+/// `activations.rs` rounds them), 16 products are at most 32512 in magnitude, so three rounds
+/// of `hadd` after `maddubs` are exact before `madd` widens the sums.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn offset_four_dots<F: Offset>(
-    block: *const u8,
+fn offset_four_dots(
+    values: __m256i,
     magnitudes: &[__m256i; TOGETHER],
     activations: &[__m256i; TOGETHER],
 ) -> __m256i {
-    // SAFETY: the caller guarantees a whole block at `block`.
-    let values = unsafe { F::unpack(block) };
     let pairs =
         |c: usize| _mm256_maddubs_epi16(magnitudes[c], _mm256_sign_epi8(values, activations[c]));
     let sums = _mm256_hadd_epi16(
@@ -279,9 +298,10 @@ unsafe fn offset_four_dots<F: Offset>(
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn offset_blocks<F>(
     _: [&[u8]; TILE_ROWS],
-    _: [ActivationRow<'_>; TOGETHER],
+    _: &[[ActivationRow<'_>; TOGETHER]],
     _: usize,
-) -> [[f32; TOGETHER]; TILE_ROWS] {
+    _: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+) {
     unreachable!("no AVX2 outside x86_64")
 }
 
@@ -375,7 +395,7 @@ mod tests {
         for (format, reference) in formats {
             for (round, blocks) in [1, 2, 7, 8, 9, 17, 18, 48].into_iter().enumerate() {
                 let cols = blocks * BLOCK;
-                let input: Vec<f32> = (0..TOGETHER * cols)
+                let input: Vec<f32> = (0..2 * TOGETHER * cols)
                     .map(|i| match (i / cols + round) % 3 {
                         0 => (i as f32 * 0.37).sin() * 40.0,
                         1 => {
@@ -388,9 +408,9 @@ mod tests {
                         _ => (i as f32).cos(),
                     })
                     .collect();
-                let rows = QuantizedRows::quantize(&input, TOGETHER, cols);
-                let activations: [ActivationRow<'_>; TOGETHER] =
-                    std::array::from_fn(|k| rows.row(k));
+                let rows = QuantizedRows::quantize(&input, 2 * TOGETHER, cols);
+                let groups: [[ActivationRow<'_>; TOGETHER]; 2] =
+                    std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
                 let row_bytes = blocks * format.block_bytes();
                 // Random bytes, then row 0 all quants 0 (the most negative values) and row 1
                 // all bits set; every scale finite.
@@ -402,15 +422,22 @@ mod tests {
                     block[..2].copy_from_slice(&scale.to_le_bytes());
                 }
                 let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
-                let tile = token.dot_blocks_tile(format, std::array::from_fn(row), activations);
-                for (r, outputs) in tile.iter().enumerate() {
-                    for (c, got) in outputs.iter().enumerate() {
-                        let want = reference(row(r), activations[c]);
-                        assert_eq!(
-                            want.to_bits(),
-                            got.to_bits(),
-                            "{format:?}, {blocks} blocks, ({r}, {c})"
-                        );
+                // Both groups at once, and the second alone.
+                let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 3];
+                let weights = std::array::from_fn(row);
+                token.dot_blocks_tile(format, weights, &groups, &mut tiles[..2]);
+                token.dot_blocks_tile(format, weights, &groups[1..], &mut tiles[2..]);
+                for (g, tile) in tiles.iter().enumerate() {
+                    let group = groups[g.min(1)];
+                    for (r, outputs) in tile.iter().enumerate() {
+                        for (c, got) in outputs.iter().enumerate() {
+                            let want = reference(row(r), group[c]);
+                            assert_eq!(
+                                want.to_bits(),
+                                got.to_bits(),
+                                "{format:?}, {blocks} blocks, tile {g}, ({r}, {c})"
+                            );
+                        }
                     }
                 }
             }
@@ -418,7 +445,7 @@ mod tests {
     }
 
     /// Times the tiles against the one-row, four-activation-row kernels on data that stays in
-    /// L1 (16 weight rows of 18 and of 48 blocks, four activation rows); prints ns per weight
+    /// L1 (16 weight rows of 18 and of 48 blocks, 16 activation rows); prints ns per weight
     /// row × activation row × block.
     /// `cargo test --release -p meshnet-kernels --lib tile_timing -- --ignored --nocapture`
     #[test]
@@ -427,13 +454,15 @@ mod tests {
         let Some(token) = Avx2::detect() else {
             return;
         };
+        const GROUPS: usize = 4;
         for blocks in [18, 48] {
             let cols = blocks * BLOCK;
-            let input: Vec<f32> = (0..TOGETHER * cols)
+            let input: Vec<f32> = (0..GROUPS * TOGETHER * cols)
                 .map(|i| (i as f32 * 0.37).sin())
                 .collect();
-            let rows = QuantizedRows::quantize(&input, TOGETHER, cols);
-            let activations: [ActivationRow<'_>; TOGETHER] = std::array::from_fn(|k| rows.row(k));
+            let rows = QuantizedRows::quantize(&input, GROUPS * TOGETHER, cols);
+            let groups: [[ActivationRow<'_>; TOGETHER]; GROUPS] =
+                std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
             let scales: Vec<f32> = (0..16 * blocks).map(|i| (i % 7) as f32 * 0.01).collect();
             let quants = bytes(16 * cols, 3);
             let weight = |r: usize| WeightRow {
@@ -446,26 +475,25 @@ mod tests {
                 for _ in 0..20 {
                     let start = std::time::Instant::now();
                     let mut total = 0f32;
-                    for _ in 0..200 {
+                    for _ in 0..50 {
                         total += run();
                     }
                     std::hint::black_box(total);
                     best = best.min(start.elapsed().as_secs_f64());
                 }
-                best * 1e9 / (200 * 16 * TOGETHER * blocks) as f64
+                best * 1e9 / (50 * 16 * GROUPS * TOGETHER * blocks) as f64
             };
+            let tiles = || (0..16 / TILE_ROWS).map(|t| t * TILE_ROWS);
             let four = per(&|| {
-                (0..16)
-                    .map(|r| token.dot_q8_0_four(weight(r), activations)[0])
-                    .sum()
+                let row = |r: usize| groups.map(|g| token.dot_q8_0_four(weight(r), g)[0]);
+                (0..16).map(|r| row(r).iter().sum::<f32>()).sum()
             });
             let tiled = per(&|| {
-                (0..16 / TILE_ROWS)
-                    .map(|t| {
-                        let rows = std::array::from_fn(|r| weight(t * TILE_ROWS + r));
-                        token.dot_q8_0_tile(rows, activations)[0][0]
-                    })
-                    .sum()
+                let tile = |t: usize| {
+                    let rows = std::array::from_fn(|r| weight(t + r));
+                    groups.map(|g| token.dot_q8_0_tile(rows, g)[0][0])
+                };
+                tiles().map(|t| tile(t).iter().sum::<f32>()).sum()
             });
             println!("Q8_0 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block");
             for format in [BlockFormat::Q4_0, BlockFormat::Q5_0, BlockFormat::Q5_1] {
@@ -476,17 +504,18 @@ mod tests {
                 }
                 let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
                 let four = per(&|| {
-                    (0..16)
-                        .map(|r| token.dot_blocks_together(format, row(r), activations)[0])
-                        .sum()
+                    let one =
+                        |r: usize| groups.map(|g| token.dot_blocks_together(format, row(r), g)[0]);
+                    (0..16).map(|r| one(r).iter().sum::<f32>()).sum()
                 });
                 let tiled = per(&|| {
-                    (0..16 / TILE_ROWS)
-                        .map(|t| {
-                            let rows = std::array::from_fn(|r| row(t * TILE_ROWS + r));
-                            token.dot_blocks_tile(format, rows, activations)[0][0]
-                        })
-                        .sum()
+                    let tile = |t: usize| {
+                        let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
+                        let rows = std::array::from_fn(|r| row(t + r));
+                        token.dot_blocks_tile(format, rows, &groups, &mut results);
+                        results[0][0][0]
+                    };
+                    tiles().map(tile).sum()
                 });
                 println!(
                     "{format:?} {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block"
