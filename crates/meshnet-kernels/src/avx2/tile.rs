@@ -166,7 +166,7 @@ pub(super) unsafe fn offset_blocks<F: Offset>(
         }
     }
     for (group, result) in results.iter_mut().enumerate() {
-        *result = combined(&lanes.map(|lanes| lanes[group]));
+        *result = combined(&std::array::from_fn(|k| lanes[k][group]));
     }
 }
 
