@@ -8,7 +8,7 @@
 
 use half::f16;
 
-use crate::BLOCK;
+use crate::{BLOCK, Kernel};
 
 /// Rows of activations in quantized blocks.
 #[derive(Clone, Debug, Default)]
@@ -26,7 +26,13 @@ pub struct QuantizedRows {
 impl QuantizedRows {
     /// Quantizes `input`, `rows` rows of `cols` values each; `cols` must be a multiple of 32
     /// and `input.len()` equal `rows × cols` (the caller checks both).
+    #[cfg(test)]
     pub(crate) fn quantize(input: &[f32], rows: usize, cols: usize) -> Self {
+        Self::quantize_with(Kernel::Scalar, input, rows, cols)
+    }
+
+    /// [`Self::quantize`] with `kernel` (every kernel gives the same bits).
+    pub(crate) fn quantize_with(kernel: Kernel, input: &[f32], rows: usize, cols: usize) -> Self {
         let blocks_per_row = cols / BLOCK;
         let blocks = rows * blocks_per_row;
         let mut quantized = Self {
@@ -38,7 +44,7 @@ impl QuantizedRows {
         };
         for (block, values) in input.chunks_exact(BLOCK).enumerate() {
             let quants = &mut quantized.quants[block * BLOCK..(block + 1) * BLOCK];
-            let (scale, sum) = quantize_block(values, quants);
+            let (scale, sum) = quantize_block(kernel, values, quants);
             quantized.scales[block] = scale;
             quantized.sums[block] = sum;
         }
@@ -80,8 +86,17 @@ pub(crate) struct ActivationRow<'a> {
     pub(crate) quants: &'a [i8],
 }
 
-/// Quantizes 32 values into `quants`; returns the block's scale and scaled sum.
-fn quantize_block(values: &[f32], quants: &mut [i8]) -> (f32, f32) {
+/// Quantizes 32 values into `quants` with `kernel`; returns the block's scale and scaled sum.
+fn quantize_block(kernel: Kernel, values: &[f32], quants: &mut [i8]) -> (f32, f32) {
+    let (scale, sum) = kernel.quantize_values(values, quants);
+    let scale = f16::from_f32(scale);
+    let scaled_sum = f16::from_f32(f16::from_f32(sum as f32).to_f32() * scale.to_f32());
+    (scale.to_f32(), scaled_sum.to_f32())
+}
+
+/// Quantizes 32 values into `quants` (the reference): returns the unrounded scale
+/// `max|x| / 127` and the sum of the quants `round(x / scale)`.
+pub(crate) fn quantize_values(values: &[f32], quants: &mut [i8]) -> (f32, i32) {
     let largest = values.iter().fold(0f32, |largest, x| largest.max(x.abs()));
     let scale = largest / 127.0;
     let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
@@ -90,9 +105,7 @@ fn quantize_block(values: &[f32], quants: &mut [i8]) -> (f32, f32) {
         *quant = round_to_i8(value * inverse);
         sum += i32::from(*quant);
     }
-    let scale = f16::from_f32(scale);
-    let scaled_sum = f16::from_f32(f16::from_f32(sum as f32).to_f32() * scale.to_f32());
-    (scale.to_f32(), scaled_sum.to_f32())
+    (scale, sum)
 }
 
 /// `x.round() as i8` (halves away from zero, saturating, NaN to 0) without a call to the C

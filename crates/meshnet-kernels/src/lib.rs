@@ -200,6 +200,15 @@ impl Kernel {
         }
     }
 
+    /// Quantizes 32 activations into `quants`: the unrounded scale and the sum of the quants
+    /// (`activations::quantize_values`, whose bits every kernel gives).
+    fn quantize_values(self, values: &[f32], quants: &mut [i8]) -> (f32, i32) {
+        match self {
+            Self::Scalar => activations::quantize_values(values, quants),
+            Self::Avx2(Avx2Kernel(token)) => token.quantize_values(values, quants),
+        }
+    }
+
     /// One weight row against [`TOGETHER`] activation rows: the bits of as many [`Self::dot`]
     /// calls, computed together where the kernel has a way to.
     fn dot_together(

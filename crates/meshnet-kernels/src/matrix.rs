@@ -344,7 +344,7 @@ impl QuantizedMatrix {
         if m == 0 {
             return Ok(());
         }
-        let activations = Activations::quantize(self.format.family(), input, m, self.cols);
+        let activations = Activations::quantize(kernel, self.format.family(), input, m, self.cols);
         let dot = |row: usize, activation: usize| self.dot(kernel, &activations, row, activation);
         if m == 1 && self.rows * self.cols < PARALLEL_BLOCKS * BLOCK {
             for (row, value) in output.iter_mut().enumerate() {
@@ -595,10 +595,12 @@ enum Activations<'a> {
 }
 
 impl<'a> Activations<'a> {
-    /// `input` (`m` rows of `cols`) quantized for `family`.
-    fn quantize(family: Family, input: &'a [f32], m: usize, cols: usize) -> Self {
+    /// `input` (`m` rows of `cols`) quantized for `family` by `kernel`.
+    fn quantize(kernel: Kernel, family: Family, input: &'a [f32], m: usize, cols: usize) -> Self {
         match family {
-            Family::Parsed | Family::Blocks(_) => Self::Blocks(quantize_rows(input, m, cols)),
+            Family::Parsed | Family::Blocks(_) => {
+                Self::Blocks(quantize_rows(kernel, input, m, cols))
+            }
             Family::Super(_) => Self::Super(SuperRows::quantize(input, m, cols)),
             Family::Float(_) => Self::Floats(input),
         }
@@ -611,14 +613,14 @@ impl<'a> Activations<'a> {
 /// had kept the 576×576 attention output on one thread.
 const PARALLEL_BLOCKS: usize = 2 * 1024;
 
-/// Quantizes the input rows, in parallel when there are several.
-fn quantize_rows(input: &[f32], m: usize, cols: usize) -> QuantizedRows {
+/// Quantizes the input rows with `kernel`, in parallel when there are several.
+fn quantize_rows(kernel: Kernel, input: &[f32], m: usize, cols: usize) -> QuantizedRows {
     if m < 4 {
-        return QuantizedRows::quantize(input, m, cols);
+        return QuantizedRows::quantize_with(kernel, input, m, cols);
     }
     let parts: Vec<QuantizedRows> = input
         .par_chunks(cols)
-        .map(|row| QuantizedRows::quantize(row, 1, cols))
+        .map(|row| QuantizedRows::quantize_with(kernel, row, 1, cols))
         .collect();
     QuantizedRows::concat(parts, cols)
 }

@@ -26,6 +26,7 @@ mod q3_k;
 mod q4_k;
 mod q5_k;
 mod q6_k;
+mod quantize;
 mod tile;
 
 pub(crate) use tile::{TILE_ROWS, WIDE_GROUPS};
@@ -217,6 +218,18 @@ impl Avx2 {
         activations: &[f32],
     ) -> f32 {
         float::dot(self, format, weights, activations)
+    }
+
+    /// Quantizes 32 activations into `quants` (equal to `activations::quantize_values`).
+    pub(crate) fn quantize_values(self, values: &[f32], quants: &mut [i8]) -> (f32, i32) {
+        assert!(
+            values.len() == BLOCK && quants.len() == BLOCK,
+            "a block of {} values into {} quants",
+            values.len(),
+            quants.len()
+        );
+        // SAFETY: `self` exists only when the CPU has AVX2; both slices hold 32 elements.
+        unsafe { quantize::block(values, quants) }
     }
 
     /// One Q8_0 weight row against one activation row (equal to `scalar::dot_q8_0`).
