@@ -209,6 +209,15 @@ impl Kernel {
         }
     }
 
+    /// Quantizes 256 activations into `quants`: the unrounded scale
+    /// (`super_rows::quantize_super_block`, whose bits every kernel gives).
+    fn quantize_super_values(self, values: &[f32], quants: &mut [i8]) -> f32 {
+        match self {
+            Self::Scalar => super_rows::quantize_super_block(values, quants),
+            Self::Avx2(Avx2Kernel(token)) => token.quantize_super_values(values, quants),
+        }
+    }
+
     /// One weight row against [`TOGETHER`] activation rows: the bits of as many [`Self::dot`]
     /// calls, computed together where the kernel has a way to.
     fn dot_together(

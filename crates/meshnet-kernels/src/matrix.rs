@@ -601,7 +601,7 @@ impl<'a> Activations<'a> {
             Family::Parsed | Family::Blocks(_) => {
                 Self::Blocks(quantize_rows(kernel, input, m, cols))
             }
-            Family::Super(_) => Self::Super(SuperRows::quantize(input, m, cols)),
+            Family::Super(_) => Self::Super(SuperRows::quantize_with(kernel, input, m, cols)),
             Family::Float(_) => Self::Floats(input),
         }
     }

@@ -34,6 +34,7 @@ pub(crate) use tile::{TILE_ROWS, WIDE_GROUPS};
 use crate::activations::ActivationRow;
 use crate::formats::{BlockFormat, FloatFormat, SuperFormat};
 use crate::matrix::WeightRow;
+use crate::super_rows::SUPER_BLOCK;
 use crate::super_rows::SuperRow;
 use crate::{BLOCK, Q4_1_QUANT_BYTES};
 
@@ -230,6 +231,18 @@ impl Avx2 {
         );
         // SAFETY: `self` exists only when the CPU has AVX2; both slices hold 32 elements.
         unsafe { quantize::block(values, quants) }
+    }
+
+    /// Quantizes 256 activations into `quants` (equal to `super_rows::quantize_super_block`).
+    pub(crate) fn quantize_super_values(self, values: &[f32], quants: &mut [i8]) -> f32 {
+        assert!(
+            values.len() == SUPER_BLOCK && quants.len() == SUPER_BLOCK,
+            "a super-block of {} values into {} quants",
+            values.len(),
+            quants.len()
+        );
+        // SAFETY: `self` exists only when the CPU has AVX2; both slices hold 256 elements.
+        unsafe { quantize::super_block(values, quants) }
     }
 
     /// One Q8_0 weight row against one activation row (equal to `scalar::dot_q8_0`).
