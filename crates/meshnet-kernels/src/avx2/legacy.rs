@@ -107,16 +107,40 @@ pub(super) trait Layout {
     unsafe fn pairs(unpacked: __m256i, activations: __m256i) -> __m256i;
 }
 
-/// The formats whose quants are offset (`q − c`), so that [`Layout::unpack`] gives signed
-/// values of at most 16 in magnitude: Q4_0 and Q5_0.
+/// A format's quants as signed values `w` of at most 16 in magnitude, for the tiles: `q − c`
+/// for the formats with an offset, `q − 16` for Q5_1 (whose dot is then `Σw·a + 16 · Σa`).
 #[cfg(target_arch = "x86_64")]
-pub(super) trait Offset: Layout {}
+pub(super) trait Signed: Layout {
+    /// What the block's dot adds per activation to `Σw·a`: 0, or 16 for Q5_1.
+    const BACK: i32;
+
+    /// A block's 32 values `w` as signed bytes.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `block` must point at `BYTES` readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn signed(block: *const u8) -> __m256i {
+        // SAFETY: passed on from the caller.
+        let values = unsafe { Self::unpack(block) };
+        _mm256_sub_epi8(values, _mm256_set1_epi8(Self::BACK as i8))
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
-impl Offset for Q4_0 {}
+impl Signed for Q4_0 {
+    const BACK: i32 = 0;
+}
 
 #[cfg(target_arch = "x86_64")]
-impl Offset for Q5_0 {}
+impl Signed for Q5_0 {
+    const BACK: i32 = 0;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Signed for Q5_1 {
+    const BACK: i32 = 16;
+}
 
 #[cfg(target_arch = "x86_64")]
 impl Layout for Q4_0 {

@@ -19,7 +19,7 @@ use super::TOGETHER;
 use crate::activations::ActivationRow;
 use crate::matrix::WeightRow;
 #[cfg(target_arch = "x86_64")]
-use {super::GROUP, super::legacy::Offset, crate::BLOCK, crate::formats::legacy};
+use {super::GROUP, super::legacy::Signed, crate::BLOCK, crate::formats::legacy};
 
 /// Weight rows a tile computes at once.
 pub(crate) const TILE_ROWS: usize = 4;
@@ -137,7 +137,7 @@ fn halves_added(upper: __m256i, lower: __m256i) -> __m256i {
 /// part of every activation row `blocks` blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn offset_blocks<F: Offset>(
+pub(super) unsafe fn offset_blocks<F: Signed>(
     weights: [&[u8]; TILE_ROWS],
     activations: &[[ActivationRow<'_>; TOGETHER]],
     blocks: usize,
@@ -147,10 +147,10 @@ pub(super) unsafe fn offset_blocks<F: Offset>(
     let mut lanes = [[[_mm256_setzero_ps(); PAIRS]; WIDE_GROUPS]; GROUP];
     let add = |lanes: &mut [[__m256; PAIRS]; WIDE_GROUPS], block: usize| {
         // SAFETY: `block < blocks`, in range of every row (the caller).
-        let (values, scales) = unsafe { unpacked_blocks::<F>(&weights, block) };
+        let unpacked = unsafe { unpacked_blocks::<F>(&weights, block) };
         for (lanes, group) in lanes.iter_mut().zip(activations) {
             // SAFETY: as above.
-            let terms = unsafe { block_terms(&values, scales, group, block) };
+            let terms = unsafe { block_terms::<F>(&unpacked, group, block) };
             for (lane, term) in lanes.iter_mut().zip(terms) {
                 *lane = _mm256_add_ps(*lane, term);
             }
@@ -190,27 +190,39 @@ fn combined(lanes: &[[__m256; PAIRS]; GROUP]) -> [[f32; TOGETHER]; TILE_ROWS] {
     results
 }
 
-/// Block `block` of every weight row unpacked to its signed values, and the rows' scales of
-/// the block.
+/// A tile's block: each weight row's signed values, and the rows' scales and minimums (zero
+/// for the formats without).
+#[cfg(target_arch = "x86_64")]
+struct Unpacked {
+    values: [__m256i; TILE_ROWS],
+    scales: __m128,
+    mins: __m128,
+}
+
+/// Block `block` of every weight row unpacked ([`Signed::signed`]), with its scales and
+/// minimums.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C; block `block` must be in range of every weight row.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn unpacked_blocks<F: Offset>(
-    weights: &[&[u8]; TILE_ROWS],
-    block: usize,
-) -> ([__m256i; TILE_ROWS], __m128) {
-    // SAFETY: the block's bytes in every weight row are readable (the caller).
+unsafe fn unpacked_blocks<F: Signed>(weights: &[&[u8]; TILE_ROWS], block: usize) -> Unpacked {
+    // SAFETY: the block's bytes in every weight row are readable (the caller); the scale is
+    // at 0 and the minimum at `F::MIN`, inside the block.
     unsafe {
         let blocks = weights.map(|row| row.as_ptr().add(block * F::BYTES));
-        (blocks.map(|block| F::unpack(block)), tile_scales(&blocks))
+        Unpacked {
+            values: blocks.map(|block| F::signed(block)),
+            scales: tile_halves(&blocks, 0),
+            mins: F::MIN.map_or(_mm_setzero_ps(), |at| tile_halves(&blocks, at)),
+        }
     }
 }
 
-/// Block `block`'s terms of a group's outputs, laid out as [`combined`] reads them, from the
-/// weight rows' unpacked `values` and `scales` of the block.
+/// Block `block`'s terms of a group's outputs, laid out as [`combined`] reads them: each
+/// output's `legacy::scaled_term` (`dot · d · d_a`), plus `m · s_a` for Q5_1
+/// (`legacy::offset_term`), multiplies and adds never fused.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C; block `block` must be in range of every part of every
@@ -218,59 +230,93 @@ unsafe fn unpacked_blocks<F: Offset>(
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn block_terms(
-    values: &[__m256i; TILE_ROWS],
-    scales: __m128,
+unsafe fn block_terms<F: Signed>(
+    unpacked: &Unpacked,
     activations: &[ActivationRow<'_>; TOGETHER],
     block: usize,
 ) -> [__m256; PAIRS] {
     // SAFETY: the block's part of every activation row is readable (the caller).
-    let (quants, activation_scales) = unsafe {
+    let (quants, activation_scales, activation_sums) = unsafe {
         let quants: [__m256i; TOGETHER] = std::array::from_fn(|c| {
             _mm256_loadu_si256(activations[c].quants.as_ptr().add(block * BLOCK).cast())
         });
         let scale = |c: usize| *activations[c].scales.get_unchecked(block);
-        let four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
-        (quants, _mm256_set_m128(four, four))
+        let sum = |c: usize| *activations[c].sums.get_unchecked(block);
+        let scales = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
+        let sums = _mm_setr_ps(sum(0), sum(1), sum(2), sum(3));
+        (
+            quants,
+            _mm256_set_m128(scales, scales),
+            _mm256_set_m128(sums, sums),
+        )
     };
     let magnitudes = quants.map(|quants| _mm256_sign_epi8(quants, quants));
+    // `BACK · Σa` of each activation row, in the lanes of `halves_added`'s two rows.
+    let back = if F::BACK == 0 {
+        _mm256_setzero_si256()
+    } else {
+        let sums = four_sums(&quants);
+        debug_assert_eq!(F::BACK, 16);
+        _mm256_slli_epi32(halves_added(sums, sums), 4)
+    };
     let mut terms = [_mm256_setzero_ps(); PAIRS];
     for (pair, terms) in terms.iter_mut().enumerate() {
-        let upper = offset_four_dots(values[2 * pair], &magnitudes, &quants);
-        let lower = offset_four_dots(values[2 * pair + 1], &magnitudes, &quants);
-        let dots = halves_added(upper, lower);
+        let upper = offset_four_dots(unpacked.values[2 * pair], &magnitudes, &quants);
+        let lower = offset_four_dots(unpacked.values[2 * pair + 1], &magnitudes, &quants);
+        let dots = _mm256_add_epi32(halves_added(upper, lower), back);
         // Lanes 0..4 take weight row `2 · pair`'s scale, lanes 4..8 the next row's.
         let at = _mm256_add_epi32(
             _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
             _mm256_set1_epi32(2 * pair as i32),
         );
-        let scales = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(scales), at);
-        *terms = _mm256_mul_ps(
-            _mm256_mul_ps(_mm256_cvtepi32_ps(dots), scales),
+        let spread = |values: __m128| _mm256_permutevar8x32_ps(_mm256_castps128_ps256(values), at);
+        let scaled = _mm256_mul_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(dots), spread(unpacked.scales)),
             activation_scales,
         );
+        *terms = match F::MIN {
+            Some(_) => _mm256_add_ps(
+                scaled,
+                _mm256_mul_ps(spread(unpacked.mins), activation_sums),
+            ),
+            None => scaled,
+        };
     }
     terms
 }
 
-/// The f16 scales at the start of the tile's four blocks, widened to f32 (exactly, as
+/// The f16 numbers at byte `at` of the tile's four blocks, widened to f32 (exactly, as
 /// `half_at` widens one).
 ///
 /// # Safety
-/// The CPU must have AVX2 and F16C; two bytes must be readable at every block.
+/// The CPU must have AVX2 and F16C; two bytes must be readable at `at` of every block.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn tile_scales(blocks: &[*const u8; TILE_ROWS]) -> __m128 {
+unsafe fn tile_halves(blocks: &[*const u8; TILE_ROWS], at: usize) -> __m128 {
     let half = |r: usize| {
-        // SAFETY: the caller guarantees two readable bytes at block `r`.
-        u64::from(unsafe { blocks[r].cast::<u16>().read_unaligned() })
+        // SAFETY: the caller guarantees two readable bytes at `at` of block `r`.
+        u64::from(unsafe { blocks[r].add(at).cast::<u16>().read_unaligned() })
     };
     let packed = half(0) | half(1) << 16 | half(2) << 32 | half(3) << 48;
     _mm_cvtph_ps(_mm_set_epi64x(0, packed as i64))
 }
 
-/// One weight block's signed values `w = q − c` (|w| ≤ 16) against four activation blocks,
+/// The sums of four activation blocks, laid out as [`offset_four_dots`] lays its dots out
+/// (`maddubs` of ones with the activations, then the same exact rounds of `hadd`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn four_sums(activations: &[__m256i; TOGETHER]) -> __m256i {
+    let pairs = |c: usize| _mm256_maddubs_epi16(_mm256_set1_epi8(1), activations[c]);
+    let sums = _mm256_hadd_epi16(
+        _mm256_hadd_epi16(pairs(0), pairs(1)),
+        _mm256_hadd_epi16(pairs(2), pairs(3)),
+    );
+    _mm256_madd_epi16(sums, _mm256_set1_epi16(1))
+}
+
+/// One weight block's signed values `w` (|w| ≤ 16) against four activation blocks,
 /// laid out as [`q8_0_four_dots`] lays them out: the values take the activations' signs and
 /// meet their `magnitudes` (`|a| · ±w`, as Q8_0's products).
 ///
@@ -383,14 +429,15 @@ mod tests {
     }
 
     #[test]
-    fn the_offset_tiles_give_the_bits_of_every_reference_dot() {
+    fn the_32_value_tiles_give_the_bits_of_every_reference_dot() {
         let Some(token) = Avx2::detect() else {
             return;
         };
         type Reference = fn(&[u8], ActivationRow<'_>) -> f32;
-        let formats: [(BlockFormat, Reference); 2] = [
+        let formats: [(BlockFormat, Reference); 3] = [
             (BlockFormat::Q4_0, crate::formats::legacy::dot_q4_0),
             (BlockFormat::Q5_0, crate::formats::legacy::dot_q5_0),
+            (BlockFormat::Q5_1, crate::formats::legacy::dot_q5_1),
         ];
         for (format, reference) in formats {
             for (round, blocks) in [1, 2, 7, 8, 9, 17, 18, 48].into_iter().enumerate() {
@@ -418,8 +465,12 @@ mod tests {
                 weights[2..row_bytes].fill(0);
                 weights[row_bytes..2 * row_bytes].fill(0xFF);
                 for block in weights.chunks_exact_mut(format.block_bytes()) {
-                    let scale = f16::from_f32(f32::from(block[3]) * 1e-3 - 0.1);
+                    let scale = f16::from_f32(f32::from(block[5]) * 1e-3 - 0.1);
+                    let min = f16::from_f32(f32::from(block[7]) * 1e-2 - 1.0);
                     block[..2].copy_from_slice(&scale.to_le_bytes());
+                    if format == BlockFormat::Q5_1 {
+                        block[2..4].copy_from_slice(&min.to_le_bytes());
+                    }
                 }
                 let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
                 // Both groups at once, and the second alone.
