@@ -39,14 +39,15 @@ pub(crate) struct SuperRow<'a> {
 }
 
 impl SuperRows {
-    /// Quantizes `input`, `rows` rows of `cols` values each; `cols` must be a multiple of 256
-    /// and `input.len()` equal `rows × cols` (the caller checks both).
+    /// [`Self::quantize_with`] the reference kernel.
     #[cfg(test)]
     pub(crate) fn quantize(input: &[f32], rows: usize, cols: usize) -> Self {
         Self::quantize_with(Kernel::Scalar, input, rows, cols)
     }
 
-    /// [`Self::quantize`] with `kernel` (every kernel gives the same bits).
+    /// Quantizes `input`, `rows` rows of `cols` values each, with `kernel` (every kernel gives
+    /// the same bits); `cols` must be a multiple of 256 and `input.len()` equal `rows × cols`
+    /// (the caller checks both).
     pub(crate) fn quantize_with(kernel: Kernel, input: &[f32], rows: usize, cols: usize) -> Self {
         let blocks_per_row = cols / SUPER_BLOCK;
         let blocks = rows * blocks_per_row;

@@ -9,8 +9,9 @@
 //! the reference's own operations (`scalar::dot_q8_0`), so each output has its bits. The
 //! integer dots are those of `q8_block` (exact, see `avx2/mod.rs`).
 //!
-//! Q4_0 and Q5_0: the same side-by-side dots from the weight blocks unpacked once to their
-//! signed values, the terms kept in the reference's eight lanes per output (`offset_blocks`).
+//! Q4_0, Q5_0 and Q5_1: the same side-by-side dots from the weight blocks unpacked once to
+//! signed values (for up to [`WIDE_GROUPS`] groups of activation rows), the terms kept in the
+//! reference's eight lanes per output (`offset_blocks`).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -24,7 +25,7 @@ use {super::GROUP, super::legacy::Signed, crate::BLOCK, crate::formats::legacy};
 /// Weight rows a tile computes at once.
 pub(crate) const TILE_ROWS: usize = 4;
 
-/// Groups of [`TOGETHER`] activation rows a Q4_0 or Q5_0 tile takes at once (each weight
+/// Groups of [`TOGETHER`] activation rows a 32-value format's tile takes at once (each weight
 /// block unpacked once for all of them).
 pub(crate) const WIDE_GROUPS: usize = 8;
 
@@ -120,13 +121,14 @@ fn halves_added(upper: __m256i, lower: __m256i) -> __m256i {
     )
 }
 
-/// The dot products of [`TILE_ROWS`] rows of Q4_0 or Q5_0 (`F`, block bytes) with up to
+/// The dot products of [`TILE_ROWS`] rows of Q4_0, Q5_0 or Q5_1 (`F`, block bytes) with up to
 /// [`WIDE_GROUPS`] groups of [`TOGETHER`] activation rows, into `results` (one tile per group),
 /// each with the bits of `formats::legacy`'s reference.
 ///
-/// Each weight block is unpacked once to its signed values `q − c` for all the groups; each
-/// group's 16 exact integer dots are computed side by side as Q8_0's are
-/// ([`offset_four_dots`]), and their terms `dot · d · d_a` with the reference's multiplies.
+/// Each weight block is unpacked once to its signed values ([`Signed::signed`]) for all the
+/// groups; each group's 16 exact integer dots are computed side by side as Q8_0's are
+/// ([`offset_four_dots`], plus `16 · Σa` for Q5_1), and their terms with the reference's
+/// multiplies and adds ([`block_terms`]).
 /// The reference's eight lanes per output (block `b` into lane `b % 8`, the blocks after the
 /// last whole group of eight first) are eight accumulators of the outputs, added block by
 /// block in that order, and combined per output by the reference's `combine_lanes`.
