@@ -237,19 +237,25 @@ impl Kernel {
         }
     }
 
-    /// [`TILE_ROWS`] weight rows against [`TOGETHER`] activation rows: the bits of as many
-    /// [`Self::dot`] calls, computed as one tile where the kernel has a way to.
+    /// [`TILE_ROWS`] weight rows against groups of [`TOGETHER`] activation rows (at most
+    /// [`WIDE_GROUPS`]), one tile of results per group: the bits of as many [`Self::dot`]
+    /// calls, computed as one tile where the kernel has a way to.
     fn dot_tile(
         self,
         format: WeightFormat,
         weights: [WeightRow<'_>; TILE_ROWS],
-        activations: [ActivationRow<'_>; TOGETHER],
-    ) -> [[f32; TOGETHER]; TILE_ROWS] {
+        activations: &[[ActivationRow<'_>; TOGETHER]],
+        results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+    ) {
         match (self, format) {
             (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q8_0) => {
-                token.dot_q8_0_tile(weights, activations)
+                token.dot_q8_0_tile(weights, activations, results)
             }
-            _ => weights.map(|row| self.dot_together(format, row, activations)),
+            _ => {
+                for (group, result) in activations.iter().zip(results) {
+                    *result = weights.map(|row| self.dot_together(format, row, *group));
+                }
+            }
         }
     }
 }

@@ -465,25 +465,15 @@ impl QuantizedMatrix {
         match (self.format.family(), activations) {
             (Family::Parsed, Activations::Blocks(rows)) => {
                 let weights = std::array::from_fn(|r| self.row(first + r));
-                for group in groups {
-                    let columns = std::array::from_fn(|k| rows.row(group + k));
-                    outputs.put_tile(group, kernel.dot_tile(self.format, weights, columns));
-                }
+                outputs.put_wide_tiles(rows, m, |columns, tiles| {
+                    kernel.dot_tile(self.format, weights, columns, tiles);
+                });
             }
             (Family::Blocks(format), Activations::Blocks(rows)) => {
                 let weights = std::array::from_fn(|r| self.row_bytes(first + r));
-                for wide in groups.step_by(WIDE_GROUPS) {
-                    let count = ((m - m % TOGETHER - wide) / TOGETHER).min(WIDE_GROUPS);
-                    let columns: [[ActivationRow<'_>; TOGETHER]; WIDE_GROUPS] =
-                        std::array::from_fn(|g| {
-                            std::array::from_fn(|k| rows.row((wide + g * TOGETHER + k).min(m - 1)))
-                        });
-                    let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; WIDE_GROUPS];
-                    kernel.dot_blocks_tile(format, weights, &columns[..count], &mut tiles[..count]);
-                    for (g, tile) in tiles[..count].iter().enumerate() {
-                        outputs.put_tile(wide + g * TOGETHER, *tile);
-                    }
-                }
+                outputs.put_wide_tiles(rows, m, |columns, tiles| {
+                    kernel.dot_blocks_tile(format, weights, columns, tiles);
+                });
             }
             _ => {
                 for group in groups {
@@ -570,6 +560,29 @@ impl Band<'_> {
     /// Sets the output of input row `activation` against the band's weight row `local + row`.
     fn put(&mut self, activation: usize, row: usize, value: f32) {
         self.values[activation * self.band + self.local + row] = value;
+    }
+
+    /// Sets the tiles of every whole group of [`TOGETHER`] input rows (of `m` in `rows`),
+    /// [`WIDE_GROUPS`] groups at a time: `tiles(groups, results)` computes one tile per group.
+    fn put_wide_tiles(
+        &mut self,
+        rows: &QuantizedRows,
+        m: usize,
+        tiles: impl Fn(&[[ActivationRow<'_>; TOGETHER]], &mut [[[f32; TOGETHER]; TILE_ROWS]]),
+    ) {
+        let whole = m - m % TOGETHER;
+        for wide in (0..whole).step_by(WIDE_GROUPS * TOGETHER) {
+            let count = ((whole - wide) / TOGETHER).min(WIDE_GROUPS);
+            // Groups past `count` repeat the last input row; they are not computed.
+            let groups: [[ActivationRow<'_>; TOGETHER]; WIDE_GROUPS] = std::array::from_fn(|g| {
+                std::array::from_fn(|k| rows.row((wide + g * TOGETHER + k).min(m - 1)))
+            });
+            let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; WIDE_GROUPS];
+            tiles(&groups[..count], &mut results[..count]);
+            for (g, tile) in results[..count].iter().enumerate() {
+                self.put_tile(wide + g * TOGETHER, *tile);
+            }
+        }
     }
 
     /// Sets a tile's outputs: weight rows `local..local + TILE_ROWS` against input rows

@@ -102,16 +102,28 @@ impl Avx2 {
         unsafe { q8_0_four(weights, activations, blocks) }
     }
 
-    /// [`TILE_ROWS`] Q8_0 weight rows against [`TOGETHER`] activation rows: the bits of as many
-    /// `dot_q8_0` calls, each weight and activation block loaded once for the tile.
+    /// [`TILE_ROWS`] Q8_0 weight rows against groups of [`TOGETHER`] activation rows (at most
+    /// [`WIDE_GROUPS`]), one tile of results per group: the bits of as many `dot_q8_0` calls,
+    /// each weight block read once for all the groups.
     pub(crate) fn dot_q8_0_tile(
         self,
         weights: [WeightRow<'_>; TILE_ROWS],
-        activations: [ActivationRow<'_>; TOGETHER],
-    ) -> [[f32; TOGETHER]; TILE_ROWS] {
-        let blocks = checked_tile(&weights, &activations, BLOCK);
-        // SAFETY: as in `dot_q8_0`, for every weight row and every activation row.
-        unsafe { tile::q8_0(weights, activations, blocks) }
+        activations: &[[ActivationRow<'_>; TOGETHER]],
+        results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+    ) {
+        assert!(
+            activations.len() == results.len() && activations.len() <= WIDE_GROUPS,
+            "a tile of {} groups for {} results",
+            activations.len(),
+            results.len()
+        );
+        let mut blocks = 0;
+        for group in activations {
+            blocks = checked_tile(&weights, group, BLOCK);
+        }
+        // SAFETY: as in `dot_q8_0`, for every weight row and every activation row; the groups
+        // and results are as many, at most `WIDE_GROUPS`.
+        unsafe { tile::q8_0(weights, activations, blocks, results) }
     }
 
     /// One row of a 32-value format's block bytes against one activation row (equal to

@@ -25,80 +25,139 @@ use {super::GROUP, super::legacy::Signed, crate::BLOCK, crate::formats::legacy};
 /// Weight rows a tile computes at once.
 pub(crate) const TILE_ROWS: usize = 4;
 
-/// Groups of [`TOGETHER`] activation rows a 32-value format's tile takes at once (each weight
-/// block unpacked once for all of them).
+/// Groups of [`TOGETHER`] activation rows a tile takes at once (each weight block read once for
+/// all of them).
 pub(crate) const WIDE_GROUPS: usize = 8;
 
-/// Vectors of eight running sums a Q8_0 tile keeps (two weight rows each).
+/// Vectors of eight outputs a tile keeps per group of activation rows (two weight rows each).
 #[cfg(target_arch = "x86_64")]
 const PAIRS: usize = TILE_ROWS / 2;
 
-/// The dot products of [`TILE_ROWS`] Q8_0 weight rows with [`TOGETHER`] activation rows.
+/// The dot products of [`TILE_ROWS`] Q8_0 weight rows with up to [`WIDE_GROUPS`] groups of
+/// [`TOGETHER`] activation rows, into `results` (one tile per group); each weight block is
+/// loaded, and its magnitudes and scales taken, once for all the groups.
 ///
 /// # Safety
-/// The CPU must have AVX2, and every slice of every row must hold at least `blocks` blocks.
+/// The CPU must have AVX2; `activations` must hold at most [`WIDE_GROUPS`] groups and
+/// `results` as many tiles; every slice of every row must hold at least `blocks` blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 pub(super) unsafe fn q8_0(
     weights: [WeightRow<'_>; TILE_ROWS],
-    activations: [ActivationRow<'_>; TOGETHER],
+    activations: &[[ActivationRow<'_>; TOGETHER]],
     blocks: usize,
-) -> [[f32; TOGETHER]; TILE_ROWS] {
-    let mut sums = [_mm256_setzero_ps(); PAIRS];
+    results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+) {
+    let mut sums = [[_mm256_setzero_ps(); PAIRS]; WIDE_GROUPS];
     for block in 0..blocks {
-        // SAFETY: `block < blocks`, so 32 quants and a scale of every activation row are in
-        // range.
-        let (quants, activation_scales) = unsafe {
-            let quants: [__m256i; TOGETHER] = std::array::from_fn(|c| {
-                _mm256_loadu_si256(activations[c].quants.as_ptr().add(block * BLOCK).cast())
-            });
-            let scale = |c: usize| *activations[c].scales.get_unchecked(block);
-            let four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
-            (quants, _mm256_set_m128(four, four))
-        };
-        for (pair, sum) in sums.iter_mut().enumerate() {
-            let (upper, lower) = (weights[2 * pair], weights[2 * pair + 1]);
-            // SAFETY: as above, for the two weight rows.
-            let (dots, scales) = unsafe {
-                let upper_dots = q8_0_four_dots(upper.quants.as_ptr().add(block * BLOCK), &quants);
-                let lower_dots = q8_0_four_dots(lower.quants.as_ptr().add(block * BLOCK), &quants);
-                let scales = _mm256_set_m128(
-                    _mm_set1_ps(*lower.scales.get_unchecked(block)),
-                    _mm_set1_ps(*upper.scales.get_unchecked(block)),
-                );
-                (halves_added(upper_dots, lower_dots), scales)
-            };
-            let terms = _mm256_mul_ps(
-                _mm256_mul_ps(_mm256_cvtepi32_ps(dots), scales),
-                activation_scales,
-            );
-            *sum = _mm256_add_ps(*sum, terms);
+        // SAFETY: `block < blocks`, in range of every weight row (the caller).
+        let weights = unsafe { q8_0_weights(&weights, block) };
+        for (sums, group) in sums.iter_mut().zip(activations) {
+            // SAFETY: as above, for every activation row.
+            let terms = unsafe { q8_0_terms(&weights, group, block) };
+            for (sum, terms) in sums.iter_mut().zip(terms) {
+                *sum = _mm256_add_ps(*sum, terms);
+            }
         }
     }
-    let mut results = [[0f32; TOGETHER]; TILE_ROWS];
-    for (pair, sum) in sums.into_iter().enumerate() {
-        let mut lanes = [0f32; 2 * TOGETHER];
-        // SAFETY: `lanes` holds eight f32, what an unaligned 256-bit store writes.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sum) };
-        results[2 * pair].copy_from_slice(&lanes[..TOGETHER]);
-        results[2 * pair + 1].copy_from_slice(&lanes[TOGETHER..]);
+    for (sums, result) in sums.iter().zip(results) {
+        for (pair, sum) in sums.iter().enumerate() {
+            let mut lanes = [0f32; 2 * TOGETHER];
+            // SAFETY: `lanes` holds eight f32, what an unaligned 256-bit store writes.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *sum) };
+            result[2 * pair].copy_from_slice(&lanes[..TOGETHER]);
+            result[2 * pair + 1].copy_from_slice(&lanes[TOGETHER..]);
+        }
     }
-    results
 }
 
-/// One Q8_0 weight block (32 signed bytes at `quants`) against four activation blocks: in each
-/// 128-bit half, lane `c` holds part of the dot with activation block `c` (the two halves add
-/// up to it, see [`halves_added`]).
+/// A tile's Q8_0 block: each weight row's 32 signed bytes and their magnitudes, and per pair
+/// of rows their scales (lanes 0..4 the first row's, 4..8 the second's).
+#[cfg(target_arch = "x86_64")]
+struct Q8Weights {
+    quants: [__m256i; TILE_ROWS],
+    magnitudes: [__m256i; TILE_ROWS],
+    scales: [__m256; PAIRS],
+}
+
+/// Block `block` of every weight row, as [`q8_0_terms`] takes it.
 ///
 /// # Safety
-/// The CPU must have AVX2; `quants` must point at 32 readable bytes.
+/// The CPU must have AVX2; block `block` must be in range of every weight row.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn q8_0_four_dots(quants: *const u8, activations: &[__m256i; TOGETHER]) -> __m256i {
-    // SAFETY: the caller guarantees 32 readable bytes at `quants`.
-    let weights = unsafe { _mm256_loadu_si256(quants.cast()) };
-    let magnitudes = _mm256_sign_epi8(weights, weights);
+unsafe fn q8_0_weights(weights: &[WeightRow<'_>; TILE_ROWS], block: usize) -> Q8Weights {
+    // SAFETY: the block's 32 quants and scale of every row are readable (the caller).
+    let (quants, scale) = unsafe {
+        (
+            weights.map(|row| _mm256_loadu_si256(row.quants.as_ptr().add(block * BLOCK).cast())),
+            weights.map(|row| *row.scales.get_unchecked(block)),
+        )
+    };
+    Q8Weights {
+        quants,
+        magnitudes: quants.map(|quants| _mm256_sign_epi8(quants, quants)),
+        scales: std::array::from_fn(|pair| {
+            _mm256_set_m128(
+                _mm_set1_ps(scale[2 * pair + 1]),
+                _mm_set1_ps(scale[2 * pair]),
+            )
+        }),
+    }
+}
+
+/// Block `block`'s terms `dot · d_w · d_a` of a group's outputs, in the lanes of [`q8_0`]'s
+/// running sums (lane `4·(r % 2) + c` of vector `r / 2` is weight row `r` against activation
+/// row `c`).
+///
+/// # Safety
+/// The CPU must have AVX2; block `block` must be in range of every part of every activation
+/// row.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn q8_0_terms(
+    weights: &Q8Weights,
+    activations: &[ActivationRow<'_>; TOGETHER],
+    block: usize,
+) -> [__m256; PAIRS] {
+    // SAFETY: the block's 32 quants and scale of every activation row are readable (the
+    // caller).
+    let (quants, activation_scales) = unsafe {
+        let quants: [__m256i; TOGETHER] = std::array::from_fn(|c| {
+            _mm256_loadu_si256(activations[c].quants.as_ptr().add(block * BLOCK).cast())
+        });
+        let scale = |c: usize| *activations[c].scales.get_unchecked(block);
+        let four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
+        (quants, _mm256_set_m128(four, four))
+    };
+    let mut terms = [_mm256_setzero_ps(); PAIRS];
+    for (pair, terms) in terms.iter_mut().enumerate() {
+        let (upper, lower) = (2 * pair, 2 * pair + 1);
+        let dots = halves_added(
+            q8_0_four_dots(weights.quants[upper], weights.magnitudes[upper], &quants),
+            q8_0_four_dots(weights.quants[lower], weights.magnitudes[lower], &quants),
+        );
+        *terms = _mm256_mul_ps(
+            _mm256_mul_ps(_mm256_cvtepi32_ps(dots), weights.scales[pair]),
+            activation_scales,
+        );
+    }
+    terms
+}
+
+/// One Q8_0 weight block (its 32 signed bytes `weights` and their `magnitudes`) against four
+/// activation blocks: in each 128-bit half, lane `c` holds part of the dot with activation block
+/// `c` (the two halves add up to it, see [`halves_added`]).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn q8_0_four_dots(
+    weights: __m256i,
+    magnitudes: __m256i,
+    activations: &[__m256i; TOGETHER],
+) -> __m256i {
     let dot = |c: usize| {
         let pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(activations[c], weights));
         _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
@@ -357,9 +416,10 @@ pub(super) unsafe fn offset_blocks<F>(
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn q8_0(
     _: [WeightRow<'_>; TILE_ROWS],
-    _: [ActivationRow<'_>; TOGETHER],
+    _: &[[ActivationRow<'_>; TOGETHER]],
     _: usize,
-) -> [[f32; TOGETHER]; TILE_ROWS] {
+    _: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+) {
     unreachable!("no AVX2 outside x86_64")
 }
 
@@ -393,7 +453,7 @@ mod tests {
         for (round, blocks) in [1, 2, 7, 8, 9, 18, 48].into_iter().enumerate() {
             let cols = blocks * BLOCK;
             // Activations at their extremes (±127) and random; weights random, all -128 or 127.
-            let input: Vec<f32> = (0..TOGETHER * cols)
+            let input: Vec<f32> = (0..2 * TOGETHER * cols)
                 .map(|i| match (i / cols + round) % 3 {
                     0 => (i as f32 * 0.37).sin() * 40.0,
                     1 => {
@@ -406,8 +466,9 @@ mod tests {
                     _ => (i as f32).cos(),
                 })
                 .collect();
-            let rows = QuantizedRows::quantize(&input, TOGETHER, cols);
-            let activations: [ActivationRow<'_>; TOGETHER] = std::array::from_fn(|k| rows.row(k));
+            let rows = QuantizedRows::quantize(&input, 2 * TOGETHER, cols);
+            let groups: [[ActivationRow<'_>; TOGETHER]; 2] =
+                std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
             let mut quants = bytes(TILE_ROWS * cols, round as u64);
             quants[..cols].fill(0x80);
             quants[cols..2 * cols].fill(0x7F);
@@ -420,11 +481,19 @@ mod tests {
                 mins: &[],
                 quants: &quants[r * cols..(r + 1) * cols],
             };
-            let tile = token.dot_q8_0_tile(std::array::from_fn(weight), activations);
-            for (r, outputs) in tile.iter().enumerate() {
-                for (c, got) in outputs.iter().enumerate() {
-                    let want = crate::scalar::dot_q8_0(weight(r), activations[c]);
-                    assert_eq!(want.to_bits(), got.to_bits(), "{blocks} blocks, ({r}, {c})");
+            // Both groups at once, and the second alone.
+            let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 3];
+            let weights = std::array::from_fn(weight);
+            token.dot_q8_0_tile(weights, &groups, &mut tiles[..2]);
+            token.dot_q8_0_tile(weights, &groups[1..], &mut tiles[2..]);
+            for (g, tile) in tiles.iter().enumerate() {
+                let group = groups[g.min(1)];
+                for (r, outputs) in tile.iter().enumerate() {
+                    for (c, got) in outputs.iter().enumerate() {
+                        let want = crate::scalar::dot_q8_0(weight(r), group[c]);
+                        let at = format!("{blocks} blocks, tile {g}, ({r}, {c})");
+                        assert_eq!(want.to_bits(), got.to_bits(), "{at}");
+                    }
                 }
             }
         }
@@ -543,10 +612,12 @@ mod tests {
             });
             let tiled = per(&|| {
                 let tile = |t: usize| {
+                    let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
                     let rows = std::array::from_fn(|r| weight(t + r));
-                    groups.map(|g| token.dot_q8_0_tile(rows, g)[0][0])
+                    token.dot_q8_0_tile(rows, &groups, &mut results);
+                    results[0][0][0]
                 };
-                tiles().map(|t| tile(t).iter().sum::<f32>()).sum()
+                tiles().map(tile).sum()
             });
             println!("Q8_0 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block");
             for format in [BlockFormat::Q4_0, BlockFormat::Q5_0, BlockFormat::Q5_1] {
