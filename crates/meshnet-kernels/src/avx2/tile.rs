@@ -1,6 +1,6 @@
 //! Register tiles: [`TILE_ROWS`] weight rows against [`TOGETHER`] activation rows at once (a
-//! prefill's matmul), each weight block and each activation block loaded once for the tile
-//! instead of once per output.
+//! prefill's matmul), each activation block loaded once for the tile instead of once per
+//! output, and each weight block once for up to [`WIDE_GROUPS`] groups of activation rows.
 //!
 //! Q8_0: every block's 16 integer dots are computed and reduced side by side, and their float
 //! terms computed and added in two vectors of eight outputs (lane `4·(r % 2) + c` of vector
@@ -9,9 +9,8 @@
 //! the reference's own operations (`scalar::dot_q8_0`), so each output has its bits. The
 //! integer dots are those of `q8_block` (exact, see `avx2/mod.rs`).
 //!
-//! Q4_0, Q5_0 and Q5_1: the same side-by-side dots from the weight blocks unpacked once to
-//! signed values (for up to [`WIDE_GROUPS`] groups of activation rows), the terms kept in the
-//! reference's eight lanes per output (`offset_blocks`).
+//! Q4_0, Q5_0 and Q5_1: the same side-by-side dots from the weight blocks unpacked to signed
+//! values, the terms kept in the reference's eight lanes per output (`offset_blocks`).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
