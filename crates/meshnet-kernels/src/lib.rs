@@ -251,6 +251,9 @@ impl Kernel {
             (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q8_0) => {
                 token.dot_q8_0_tile(weights, activations, results)
             }
+            (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q4_1) => {
+                token.dot_q4_1_tile(weights, activations, results)
+            }
             _ => {
                 for (group, result) in activations.iter().zip(results) {
                     *result = weights.map(|row| self.dot_together(format, row, *group));

@@ -415,6 +415,7 @@ proptest! {
 fn batched_format_and_cols() -> impl Strategy<Value = (WeightFormat, usize)> {
     let tiled = [
         WeightFormat::Q8_0,
+        WeightFormat::Q4_1,
         WeightFormat::Q4_0,
         WeightFormat::Q5_0,
         WeightFormat::Q5_1,

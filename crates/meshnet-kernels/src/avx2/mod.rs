@@ -111,19 +111,27 @@ impl Avx2 {
         activations: &[[ActivationRow<'_>; TOGETHER]],
         results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
     ) {
-        assert!(
-            activations.len() == results.len() && activations.len() <= WIDE_GROUPS,
-            "a tile of {} groups for {} results",
-            activations.len(),
-            results.len()
-        );
-        let mut blocks = 0;
-        for group in activations {
-            blocks = checked_tile(&weights, group, BLOCK);
-        }
+        let blocks = checked_groups(&weights, activations, results.len(), BLOCK);
         // SAFETY: as in `dot_q8_0`, for every weight row and every activation row; the groups
         // and results are as many, at most `WIDE_GROUPS`.
-        unsafe { tile::q8_0(weights, activations, blocks, results) }
+        unsafe { tile::parsed::<tile::Q8_0Tile>(weights, activations, blocks, results) }
+    }
+
+    /// [`Self::dot_q8_0_tile`] for Q4_1: the bits of as many `dot_q4_1` calls.
+    pub(crate) fn dot_q4_1_tile(
+        self,
+        weights: [WeightRow<'_>; TILE_ROWS],
+        activations: &[[ActivationRow<'_>; TOGETHER]],
+        results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+    ) {
+        let blocks = checked_groups(&weights, activations, results.len(), Q4_1_QUANT_BYTES);
+        assert!(
+            weights.iter().all(|row| row.mins.len() == blocks),
+            "kernel operands of unequal length"
+        );
+        // SAFETY: as in `dot_q4_1`, for every weight row and every activation row; the groups
+        // and results are as many, at most `WIDE_GROUPS`.
+        unsafe { tile::parsed::<tile::Q4_1Tile>(weights, activations, blocks, results) }
     }
 
     /// One row of a 32-value format's block bytes against one activation row (equal to
@@ -299,6 +307,26 @@ fn checked_rows(
     let mut blocks = weights.scales.len();
     for row in activations {
         blocks = checked_blocks(weights, *row, quant_bytes);
+    }
+    blocks
+}
+
+/// [`checked_tile`] for every group of a tile, after checking that there are as many groups
+/// as `results`, at most [`WIDE_GROUPS`].
+fn checked_groups(
+    weights: &[WeightRow<'_>],
+    activations: &[[ActivationRow<'_>; TOGETHER]],
+    results: usize,
+    quant_bytes: usize,
+) -> usize {
+    assert!(
+        activations.len() == results && results <= WIDE_GROUPS,
+        "a tile of {} groups for {results} results",
+        activations.len()
+    );
+    let mut blocks = 0;
+    for group in activations {
+        blocks = checked_tile(weights, group, quant_bytes);
     }
     blocks
 }

@@ -19,7 +19,10 @@ use super::TOGETHER;
 use crate::activations::ActivationRow;
 use crate::matrix::WeightRow;
 #[cfg(target_arch = "x86_64")]
-use {super::GROUP, super::legacy::Signed, crate::BLOCK, crate::formats::legacy};
+use {
+    super::GROUP, super::legacy::Signed, crate::BLOCK, crate::Q4_1_QUANT_BYTES,
+    crate::formats::legacy,
+};
 
 /// Weight rows a tile computes at once.
 pub(crate) const TILE_ROWS: usize = 4;
@@ -32,16 +35,17 @@ pub(crate) const WIDE_GROUPS: usize = 8;
 #[cfg(target_arch = "x86_64")]
 const PAIRS: usize = TILE_ROWS / 2;
 
-/// The dot products of [`TILE_ROWS`] Q8_0 weight rows with up to [`WIDE_GROUPS`] groups of
-/// [`TOGETHER`] activation rows, into `results` (one tile per group); each weight block is
-/// loaded, and its magnitudes and scales taken, once for all the groups.
+/// The dot products of [`TILE_ROWS`] Q8_0 or Q4_1 (`T`) weight rows with up to
+/// [`WIDE_GROUPS`] groups of [`TOGETHER`] activation rows, into `results` (one tile per group);
+/// each weight block is prepared once for all the groups. Each output adds its block's term to
+/// its running sum block after block, as the reference does.
 ///
 /// # Safety
 /// The CPU must have AVX2; `activations` must hold at most [`WIDE_GROUPS`] groups and
 /// `results` as many tiles; every slice of every row must hold at least `blocks` blocks.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-pub(super) unsafe fn q8_0(
+pub(super) unsafe fn parsed<T: ParsedTile>(
     weights: [WeightRow<'_>; TILE_ROWS],
     activations: &[[ActivationRow<'_>; TOGETHER]],
     blocks: usize,
@@ -50,10 +54,10 @@ pub(super) unsafe fn q8_0(
     let mut sums = [[_mm256_setzero_ps(); PAIRS]; WIDE_GROUPS];
     for block in 0..blocks {
         // SAFETY: `block < blocks`, in range of every weight row (the caller).
-        let weights = unsafe { q8_0_weights(&weights, block) };
+        let weights = unsafe { T::weights(&weights, block) };
         for (sums, group) in sums.iter_mut().zip(activations) {
             // SAFETY: as above, for every activation row.
-            let terms = unsafe { q8_0_terms(&weights, group, block) };
+            let terms = unsafe { T::terms(&weights, group, block) };
             for (sum, terms) in sums.iter_mut().zip(terms) {
                 *sum = _mm256_add_ps(*sum, terms);
             }
@@ -70,45 +74,71 @@ pub(super) unsafe fn q8_0(
     }
 }
 
+/// What differs between the Q8_0 and the Q4_1 tile.
+#[cfg(target_arch = "x86_64")]
+pub(super) trait ParsedTile {
+    /// A block of the tile's weight rows, prepared once for all the groups.
+    type Weights;
+
+    /// Block `block` of every weight row.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; block `block` must be in range of every weight row.
+    unsafe fn weights(rows: &[WeightRow<'_>; TILE_ROWS], block: usize) -> Self::Weights;
+
+    /// Block `block`'s terms of a group's outputs, the reference's float operations lane by
+    /// lane (lane `4·(r % 2) + c` of vector `r / 2` is weight row `r` against activation row
+    /// `c`).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; block `block` must be in range of every part of every
+    /// activation row.
+    unsafe fn terms(
+        weights: &Self::Weights,
+        activations: &[ActivationRow<'_>; TOGETHER],
+        block: usize,
+    ) -> [__m256; PAIRS];
+}
+
+/// The Q8_0 tile: terms `dot · d_w · d_a` (`scalar::dot_q8_0`).
+pub(super) struct Q8_0Tile;
+
+/// The Q4_1 tile: terms `dot · d_w · d_a + m_w · s_a` (`scalar::dot_q4_1`).
+pub(super) struct Q4_1Tile;
+
 /// A tile's Q8_0 block: each weight row's 32 signed bytes and their magnitudes, and per pair
 /// of rows their scales (lanes 0..4 the first row's, 4..8 the second's).
 #[cfg(target_arch = "x86_64")]
-struct Q8Weights {
+pub(super) struct Q8Weights {
     quants: [__m256i; TILE_ROWS],
     magnitudes: [__m256i; TILE_ROWS],
     scales: [__m256; PAIRS],
 }
 
-/// Block `block` of every weight row, as [`q8_0_terms`] takes it.
-///
-/// # Safety
-/// The CPU must have AVX2; block `block` must be in range of every weight row.
+/// A tile's Q4_1 block: each weight row's 32 quants in value order, and per pair of rows their
+/// scales and minimums (lanes 0..4 the first row's, 4..8 the second's).
+#[cfg(target_arch = "x86_64")]
+pub(super) struct Q4_1Weights {
+    nibbles: [__m256i; TILE_ROWS],
+    scales: [__m256; PAIRS],
+    mins: [__m256; PAIRS],
+}
+
+/// Per pair of rows, `values[2 · pair]` in lanes 0..4 and `values[2 · pair + 1]` in 4..8.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn q8_0_weights(weights: &[WeightRow<'_>; TILE_ROWS], block: usize) -> Q8Weights {
-    // SAFETY: the block's 32 quants and scale of every row are readable (the caller).
-    let (quants, scale) = unsafe {
-        (
-            weights.map(|row| _mm256_loadu_si256(row.quants.as_ptr().add(block * BLOCK).cast())),
-            weights.map(|row| *row.scales.get_unchecked(block)),
+fn pair_lanes(values: [f32; TILE_ROWS]) -> [__m256; PAIRS] {
+    std::array::from_fn(|pair| {
+        _mm256_set_m128(
+            _mm_set1_ps(values[2 * pair + 1]),
+            _mm_set1_ps(values[2 * pair]),
         )
-    };
-    Q8Weights {
-        quants,
-        magnitudes: quants.map(|quants| _mm256_sign_epi8(quants, quants)),
-        scales: std::array::from_fn(|pair| {
-            _mm256_set_m128(
-                _mm_set1_ps(scale[2 * pair + 1]),
-                _mm_set1_ps(scale[2 * pair]),
-            )
-        }),
-    }
+    })
 }
 
-/// Block `block`'s terms `dot · d_w · d_a` of a group's outputs, in the lanes of [`q8_0`]'s
-/// running sums (lane `4·(r % 2) + c` of vector `r / 2` is weight row `r` against activation
-/// row `c`).
+/// Block `block`'s 32 quants of every activation row, and their scales and sums as four
+/// lanes repeated in both halves.
 ///
 /// # Safety
 /// The CPU must have AVX2; block `block` must be in range of every part of every activation
@@ -116,34 +146,134 @@ unsafe fn q8_0_weights(weights: &[WeightRow<'_>; TILE_ROWS], block: usize) -> Q8
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn q8_0_terms(
-    weights: &Q8Weights,
+unsafe fn activation_block(
     activations: &[ActivationRow<'_>; TOGETHER],
     block: usize,
-) -> [__m256; PAIRS] {
-    // SAFETY: the block's 32 quants and scale of every activation row are readable (the
+) -> ([__m256i; TOGETHER], __m256, __m256) {
+    // SAFETY: the block's 32 quants, scale and sum of every activation row are readable (the
     // caller).
-    let (quants, activation_scales) = unsafe {
+    unsafe {
         let quants: [__m256i; TOGETHER] = std::array::from_fn(|c| {
             _mm256_loadu_si256(activations[c].quants.as_ptr().add(block * BLOCK).cast())
         });
         let scale = |c: usize| *activations[c].scales.get_unchecked(block);
-        let four = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
-        (quants, _mm256_set_m128(four, four))
-    };
-    let mut terms = [_mm256_setzero_ps(); PAIRS];
-    for (pair, terms) in terms.iter_mut().enumerate() {
-        let (upper, lower) = (2 * pair, 2 * pair + 1);
-        let dots = halves_added(
-            q8_0_four_dots(weights.quants[upper], weights.magnitudes[upper], &quants),
-            q8_0_four_dots(weights.quants[lower], weights.magnitudes[lower], &quants),
-        );
-        *terms = _mm256_mul_ps(
-            _mm256_mul_ps(_mm256_cvtepi32_ps(dots), weights.scales[pair]),
-            activation_scales,
-        );
+        let sum = |c: usize| *activations[c].sums.get_unchecked(block);
+        let scales = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
+        let sums = _mm_setr_ps(sum(0), sum(1), sum(2), sum(3));
+        (
+            quants,
+            _mm256_set_m128(scales, scales),
+            _mm256_set_m128(sums, sums),
+        )
     }
-    terms
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ParsedTile for Q8_0Tile {
+    type Weights = Q8Weights;
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn weights(rows: &[WeightRow<'_>; TILE_ROWS], block: usize) -> Q8Weights {
+        // SAFETY: the block's 32 quants and scale of every row are readable (the caller).
+        let (quants, scales) = unsafe {
+            (
+                rows.map(|row| _mm256_loadu_si256(row.quants.as_ptr().add(block * BLOCK).cast())),
+                rows.map(|row| *row.scales.get_unchecked(block)),
+            )
+        };
+        Q8Weights {
+            quants,
+            magnitudes: quants.map(|quants| _mm256_sign_epi8(quants, quants)),
+            scales: pair_lanes(scales),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn terms(
+        weights: &Q8Weights,
+        activations: &[ActivationRow<'_>; TOGETHER],
+        block: usize,
+    ) -> [__m256; PAIRS] {
+        // SAFETY: passed on from the caller.
+        let (quants, activation_scales, _) = unsafe { activation_block(activations, block) };
+        let mut terms = [_mm256_setzero_ps(); PAIRS];
+        for (pair, terms) in terms.iter_mut().enumerate() {
+            let (upper, lower) = (2 * pair, 2 * pair + 1);
+            let dots = halves_added(
+                q8_0_four_dots(weights.quants[upper], weights.magnitudes[upper], &quants),
+                q8_0_four_dots(weights.quants[lower], weights.magnitudes[lower], &quants),
+            );
+            *terms = _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(dots), weights.scales[pair]),
+                activation_scales,
+            );
+        }
+        terms
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl ParsedTile for Q4_1Tile {
+    type Weights = Q4_1Weights;
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn weights(rows: &[WeightRow<'_>; TILE_ROWS], block: usize) -> Q4_1Weights {
+        // SAFETY: the block's 16 quant bytes, scale and minimum of every row are readable (the
+        // caller).
+        unsafe {
+            Q4_1Weights {
+                nibbles: rows.map(|row| {
+                    super::q4_1_nibbles(row.quants.as_ptr().add(block * Q4_1_QUANT_BYTES))
+                }),
+                scales: pair_lanes(rows.map(|row| *row.scales.get_unchecked(block))),
+                mins: pair_lanes(rows.map(|row| *row.mins.get_unchecked(block))),
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn terms(
+        weights: &Q4_1Weights,
+        activations: &[ActivationRow<'_>; TOGETHER],
+        block: usize,
+    ) -> [__m256; PAIRS] {
+        // SAFETY: passed on from the caller.
+        let (quants, activation_scales, activation_sums) =
+            unsafe { activation_block(activations, block) };
+        let mut terms = [_mm256_setzero_ps(); PAIRS];
+        for (pair, terms) in terms.iter_mut().enumerate() {
+            let dots = halves_added(
+                unsigned_four_dots(weights.nibbles[2 * pair], &quants),
+                unsigned_four_dots(weights.nibbles[2 * pair + 1], &quants),
+            );
+            let scaled = _mm256_mul_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(dots), weights.scales[pair]),
+                activation_scales,
+            );
+            *terms = _mm256_add_ps(scaled, _mm256_mul_ps(weights.mins[pair], activation_sums));
+        }
+        terms
+    }
+}
+
+/// One block of 32 unsigned 4-bit quants against four activation blocks, laid out as
+/// [`q8_0_four_dots`] lays its dots out. A `maddubs` pair is at most 2 · 15 · 128 in magnitude
+/// (any activation byte), so three rounds of `hadd` (16 products, at most 30720) are exact
+/// before `madd` widens the sums.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn unsigned_four_dots(nibbles: __m256i, activations: &[__m256i; TOGETHER]) -> __m256i {
+    let pairs = |c: usize| _mm256_maddubs_epi16(nibbles, activations[c]);
+    let sums = _mm256_hadd_epi16(
+        _mm256_hadd_epi16(pairs(0), pairs(1)),
+        _mm256_hadd_epi16(pairs(2), pairs(3)),
+    );
+    _mm256_madd_epi16(sums, _mm256_set1_epi16(1))
 }
 
 /// One Q8_0 weight block (its 32 signed bytes `weights` and their `magnitudes`) against four
@@ -413,7 +543,7 @@ pub(super) unsafe fn offset_blocks<F>(
 
 /// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
 #[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn q8_0(
+pub(super) unsafe fn parsed<T>(
     _: [WeightRow<'_>; TILE_ROWS],
     _: &[[ActivationRow<'_>; TOGETHER]],
     _: usize,
@@ -490,6 +620,50 @@ mod tests {
                 for (r, outputs) in tile.iter().enumerate() {
                     for (c, got) in outputs.iter().enumerate() {
                         let want = crate::scalar::dot_q8_0(weight(r), group[c]);
+                        let at = format!("{blocks} blocks, tile {g}, ({r}, {c})");
+                        assert_eq!(want.to_bits(), got.to_bits(), "{at}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_q4_1_tile_gives_the_bits_of_every_reference_dot() {
+        let Some(token) = Avx2::detect() else {
+            return;
+        };
+        for (round, blocks) in [1, 2, 7, 8, 9, 18, 48].into_iter().enumerate() {
+            let cols = blocks * BLOCK;
+            // Activations at their extremes (±127, and -128 by hand) and random.
+            let input: Vec<f32> = (0..2 * TOGETHER * cols)
+                .map(|i| match (i / cols + round) % 2 {
+                    0 => (i as f32 * 0.37).sin() * 40.0,
+                    _ => 3.0 - 6.0 * (i % 2) as f32,
+                })
+                .collect();
+            let mut rows = QuantizedRows::quantize(&input, 2 * TOGETHER, cols);
+            rows.quants[..BLOCK].fill(-128);
+            let groups: [[ActivationRow<'_>; TOGETHER]; 2] =
+                std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
+            let mut quants = bytes(TILE_ROWS * cols / 2, round as u64);
+            quants[..cols / 2].fill(0xFF);
+            let floats = |seed: u64| -> Vec<f32> {
+                let values = bytes(TILE_ROWS * blocks, seed).into_iter();
+                values.map(|b| f32::from(b) * 1e-3 - 0.1).collect()
+            };
+            let (scales, mins) = (floats(9), floats(10));
+            let weight = |r: usize| WeightRow {
+                scales: &scales[r * blocks..(r + 1) * blocks],
+                mins: &mins[r * blocks..(r + 1) * blocks],
+                quants: &quants[r * cols / 2..(r + 1) * cols / 2],
+            };
+            let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 2];
+            token.dot_q4_1_tile(std::array::from_fn(weight), &groups, &mut tiles);
+            for (g, tile) in tiles.iter().enumerate() {
+                for (r, outputs) in tile.iter().enumerate() {
+                    for (c, got) in outputs.iter().enumerate() {
+                        let want = crate::scalar::dot_q4_1(weight(r), groups[g][c]);
                         let at = format!("{blocks} blocks, tile {g}, ({r}, {c})");
                         assert_eq!(want.to_bits(), got.to_bits(), "{at}");
                     }
@@ -619,6 +793,25 @@ mod tests {
                 tiles().map(tile).sum()
             });
             println!("Q8_0 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block");
+            let nibbles = |r: usize| WeightRow {
+                scales: &scales[r * blocks..(r + 1) * blocks],
+                mins: &scales[r * blocks..(r + 1) * blocks],
+                quants: &quants[r * cols / 2..(r + 1) * cols / 2],
+            };
+            let four = per(&|| {
+                let row = |r: usize| groups.map(|g| token.dot_q4_1_four(nibbles(r), g)[0]);
+                (0..16).map(|r| row(r).iter().sum::<f32>()).sum()
+            });
+            let tiled = per(&|| {
+                let tile = |t: usize| {
+                    let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
+                    let rows = std::array::from_fn(|r| nibbles(t + r));
+                    token.dot_q4_1_tile(rows, &groups, &mut results);
+                    results[0][0][0]
+                };
+                tiles().map(tile).sum()
+            });
+            println!("Q4_1 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block");
             for format in [BlockFormat::Q4_0, BlockFormat::Q5_0, BlockFormat::Q5_1] {
                 let row_bytes = blocks * format.block_bytes();
                 let mut weights = bytes(16 * row_bytes, 5);
