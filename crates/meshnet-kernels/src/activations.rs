@@ -8,7 +8,7 @@
 
 use half::f16;
 
-use crate::BLOCK;
+use crate::{BLOCK, Kernel};
 
 /// Rows of activations in quantized blocks.
 #[derive(Clone, Debug, Default)]
@@ -24,9 +24,16 @@ pub struct QuantizedRows {
 }
 
 impl QuantizedRows {
-    /// Quantizes `input`, `rows` rows of `cols` values each; `cols` must be a multiple of 32
-    /// and `input.len()` equal `rows × cols` (the caller checks both).
+    /// [`Self::quantize_with`] the reference kernel.
+    #[cfg(test)]
     pub(crate) fn quantize(input: &[f32], rows: usize, cols: usize) -> Self {
+        Self::quantize_with(Kernel::Scalar, input, rows, cols)
+    }
+
+    /// Quantizes `input`, `rows` rows of `cols` values each, with `kernel` (every kernel gives
+    /// the same bits); `cols` must be a multiple of 32 and `input.len()` equal `rows × cols`
+    /// (the caller checks both).
+    pub(crate) fn quantize_with(kernel: Kernel, input: &[f32], rows: usize, cols: usize) -> Self {
         let blocks_per_row = cols / BLOCK;
         let blocks = rows * blocks_per_row;
         let mut quantized = Self {
@@ -38,7 +45,7 @@ impl QuantizedRows {
         };
         for (block, values) in input.chunks_exact(BLOCK).enumerate() {
             let quants = &mut quantized.quants[block * BLOCK..(block + 1) * BLOCK];
-            let (scale, sum) = quantize_block(values, quants);
+            let (scale, sum) = quantize_block(kernel, values, quants);
             quantized.scales[block] = scale;
             quantized.sums[block] = sum;
         }
@@ -80,24 +87,65 @@ pub(crate) struct ActivationRow<'a> {
     pub(crate) quants: &'a [i8],
 }
 
-/// Quantizes 32 values into `quants`; returns the block's scale and scaled sum.
-fn quantize_block(values: &[f32], quants: &mut [i8]) -> (f32, f32) {
-    let largest = values.iter().fold(0f32, |largest, x| largest.max(x.abs()));
-    let scale = largest / 127.0;
-    let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
-    let mut sum = 0i32;
-    for (quant, value) in quants.iter_mut().zip(values) {
-        *quant = (value * inverse).round() as i8;
-        sum += i32::from(*quant);
-    }
+/// Quantizes 32 values into `quants` with `kernel`; returns the block's scale and scaled sum.
+fn quantize_block(kernel: Kernel, values: &[f32], quants: &mut [i8]) -> (f32, f32) {
+    let (scale, sum) = kernel.quantize_values(values, quants);
     let scale = f16::from_f32(scale);
     let scaled_sum = f16::from_f32(f16::from_f32(sum as f32).to_f32() * scale.to_f32());
     (scale.to_f32(), scaled_sum.to_f32())
 }
 
+/// Quantizes 32 values into `quants` (the reference): returns the unrounded scale
+/// `max|x| / 127` and the sum of the quants `round(x / scale)`.
+pub(crate) fn quantize_values(values: &[f32], quants: &mut [i8]) -> (f32, i32) {
+    let largest = values.iter().fold(0f32, |largest, x| largest.max(x.abs()));
+    let scale = largest / 127.0;
+    let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
+    let mut sum = 0i32;
+    for (quant, value) in quants.iter_mut().zip(values) {
+        *quant = round_to_i8(value * inverse);
+        sum += i32::from(*quant);
+    }
+    (scale, sum)
+}
+
+/// `x.round() as i8` (halves away from zero, saturating, NaN to 0) without a call to the C
+/// library's `roundf`, so that a block's loop stays inline: `x` clamped to ±200 (beyond which
+/// both saturate alike), truncated, and moved one away from zero when the dropped fraction
+/// (exact) is at least one half.
+#[inline]
+pub(crate) fn round_to_i8(x: f32) -> i8 {
+    let x = x.clamp(-200.0, 200.0);
+    let whole = x as i32;
+    let fraction = x - whole as f32;
+    let rounded = whole + i32::from(fraction >= 0.5) - i32::from(fraction <= -0.5);
+    rounded.clamp(i32::from(i8::MIN), i32::from(i8::MAX)) as i8
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rounding_to_i8_equals_rounding_then_casting() {
+        let halves = (-600..=600).map(|k| k as f32 * 0.5);
+        let near_halves = (-600..=600).flat_map(|k| {
+            let half = k as f32 * 0.5;
+            [half.next_down(), half.next_up()]
+        });
+        let special = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN,
+            -0.0,
+        ];
+        let spread = (0..=u32::MAX).step_by(4099).map(f32::from_bits);
+        for x in halves.chain(near_halves).chain(special).chain(spread) {
+            assert_eq!(round_to_i8(x), x.round() as i8, "{x}");
+        }
+    }
 
     #[test]
     fn a_block_round_trips_within_half_a_step() {

@@ -30,7 +30,7 @@ pub use matrix::{MatrixBuilder, QuantizedMatrix, WeightFormat};
 use std::sync::OnceLock;
 
 use activations::ActivationRow;
-use avx2::TOGETHER;
+use avx2::{TILE_ROWS, TOGETHER, WIDE_GROUPS};
 use formats::{BlockFormat, FloatFormat, SuperFormat};
 use matrix::WeightRow;
 use super_rows::SuperRow;
@@ -148,6 +148,28 @@ impl Kernel {
         }
     }
 
+    /// [`TILE_ROWS`] rows of a 32-value format's bytes against groups of [`TOGETHER`]
+    /// activation rows (at most [`WIDE_GROUPS`]), one tile of results per group: the bits of
+    /// as many [`Self::dot_blocks`] calls.
+    fn dot_blocks_tile(
+        self,
+        format: BlockFormat,
+        weights: [&[u8]; TILE_ROWS],
+        activations: &[[ActivationRow<'_>; TOGETHER]],
+        results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+    ) {
+        match self {
+            Self::Scalar => {
+                for (group, result) in activations.iter().zip(results) {
+                    *result = weights.map(|row| group.map(|column| format.dot(row, column)));
+                }
+            }
+            Self::Avx2(Avx2Kernel(token)) => {
+                token.dot_blocks_tile(format, weights, activations, results)
+            }
+        }
+    }
+
     /// One row of a k-quant's bytes against [`TOGETHER`] activation rows: the bits of as many
     /// [`Self::dot_super`] calls.
     fn dot_super_together(
@@ -178,6 +200,24 @@ impl Kernel {
         }
     }
 
+    /// Quantizes 32 activations into `quants`: the unrounded scale and the sum of the quants
+    /// (`activations::quantize_values`, whose bits every kernel gives).
+    fn quantize_values(self, values: &[f32], quants: &mut [i8]) -> (f32, i32) {
+        match self {
+            Self::Scalar => activations::quantize_values(values, quants),
+            Self::Avx2(Avx2Kernel(token)) => token.quantize_values(values, quants),
+        }
+    }
+
+    /// Quantizes 256 activations into `quants`: the unrounded scale
+    /// (`super_rows::quantize_super_block`, whose bits every kernel gives).
+    fn quantize_super_values(self, values: &[f32], quants: &mut [i8]) -> f32 {
+        match self {
+            Self::Scalar => super_rows::quantize_super_block(values, quants),
+            Self::Avx2(Avx2Kernel(token)) => token.quantize_super_values(values, quants),
+        }
+    }
+
     /// One weight row against [`TOGETHER`] activation rows: the bits of as many [`Self::dot`]
     /// calls, computed together where the kernel has a way to.
     fn dot_together(
@@ -194,6 +234,31 @@ impl Kernel {
                 token.dot_q8_0_four(weights, activations)
             }
             _ => activations.map(|row| self.dot(format, weights, row)),
+        }
+    }
+
+    /// [`TILE_ROWS`] weight rows against groups of [`TOGETHER`] activation rows (at most
+    /// [`WIDE_GROUPS`]), one tile of results per group: the bits of as many [`Self::dot`]
+    /// calls, computed as one tile where the kernel has a way to.
+    fn dot_tile(
+        self,
+        format: WeightFormat,
+        weights: [WeightRow<'_>; TILE_ROWS],
+        activations: &[[ActivationRow<'_>; TOGETHER]],
+        results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
+    ) {
+        match (self, format) {
+            (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q8_0) => {
+                token.dot_q8_0_tile(weights, activations, results)
+            }
+            (Self::Avx2(Avx2Kernel(token)), WeightFormat::Q4_1) => {
+                token.dot_q4_1_tile(weights, activations, results)
+            }
+            _ => {
+                for (group, result) in activations.iter().zip(results) {
+                    *result = weights.map(|row| self.dot_together(format, row, *group));
+                }
+            }
         }
     }
 }

@@ -4,11 +4,12 @@
 
 use rayon::prelude::*;
 
+use crate::activations::ActivationRow;
 use crate::activations::QuantizedRows;
 use crate::error::{KernelError, Result};
 use crate::formats::{BlockFormat, FloatFormat, SUPER_BLOCK, SuperFormat, half_at};
 use crate::super_rows::SuperRows;
-use crate::{BLOCK, Kernel, Q4_1_QUANT_BYTES, TOGETHER};
+use crate::{BLOCK, Kernel, Q4_1_QUANT_BYTES, TILE_ROWS, TOGETHER, WIDE_GROUPS};
 
 /// The ggml formats the kernels run: every type `llama-quantize`'s presets Q2_K … Q8_0 write,
 /// and the unquantized ones.
@@ -343,7 +344,7 @@ impl QuantizedMatrix {
         if m == 0 {
             return Ok(());
         }
-        let activations = Activations::quantize(self.format.family(), input, m, self.cols);
+        let activations = Activations::quantize(kernel, self.format.family(), input, m, self.cols);
         let dot = |row: usize, activation: usize| self.dot(kernel, &activations, row, activation);
         if m == 1 && self.rows * self.cols < PARALLEL_BLOCKS * BLOCK {
             for (row, value) in output.iter_mut().enumerate() {
@@ -364,20 +365,20 @@ impl QuantizedMatrix {
             return Ok(());
         }
         // Each task takes a band of weight rows against every input row (the band stays in
-        // cache), writing a `[rows, m]` buffer that is then turned around into `[m, rows]`.
-        let mut transposed = vec![0f32; self.rows * m];
-        transposed
+        // cache), writing the band's outputs input row by input row (`[m, band]`); each input
+        // row's outputs are then copied into place.
+        let mut bands = vec![0f32; self.rows * m];
+        bands
             .par_chunks_mut(chunk_rows * m)
             .enumerate()
             .for_each(|(chunk, values)| {
-                for (offset, column) in values.chunks_exact_mut(m).enumerate() {
-                    let row = chunk * chunk_rows + offset;
-                    self.dot_column(kernel, &activations, row, column);
-                }
+                self.dot_band(kernel, &activations, chunk * chunk_rows, values, m);
             });
-        for (row, column) in transposed.chunks_exact(m).enumerate() {
-            for (activation, value) in column.iter().enumerate() {
-                output[activation * self.rows + row] = *value;
+        for (chunk, values) in bands.chunks(chunk_rows * m).enumerate() {
+            let band = values.len() / m;
+            for (activation, outputs) in values.chunks_exact(band).enumerate() {
+                let start = activation * self.rows + chunk * chunk_rows;
+                output[start..start + band].copy_from_slice(outputs);
             }
         }
         Ok(())
@@ -411,22 +412,109 @@ impl QuantizedMatrix {
         }
     }
 
-    /// Weight row `row` against every activation row, [`TOGETHER`] at a time where the
-    /// kernel has a way to.
+    /// Weight rows `first..first + band` against every activation row, into `values`
+    /// (`[m, band]`, `band = values.len() / m`): [`TILE_ROWS`] weight rows at a time, the rows
+    /// after the last whole tile one at a time.
+    fn dot_band(
+        &self,
+        kernel: Kernel,
+        activations: &Activations<'_>,
+        first: usize,
+        values: &mut [f32],
+        m: usize,
+    ) {
+        let band = values.len() / m;
+        let whole = band - band % TILE_ROWS;
+        for local in (0..whole).step_by(TILE_ROWS) {
+            self.dot_tile_columns(
+                kernel,
+                activations,
+                first + local,
+                Band {
+                    values: &mut *values,
+                    band,
+                    local,
+                },
+            );
+        }
+        for local in whole..band {
+            self.dot_column(
+                kernel,
+                activations,
+                first + local,
+                Band {
+                    values: &mut *values,
+                    band,
+                    local,
+                },
+            );
+        }
+    }
+
+    /// Weight rows `first..first + TILE_ROWS` against every activation row, into `outputs`
+    /// ([`TOGETHER`] activation rows at a time, the rest one at a time).
+    fn dot_tile_columns(
+        &self,
+        kernel: Kernel,
+        activations: &Activations<'_>,
+        first: usize,
+        mut outputs: Band<'_>,
+    ) {
+        let m = outputs.values.len() / outputs.band;
+        let groups = (0..m - m % TOGETHER).step_by(TOGETHER);
+        match (self.format.family(), activations) {
+            (Family::Parsed, Activations::Blocks(rows)) => {
+                let weights = std::array::from_fn(|r| self.row(first + r));
+                outputs.put_wide_tiles(rows, m, |columns, tiles| {
+                    kernel.dot_tile(self.format, weights, columns, tiles);
+                });
+            }
+            (Family::Blocks(format), Activations::Blocks(rows)) => {
+                let weights = std::array::from_fn(|r| self.row_bytes(first + r));
+                outputs.put_wide_tiles(rows, m, |columns, tiles| {
+                    kernel.dot_blocks_tile(format, weights, columns, tiles);
+                });
+            }
+            _ => {
+                for group in groups {
+                    let tile = std::array::from_fn(|r| {
+                        self.dot_together(kernel, activations, first + r, group)
+                    });
+                    outputs.put_tile(group, tile);
+                }
+            }
+        }
+        for activation in m - m % TOGETHER..m {
+            for row in 0..TILE_ROWS {
+                let value = self.dot(kernel, activations, first + row, activation);
+                outputs.put(activation, row, value);
+            }
+        }
+    }
+
+    /// Weight row `row` against every activation row, into `outputs`, [`TOGETHER`] at a time
+    /// where the kernel has a way to.
     fn dot_column(
         &self,
         kernel: Kernel,
         activations: &Activations<'_>,
         row: usize,
-        column: &mut [f32],
+        mut outputs: Band<'_>,
     ) {
-        let done = column.len() - column.len() % TOGETHER;
-        let mut groups = column.chunks_exact_mut(TOGETHER);
-        for (group, values) in groups.by_ref().enumerate() {
-            values.copy_from_slice(&self.dot_together(kernel, activations, row, group * TOGETHER));
+        let m = outputs.values.len() / outputs.band;
+        let whole = m - m % TOGETHER;
+        for group in (0..whole).step_by(TOGETHER) {
+            let values = self.dot_together(kernel, activations, row, group);
+            for (offset, value) in values.into_iter().enumerate() {
+                outputs.put(group + offset, 0, value);
+            }
         }
-        for (offset, value) in groups.into_remainder().iter_mut().enumerate() {
-            *value = self.dot(kernel, activations, row, done + offset);
+        for activation in whole..m {
+            outputs.put(
+                activation,
+                0,
+                self.dot(kernel, activations, row, activation),
+            );
         }
     }
 
@@ -460,6 +548,55 @@ impl QuantizedMatrix {
     }
 }
 
+/// A band's outputs (`[m, band]`: input row after input row, `band` outputs each) seen from
+/// weight row `local` of the band on.
+struct Band<'a> {
+    values: &'a mut [f32],
+    band: usize,
+    local: usize,
+}
+
+impl Band<'_> {
+    /// Sets the output of input row `activation` against the band's weight row `local + row`.
+    fn put(&mut self, activation: usize, row: usize, value: f32) {
+        self.values[activation * self.band + self.local + row] = value;
+    }
+
+    /// Sets the tiles of every whole group of [`TOGETHER`] input rows (of `m` in `rows`),
+    /// [`WIDE_GROUPS`] groups at a time: `tiles(groups, results)` computes one tile per group.
+    fn put_wide_tiles(
+        &mut self,
+        rows: &QuantizedRows,
+        m: usize,
+        tiles: impl Fn(&[[ActivationRow<'_>; TOGETHER]], &mut [[[f32; TOGETHER]; TILE_ROWS]]),
+    ) {
+        let whole = m - m % TOGETHER;
+        for wide in (0..whole).step_by(WIDE_GROUPS * TOGETHER) {
+            let count = ((whole - wide) / TOGETHER).min(WIDE_GROUPS);
+            // Groups past `count` repeat the last input row; they are not computed.
+            let groups: [[ActivationRow<'_>; TOGETHER]; WIDE_GROUPS] = std::array::from_fn(|g| {
+                std::array::from_fn(|k| rows.row((wide + g * TOGETHER + k).min(m - 1)))
+            });
+            let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; WIDE_GROUPS];
+            tiles(&groups[..count], &mut results[..count]);
+            for (g, tile) in results[..count].iter().enumerate() {
+                self.put_tile(wide + g * TOGETHER, *tile);
+            }
+        }
+    }
+
+    /// Sets a tile's outputs: weight rows `local..local + TILE_ROWS` against input rows
+    /// `group..group + TOGETHER`.
+    fn put_tile(&mut self, group: usize, tile: [[f32; TOGETHER]; TILE_ROWS]) {
+        let columns: [[f32; TILE_ROWS]; TOGETHER] =
+            std::array::from_fn(|k| std::array::from_fn(|r| tile[r][k]));
+        for (k, outputs) in columns.iter().enumerate() {
+            let start = (group + k) * self.band + self.local;
+            self.values[start..start + TILE_ROWS].copy_from_slice(outputs);
+        }
+    }
+}
+
 /// A matmul's input rows, in the form the matrix's format reads.
 enum Activations<'a> {
     /// 32-value blocks with scales and sums (Q4_0 … Q8_0).
@@ -471,11 +608,13 @@ enum Activations<'a> {
 }
 
 impl<'a> Activations<'a> {
-    /// `input` (`m` rows of `cols`) quantized for `family`.
-    fn quantize(family: Family, input: &'a [f32], m: usize, cols: usize) -> Self {
+    /// `input` (`m` rows of `cols`) quantized for `family` by `kernel`.
+    fn quantize(kernel: Kernel, family: Family, input: &'a [f32], m: usize, cols: usize) -> Self {
         match family {
-            Family::Parsed | Family::Blocks(_) => Self::Blocks(quantize_rows(input, m, cols)),
-            Family::Super(_) => Self::Super(SuperRows::quantize(input, m, cols)),
+            Family::Parsed | Family::Blocks(_) => {
+                Self::Blocks(quantize_rows(kernel, input, m, cols))
+            }
+            Family::Super(_) => Self::Super(SuperRows::quantize_with(kernel, input, m, cols)),
             Family::Float(_) => Self::Floats(input),
         }
     }
@@ -487,23 +626,26 @@ impl<'a> Activations<'a> {
 /// had kept the 576×576 attention output on one thread.
 const PARALLEL_BLOCKS: usize = 2 * 1024;
 
-/// Quantizes the input rows, in parallel when there are several.
-fn quantize_rows(input: &[f32], m: usize, cols: usize) -> QuantizedRows {
+/// Quantizes the input rows with `kernel`, in parallel when there are several.
+fn quantize_rows(kernel: Kernel, input: &[f32], m: usize, cols: usize) -> QuantizedRows {
     if m < 4 {
-        return QuantizedRows::quantize(input, m, cols);
+        return QuantizedRows::quantize_with(kernel, input, m, cols);
     }
     let parts: Vec<QuantizedRows> = input
         .par_chunks(cols)
-        .map(|row| QuantizedRows::quantize(row, 1, cols))
+        .map(|row| QuantizedRows::quantize_with(kernel, row, 1, cols))
         .collect();
     QuantizedRows::concat(parts, cols)
 }
 
-/// Weight rows per task: about four tasks per thread, at least a few rows each.
+/// Weight rows per task: about four tasks per thread, at least a few rows each, and whole
+/// tiles ([`TILE_ROWS`]) when there are several input rows.
 fn chunk_rows(rows: usize, m: usize) -> usize {
     let tasks = rayon::current_num_threads().max(1) * 4;
-    let minimum = if m == 1 { 16 } else { 4 };
-    rows.div_ceil(tasks).max(minimum)
+    if m == 1 {
+        return rows.div_ceil(tasks).max(16);
+    }
+    rows.div_ceil(tasks).next_multiple_of(TILE_ROWS)
 }
 
 /// Builds a [`QuantizedMatrix`] from its ggml block bytes a piece at a time, so a large table
@@ -605,5 +747,94 @@ impl MatrixBuilder {
             return Err(self.length_error(self.received));
         }
         Ok(self.matrix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::f16;
+
+    use super::*;
+
+    /// Random bytes for `rows × cols` values of `format` whose f16 scales and minimums are
+    /// small finite numbers (at the places ggml-common.h puts them).
+    fn random_matrix(format: WeightFormat, rows: usize, cols: usize, seed: u64) -> QuantizedMatrix {
+        let halves: &[usize] = match format {
+            WeightFormat::Q4_0 | WeightFormat::Q5_0 | WeightFormat::Q8_0 => &[0],
+            WeightFormat::Q4_1 | WeightFormat::Q5_1 | WeightFormat::Q4_K | WeightFormat::Q5_K => {
+                &[0, 2]
+            }
+            WeightFormat::Q2_K => &[80, 82],
+            WeightFormat::Q3_K => &[108],
+            WeightFormat::Q6_K => &[208],
+            _ => &[],
+        };
+        let mut state = seed;
+        let mut next = move || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) as u32
+        };
+        let blocks = rows * cols / format.block_values();
+        let mut bytes = Vec::with_capacity(blocks * format.block_bytes());
+        for _ in 0..blocks {
+            let start = bytes.len();
+            bytes.extend((0..format.block_bytes()).map(|_| next() as u8));
+            for at in halves {
+                let value = f16::from_f32((next() % 1000) as f32 * 1e-4 - 0.05);
+                bytes[start + at..start + at + 2].copy_from_slice(&value.to_le_bytes());
+            }
+        }
+        QuantizedMatrix::from_ggml_bytes(format, rows, cols, &bytes).expect("whole blocks")
+    }
+
+    /// Times the batched matmul (128 input rows, a prefill) of a 1536 × 576 and a 576 × 1536
+    /// matrix of each quantized format on one thread with the fastest kernel; prints ns per
+    /// weight row × input row.
+    /// `cargo test --release -p meshnet-kernels --lib batched_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn batched_timing() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .expect("a pool of one thread");
+        let m = 128;
+        let formats = [
+            WeightFormat::Q8_0,
+            WeightFormat::Q4_0,
+            WeightFormat::Q5_0,
+            WeightFormat::Q5_1,
+            WeightFormat::Q4_1,
+            WeightFormat::Q4_K,
+            WeightFormat::Q6_K,
+        ];
+        for format in formats {
+            for (rows, cols) in [(1536usize, 576usize), (576, 1536)] {
+                if !cols.is_multiple_of(format.block_values()) {
+                    continue;
+                }
+                let matrix = random_matrix(format, rows, cols, 17);
+                let input: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+                let mut output = vec![0f32; m * rows];
+                let best = pool.install(|| {
+                    (0..10)
+                        .map(|_| {
+                            let start = std::time::Instant::now();
+                            matrix
+                                .matmul_with(Kernel::best(), &input, &mut output)
+                                .expect("shapes fit");
+                            start.elapsed().as_secs_f64()
+                        })
+                        .fold(f64::MAX, f64::min)
+                });
+                let per = best * 1e9 / (rows * m) as f64;
+                println!(
+                    "{} {rows}x{cols} x {m} rows: {per:.1} ns per weight row x input row",
+                    format.name()
+                );
+            }
+        }
     }
 }

@@ -6,6 +6,9 @@
 //! lies in -127..=127 (a zero block has scale 0 and zero quants). The sums are exact, so a
 //! kernel can fold a format's minimums or offsets into integer arithmetic.
 
+use crate::Kernel;
+use crate::activations::round_to_i8;
+
 /// Values per super-block: the k-quants' block, and so their activations'.
 pub(crate) const SUPER_BLOCK: usize = 256;
 
@@ -36,9 +39,16 @@ pub(crate) struct SuperRow<'a> {
 }
 
 impl SuperRows {
-    /// Quantizes `input`, `rows` rows of `cols` values each; `cols` must be a multiple of 256
-    /// and `input.len()` equal `rows × cols` (the caller checks both).
+    /// [`Self::quantize_with`] the reference kernel.
+    #[cfg(test)]
     pub(crate) fn quantize(input: &[f32], rows: usize, cols: usize) -> Self {
+        Self::quantize_with(Kernel::Scalar, input, rows, cols)
+    }
+
+    /// Quantizes `input`, `rows` rows of `cols` values each, with `kernel` (every kernel gives
+    /// the same bits); `cols` must be a multiple of 256 and `input.len()` equal `rows × cols`
+    /// (the caller checks both).
+    pub(crate) fn quantize_with(kernel: Kernel, input: &[f32], rows: usize, cols: usize) -> Self {
         let blocks_per_row = cols / SUPER_BLOCK;
         let blocks = rows * blocks_per_row;
         let mut quantized = Self {
@@ -49,7 +59,7 @@ impl SuperRows {
         };
         for (block, values) in input.chunks_exact(SUPER_BLOCK).enumerate() {
             let quants = &mut quantized.quants[block * SUPER_BLOCK..(block + 1) * SUPER_BLOCK];
-            quantized.scales[block] = quantize_super_block(values, quants);
+            quantized.scales[block] = kernel.quantize_super_values(values, quants);
             let sums = &mut quantized.sums
                 [block * SUPER_BLOCK / SUM_GROUP..(block + 1) * SUPER_BLOCK / SUM_GROUP];
             for (sum, group) in sums.iter_mut().zip(quants.chunks_exact(SUM_GROUP)) {
@@ -71,13 +81,13 @@ impl SuperRows {
     }
 }
 
-/// Quantizes 256 values into `quants`; returns the scale.
-fn quantize_super_block(values: &[f32], quants: &mut [i8]) -> f32 {
+/// Quantizes 256 values into `quants` (the reference); returns the scale.
+pub(crate) fn quantize_super_block(values: &[f32], quants: &mut [i8]) -> f32 {
     let largest = values.iter().fold(0f32, |largest, x| largest.max(x.abs()));
     let scale = largest / 127.0;
     let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
     for (quant, value) in quants.iter_mut().zip(values) {
-        *quant = (value * inverse).round() as i8;
+        *quant = round_to_i8(value * inverse);
     }
     scale
 }

@@ -410,6 +410,74 @@ proptest! {
     }
 }
 
+/// The formats the batched product computes in register tiles (several weight rows against
+/// several input rows at once), drawn twice as often as the others.
+fn batched_format_and_cols() -> impl Strategy<Value = (WeightFormat, usize)> {
+    let tiled = [
+        WeightFormat::Q8_0,
+        WeightFormat::Q4_1,
+        WeightFormat::Q4_0,
+        WeightFormat::Q5_0,
+        WeightFormat::Q5_1,
+        WeightFormat::Q4_K,
+        WeightFormat::Q6_K,
+    ];
+    prop_oneof![
+        2 => prop::sample::select(tiled.to_vec()),
+        1 => prop::sample::select(WeightFormat::ALL.to_vec()),
+    ]
+    .prop_flat_map(|format| {
+        let blocks = match format.block_values() {
+            1 => 1usize..300,
+            BLOCK => 1..40,
+            _ => 1..6,
+        };
+        (
+            Just(format),
+            blocks.prop_map(move |blocks| blocks * format.block_values()),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Prefill-shaped products (whole tiles of weight rows and of input rows, and every
+    /// remainder of both) give, output by output, the bits of the one-row scalar reference.
+    #[test]
+    fn batched_products_give_each_outputs_reference_bits(
+        (format, cols) in batched_format_and_cols(),
+        rows in prop_oneof![
+            (1usize..6).prop_map(|tiles| tiles * 4),
+            1usize..24,
+            (40usize..80),
+        ],
+        m in prop_oneof![4usize..19, 30usize..75],
+        fill in fill_strategy(),
+        seed in any::<u64>(),
+    ) {
+        let mut random = Random(seed);
+        let blocks = rows * cols / format.block_values();
+        let bytes = valid_blocks(format, blocks, &mut random, &[0.02, 0.5, 1e-3], fill);
+        let matrix = QuantizedMatrix::from_ggml_bytes(format, rows, cols, &bytes).unwrap();
+        let input = random_input(&mut random, m, cols, 1.0);
+        for kernel in Kernel::available() {
+            let mut output = vec![f32::NAN; m * rows];
+            matrix.matmul_with(kernel, &input, &mut output).unwrap();
+            for (activation, row) in input.chunks_exact(cols).enumerate() {
+                let mut alone = vec![f32::NAN; rows];
+                matrix.matmul_with(Kernel::Scalar, row, &mut alone).unwrap();
+                let ours = &output[activation * rows..(activation + 1) * rows];
+                prop_assert!(
+                    same_bits(ours, &alone),
+                    "{} {}x{} against {} rows, {}: input row {} differs",
+                    format.name(), rows, cols, m, kernel.name(), activation
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn a_large_matrix_split_over_the_pool_gives_each_rows_own_output() {
     // 257 rows of 512 values: a one-row product this large is split over the pool, and every

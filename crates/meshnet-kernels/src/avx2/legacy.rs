@@ -63,15 +63,15 @@ pub(super) fn dot_q5_1(_: Avx2, weights: &[u8], activations: ActivationRow<'_>) 
 }
 
 /// The Q4_0 kernel's parts.
-struct Q4_0;
+pub(super) struct Q4_0;
 /// The Q5_0 kernel's parts.
-struct Q5_0;
+pub(super) struct Q5_0;
 /// The Q5_1 kernel's parts.
-struct Q5_1;
+pub(super) struct Q5_1;
 
 /// What differs between the three formats' kernels.
 #[cfg(target_arch = "x86_64")]
-trait Layout {
+pub(super) trait Layout {
     /// Bytes of one block.
     const BYTES: usize;
 
@@ -105,6 +105,41 @@ trait Layout {
     /// # Safety
     /// The CPU must have AVX2.
     unsafe fn pairs(unpacked: __m256i, activations: __m256i) -> __m256i;
+}
+
+/// A format's quants as signed values `w` of at most 16 in magnitude, for the tiles: `q − c`
+/// for the formats with an offset, `q − 16` for Q5_1 (whose dot is then `Σw·a + 16 · Σa`).
+#[cfg(target_arch = "x86_64")]
+pub(super) trait Signed: Layout {
+    /// What the block's dot adds per activation to `Σw·a`: 0, or 16 for Q5_1.
+    const BACK: i32;
+
+    /// A block's 32 values `w` as signed bytes.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2; `block` must point at `BYTES` readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn signed(block: *const u8) -> __m256i {
+        // SAFETY: passed on from the caller.
+        let values = unsafe { Self::unpack(block) };
+        _mm256_sub_epi8(values, _mm256_set1_epi8(Self::BACK as i8))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Signed for Q4_0 {
+    const BACK: i32 = 0;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Signed for Q5_0 {
+    const BACK: i32 = 0;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Signed for Q5_1 {
+    const BACK: i32 = 16;
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -520,7 +555,11 @@ pub(super) fn dot_q5_1_together(
 
 /// The number of blocks of a weight row, after checking (`legacy::checked_blocks`) that every
 /// one of the activation rows holds that many.
-fn checked_rows(weights: &[u8], activations: &[ActivationRow<'_>], block_bytes: usize) -> usize {
+pub(super) fn checked_rows(
+    weights: &[u8],
+    activations: &[ActivationRow<'_>],
+    block_bytes: usize,
+) -> usize {
     let mut blocks = weights.len() / block_bytes;
     for row in activations {
         blocks = legacy::checked_blocks(weights, *row, block_bytes);
