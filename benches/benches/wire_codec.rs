@@ -33,6 +33,7 @@ fn normal_frame(dims: &[usize]) -> ActivationFrame {
             route: Route::default(),
             grant: None,
             fork_from: None,
+            return_to: None,
         },
         activations: Activations::new(shape, values).unwrap(),
     }
