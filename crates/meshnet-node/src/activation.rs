@@ -24,8 +24,9 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use meshnet_metrics::Direction;
 use meshnet_types::LayerSpan;
 use meshnet_wire::grant::GrantedFrame;
+use meshnet_wire::header::read_return_ticket;
 use meshnet_wire::header::{Encoding, check_wire_version};
-use meshnet_wire::return_address::{RETURN_TICKET, read_return_ticket};
+use meshnet_wire::return_address::RETURN_TICKET;
 use meshnet_wire::{ActivationFrame, Limits, ReturnAddress, WireError};
 
 use crate::client::{Delivery, ForwardClient};

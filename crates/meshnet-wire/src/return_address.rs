@@ -6,16 +6,13 @@
 //! through N hops then costs N + 1 one-way delays instead of 2N.
 //!
 //! The ticket is 128 random bits the entry draws per frame and accepts once, for the session,
-//! chunk and position it sent: only the route's own hops ever see it.
+//! chunk and position it sent: only the route's own hops ever see it. The headers are read with
+//! the frame's other headers, and a `POST /return`'s ticket by `read_return_ticket` beside them.
 
 use std::fmt;
 
-use http::HeaderMap;
-
 use crate::Endpoint;
-use crate::error::WireError;
-use crate::error::quote;
-use crate::header::{MAX_ENDPOINT_LEN, optional_str};
+use crate::error::{WireError, quote};
 
 /// The header naming where the last hop posts the route's output.
 pub const RETURN_TO: &str = "x-meshnet-return-to";
@@ -63,142 +60,4 @@ pub struct ReturnAddress {
     pub endpoint: Endpoint,
     /// The ticket the entry accepts the output with.
     pub ticket: ReturnTicket,
-}
-
-/// Reads the return address of a frame: both headers or neither.
-pub(crate) fn read_return_address(headers: &HeaderMap) -> Result<Option<ReturnAddress>, WireError> {
-    let endpoint = optional_str(headers, RETURN_TO, "an http(s) URL or /p2p/<peer id>")?;
-    let ticket = optional_str(headers, RETURN_TICKET, "32 hexadecimal digits")?;
-    match (endpoint, ticket) {
-        (None, None) => Ok(None),
-        (Some(endpoint), Some(ticket)) => Ok(Some(ReturnAddress {
-            endpoint: parse_return_endpoint(endpoint)?,
-            ticket: ReturnTicket::parse(ticket)?,
-        })),
-        (Some(_), None) => Err(WireError::MissingHeader {
-            name: "X-Meshnet-Return-Ticket",
-        }),
-        (None, Some(_)) => Err(WireError::MissingHeader {
-            name: "X-Meshnet-Return-To",
-        }),
-    }
-}
-
-/// Reads the ticket of a `POST /return`: missing is [`WireError::ReturnTicketMissing`] (401),
-/// malformed is [`WireError::ReturnRefused`] (403).
-pub fn read_return_ticket(headers: &HeaderMap) -> Result<ReturnTicket, WireError> {
-    let text = optional_str(headers, RETURN_TICKET, "32 hexadecimal digits")
-        .map_err(|e| WireError::ReturnRefused {
-            reason: e.to_string(),
-        })?
-        .ok_or(WireError::ReturnTicketMissing)?;
-    ReturnTicket::parse(text).map_err(|e| WireError::ReturnRefused {
-        reason: e.to_string(),
-    })
-}
-
-/// The endpoint of `X-Meshnet-Return-To`, no longer than a route's endpoints may be.
-fn parse_return_endpoint(text: &str) -> Result<Endpoint, WireError> {
-    let invalid = || WireError::InvalidHeader {
-        name: "X-Meshnet-Return-To",
-        expected: "an http(s) URL or /p2p/<peer id> of at most 512 bytes",
-        got: quote(text),
-    };
-    if text.len() > MAX_ENDPOINT_LEN || text.contains(',') {
-        return Err(invalid());
-    }
-    text.trim().parse().map_err(|_| invalid())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use http::HeaderValue;
-
-    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
-        let mut headers = HeaderMap::new();
-        for (name, value) in pairs {
-            headers.append(*name, HeaderValue::try_from(*value).unwrap());
-        }
-        headers
-    }
-
-    #[test]
-    fn a_ticket_reads_back_from_its_text() {
-        let ticket = ReturnTicket::from_bits(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
-        assert_eq!(ticket.to_string(), "0123456789abcdef0011223344556677");
-        assert_eq!(ReturnTicket::parse(&ticket.to_string()).unwrap(), ticket);
-        assert_eq!(
-            ReturnTicket::parse("0123456789ABCDEF0011223344556677").unwrap(),
-            ticket
-        );
-    }
-
-    #[test]
-    fn malformed_tickets_are_refused() {
-        for text in [
-            "",
-            "12",
-            "0123456789abcdef001122334455667",
-            "+123456789abcdef0011223344556677",
-            "0123456789abcdef00112233445566778",
-            "0123456789abcdef001122334455667g",
-        ] {
-            assert!(ReturnTicket::parse(text).is_err(), "{text:?}");
-        }
-    }
-
-    #[test]
-    fn a_return_address_needs_both_headers() {
-        let ticket = "00000000000000000000000000000001";
-        assert_eq!(read_return_address(&HeaderMap::new()).unwrap(), None);
-        let both = headers(&[(RETURN_TO, "http://10.0.0.1:8080"), (RETURN_TICKET, ticket)]);
-        assert_eq!(
-            read_return_address(&both).unwrap(),
-            Some(ReturnAddress {
-                endpoint: Endpoint::Http("http://10.0.0.1:8080".to_owned()),
-                ticket: ReturnTicket::from_bits(1),
-            })
-        );
-        let to_only = headers(&[(RETURN_TO, "http://10.0.0.1:8080")]);
-        assert!(matches!(
-            read_return_address(&to_only),
-            Err(WireError::MissingHeader {
-                name: "X-Meshnet-Return-Ticket"
-            })
-        ));
-        let ticket_only = headers(&[(RETURN_TICKET, ticket)]);
-        assert!(matches!(
-            read_return_address(&ticket_only),
-            Err(WireError::MissingHeader {
-                name: "X-Meshnet-Return-To"
-            })
-        ));
-        let not_an_endpoint = headers(&[(RETURN_TO, "ftp://x"), (RETURN_TICKET, ticket)]);
-        assert!(read_return_address(&not_an_endpoint).is_err());
-        let long = format!("http://{}", "a".repeat(MAX_ENDPOINT_LEN));
-        let too_long = headers(&[(RETURN_TO, &long), (RETURN_TICKET, ticket)]);
-        assert!(read_return_address(&too_long).is_err());
-    }
-
-    #[test]
-    fn a_return_without_a_ticket_is_unauthenticated_and_a_bad_one_forbidden() {
-        assert!(matches!(
-            read_return_ticket(&HeaderMap::new()),
-            Err(WireError::ReturnTicketMissing)
-        ));
-        let bad = headers(&[(RETURN_TICKET, "nope")]);
-        assert!(matches!(
-            read_return_ticket(&bad),
-            Err(WireError::ReturnRefused { .. })
-        ));
-        let twice = headers(&[
-            (RETURN_TICKET, "00000000000000000000000000000001"),
-            (RETURN_TICKET, "00000000000000000000000000000002"),
-        ]);
-        assert!(matches!(
-            read_return_ticket(&twice),
-            Err(WireError::ReturnRefused { .. })
-        ));
-    }
 }

@@ -739,6 +739,21 @@ mod tests {
         }
     }
 
+    /// The shortest of 20 timings, in seconds, of 50 calls of `run`.
+    fn best_of_runs(run: &dyn Fn() -> f32) -> f64 {
+        let mut best = f64::MAX;
+        for _ in 0..20 {
+            let start = std::time::Instant::now();
+            let mut total = 0f32;
+            for _ in 0..50 {
+                total += run();
+            }
+            std::hint::black_box(total);
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        best
+    }
+
     /// Times the tiles against the one-row, four-activation-row kernels on data that stays in
     /// L1 (16 weight rows of 18 and of 48 blocks, 16 activation rows); prints ns per weight
     /// row × activation row × block.
@@ -766,17 +781,7 @@ mod tests {
                 quants: &quants[r * cols..(r + 1) * cols],
             };
             let per = |run: &dyn Fn() -> f32| {
-                let mut best = f64::MAX;
-                for _ in 0..20 {
-                    let start = std::time::Instant::now();
-                    let mut total = 0f32;
-                    for _ in 0..50 {
-                        total += run();
-                    }
-                    std::hint::black_box(total);
-                    best = best.min(start.elapsed().as_secs_f64());
-                }
-                best * 1e9 / (50 * 16 * GROUPS * TOGETHER * blocks) as f64
+                best_of_runs(run) * 1e9 / (50 * 16 * GROUPS * TOGETHER * blocks) as f64
             };
             let tiles = || (0..16 / TILE_ROWS).map(|t| t * TILE_ROWS);
             let four = per(&|| {
