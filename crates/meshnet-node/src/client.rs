@@ -322,15 +322,7 @@ impl ForwardClient {
                 },
             )
             .await?;
-        if (200..300).contains(&answer.status) {
-            return Ok(());
-        }
-        Err(rejection(
-            endpoint,
-            answer.status,
-            &answer.headers,
-            &answer.body,
-        ))
+        accepted(endpoint, &answer)
     }
 
     /// Encodes `frame` and posts it to `{target}/{path}`; a non-2xx answer is the peer's
@@ -345,14 +337,7 @@ impl ForwardClient {
         let answer = self
             .post_frame_with(target, path, frame, encoding, |_| ())
             .await?;
-        if !(200..300).contains(&answer.status) {
-            return Err(rejection(
-                &target.to_string(),
-                answer.status,
-                &answer.headers,
-                &answer.body,
-            ));
-        }
+        accepted(&target.to_string(), &answer)?;
         Ok(answer)
     }
 
@@ -429,15 +414,7 @@ impl ForwardClient {
                 Bytes::new(),
             )
             .await?;
-        if (200..300).contains(&answer.status) {
-            return Ok(());
-        }
-        Err(rejection(
-            endpoint,
-            answer.status,
-            &answer.headers,
-            &answer.body,
-        ))
+        accepted(endpoint, &answer)
     }
 
     /// Sends one request to `endpoint` (`path` relative to its base) and reads the answer,
@@ -678,6 +655,19 @@ fn rejection(endpoint: &str, status: u16, headers: &HeaderMap, body: &[u8]) -> C
             .map(str::to_owned),
         failed_hop,
     }
+}
+
+/// `Ok` for a 2xx answer, else the peer's rejection as its error body states it.
+fn accepted(endpoint: &str, answer: &Answer) -> Result<(), ClientError> {
+    if (200..300).contains(&answer.status) {
+        return Ok(());
+    }
+    Err(rejection(
+        endpoint,
+        answer.status,
+        &answer.headers,
+        &answer.body,
+    ))
 }
 
 /// Refuses an answer for another session, chunk or position than the frame sent.

@@ -574,6 +574,25 @@ mod tests {
             .collect()
     }
 
+    /// `rows` input rows of `cols` values, each row (shifted by `round`) either random and
+    /// large (the activations' extremes once quantized), ±3 alternating every `period` values,
+    /// or small and random.
+    fn mixed_input(rows: usize, cols: usize, round: usize, period: usize) -> Vec<f32> {
+        (0..rows * cols)
+            .map(|i| match (i / cols + round) % 3 {
+                0 => (i as f32 * 0.37).sin() * 40.0,
+                1 => {
+                    if i % period == 0 {
+                        3.0
+                    } else {
+                        -3.0
+                    }
+                }
+                _ => (i as f32).cos(),
+            })
+            .collect()
+    }
+
     #[test]
     fn the_q8_0_tile_gives_the_bits_of_every_reference_dot() {
         let Some(token) = Avx2::detect() else {
@@ -582,19 +601,7 @@ mod tests {
         for (round, blocks) in [1, 2, 7, 8, 9, 18, 48].into_iter().enumerate() {
             let cols = blocks * BLOCK;
             // Activations at their extremes (±127) and random; weights random, all -128 or 127.
-            let input: Vec<f32> = (0..2 * TOGETHER * cols)
-                .map(|i| match (i / cols + round) % 3 {
-                    0 => (i as f32 * 0.37).sin() * 40.0,
-                    1 => {
-                        if i % 2 == 0 {
-                            3.0
-                        } else {
-                            -3.0
-                        }
-                    }
-                    _ => (i as f32).cos(),
-                })
-                .collect();
+            let input = mixed_input(2 * TOGETHER, cols, round, 2);
             let rows = QuantizedRows::quantize(&input, 2 * TOGETHER, cols);
             let groups: [[ActivationRow<'_>; TOGETHER]; 2] =
                 std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
@@ -686,19 +693,7 @@ mod tests {
         for (format, reference) in formats {
             for (round, blocks) in [1, 2, 7, 8, 9, 17, 18, 48].into_iter().enumerate() {
                 let cols = blocks * BLOCK;
-                let input: Vec<f32> = (0..2 * TOGETHER * cols)
-                    .map(|i| match (i / cols + round) % 3 {
-                        0 => (i as f32 * 0.37).sin() * 40.0,
-                        1 => {
-                            if i % 3 == 0 {
-                                3.0
-                            } else {
-                                -3.0
-                            }
-                        }
-                        _ => (i as f32).cos(),
-                    })
-                    .collect();
+                let input = mixed_input(2 * TOGETHER, cols, round, 3);
                 let rows = QuantizedRows::quantize(&input, 2 * TOGETHER, cols);
                 let groups: [[ActivationRow<'_>; TOGETHER]; 2] =
                     std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
