@@ -96,14 +96,14 @@ else
   unset MESHNET_TESTNET_DIR
 fi
 
-step "emulated wide-area links: the link emulator's self-test (50 ms, 20 Mbit/s), then a 3-member mesh at 20 ms per link gives the text of the undelayed mesh, with and without direct return"
+step "emulated wide-area links: the link emulator's self-test (50 ms, 20 Mbit/s), then a 3-member mesh at 20 ms per link gives the text of the undelayed mesh: plain, with direct return, and with speculative decoding too"
 if [ "${MESHNET_SKIP_MESH:-0}" = 1 ]; then
   echo "skipped: MESHNET_SKIP_MESH=1"
 else
   cargo build --locked -p meshnet-peer -p meshnet-linkem
   bounded 120 target/debug/meshnet-linkem selftest --delay-ms 50 --rate-kbit 20000
   MESHNET_BIN_DIR=$PWD/target/debug bounded 900 python3 testnet/wan.py --members 3 \
-    --delay-ms 20 --tokens 12 --direct-return both --compare-undelayed
+    --delay-ms 20 --tokens 16 --prompt copy --ladder --compare-undelayed
 fi
 
 step "Gemma 3 (Q4_K_M) through a 3-process mesh answers exactly like generate"

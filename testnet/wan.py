@@ -2,7 +2,8 @@
 """A mesh across emulated wide-area links: every member's HTTP endpoint behind a delay relay.
 
     testnet/wan.py [--members N] [--delay-ms D] [--rate-kbit R] [--jitter-ms J]
-                   [--prompt short|long] [--tokens T] [--direct-return on|off|both]
+                   [--prompt short|long|copy|code] [--tokens T]
+                   [--direct-return on|off|both] [--speculation on|off|both] [--ladder]
                    [--compare-undelayed]
 
 Starts one tracker and N-1 peers of the release `meshnet-peer` on 127.0.0.1, each serving an
@@ -16,7 +17,12 @@ It then sends one greedy streamed chat and prints a JSON line per run: the time 
 token (TTFT, from the request), decode tok/s after the first token (the mean over the rest of
 the tokens) and the text. `--direct-return both` runs the mesh twice, with the route's output
 coming back along the route (`--no-direct-return`) and straight from the last hop, and checks
-the texts are equal. `--compare-undelayed` also runs the same chat on a mesh without delay and
+the texts are equal; `--speculation both` does the same with speculative decoding off
+(`--no-speculation`) and on, and `--ladder` runs the three steps plain, direct return, direct
+return with speculation. `--prompt` picks the task: `short` a story (free text), `long` a
+summary of a ~1,000-token prompt, `copy` a paragraph rewritten with one word changed and
+`code` a function edited (repetitive tasks, where drafts from the context are accepted). Each
+row also gives the tokens the tracker drafted and had accepted. `--compare-undelayed` also runs the same chat on a mesh without delay and
 checks the text is equal. Exit 1 when a check fails.
 
 Every process it starts is stopped when it ends, also on failure or Ctrl-C.
@@ -38,6 +44,21 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHORT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+COPY_PARAGRAPH = (
+    "The old bridge over the river was built in 1872 from grey stone carried down from the "
+    "northern quarries. For more than a century it carried carts, then cars, then buses full "
+    "of children on their way to school. In the spring floods the water rose almost to its "
+    "arches, and the whole town came out to watch."
+)
+CODE_SNIPPET = (
+    "def average(values):\n"
+    "    total = 0\n"
+    "    count = 0\n"
+    "    for value in values:\n"
+    "        total = total + value\n"
+    "        count = count + 1\n"
+    "    return total / count\n"
+)
 LONG_PARAGRAPH = (
     "The river town woke slowly: bakers lit their ovens, ferrymen checked their ropes, and the "
     "schoolteacher walked the long way round to look at the water before the children came. "
@@ -105,9 +126,10 @@ def http_json(url, body=None, timeout=30):
 class Mesh:
     """N members behind one relay process, started in __enter__ and stopped in __exit__."""
 
-    def __init__(self, args, peer, linkem, delay_ms, direct_return):
+    def __init__(self, args, peer, linkem, delay_ms, mode):
         self.args, self.peer, self.linkem = args, peer, linkem
-        self.delay_ms, self.direct_return = delay_ms, direct_return
+        self.delay_ms = delay_ms
+        self.direct_return, self.speculation = mode
         self.processes = []
         self.dir = tempfile.mkdtemp(prefix="meshnet-wan-")
 
@@ -144,6 +166,8 @@ class Mesh:
             argv += ["--tracker"] if k == 0 else ["--bootstrap", bootstrap]
             if not self.direct_return:
                 argv.append("--no-direct-return")
+            if not self.speculation:
+                argv.append("--no-speculation")
             process = self.spawn(f"member{k}", argv)
             if k == 0:
                 bootstrap = self.ready_p2p(process)
@@ -193,6 +217,16 @@ class Mesh:
 def prompt_text(kind):
     if kind == "short":
         return SHORT_PROMPT
+    if kind == "copy":
+        return (
+            "Rewrite the paragraph below exactly as it is, but with the word 'grey' changed to "
+            f"'white'.\n\n{COPY_PARAGRAPH}"
+        )
+    if kind == "code":
+        return (
+            "Rename the variable 'total' to 'running_sum' in this Python function and give the "
+            f"whole function back.\n\n{CODE_SNIPPET}"
+        )
     return LONG_PARAGRAPH * 24 + "Summarise the paragraph above in one sentence."
 
 
@@ -237,20 +271,39 @@ def model_id(base):
     return http_json(f"{base}/v1/models")["data"][0]["id"]
 
 
-def run(args, peer, linkem, delay_ms, direct_return):
-    with Mesh(args, peer, linkem, delay_ms, direct_return) as mesh:
+def counters(base):
+    """The tracker's drafted and accepted token counts from its /metrics."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    found = {}
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name in ("meshnet_drafted_tokens_total", "meshnet_accepted_drafts_total"):
+            found[name] = int(float(value))
+    return found.get("meshnet_drafted_tokens_total", 0), found.get(
+        "meshnet_accepted_drafts_total", 0
+    )
+
+
+def run(args, peer, linkem, delay_ms, mode):
+    with Mesh(args, peer, linkem, delay_ms, mode) as mesh:
         base = mesh.tracker
         model = model_id(base)
         # One short chat first: connections are opened and the pools warm.
         streamed_chat(base, model, "Hello.", 4)
+        before = counters(base)
         ttft, decode, generated, text = streamed_chat(
             base, model, prompt_text(args.prompt), args.tokens
         )
+        after = counters(base)
     row = {
         "members": args.members,
         "delay_ms": delay_ms,
         "rate_kbit": args.rate_kbit,
-        "direct_return": direct_return,
+        "direct_return": mode[0],
+        "speculation": mode[1],
+        "drafted": after[0] - before[0],
+        "accepted": after[1] - before[1],
         "prompt": args.prompt,
         "ttft_s": round(ttft, 3),
         "decode_tok_s": round(decode, 2),
@@ -269,9 +322,11 @@ def main():
     parser.add_argument("--delay-ms", type=int, default=50)
     parser.add_argument("--rate-kbit", type=int, default=1_000_000)
     parser.add_argument("--jitter-ms", type=int, default=0)
-    parser.add_argument("--prompt", choices=["short", "long"], default="short")
+    parser.add_argument("--prompt", choices=["short", "long", "copy", "code"], default="short")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--direct-return", choices=["on", "off", "both"], default="on")
+    parser.add_argument("--speculation", choices=["on", "off", "both"], default="on")
+    parser.add_argument("--ladder", action="store_true")
     parser.add_argument("--compare-undelayed", action="store_true")
     args = parser.parse_args()
     if args.members < 2:
@@ -279,7 +334,14 @@ def main():
     if args.tokens < 2:
         parser.error("--tokens needs at least 2 (decode speed is measured after the first)")
     peer, linkem = binaries()
-    modes = {"on": [True], "off": [False], "both": [False, True]}[args.direct_return]
+    switch = {"on": [True], "off": [False], "both": [False, True]}
+    modes = [
+        (direct, speculation)
+        for direct in switch[args.direct_return]
+        for speculation in switch[args.speculation]
+    ]
+    if args.ladder:
+        modes = [(False, False), (True, False), (True, True)]
     rows = [run(args, peer, linkem, args.delay_ms, mode) for mode in modes]
     if args.compare_undelayed:
         rows.append(run(args, peer, linkem, 0, modes[-1]))

@@ -34,6 +34,7 @@ fn normal_frame(dims: &[usize]) -> ActivationFrame {
             grant: None,
             fork_from: None,
             return_to: None,
+            rewind: false,
         },
         activations: Activations::new(shape, values).unwrap(),
     }

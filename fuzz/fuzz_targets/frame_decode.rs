@@ -2,7 +2,7 @@
 //!
 //! The input is split at the first NUL byte: before it, newline-separated header values in a
 //! fixed order (version, content type, dtype, shape, session, chunk index, chunk total, position,
-//! layers, route, encoding, return-to, return ticket; a missing line leaves the header out);
+//! layers, route, encoding, return-to, return ticket, rewind; a missing line leaves the header out);
 //! after it, the body. Decoding
 //! must never panic, never allocate past the frame limit, and every success must re-encode to a
 //! frame that decodes to itself.
@@ -12,13 +12,13 @@
 use http::{HeaderMap, HeaderValue};
 use libfuzzer_sys::fuzz_target;
 use meshnet_wire::header::{
-    CHUNK_INDEX, CHUNK_TOTAL, DTYPE, ENCODING, LAYERS, POSITION, ROUTE, SESSION, SHAPE,
+    CHUNK_INDEX, CHUNK_TOTAL, DTYPE, ENCODING, LAYERS, POSITION, REWIND, ROUTE, SESSION, SHAPE,
     WIRE_VERSION_HEADER,
 };
 use meshnet_wire::return_address::{RETURN_TICKET, RETURN_TO};
 use meshnet_wire::{ActivationFrame, Encoding, Limits};
 
-const NAMES: [&str; 13] = [
+const NAMES: [&str; 14] = [
     WIRE_VERSION_HEADER,
     "content-type",
     DTYPE,
@@ -32,6 +32,7 @@ const NAMES: [&str; 13] = [
     ENCODING,
     RETURN_TO,
     RETURN_TICKET,
+    REWIND,
 ];
 
 fuzz_target!(|data: &[u8]| {

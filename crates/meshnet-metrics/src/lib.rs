@@ -150,6 +150,9 @@ pub struct Metrics {
     connections_refused: Family<ReasonLabels, Counter>,
     failovers: Counter,
     direct_returns: Counter,
+    drafted_tokens: Counter,
+    accepted_drafts: Counter,
+    draft_length: prometheus_client::metrics::gauge::Gauge,
     checked_sessions: Counter,
     convictions: Counter,
     api_key_requests: Family<KeyLabels, Counter>,
@@ -181,6 +184,9 @@ impl Metrics {
             connections_refused: Family::default(),
             failovers: Counter::default(),
             direct_returns: Counter::default(),
+            drafted_tokens: Counter::default(),
+            accepted_drafts: Counter::default(),
+            draft_length: Default::default(),
             checked_sessions: Counter::default(),
             convictions: Counter::default(),
             api_key_requests: Family::default(),
@@ -278,6 +284,23 @@ impl Metrics {
             "Route outputs the last hop posted straight to this entry (POST /return) instead of \
              back along the route",
             self.direct_returns.clone(),
+        );
+        meshnet.register(
+            "drafted_tokens",
+            "Tokens the entry drafted (prompt lookup) and sent through its routes to be verified \
+             (speculative decoding)",
+            self.drafted_tokens.clone(),
+        );
+        meshnet.register(
+            "accepted_drafts",
+            "Drafted tokens the sampler accepted: tokens that cost no trip of their own",
+            self.accepted_drafts.clone(),
+        );
+        meshnet.register(
+            "draft_length",
+            "How many tokens the last generation would have drafted next (k; 0 while drafting \
+             is paused or off)",
+            self.draft_length.clone(),
         );
         meshnet.register(
             "checked_sessions",
@@ -412,6 +435,19 @@ impl Metrics {
     /// Counts a route output posted straight to this entry.
     pub fn count_direct_return(&self) {
         self.direct_returns.inc();
+    }
+
+    /// Counts what one generation's speculative decoding did: tokens `drafted`, of them
+    /// `accepted`, and the draft length it ended with.
+    pub fn count_speculation(&self, drafted: usize, accepted: usize, draft_length: usize) {
+        self.drafted_tokens.inc_by(drafted as u64);
+        self.accepted_drafts.inc_by(accepted as u64);
+        self.draft_length.set(draft_length as i64);
+    }
+
+    /// Tokens drafted and accepted so far: `(drafted, accepted)`.
+    pub fn speculation(&self) -> (u64, u64) {
+        (self.drafted_tokens.get(), self.accepted_drafts.get())
     }
 
     /// Counts a checked generation that ended without a disagreement.

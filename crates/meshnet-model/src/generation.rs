@@ -6,6 +6,8 @@
 //! stages the hidden states cross a boundary; the [`BoundaryPolicy`] says whether they cross
 //! in f32 (bit-identical to one process) or cast to bfloat16 as on the wire.
 
+use std::collections::VecDeque;
+
 use candle_core::{DType, Device, Tensor};
 use meshnet_wire::chunk::chunk_ranges;
 use meshnet_wire::{Activations, PREFILL_CHUNK_TOKENS};
@@ -16,6 +18,7 @@ use crate::kv_cache::SessionId;
 use crate::sampling::{
     Sampler, SamplingConfig, StopConditions, TokenLogprobs, TokenMask, token_logprobs,
 };
+use crate::speculation::{DraftLength, SpeculationStats, prompt_lookup};
 use crate::tokenizer::ModelTokenizer;
 
 /// A contiguous span of layers, in this process or behind a network hop.
@@ -51,6 +54,22 @@ pub trait Stage {
         let _ = session;
         Ok(None)
     }
+
+    /// Whether [`Stage::rewind`] works here, so that drafted tokens may be verified and
+    /// taken back (speculative decoding). The default: no.
+    fn can_rewind(&self) -> bool {
+        false
+    }
+
+    /// Cuts the session's KV cache back to its first `len` positions; the next chunk starts
+    /// at `len`. A stage may do it at once or with its next chunk. The default refuses.
+    fn rewind(&self, session: SessionId, len: usize) -> Result<()> {
+        let _ = (session, len);
+        Err(ModelError::InvalidSpan(format!(
+            "{} cannot take cached positions back",
+            self.name()
+        )))
+    }
 }
 
 /// Turns token ids into the first hidden states.
@@ -64,6 +83,15 @@ pub trait LogitsHead {
     /// Applies the final norm and LM head to the last position of `hidden` (`[1, tokens,
     /// hidden]`), returning one logit per vocabulary entry.
     fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>>;
+
+    /// The logits after every position of `hidden` (`[1, tokens, hidden]`), first first, each
+    /// as [`LogitsHead::logits`] gives it for that position alone.
+    fn logits_rows(&self, hidden: &Tensor) -> Result<Vec<Vec<f32>>> {
+        let tokens = hidden.dim(1)?;
+        (0..tokens)
+            .map(|row| self.logits(&hidden.narrow(1, row, 1)?))
+            .collect()
+    }
 }
 
 /// How hidden states cross from one stage to the next.
@@ -217,6 +245,29 @@ impl LayerRoute<'_> {
             stage.end_session(session);
         }
     }
+
+    /// Runs one chunk and returns the logits after each of its positions.
+    pub fn forward_rows(
+        &self,
+        session: SessionId,
+        position: usize,
+        tokens: &[u32],
+    ) -> Result<Vec<Vec<f32>>> {
+        let hidden = self.forward_hidden(session, position, tokens)?;
+        self.head.logits_rows(&hidden)
+    }
+
+    /// Whether every stage can take cached positions back ([`Stage::can_rewind`]).
+    pub fn can_rewind(&self) -> bool {
+        self.stages.iter().all(|stage| stage.can_rewind())
+    }
+
+    /// Cuts the session back to its first `len` positions on every stage.
+    pub fn rewind(&self, session: SessionId, len: usize) -> Result<()> {
+        self.stages
+            .iter()
+            .try_for_each(|stage| stage.rewind(session, len))
+    }
 }
 
 /// Limits which tokens may come next (structured output): before each token the generation
@@ -268,6 +319,9 @@ pub struct GenerationRequest {
     pub session: SessionId,
     /// Limits the tokens that may be generated (structured output); `None` allows any.
     pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// The most tokens drafted (prompt lookup) and verified in one pass per decode step;
+    /// 0 decodes one token per pass. Used only on routes whose stages can all rewind.
+    pub max_draft: usize,
 }
 
 impl GenerationRequest {
@@ -283,6 +337,7 @@ impl GenerationRequest {
             logprobs: None,
             session: SessionId::new_v4(),
             constraint: None,
+            max_draft: 0,
         }
     }
 }
@@ -316,6 +371,8 @@ pub struct Generation {
     pub logits: Vec<Vec<f32>>,
     /// The log-probabilities of each generated token, when `logprobs` was set.
     pub logprobs: Vec<TokenLogprobs>,
+    /// What speculative decoding drafted and had accepted.
+    pub speculation: SpeculationStats,
 }
 
 /// Generates a continuation of `request.prompt` over `route`: prefill in chunks, then one
@@ -374,34 +431,39 @@ fn run(
     decode(route, request, logits, tokenizer, observer)
 }
 
-/// Samples from `logits` (those after the prompt), then feeds each token back one at a time
-/// until a stop condition or the token limit.
+/// Samples from `logits` (those after the prompt), then feeds each token back (with drafted
+/// tokens after it, when speculating) until a stop condition or the token limit.
 fn decode(
     route: &LayerRoute<'_>,
     request: &GenerationRequest,
-    mut logits: Vec<f32>,
+    logits: Vec<f32>,
     tokenizer: Option<&ModelTokenizer>,
     observer: &mut dyn FnMut(&[u32], &[TokenLogprobs]) -> bool,
 ) -> Result<Generation> {
-    let session = request.session;
     let mut sampler = Sampler::new(request.sampling.clone())?;
+    let mut front = DecodeFront::new(route, request, logits);
     let mut recorded = Vec::new();
-
     let mut generated = Vec::with_capacity(request.max_tokens);
     let mut logprobs = Vec::new();
     let mut finish = FinishReason::Length;
     let mut text = tokenizer.map(|tokenizer| GeneratedText::new(tokenizer, &request.stop));
     let mut stop_at = None;
-    let mut position = request.prompt.len();
     let mut constraint = request.constraint.clone();
     let mut allowed = TokenMask::default();
     while generated.len() < request.max_tokens {
-        let token = next_token(&mut sampler, &logits, constraint.as_mut(), &mut allowed)?;
+        let logits = front.logits();
+        let token = next_token(
+            &mut sampler,
+            logits,
+            front.draft(),
+            constraint.as_mut(),
+            &mut allowed,
+        )?;
         let step_logprobs = request
             .logprobs
-            .map(|top| token_logprobs(&logits, token, top));
+            .map(|top| token_logprobs(logits, token, top));
         if request.record_logits {
-            recorded.push(std::mem::take(&mut logits));
+            recorded.push(logits.to_vec());
         }
         if request.stop.tokens.contains(&token) {
             finish = FinishReason::StopToken;
@@ -432,8 +494,7 @@ fn decode(
         if generated.len() == request.max_tokens {
             break;
         }
-        logits = route.forward(session, position, &[token])?;
-        position += 1;
+        front.advance(token, request.max_tokens - generated.len())?;
     }
     let text = match text {
         Some(text) if finish == FinishReason::Cancelled => Some(text.into_string()?),
@@ -452,23 +513,153 @@ fn decode(
         finish,
         logits: recorded,
         logprobs,
+        speculation: front.stats(),
     })
 }
 
+/// Where decoding stands on the route: the logits the next token is chosen from and, when
+/// speculating, the drafted tokens already sent after it with the logits after each.
+struct DecodeFront<'r, 'a> {
+    route: &'r LayerRoute<'a>,
+    session: SessionId,
+    /// The logits for the next token.
+    logits: Vec<f32>,
+    /// Drafted tokens every stage has cached after the last chosen one, each with the logits
+    /// after it, oldest first.
+    drafted: VecDeque<(u32, Vec<f32>)>,
+    /// Positions every stage holds.
+    cached: usize,
+    /// The prompt and every token chosen so far: where drafts are looked up.
+    context: Vec<u32>,
+    /// How many tokens to draft; `None` when not speculating.
+    length: Option<DraftLength>,
+    /// Drafted and accepted tokens of the step being verified.
+    step: (usize, usize),
+    stats: SpeculationStats,
+}
+
+impl<'r, 'a> DecodeFront<'r, 'a> {
+    fn new(route: &'r LayerRoute<'a>, request: &GenerationRequest, logits: Vec<f32>) -> Self {
+        let speculate = request.max_draft > 0 && route.can_rewind();
+        DecodeFront {
+            route,
+            session: request.session,
+            logits,
+            drafted: VecDeque::new(),
+            cached: request.prompt.len(),
+            context: if speculate {
+                request.prompt.clone()
+            } else {
+                Vec::new()
+            },
+            length: speculate.then(|| DraftLength::new(request.max_draft)),
+            step: (0, 0),
+            stats: SpeculationStats::default(),
+        }
+    }
+
+    fn logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// The drafted token waiting to be checked against the next choice.
+    fn draft(&self) -> Option<u32> {
+        self.drafted.front().map(|&(token, _)| token)
+    }
+
+    /// Moves past the chosen `token`, of which `remaining` more may follow: a draft it equals
+    /// is accepted (its logits are already here); otherwise the drafts left are dropped on
+    /// every stage and `token` goes through the route with new drafts after it.
+    fn advance(&mut self, token: u32, remaining: usize) -> Result<()> {
+        if self.length.is_some() {
+            self.context.push(token);
+        }
+        match self.drafted.pop_front() {
+            Some((draft, logits)) if draft == token => {
+                self.logits = logits;
+                self.step.1 += 1;
+                if self.drafted.is_empty() {
+                    self.end_step();
+                }
+                return Ok(());
+            }
+            Some(_) => {
+                let kept = self.cached - self.drafted.len() - 1;
+                self.drafted.clear();
+                self.end_step();
+                self.route.rewind(self.session, kept)?;
+                self.cached = kept;
+            }
+            None => {}
+        }
+        let draft = match self.length.as_mut() {
+            Some(length) => prompt_lookup(&self.context, length.take_step().min(remaining - 1)),
+            None => Vec::new(),
+        };
+        self.send(token, draft)
+    }
+
+    /// Sends `token` and `draft` after it through the route at the end of the cache.
+    fn send(&mut self, token: u32, draft: Vec<u32>) -> Result<()> {
+        if draft.is_empty() {
+            self.logits = self.route.forward(self.session, self.cached, &[token])?;
+            self.cached += 1;
+            return Ok(());
+        }
+        let mut tokens = Vec::with_capacity(draft.len() + 1);
+        tokens.push(token);
+        tokens.extend_from_slice(&draft);
+        let mut rows = self
+            .route
+            .forward_rows(self.session, self.cached, &tokens)?
+            .into_iter();
+        self.cached += tokens.len();
+        self.logits = rows
+            .next()
+            .ok_or_else(|| ModelError::InvalidSpan("no logits for a verified step".into()))?;
+        self.drafted = draft.iter().copied().zip(rows).collect();
+        self.step = (draft.len(), 0);
+        self.stats.drafted += draft.len();
+        self.stats.verify_steps += 1;
+        Ok(())
+    }
+
+    /// Records how the step being verified went.
+    fn end_step(&mut self) {
+        let (drafted, accepted) = std::mem::take(&mut self.step);
+        self.stats.accepted += accepted;
+        if let Some(length) = self.length.as_mut() {
+            length.record(drafted, accepted);
+        }
+    }
+
+    fn stats(&self) -> SpeculationStats {
+        SpeculationStats {
+            draft_length: self.length.as_ref().map_or(0, DraftLength::current),
+            ..self.stats
+        }
+    }
+}
+
 /// The next token from `logits`: among the tokens `constraint` allows (written into
-/// `allowed`) when there is one.
+/// `allowed`) when there is one, checked against `draft` when one was drafted.
 fn next_token(
     sampler: &mut Sampler,
     logits: &[f32],
+    draft: Option<u32>,
     constraint: Option<&mut Box<dyn TokenConstraint>>,
     allowed: &mut TokenMask,
 ) -> Result<u32> {
-    match constraint {
+    let allowed = match constraint {
         Some(constraint) => {
             constraint.allowed_tokens(allowed)?;
-            sampler.sample_within(logits, Some(allowed))
+            Some(&*allowed)
         }
-        None => sampler.sample(logits),
+        None => None,
+    };
+    match draft {
+        Some(draft) => sampler.sample_against_draft(logits, allowed, draft),
+        None => sampler.sample_within(logits, allowed),
     }
 }
 

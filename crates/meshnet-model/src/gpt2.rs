@@ -1172,6 +1172,14 @@ impl Stage for Gpt2Span {
         self.cache.end_session(session);
     }
 
+    fn can_rewind(&self) -> bool {
+        true
+    }
+
+    fn rewind(&self, session: SessionId, len: usize) -> Result<()> {
+        self.cache.rewind(session, len)
+    }
+
     fn name(&self) -> String {
         format!("GPT-2 layers {}", self.layer_range)
     }

@@ -285,6 +285,32 @@ impl KvStore {
         Ok(())
     }
 
+    /// Cuts a session's cache back to its first `len` positions, freeing the rest (drafted
+    /// tokens that were rejected). A session holding `len` positions or fewer, or none, is
+    /// left as it is; a session computing a chunk right now is refused.
+    pub fn rewind(&self, session: SessionId, len: usize) -> Result<()> {
+        let mut state = self.lock();
+        if state.computing.contains(&session) {
+            return Err(ModelError::PositionMismatch {
+                session: session.to_string(),
+                position: len,
+                cached: len,
+                kind: "another chunk of the session is still computing",
+            });
+        }
+        let Some(cache) = state.sessions.get_mut(&session) else {
+            return Ok(());
+        };
+        if cache.len <= len {
+            return Ok(());
+        }
+        let before = cache.bytes;
+        *cache = cache.prefix(len);
+        let after = cache.bytes;
+        state.used_bytes = state.used_bytes - before + after;
+        Ok(())
+    }
+
     /// Drops a session's cache, freeing its bytes; a session computing a chunk right now is
     /// dropped when the chunk finishes. Unknown sessions are ignored.
     pub fn end_session(&self, session: SessionId) {
@@ -654,6 +680,34 @@ mod tests {
                 Ok(())
             })
             .unwrap();
+    }
+
+    #[test]
+    fn a_rewind_drops_the_last_positions_frees_their_bytes_and_appending_goes_on_from_there() {
+        let store = KvStore::new(2, 2 * 2 * 4 * 2, 1 << 20);
+        let session = SessionId::new_v4();
+        append_numbered(&store, session, 0, 3);
+        append_numbered(&store, session, 3, 4);
+        let full_bytes = store.used_bytes();
+        store.rewind(session, 9).unwrap();
+        assert_eq!(store.session_len(session), 7, "a longer length keeps all");
+        store.rewind(session, 4).unwrap();
+        assert_eq!(store.session_len(session), 4);
+        assert_eq!(store.used_bytes(), full_bytes * 4 / 7);
+        let (keys, values) = layer_rows(&store, session, 1);
+        let (expected_keys, expected_values) = numbered_rows(0, 4);
+        assert_eq!((keys, values), (expected_keys, expected_values));
+        assert!(
+            append(&store, session, 7, 1).is_err(),
+            "the old end is a gap now"
+        );
+        append_numbered(&store, session, 4, 2);
+        assert_eq!(store.session_len(session), 6);
+        let (keys, _) = layer_rows(&store, session, 0);
+        assert_eq!(keys, numbered_rows(0, 6).0);
+        store.rewind(SessionId::new_v4(), 0).unwrap();
+        store.end_session(session);
+        assert_eq!(store.used_bytes(), 0);
     }
 
     #[test]

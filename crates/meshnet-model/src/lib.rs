@@ -34,6 +34,7 @@ mod llama;
 mod metadata;
 mod model;
 mod sampling;
+mod speculation;
 mod strftime;
 mod template_env;
 mod tokenizer;
@@ -65,6 +66,9 @@ pub use model::{GPT2_TOKENIZER_FILE, Model, ModelSpan, TextSide};
 pub use sampling::{
     BAN_BIAS, Sampler, SamplingConfig, StopConditions, TokenLogprobs, TokenMask, argmax,
     token_logprobs,
+};
+pub use speculation::{
+    DEFAULT_MAX_DRAFT, DraftLength, MAX_NGRAM, MIN_NGRAM, SpeculationStats, prompt_lookup,
 };
 pub use tokenizer::{EncodeOptions, ModelTokenizer};
 pub use tool_calls::{

@@ -652,6 +652,14 @@ impl Stage for LlamaSpan {
         self.cache.end_session(session);
     }
 
+    fn can_rewind(&self) -> bool {
+        true
+    }
+
+    fn rewind(&self, session: SessionId, len: usize) -> Result<()> {
+        self.cache.rewind(session, len)
+    }
+
     fn name(&self) -> String {
         format!("layers {}", self.layer_range)
     }

@@ -171,6 +171,14 @@ impl Stage for ModelSpan {
         }
     }
 
+    fn can_rewind(&self) -> bool {
+        true
+    }
+
+    fn rewind(&self, session: SessionId, len: usize) -> Result<()> {
+        self.kv_store().rewind(session, len)
+    }
+
     fn name(&self) -> String {
         match self {
             ModelSpan::Llama(span) => span.name(),

@@ -168,8 +168,48 @@ impl Sampler {
         let token = if self.config.is_greedy() {
             best_token(&logits)
         } else {
-            self.draw(&logits)
+            self.weighted_candidates(&logits)
+                .map(|weighted| self.pick(&weighted, None))
         };
+        self.count(token, allowed)
+    }
+
+    /// Like [`Sampler::sample_within`] where a draft proposed `draft` for this step, keeping
+    /// the distribution exactly: greedy takes the best token as always; sampling takes the
+    /// draft with its probability under the sampler, else draws among the other candidates
+    /// in proportion (the accept/resample rule of speculative sampling, for a draft that
+    /// proposes its token with certainty). The draft is accepted when the result equals it.
+    pub fn sample_against_draft(
+        &mut self,
+        logits: &[f32],
+        allowed: Option<&TokenMask>,
+        draft: u32,
+    ) -> Result<u32> {
+        if self.config.is_greedy() {
+            return self.sample_within(logits, allowed);
+        }
+        if logits.is_empty() {
+            return Err(ModelError::Sampling("empty logits".into()));
+        }
+        let logits = self.adjusted_within(logits, allowed);
+        let token = self.weighted_candidates(&logits).map(|weighted| {
+            let total: f64 = weighted.iter().map(|&(_, weight)| weight).sum();
+            let draft_weight = weighted
+                .iter()
+                .find(|&&(token, _)| token == draft)
+                .map_or(0.0, |&(_, weight)| weight);
+            let accepted = self.random.next_unit() * total < draft_weight;
+            if accepted || draft_weight >= total {
+                draft
+            } else {
+                self.pick(&weighted, Some(draft))
+            }
+        });
+        self.count(token, allowed)
+    }
+
+    /// Counts a chosen `token` for the penalties, or explains why none could be chosen.
+    fn count(&mut self, token: Option<u32>, allowed: Option<&TokenMask>) -> Result<u32> {
         let token = match (token, allowed) {
             (Some(token), _) => token,
             (None, None) => {
@@ -229,9 +269,9 @@ impl Sampler {
         Cow::Owned(adjusted)
     }
 
-    /// A random token from the candidates top-k, min-p and top-p leave, in proportion to
-    /// `softmax(logits / temperature)`.
-    fn draw(&mut self, logits: &[f32]) -> Option<u32> {
+    /// The candidates top-k, min-p and top-p leave, best first, each with its weight
+    /// `exp((logit − best) / temperature)`; `None` when every token is NaN or banned.
+    fn weighted_candidates(&self, logits: &[f32]) -> Option<Vec<(u32, f64)>> {
         let mut candidates: Vec<(u32, f32)> = logits
             .iter()
             .enumerate()
@@ -259,15 +299,30 @@ impl Sampler {
         if let Some(p) = self.config.top_p {
             weights.truncate(nucleus_size(&weights, f64::from(p)));
         }
-        let total: f64 = weights.iter().sum();
+        Some(
+            candidates
+                .iter()
+                .zip(weights)
+                .map(|(&(token, _), weight)| (token, weight))
+                .collect(),
+        )
+    }
+
+    /// A random token of `weighted` (not empty) in proportion to the weights, leaving out
+    /// `skip`.
+    fn pick(&mut self, weighted: &[(u32, f64)], skip: Option<u32>) -> u32 {
+        let kept = || weighted.iter().filter(|&&(token, _)| Some(token) != skip);
+        let total: f64 = kept().map(|&(_, weight)| weight).sum();
         let mut target = self.random.next_unit() * total;
-        for (index, weight) in weights.iter().enumerate() {
-            if target < *weight {
-                return Some(candidates[index].0);
+        let mut last = weighted[0].0;
+        for &(token, weight) in kept() {
+            if target < weight {
+                return token;
             }
             target -= weight;
+            last = token;
         }
-        Some(candidates[weights.len() - 1].0)
+        last
     }
 }
 
@@ -512,6 +567,63 @@ mod tests {
             top_k,
             top_p,
             ..SamplingConfig::greedy()
+        }
+    }
+
+    /// Counts of tokens drawn against `draft` (one draw per seed `0..DRAWS`), and how often the
+    /// draft was the result.
+    fn counts_against_draft(config: &SamplingConfig, logits: &[f32], draft: u32) -> Vec<u64> {
+        let mut counts = vec![0u64; logits.len()];
+        for seed in 0..DRAWS {
+            let mut sampler = Sampler::new(SamplingConfig {
+                seed,
+                ..config.clone()
+            })
+            .unwrap();
+            let token = sampler.sample_against_draft(logits, None, draft).unwrap();
+            counts[token as usize] += 1;
+        }
+        counts
+    }
+
+    #[test]
+    fn verifying_any_draft_keeps_the_tempered_softmax_and_top_k() {
+        let degrees = LOGITS.len() - 1;
+        let critical = CHI_SQUARE_CRITICAL_P001[degrees];
+        // The most likely token, a middling one and the least likely one as drafts.
+        for draft in [1u32, 3, 5] {
+            let config = sampling(1.0, None, None);
+            let counts = counts_against_draft(&config, &LOGITS, draft);
+            let expected = softmax(&LOGITS, 1.0);
+            let statistic = chi_square(&counts, &expected);
+            println!("draft {draft}: counts {counts:?}, chi-square {statistic:.2}");
+            assert!(
+                statistic < critical,
+                "draft {draft}: chi-square {statistic:.2} >= {critical} (counts {counts:?})"
+            );
+        }
+        // Top-k 3 keeps tokens 1, 4, 0: a draft outside them is never the answer.
+        let counts = counts_against_draft(&sampling(1.0, Some(3), None), &LOGITS, 2);
+        assert_eq!(counts[2], 0, "{counts:?}");
+        let kept = [LOGITS[0], LOGITS[1], LOGITS[4]];
+        let shares = softmax(&kept, 1.0);
+        let mut expected = vec![0.0; LOGITS.len()];
+        (expected[0], expected[1], expected[4]) = (shares[0], shares[1], shares[2]);
+        let statistic = chi_square(&counts, &expected);
+        assert!(
+            statistic < CHI_SQUARE_CRITICAL_P001[2],
+            "top-k with a draft outside it: chi-square {statistic:.2} (counts {counts:?})"
+        );
+    }
+
+    #[test]
+    fn greedy_ignores_the_draft() {
+        let mut sampler = Sampler::new(SamplingConfig::greedy()).unwrap();
+        for draft in 0..LOGITS.len() as u32 {
+            assert_eq!(
+                sampler.sample_against_draft(&LOGITS, None, draft).unwrap(),
+                1
+            );
         }
     }
 

@@ -39,6 +39,7 @@ impl Stage for OverTheWire<'_> {
                 grant: None,
                 fork_from: None,
                 return_to: None,
+                rewind: false,
             },
             activations: Activations::from_tensor(&hidden)?,
         };

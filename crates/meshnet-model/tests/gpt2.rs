@@ -793,3 +793,38 @@ fn q8_0_on_load_stays_close_to_f32() {
     assert_eq!(description.bytes_q8_0.head, 2 * 64 * 4 + 96 * 64 / 32 * 34);
     std::fs::remove_dir_all(directory).unwrap();
 }
+
+/// Speculative decoding on GPT-2 spans: the tokens and every step's logits equal those of one
+/// token per pass (the fixture's prompt repeated, so drafts come from the context).
+#[test]
+fn speculative_decoding_gives_the_tokens_and_logits_of_one_token_per_pass() {
+    let model = Gpt2Model::open(fixture_dir()).unwrap();
+    let span = whole(&model);
+    let route = LayerRoute {
+        embedder: &span,
+        stages: vec![&span],
+        head: &span,
+        boundary: BoundaryPolicy::F32,
+    };
+    // The tiny model learned 64 positions: 32 of prompt, 24 generated.
+    let ids = input_ids();
+    let prompt: Vec<u32> = ids.iter().cycle().take(32).copied().collect();
+    assert!(ids.len() < 32);
+    let mut request = GenerationRequest::greedy(prompt, 24);
+    request.record_logits = true;
+    let plain = generate(&route, &request, None).unwrap();
+    let speculative = generate(
+        &route,
+        &GenerationRequest {
+            max_draft: 6,
+            session: SessionId::new_v4(),
+            ..request
+        },
+        None,
+    )
+    .unwrap();
+    println!("{:?}", speculative.speculation);
+    assert!(speculative.speculation.drafted > 0);
+    assert_eq!(speculative.tokens, plain.tokens);
+    assert!(speculative.logits == plain.logits, "logits differ");
+}

@@ -484,3 +484,48 @@ fn a_scored_prompt_has_the_logprobs_of_feeding_it_token_by_token() {
     }
     route.end_session(stepwise);
 }
+
+/// Speculative decoding (drafts looked up in the context, verified in one pass, the cache cut
+/// back past a rejected draft) gives exactly the tokens and the logits of one token per pass,
+/// on the shipped Q4_1 weights and requantized to Q8_0, for a prompt that repeats itself (most
+/// drafts accepted) and one that does not (drafts rejected, caches rewound).
+#[test]
+fn speculative_decoding_gives_the_tokens_and_logits_of_one_token_per_pass() {
+    let repetitive = long_prompt();
+    let varied = varied_long_prompt();
+    for (name, route) in [("q4_1", whole_route()), ("q8_0", whole_q8_route())] {
+        for (kind, prompt) in [("repetitive", &repetitive), ("varied", &varied)] {
+            let mut request = GenerationRequest::greedy(prompt.clone(), 40);
+            request.record_logits = true;
+            request.logprobs = Some(2);
+            let plain = generate(&route, &request, None).unwrap();
+            assert_eq!(plain.speculation.drafted, 0);
+            let speculative = generate(
+                &route,
+                &GenerationRequest {
+                    max_draft: 6,
+                    session: SessionId::new_v4(),
+                    ..request.clone()
+                },
+                None,
+            )
+            .unwrap();
+            let stats = speculative.speculation;
+            println!("{name} {kind}: {stats:?}");
+            assert_eq!(speculative.tokens, plain.tokens, "{name} {kind}");
+            assert!(
+                speculative.logits == plain.logits,
+                "{name} {kind}: logits differ"
+            );
+            assert_eq!(speculative.logprobs, plain.logprobs, "{name} {kind}");
+            assert!(
+                stats.drafted > 0 && stats.accepted <= stats.drafted,
+                "{stats:?}"
+            );
+            if kind == "repetitive" {
+                assert!(stats.accepted * 2 > stats.drafted, "{name}: {stats:?}");
+            }
+        }
+    }
+    assert_eq!(whole().kv_store().session_count(), 0);
+}

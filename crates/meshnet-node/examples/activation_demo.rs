@@ -157,6 +157,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 grant: None,
                 fork_from: None,
                 return_to: None,
+                rewind: false,
             },
             activations: chunk.activations,
         };
@@ -208,6 +209,7 @@ async fn chain(tokens: usize, hidden: usize) -> anyhow::Result<()> {
                 grant: None,
                 fork_from: None,
                 return_to: None,
+                rewind: false,
             },
             activations: one,
         };

@@ -181,6 +181,7 @@ mod tests {
                 grant: None,
                 fork_from: None,
                 return_to: None,
+                rewind: false,
             },
             activations: Activations::new(Shape::new(&[1, 1, 2]).unwrap(), vec![bf16::ONE; 2])
                 .unwrap(),

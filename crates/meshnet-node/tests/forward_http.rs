@@ -91,6 +91,7 @@ fn frame(layers: (u32, u32), route: Vec<Hop>, tokens: usize) -> ActivationFrame 
             grant: None,
             fork_from: None,
             return_to: None,
+            rewind: false,
         },
         activations: Activations::new(shape, values).unwrap(),
     }

@@ -14,6 +14,10 @@ use crate::error::PeerError;
 use crate::mesh_model::MeshModel;
 use crate::remote::FailoverPolicy;
 
+/// The longest draft a verified step may carry (`--max-draft`): the drafts and the token
+/// before them travel as one frame.
+pub const MAX_DRAFT_LIMIT: usize = 32;
+
 /// The shortest announcement interval a peer accepts.
 pub const MIN_ANNOUNCE_INTERVAL: Duration = Duration::from_millis(50);
 
@@ -66,6 +70,9 @@ pub struct PeerConfig {
     /// Whether the last hop of the tracker's routes posts its output straight back to the
     /// tracker (ADR-0031) instead of back along the route.
     pub direct_return: bool,
+    /// The most tokens the tracker drafts and verifies in one trip through a route
+    /// (speculative decoding, ADR-0032); 0 turns it off.
+    pub max_draft: usize,
     /// Requests the tracker keeps waiting for a generation slot; one more is answered 429.
     pub max_queued_sessions: usize,
     /// How long a request waits in line for a slot before it is answered 429.
@@ -130,6 +137,7 @@ impl PeerConfig {
             max_batch_tokens: crate::batcher::DEFAULT_MAX_BATCH_TOKENS,
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
             direct_return: true,
+            max_draft: meshnet_model::DEFAULT_MAX_DRAFT,
             max_queued_sessions: 32,
             queue_timeout: Duration::from_secs(60),
             assume_reachable: false,
@@ -194,6 +202,13 @@ impl PeerConfig {
             if count == 0 {
                 return invalid(setting, Some(flag), "must be at least 1".to_owned());
             }
+        }
+        if self.max_draft > MAX_DRAFT_LIMIT {
+            return invalid(
+                "max_draft",
+                Some("max-draft"),
+                format!("must be at most {MAX_DRAFT_LIMIT}, got {}", self.max_draft),
+            );
         }
         for (setting, flag, timeout) in [
             (

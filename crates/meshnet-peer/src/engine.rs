@@ -46,6 +46,8 @@ pub struct MeshEngine {
     encoding: Encoding,
     admission: Admission,
     prefill_in_flight: usize,
+    /// The most tokens drafted per trip (0: no speculative decoding).
+    max_draft: usize,
     /// Where the last hops of its routes post their outputs, and the desk that awaits them;
     /// `None` has outputs come back along the routes.
     direct_return: Option<DirectReturn>,
@@ -128,6 +130,7 @@ impl MeshEngine {
             encoding: Encoding::Zstd,
             admission: Admission::new(limits),
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
+            max_draft: 0,
             direct_return: None,
             grants: None,
             structured: StructuredOutput::Off(
@@ -184,6 +187,13 @@ impl MeshEngine {
     /// chunk is answered before the next is computed).
     pub fn with_prefill_in_flight(mut self, chunks: usize) -> Self {
         self.prefill_in_flight = chunks.max(1);
+        self
+    }
+
+    /// Drafts up to `max_draft` tokens from the context and verifies them in one trip
+    /// through the route (speculative decoding, ADR-0032); 0 decodes one token per trip.
+    pub fn with_speculation(mut self, max_draft: usize) -> Self {
+        self.max_draft = max_draft;
         self
     }
 
@@ -533,6 +543,7 @@ impl MeshEngine {
                 tokens: stop_tokens,
                 strings: request.stop,
             },
+            max_draft: self.max_draft,
             ..GenerationRequest::greedy(prompt, max_tokens)
         }
     }
@@ -789,6 +800,12 @@ impl GenerationJob {
                 tracing::info!(request = %self.request_id, %session, "generation cancelled: the client went away");
             }
             Ok(generation) => {
+                let speculation = generation.speculation;
+                self.metrics.count_speculation(
+                    speculation.drafted,
+                    speculation.accepted,
+                    speculation.draft_length,
+                );
                 let reason = match generation.finish {
                     ModelFinish::Length => FinishReason::Length,
                     _ if called => FinishReason::ToolCalls,
@@ -798,6 +815,8 @@ impl GenerationJob {
                     request = %self.request_id,
                     %session,
                     completion_tokens = generation.tokens.len(),
+                    drafted = speculation.drafted,
+                    accepted_drafts = speculation.accepted,
                     elapsed_ms = self.admitted.elapsed().as_millis() as u64,
                     "generation finished"
                 );

@@ -275,6 +275,14 @@ struct RunArgs {
     /// to the tracker (which saves one link's delay per hop after the first on every token).
     #[arg(long)]
     no_direct_return: bool,
+    /// The most tokens the tracker drafts from the context (prompt lookup) and verifies in
+    /// one trip through the route (speculative decoding); the length adapts to how many are
+    /// accepted. 0 turns it off.
+    #[arg(long, default_value_t = meshnet_model::DEFAULT_MAX_DRAFT)]
+    max_draft: usize,
+    /// Decode one token per trip through the route (the same as `--max-draft 0`).
+    #[arg(long)]
+    no_speculation: bool,
     /// Requests the tracker keeps waiting for a generation slot (0: none); one more is
     /// answered 429.
     #[arg(long, default_value_t = 32)]

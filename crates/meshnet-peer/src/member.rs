@@ -111,6 +111,8 @@ pub(crate) struct Settings {
     pub(crate) verify: crate::verify::VerifyPolicy,
     /// Chunks of one prompt the tracker keeps travelling through the hops at once.
     pub(crate) prefill_in_flight: usize,
+    /// The most tokens the tracker drafts per trip (0: no speculative decoding).
+    pub(crate) max_draft: usize,
     /// Whether this member may take over the tracker role.
     pub(crate) tracker_capable: bool,
     /// The activation-plane client the engine sends with.

@@ -148,6 +148,9 @@ struct RouteState {
     sampled: bool,
     /// For a checked session: each hop's shadow and recorded inputs (see [`checked`]).
     checks: Option<Checks>,
+    /// The history was cut back (rejected drafts): the next frame asks every hop to drop
+    /// its cached positions from the frame's position on (`X-Meshnet-Rewind`).
+    rewind_pending: bool,
 }
 
 impl RouteState {
@@ -371,6 +374,7 @@ impl RemoteStage {
                 grant: self.grant_for(state, session)?,
                 fork_from: state.fork_from(position),
                 return_to: None,
+                rewind: state.rewind_pending,
             },
             activations,
         };
@@ -636,7 +640,26 @@ fn route_state(hops: Vec<PlannedHop>, avoid: Avoid) -> Result<RouteState, ModelE
         fork: None,
         sampled: false,
         checks: None,
+        rewind_pending: false,
     })
+}
+
+/// Cuts the recorded frames of `state` back to their first `len` tokens (fewer than it holds):
+/// later frames are dropped and the one that straddles `len` keeps its first rows.
+fn cut_history(state: &mut RouteState, len: usize) -> meshnet_model::Result<()> {
+    while let Some(last) = state.history.pop() {
+        let tokens = last.dim(1)?;
+        let start = state.history_tokens - tokens;
+        state.history_tokens = start;
+        if start < len {
+            state.history.push(last.narrow(1, 0, len - start)?);
+            state.history_tokens = len;
+        }
+        if state.history_tokens <= len {
+            break;
+        }
+    }
+    Ok(())
 }
 
 /// Every peer holding the session of `state`: the route's hops and, for a checked session,
@@ -861,6 +884,7 @@ impl Stage for RemoteStage {
                 Ok(output) => {
                     state.history.push(input);
                     state.history_tokens += tokens;
+                    state.rewind_pending = false;
                     return Ok(output);
                 }
                 Err(SendError::Hop(failure)) if reroutable(&failure) => {
@@ -905,6 +929,7 @@ impl Stage for RemoteStage {
         };
         state.history.push(input);
         state.history_tokens += tokens;
+        state.rewind_pending = false;
         let sending = self.runtime.spawn(post);
         state.in_flight.push_back(sending);
         Ok(None)
@@ -916,6 +941,34 @@ impl Stage for RemoteStage {
             self.land_oldest(&mut state, session)?;
         }
         Ok(state.landed.take())
+    }
+
+    /// Every route but a checked session's (whose shadows and arbiters replay what each hop
+    /// was sent) can take positions back.
+    fn can_rewind(&self) -> bool {
+        lock(&self.state).checks.is_none()
+    }
+
+    /// Cuts the recorded history back to `len` tokens; the next frame carries the rewind to
+    /// every hop (no extra trip).
+    fn rewind(&self, session: SessionId, len: usize) -> meshnet_model::Result<()> {
+        let mut state = lock(&self.state);
+        if state.checks.is_some() {
+            return Err(stage_error(
+                &state,
+                "a checked session cannot take positions back",
+            ));
+        }
+        while !state.in_flight.is_empty() {
+            self.land_oldest(&mut state, session)?;
+        }
+        state.landed = None;
+        if state.history_tokens <= len {
+            return Ok(());
+        }
+        cut_history(&mut state, len)?;
+        state.rewind_pending = true;
+        Ok(())
     }
 
     fn end_session(&self, session: SessionId) {
@@ -1386,5 +1439,40 @@ mod tests {
         assert_eq!(*lock(&healthy.positions), [0, 2, 4]);
         assert_eq!(failover.metrics.failovers(), 1);
         stopped.open();
+    }
+
+    /// Cutting the history back drops later frames and keeps the first rows of the frame
+    /// that straddles the cut, so a failover replays exactly the positions the hops keep.
+    #[test]
+    fn a_rewind_cuts_the_recorded_history_at_the_position() {
+        let mut state = route_state(
+            vec![hop("a", "http://127.0.0.1:1".to_owned())],
+            Avoid::default(),
+        )
+        .unwrap();
+        for (first, tokens) in [(0.0f32, 3usize), (3.0, 1), (4.0, 4)] {
+            let values: Vec<f32> = (0..tokens).map(|row| first + row as f32).collect();
+            state
+                .history
+                .push(Tensor::from_vec(values, (1, tokens, 1), &Device::Cpu).unwrap());
+            state.history_tokens += tokens;
+        }
+        cut_history(&mut state, 6).unwrap();
+        let rows = |state: &RouteState| -> Vec<Vec<f32>> {
+            state
+                .history
+                .iter()
+                .map(|frame| frame.flatten_all().unwrap().to_vec1().unwrap())
+                .collect()
+        };
+        assert_eq!(state.history_tokens, 6);
+        assert_eq!(
+            rows(&state),
+            [vec![0.0, 1.0, 2.0], vec![3.0], vec![4.0, 5.0]]
+        );
+        cut_history(&mut state, 4).unwrap();
+        assert_eq!(rows(&state), [vec![0.0, 1.0, 2.0], vec![3.0]]);
+        cut_history(&mut state, 1).unwrap();
+        assert_eq!((state.history_tokens, rows(&state)), (1, vec![vec![0.0]]));
     }
 }

@@ -82,6 +82,11 @@ fn set_serving(config: &mut PeerConfig, args: &RunArgs) -> anyhow::Result<()> {
     config.max_batch_tokens = args.max_batch_tokens;
     config.prefill_in_flight = args.prefill_chunks_in_flight;
     config.direct_return = !args.no_direct_return;
+    config.max_draft = if args.no_speculation {
+        0
+    } else {
+        args.max_draft
+    };
     config.max_queued_sessions = args.max_queued_sessions;
     config.queue_timeout = seconds(args.queue_timeout, "--queue-timeout")?;
     config.failover = FailoverPolicy {

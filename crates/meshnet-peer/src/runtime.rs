@@ -385,6 +385,7 @@ fn settings(
         failover: config.failover.clone(),
         verify: config.verify.clone(),
         prefill_in_flight: config.prefill_in_flight,
+        max_draft: config.max_draft,
         tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
         client,
         grants,

@@ -167,6 +167,14 @@ impl Stage for LoadedSpan {
         LoadedSpan::end_session(self, session);
     }
 
+    fn can_rewind(&self) -> bool {
+        true
+    }
+
+    fn rewind(&self, session: SessionId, len: usize) -> Result<(), ModelError> {
+        self.span.kv_store().rewind(session, len)
+    }
+
     fn name(&self) -> String {
         self.span.name()
     }
@@ -542,6 +550,13 @@ impl SpanExecutor for SpanHost {
         {
             held_span
                 .fork_session(parent, meta.session, position)
+                .map_err(executor_error)?;
+        }
+        if meta.rewind {
+            held_span
+                .span
+                .kv_store()
+                .rewind(meta.session, position)
                 .map_err(executor_error)?;
         }
         let started = Instant::now();

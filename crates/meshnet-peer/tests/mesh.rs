@@ -315,6 +315,7 @@ async fn hostile_frames_are_refused_before_any_work() {
             grant,
             fork_from: None,
             return_to: None,
+            rewind: false,
         },
         activations: meshnet_wire::Activations::new(
             meshnet_wire::Shape::new(&[tokens, hidden]).unwrap(),
@@ -427,6 +428,7 @@ async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_gives_up_naming
             grant: common::grant_to(&signer, session, span, peer.http_url()),
             fork_from: None,
             return_to: None,
+            rewind: false,
         },
         activations: meshnet_wire::Activations::new(
             meshnet_wire::Shape::new(&[64, hidden]).unwrap(),
@@ -731,6 +733,11 @@ async fn a_long_prompt_pipelined_through_two_peers_gives_the_text_of_one_chunk_a
 
 /// `meshnet_direct_returns_total` in `member`'s `/metrics`.
 async fn direct_returns(member: &meshnet_peer::RunningPeer) -> u64 {
+    metric(member, "meshnet_direct_returns_total").await
+}
+
+/// The value of the metric `name` in `member`'s `/metrics`.
+async fn metric(member: &meshnet_peer::RunningPeer, name: &str) -> u64 {
     let scrape = reqwest::get(format!("{}/metrics", member.http_url()))
         .await
         .unwrap()
@@ -739,9 +746,55 @@ async fn direct_returns(member: &meshnet_peer::RunningPeer) -> u64 {
         .unwrap();
     scrape
         .lines()
-        .find_map(|line| line.strip_prefix("meshnet_direct_returns_total "))
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
         .map(|value| value.parse::<f64>().unwrap() as u64)
-        .unwrap_or_else(|| panic!("no direct return count in {scrape}"))
+        .unwrap_or_else(|| panic!("no {name} in {scrape}"))
+}
+
+/// Speculative decoding through two peers (drafts verified in one trip, every hop's cache
+/// cut back past a rejected draft with the next frame) gives the greedy text of one token
+/// per trip, with outputs returning along the route or straight from the last hop; the
+/// tracker's `/metrics` count what was drafted and accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_decoding_through_two_peers_gives_the_text_of_one_token_per_trip() {
+    let prompt = "Copy this list exactly, one item per line: apples, pears, plums, cherries, \
+        grapes, lemons, apples, pears, plums, cherries, grapes, lemons.";
+    let mut answers = Vec::new();
+    for (max_draft, direct_return) in [(0, true), (8, true), (8, false)] {
+        let mut config = common::config(true, 10, vec![]);
+        config.max_draft = max_draft;
+        config.direct_return = direct_return;
+        let tracker = meshnet_peer::start(config).await.unwrap();
+        let first = peer(10, &tracker).await;
+        let second = peer(10, &tracker).await;
+        wait_for("coverage", &tracker, |s| converged(s, &[&first, &second])).await;
+        let base = tracker.openai_base_url().unwrap();
+        let model = tracker.model_id().to_owned();
+        answers.push(greedy_chat(&base, &model, prompt, 40, &[], false).await);
+        let drafted = metric(&tracker, "meshnet_drafted_tokens_total").await;
+        let accepted = metric(&tracker, "meshnet_accepted_drafts_total").await;
+        println!("max draft {max_draft}: drafted {drafted}, accepted {accepted}");
+        if max_draft == 0 {
+            assert_eq!((drafted, accepted), (0, 0));
+        } else {
+            assert!(accepted > 10, "drafted {drafted}, accepted {accepted}");
+            assert!(accepted < drafted, "no draft was rejected: nothing rewound");
+        }
+        for member in [&first, &second] {
+            wait_for("the hops to free the session", member, |s| {
+                s.active_sessions == 0
+            })
+            .await;
+        }
+        for member in [second, first, tracker] {
+            member.shutdown().await;
+        }
+    }
+    assert!(
+        answers.windows(2).all(|pair| pair[0] == pair[1]),
+        "{answers:?}"
+    );
+    assert!(!answers[0].0.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,6 +33,9 @@ pub const ROUTE: &str = "x-meshnet-route";
 /// `X-Meshnet-Fork-From`: the UUID of a session whose first `position` cached positions a new
 /// session starts from (several continuations sharing one prompt's prefill).
 pub const FORK_FROM: &str = "x-meshnet-fork-from";
+/// `X-Meshnet-Rewind`: `1` when the receiver first drops its cached positions of the session
+/// from `position` on (a speculative step whose drafts were rejected; ADR-0032).
+pub const REWIND: &str = "x-meshnet-rewind";
 /// `X-Meshnet-Grant`: the tracker's signed grant for the session and route (the `grant`
 /// module reads and checks it).
 pub const GRANT_HEADER: &str = "x-meshnet-grant";
@@ -261,6 +264,10 @@ pub struct FrameMeta {
     /// route's output directly (see [`crate::return_address`]); passed on from hop to hop.
     /// `None` in a response and when the output is to travel back along the route.
     pub return_to: Option<ReturnAddress>,
+    /// `X-Meshnet-Rewind`: every hop drops the session's cached positions from `position` on
+    /// before it runs the frame (drafted tokens the entry rejected); passed on from hop to
+    /// hop. `false` in a response and for ordinary frames.
+    pub rewind: bool,
 }
 
 impl FrameMeta {
@@ -348,9 +355,23 @@ pub fn read_meta(headers: &HeaderMap) -> Result<(Shape, FrameMeta), WireError> {
         grant: optional_str(headers, GRANT_HEADER, "a grant")?.map(Into::into),
         fork_from,
         return_to: read_return_address(headers)?,
+        rewind: read_rewind(headers)?,
     };
     meta.validate()?;
     Ok((shape, meta))
+}
+
+/// `X-Meshnet-Rewind`: absent (no rewind) or `1`.
+fn read_rewind(headers: &HeaderMap) -> Result<bool, WireError> {
+    match optional_str(headers, REWIND, "1")? {
+        None => Ok(false),
+        Some(text) if text.trim() == "1" => Ok(true),
+        Some(text) => Err(WireError::InvalidHeader {
+            name: "X-Meshnet-Rewind",
+            expected: "1",
+            got: quote(text),
+        }),
+    }
 }
 
 /// A session id header's value.
@@ -390,6 +411,9 @@ pub fn write_headers(shape: &Shape, meta: &FrameMeta, encoding: Encoding) -> Hea
     if let Some(parent) = meta.fork_from {
         put(FORK_FROM, parent.to_string());
     }
+    if meta.rewind {
+        put(REWIND, "1".to_owned());
+    }
     if let Some(address) = &meta.return_to {
         put(RETURN_TO, address.endpoint.to_string());
         put(RETURN_TICKET, address.ticket.to_string());
@@ -418,6 +442,7 @@ fn display_name(name: &'static str) -> &'static str {
         CHUNK_TOTAL => "X-Meshnet-Chunk-Total",
         ENCODING => "X-Meshnet-Encoding",
         WIRE_VERSION_HEADER => "X-Meshnet-Wire-Version",
+        REWIND => "X-Meshnet-Rewind",
         POSITION => "X-Meshnet-Position",
         LAYERS => "X-Meshnet-Layers",
         ROUTE => "X-Meshnet-Route",
@@ -540,6 +565,29 @@ mod tests {
             grant: None,
             fork_from: None,
             return_to: None,
+            rewind: false,
+        }
+    }
+
+    #[test]
+    fn a_rewind_round_trips_and_only_1_means_rewind() {
+        let shape = Shape::new(&[1, 3, 576]).unwrap();
+        let rewound = FrameMeta {
+            rewind: true,
+            ..meta()
+        };
+        let mut headers = write_headers(&shape, &rewound, Encoding::Raw);
+        assert_eq!(headers[REWIND], "1");
+        assert_eq!(read_meta(&headers).unwrap().1, rewound);
+        assert!(
+            write_headers(&shape, &meta(), Encoding::Raw)
+                .get(REWIND)
+                .is_none()
+        );
+        for bad in ["0", "true", "yes", ""] {
+            headers.insert(REWIND, HeaderValue::from_static(bad));
+            let error = read_meta(&headers).unwrap_err().to_string();
+            assert!(error.contains("X-Meshnet-Rewind"), "{bad}: {error}");
         }
     }
 

@@ -24,6 +24,7 @@
 //!     grant: None,
 //!     fork_from: None,
 //!     return_to: None,
+//!     rewind: false,
 //! };
 //! let frame = ActivationFrame { meta, activations };
 //! let encoded = frame.encode(Encoding::Zstd);

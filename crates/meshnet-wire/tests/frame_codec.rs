@@ -36,6 +36,7 @@ fn meta(route: Route) -> FrameMeta {
         grant: None,
         fork_from: None,
         return_to: None,
+        rewind: false,
     }
 }
 
@@ -120,6 +121,7 @@ fn arb_frame() -> impl Strategy<Value = ActivationFrame> {
                             endpoint: Endpoint::Http(format!("http://10.0.0.{}:80", session % 250)),
                             ticket: ReturnTicket::from_bits(session.rotate_left(7)),
                         }),
+                        rewind: session % 7 == 3,
                     },
                     activations: Activations::new(
                         Shape::new(&dims).unwrap(),

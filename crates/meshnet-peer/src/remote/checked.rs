@@ -301,6 +301,7 @@ impl RemoteStage {
                 grant,
                 fork_from: step.fork_from,
                 return_to: None,
+                rewind: false,
             },
             activations,
         };
