@@ -497,14 +497,7 @@ fn decode(
         front.advance(token, request.max_tokens - generated.len())?;
     }
     let text = match text {
-        Some(text) if finish == FinishReason::Cancelled => Some(text.into_string()?),
-        Some(text) => {
-            let (text, stopped) = text.into_cut_string(stop_at)?;
-            if stopped {
-                finish = FinishReason::StopString;
-            }
-            Some(text)
-        }
+        Some(text) => Some(final_text(text, &mut finish, stop_at)?),
         None => None,
     };
     Ok(Generation {
@@ -515,6 +508,23 @@ fn decode(
         logprobs,
         speculation: front.stats(),
     })
+}
+
+/// The generation's whole text once it ended as `finish` (cut before the stop string found at
+/// `stop_at`, or one its last piece completes, which turns `finish` into a stop string's).
+fn final_text(
+    text: GeneratedText<'_>,
+    finish: &mut FinishReason,
+    stop_at: Option<usize>,
+) -> Result<String> {
+    if *finish == FinishReason::Cancelled {
+        return text.into_string();
+    }
+    let (text, stopped) = text.into_cut_string(stop_at)?;
+    if stopped {
+        *finish = FinishReason::StopString;
+    }
+    Ok(text)
 }
 
 /// Where decoding stands on the route: the logits the next token is chosen from and, when

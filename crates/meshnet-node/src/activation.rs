@@ -19,7 +19,7 @@ use axum::extract::Path;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, post};
+use axum::routing::{delete, get, post};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use meshnet_metrics::Direction;
 use meshnet_types::LayerSpan;
@@ -84,10 +84,12 @@ impl ActivationPlane {
     }
 
     /// The routes of the activation plane: `POST /forward`, `POST /return` (a route's output
-    /// for this entry) and `DELETE /sessions/{id}` (frees a session's KV cache on this peer).
+    /// for this entry), `DELETE /sessions/{id}` (frees a session's KV cache on this peer) and
+    /// `GET /ping` (an empty `204`, for measuring round trips).
     pub fn router(self) -> Router {
         Router::new()
             .route("/forward", post(forward))
+            .route("/ping", get(|| async { StatusCode::NO_CONTENT }))
             .route("/return", post(return_output))
             .route("/sessions/{session}", delete(end_session))
             .with_state(Arc::new(self))

@@ -417,6 +417,23 @@ impl ForwardClient {
         accepted(endpoint, &answer)
     }
 
+    /// The round trip of an empty request to the activation plane at `target` (`GET
+    /// {endpoint}/ping`), once its connection is open: a connection is opened (or taken from
+    /// the pool) by a first request, and the second is timed.
+    pub async fn ping(&self, target: &Endpoint) -> Result<Duration, ClientError> {
+        let endpoint = &target.to_string();
+        let answer = self
+            .send(target, Method::GET, "ping", HeaderMap::new(), Bytes::new())
+            .await?;
+        accepted(endpoint, &answer)?;
+        let started = Instant::now();
+        let answer = self
+            .send(target, Method::GET, "ping", HeaderMap::new(), Bytes::new())
+            .await?;
+        accepted(endpoint, &answer)?;
+        Ok(started.elapsed())
+    }
+
     /// Sends one request to `endpoint` (`path` relative to its base) and reads the answer,
     /// its body within the limits: over HTTP for a URL, over a stream for `/p2p/<id>`.
     async fn send(

@@ -112,6 +112,7 @@ impl P2pEvent {
                 tracker_capable: false,
                 sent_at_unix_ms: sent_at,
                 tracker_silent_ms: None,
+                rtt_ms: vec![],
             },
         }
     }

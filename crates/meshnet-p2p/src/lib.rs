@@ -70,8 +70,9 @@ mod validation;
 
 pub use error::P2pError;
 pub use messages::{
-    CoverageMessage, DirectiveMessage, MAX_MESSAGE_BYTES, PeerAnnouncement, SCHEMA_VERSION,
-    SpanStatus, TopicKind, TrackerRecord, decode, encode, topic_name, tracker_record_key,
+    CoverageMessage, DirectiveMessage, MAX_MESSAGE_BYTES, MAX_RTT_ENTRIES, PeerAnnouncement,
+    PeerRtt, SCHEMA_VERSION, SpanStatus, TopicKind, TrackerRecord, decode, encode, topic_name,
+    tracker_record_key,
 };
 
 pub use swarm_key::{

@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::P2pError;
 
 /// Version of the control message schema; part of every envelope and topic name.
-pub const SCHEMA_VERSION: u16 = 4;
+pub const SCHEMA_VERSION: u16 = 5;
 
 /// Largest encoded control message accepted or produced, in bytes (1 MiB).
 pub const MAX_MESSAGE_BYTES: usize = 1 << 20;
@@ -28,6 +28,18 @@ pub struct SpanStatus {
     pub quantization: Quantization,
     /// Loading, serving or draining.
     pub state: SpanState,
+}
+
+/// The most round-trip times one announcement carries (the sender's nearest members).
+pub const MAX_RTT_ENTRIES: usize = 64;
+
+/// A round-trip time the sender measured to another member's activation plane.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PeerRtt {
+    /// The member measured.
+    pub peer: PeerId,
+    /// The smoothed round trip in milliseconds (finite, not negative).
+    pub ms: f32,
 }
 
 /// What a peer tells the mesh about itself, gossiped periodically.
@@ -77,6 +89,10 @@ pub struct PeerAnnouncement {
     /// follows no tracker yet, or is the tracker). A member takes over from a silent tracker
     /// only when most of the mesh reports the silence too.
     pub tracker_silent_ms: Option<u64>,
+    /// Round trips the sender measured to other members' activation planes, nearest first,
+    /// at most [`MAX_RTT_ENTRIES`]: the tracker chooses among holders of the same layers the
+    /// route with the least total delay.
+    pub rtt_ms: Vec<PeerRtt>,
 }
 
 /// The tracker's coverage map, gossiped to every peer.
@@ -260,13 +276,13 @@ mod tests {
 
     #[test]
     fn topic_names_carry_schema_version_and_model() {
-        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/4/m/announce");
-        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/4/m/coverage");
+        assert_eq!(topic_name("m", TopicKind::Announce), "meshnet/5/m/announce");
+        assert_eq!(topic_name("m", TopicKind::Coverage), "meshnet/5/m/coverage");
         assert_eq!(
             topic_name("m", TopicKind::Directives),
-            "meshnet/4/m/directives"
+            "meshnet/5/m/directives"
         );
-        assert_eq!(tracker_record_key("m"), "meshnet/4/m/tracker");
+        assert_eq!(tracker_record_key("m"), "meshnet/5/m/tracker");
     }
 
     #[test]
@@ -308,13 +324,13 @@ mod tests {
             matches!(
                 error,
                 P2pError::SchemaVersion {
-                    expected: 4,
-                    found: 5
+                    expected: 5,
+                    found: 6
                 }
             ),
             "{error}"
         );
-        assert!(error.to_string().contains("version 5") && error.to_string().contains("version 4"));
+        assert!(error.to_string().contains("version 6") && error.to_string().contains("version 5"));
     }
 
     #[test]

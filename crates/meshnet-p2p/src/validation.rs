@@ -4,7 +4,9 @@ use libp2p::PeerId;
 
 use crate::events::P2pEvent;
 use crate::ids::mesh_peer_id;
-use crate::messages::{CoverageMessage, DirectiveMessage, PeerAnnouncement, TopicKind, decode};
+use crate::messages::{
+    CoverageMessage, DirectiveMessage, MAX_RTT_ENTRIES, PeerAnnouncement, TopicKind, decode,
+};
 
 /// What to do with a received gossip message.
 #[derive(Debug, Clone, PartialEq)]
@@ -160,6 +162,19 @@ impl PublishRules<'_> {
                 ),
             );
         }
+        let rtts = &announcement.rtt_ms;
+        if rtts.len() > MAX_RTT_ENTRIES
+            || rtts.iter().any(|rtt| !rtt.ms.is_finite() || rtt.ms < 0.0)
+        {
+            return Verdict::Reject(
+                "bad_rtt",
+                format!(
+                    "announcement carries {} round trips (at most {MAX_RTT_ENTRIES}, each finite \
+                     and not negative)",
+                    rtts.len()
+                ),
+            );
+        }
         Verdict::Accept(Some(Box::new(P2pEvent::Announcement {
             from: mesh_peer_id(&source),
             announcement,
@@ -264,6 +279,7 @@ mod tests {
             tracker_capable: true,
             sent_at_unix_ms: 0,
             tracker_silent_ms: None,
+            rtt_ms: vec![],
         }
     }
 
@@ -285,6 +301,37 @@ mod tests {
 
     fn is_reject(verdict: &Verdict) -> bool {
         matches!(verdict, Verdict::Reject(..))
+    }
+
+    #[test]
+    fn announcements_with_too_many_or_impossible_round_trips_are_rejected() {
+        let (me, alice) = (peer(), peer());
+        let rules = PublishRules {
+            model_id: "m",
+            local_peer: me,
+            tracker: None,
+            term: 0,
+            succession: None,
+            tracker_silent: true,
+        };
+        let with_rtts = |rtts: Vec<f32>| {
+            let mut announcement = announcement(alice, "m");
+            announcement.rtt_ms = rtts
+                .into_iter()
+                .enumerate()
+                .map(|(i, ms)| crate::PeerRtt {
+                    peer: PlannerPeerId::new(format!("p{i}")),
+                    ms,
+                })
+                .collect();
+            rules.judge(TopicKind::Announce, alice, &encode(&announcement).unwrap())
+        };
+        assert!(!is_reject(&with_rtts(vec![0.0, 12.5, 150.0])));
+        assert!(!is_reject(&with_rtts(vec![3.0; MAX_RTT_ENTRIES])));
+        assert!(is_reject(&with_rtts(vec![3.0; MAX_RTT_ENTRIES + 1])));
+        for bad in [f32::NAN, f32::INFINITY, -1.0] {
+            assert!(is_reject(&with_rtts(vec![1.0, bad])), "{bad}");
+        }
     }
 
     #[test]

@@ -152,6 +152,12 @@ fn announcement() -> impl Strategy<Value = PeerAnnouncement> {
                 tracker_capable,
                 sent_at_unix_ms,
                 tracker_silent_ms,
+                rtt_ms: (0..sent_at_unix_ms % 4)
+                    .map(|i| meshnet_p2p::PeerRtt {
+                        peer: PlannerPeerId::new(format!("near-{i}")),
+                        ms: (free_kv_tokens % 1000) as f32 / 7.0 + i as f32,
+                    })
+                    .collect(),
             },
         )
 }
@@ -317,6 +323,7 @@ fn seed_messages() -> Vec<(&'static str, Vec<u8>)> {
         tracker_capable: true,
         sent_at_unix_ms: 1_796_000_000_000,
         tracker_silent_ms: Some(400),
+        rtt_ms: vec![],
     };
     let coverage = CoverageMessage {
         model_id: "smollm2-135m-instruct".into(),

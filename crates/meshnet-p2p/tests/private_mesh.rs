@@ -90,6 +90,7 @@ fn announcement(peer: &PeerId) -> PeerAnnouncement {
         tracker_capable: true,
         sent_at_unix_ms: 1_700_000_000_000,
         tracker_silent_ms: None,
+        rtt_ms: vec![],
     }
 }
 

@@ -87,6 +87,7 @@ fn announcement(node: &Node) -> PeerAnnouncement {
             .unwrap()
             .as_millis() as u64,
         tracker_silent_ms: None,
+        rtt_ms: vec![],
     }
 }
 

@@ -230,7 +230,11 @@ impl ControlLoop {
                     last_tick = tick;
                     self.announce().await;
                     if let Some(planning) = &mut self.planning {
-                        planning.book.change(|book| book.expire(Instant::now()));
+                        let rtt = self.member.rtt.nearest();
+                        planning.book.change(|book| {
+                            book.expire(Instant::now());
+                            book.set_own_rtt(rtt);
+                        });
                         planning.plan_by(tokio::time::Instant::now());
                     }
                 }

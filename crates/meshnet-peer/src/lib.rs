@@ -42,6 +42,7 @@ mod error;
 pub mod faulty;
 pub mod grants;
 mod http;
+pub mod latency;
 mod locking;
 mod member;
 pub mod mesh_model;

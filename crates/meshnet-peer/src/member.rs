@@ -187,6 +187,8 @@ pub(crate) struct Member {
     pub(crate) proxy: reqwest::Client,
     /// The control plane (for its gossip counts).
     pub(crate) p2p: meshnet_p2p::P2pHandle,
+    /// Round trips to the other members (the prober is its only writer).
+    pub(crate) rtt: crate::latency::RttBook,
 }
 
 /// The send time of an announcement made at `now_ms` after the one recorded in `last`, which
@@ -357,6 +359,26 @@ impl Member {
         })
     }
 
+    /// The members whose round trips this member measures: every other member heard from
+    /// that is not leaving (at most [`meshnet_p2p::MAX_RTT_ENTRIES`]), at its announced
+    /// activation plane (HTTP when it gave one, else a libp2p stream).
+    pub(crate) fn probe_targets(&self) -> Vec<(PeerId, meshnet_wire::Endpoint)> {
+        let view = self.view.borrow();
+        view.seen
+            .values()
+            .filter(|(announcement, _)| announcement.peer != self.peer_id && !announcement.leaving)
+            .map(|(announcement, _)| {
+                let endpoint = announcement
+                    .http_endpoints
+                    .first()
+                    .and_then(|url| url.parse().ok())
+                    .unwrap_or_else(|| meshnet_wire::Endpoint::Peer(announcement.peer.clone()));
+                (announcement.peer.clone(), endpoint)
+            })
+            .take(meshnet_p2p::MAX_RTT_ENTRIES)
+            .collect()
+    }
+
     /// What this member tells the mesh about itself now.
     pub(crate) fn announcement(&self) -> PeerAnnouncement {
         let throughput = self.view.borrow().throughput;
@@ -382,6 +404,7 @@ impl Member {
             tracker_silent_ms: self
                 .tracker_silence()
                 .map(|silence| silence.as_millis() as u64),
+            rtt_ms: self.rtt.nearest(),
         }
     }
 

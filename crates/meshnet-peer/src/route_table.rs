@@ -8,12 +8,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshnet_p2p::{PeerAnnouncement, SpanStatus};
+use meshnet_p2p::{PeerAnnouncement, PeerRtt, SpanStatus};
 use meshnet_planner::{CoverageMap, ModelShape};
 use meshnet_types::{LayerSpan, PeerId, Quantization, SpanState};
 use meshnet_wire::Endpoint;
 
-use crate::routing::{PlannedHop, RouteCandidate, Uncovered, choose_route};
+use crate::routing::{LinkDelays, PlannedHop, RouteCandidate, Uncovered, choose_route_by_delay};
 use crate::verify::Evidence;
 
 /// How long a peer that failed a generation gets no new traffic; after that it must also have
@@ -70,6 +70,8 @@ pub struct KnownPeer {
 pub struct RouteTable {
     own_id: PeerId,
     own_span: Option<SpanStatus>,
+    /// The tracker's own round trips to members, nearest first.
+    own_rtt: Vec<PeerRtt>,
     shape: Arc<ModelShape>,
     /// How often the tracker's own timer runs (the base announcement interval).
     base_interval: Duration,
@@ -97,6 +99,7 @@ impl RouteTable {
         RouteTable {
             own_id,
             own_span: None,
+            own_rtt: Vec::new(),
             shape: Arc::new(shape),
             base_interval,
             longest_advertised: (base_interval, Instant::now()),
@@ -354,6 +357,25 @@ impl RouteTable {
             .collect()
     }
 
+    /// Records the tracker's own round trips to members (nearest first).
+    pub fn set_own_rtt(&mut self, rtt: Vec<PeerRtt>) {
+        self.own_rtt = rtt;
+    }
+
+    /// The one-way delays between members as the tracker and the members measured them.
+    pub fn link_delays(&self) -> LinkDelays {
+        let mut delays = LinkDelays::default();
+        for rtt in &self.own_rtt {
+            delays.insert(&self.own_id, &rtt.peer, f64::from(rtt.ms));
+        }
+        for (peer, known) in &self.peers {
+            for rtt in &known.announcement.rtt_ms {
+                delays.insert(peer, &rtt.peer, f64::from(rtt.ms));
+            }
+        }
+        delays
+    }
+
     /// Tells the book what the tracker itself holds now.
     pub fn set_own_span(&mut self, span: Option<SpanStatus>) {
         self.own_span = span;
@@ -490,7 +512,13 @@ impl RouteTable {
     ) -> Result<Vec<PlannedHop>, Uncovered> {
         let mut candidates = self.route_candidates(now);
         candidates.retain(|candidate| !avoid.contains(&candidate.peer));
-        choose_route(start, self.num_layers(), &candidates)
+        choose_route_by_delay(
+            start,
+            self.num_layers(),
+            &candidates,
+            &self.link_delays(),
+            &self.own_id,
+        )
     }
 }
 

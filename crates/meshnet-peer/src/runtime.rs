@@ -252,6 +252,7 @@ pub async fn start(config: PeerConfig) -> Result<RunningPeer, PeerError> {
         metrics,
         proxy: crate::http::proxy_client()?,
         p2p: p2p.clone(),
+        rtt: Default::default(),
     });
     let routers = routers(&member, &config, client, registry, http_addr);
     let listening = Listening {
@@ -447,6 +448,21 @@ fn api_key_guard(
     )))
 }
 
+/// Measures the member's round trips to every member it knows each
+/// [`crate::latency::PROBE_INTERVAL`], until `stop` turns true.
+async fn probe_members(member: Arc<Member>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(crate::latency::PROBE_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        let targets = member.probe_targets();
+        crate::latency::probe_round(&member.settings.client, &targets, &member.rtt).await;
+    }
+}
+
 /// Spawns the HTTP server and the control loop of a member that is set up.
 fn run(
     member: Arc<Member>,
@@ -482,6 +498,7 @@ fn run(
         announce_interval,
         failed,
     );
+    let prober = tokio::spawn(probe_members(Arc::clone(&member), stop_rx.clone()));
     let control = tokio::spawn(control.run(events, stop_rx));
     Ok(RunningPeer {
         member,
@@ -489,6 +506,6 @@ fn run(
         http_addr,
         stop,
         failure,
-        tasks: vec![control, server, streams],
+        tasks: vec![control, server, streams, prober],
     })
 }

@@ -133,6 +133,11 @@ impl TrackerBook {
         self.table.record_verified(peer);
     }
 
+    /// Tells the book the tracker's own round trips to members, nearest first.
+    pub fn set_own_rtt(&mut self, rtt: Vec<meshnet_p2p::PeerRtt>) {
+        self.table.set_own_rtt(rtt);
+    }
+
     /// Tells the book what the tracker itself holds now.
     pub fn set_own_span(&mut self, span: Option<SpanStatus>) {
         self.table.set_own_span(span);
@@ -489,6 +494,7 @@ pub(crate) mod fixtures {
             tracker_capable: true,
             sent_at_unix_ms: 0,
             tracker_silent_ms: None,
+            rtt_ms: vec![],
         }
     }
 
