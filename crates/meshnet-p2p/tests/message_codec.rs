@@ -323,7 +323,16 @@ fn seed_messages() -> Vec<(&'static str, Vec<u8>)> {
         tracker_capable: true,
         sent_at_unix_ms: 1_796_000_000_000,
         tracker_silent_ms: Some(400),
-        rtt_ms: vec![],
+        rtt_ms: vec![
+            meshnet_p2p::PeerRtt {
+                peer: PlannerPeerId::from("12D3KooWTracker"),
+                ms: 21.5,
+            },
+            meshnet_p2p::PeerRtt {
+                peer: PlannerPeerId::from("12D3KooWFar"),
+                ms: 301.0,
+            },
+        ],
     };
     let coverage = CoverageMessage {
         model_id: "smollm2-135m-instruct".into(),

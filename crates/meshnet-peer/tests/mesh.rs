@@ -699,6 +699,8 @@ async fn a_long_prompt_pipelined_through_two_peers_gives_the_text_of_one_chunk_a
         let mut config = common::config(true, 10, vec![]);
         config.prefill_in_flight = in_flight;
         config.direct_return = direct_return;
+        // One frame per decode step, so every step's output is counted below.
+        config.max_draft = 0;
         let tracker = meshnet_peer::start(config).await.unwrap();
         let first = peer(10, &tracker).await;
         let second = peer(10, &tracker).await;
