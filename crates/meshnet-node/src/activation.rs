@@ -128,6 +128,7 @@ impl ActivationPlane {
             meta.grant = None;
             meta.fork_from = None;
             meta.return_to = None;
+            meta.rewind = false;
             let output = ActivationFrame {
                 meta,
                 activations: output,

@@ -26,6 +26,8 @@ struct AddOnePerLayer {
     serves: LayerSpan,
     overloaded: bool,
     calls: Mutex<Vec<(Uuid, u64, LayerSpan)>>,
+    /// `X-Meshnet-Rewind` of every call, in order.
+    rewinds: Mutex<Vec<bool>>,
 }
 
 impl AddOnePerLayer {
@@ -34,6 +36,7 @@ impl AddOnePerLayer {
             serves: LayerSpan::new(start, end),
             overloaded: false,
             calls: Mutex::new(Vec::new()),
+            rewinds: Mutex::new(Vec::new()),
         })
     }
 }
@@ -51,6 +54,7 @@ impl SpanExecutor for AddOnePerLayer {
             .lock()
             .unwrap()
             .push((meta.session, meta.position, meta.layers));
+        self.rewinds.lock().unwrap().push(meta.rewind);
         let add = meta.layers.len() as f32;
         let (shape, values) = input.into_parts();
         let values = values
@@ -276,6 +280,7 @@ async fn an_overloaded_peer_answers_503_with_retry_after() {
         serves: LayerSpan::new(0, 10),
         overloaded: true,
         calls: Mutex::new(Vec::new()),
+        rewinds: Mutex::new(Vec::new()),
     });
     let response = plane(executor)
         .router()
@@ -325,6 +330,26 @@ async fn a_frame_travels_the_whole_route_and_back() {
     }
     assert_eq!(a.calls.lock().unwrap().len(), 2);
     assert_eq!(b.calls.lock().unwrap().len(), 2);
+}
+
+/// A rewind reaches every hop of the route, and the answer carries none.
+#[tokio::test]
+async fn a_rewind_reaches_every_hop_and_the_answer_carries_none() {
+    let a = AddOnePerLayer::new(0, 10);
+    let b = AddOnePerLayer::new(10, 30);
+    let (url_a, url_b) = (serve(a.clone()).await, serve(b.clone()).await);
+    for rewind in [true, false] {
+        let route = vec![Hop::new(LayerSpan::new(10, 30), url_b.clone()).unwrap()];
+        let mut sent = frame((0, 10), route, 3);
+        sent.meta.rewind = rewind;
+        let answer = client()
+            .forward(&endpoint(&url_a), sent, Encoding::Raw)
+            .await
+            .unwrap();
+        assert!(!answer.meta.rewind);
+    }
+    assert_eq!(*a.rewinds.lock().unwrap(), [true, false]);
+    assert_eq!(*b.rewinds.lock().unwrap(), [true, false]);
 }
 
 #[tokio::test]
@@ -470,6 +495,7 @@ async fn an_overloaded_last_hop_is_named_with_its_code_and_is_retryable() {
         serves: LayerSpan::new(20, 30),
         overloaded: true,
         calls: Mutex::new(Vec::new()),
+        rewinds: Mutex::new(Vec::new()),
     }))
     .await;
     let err = client()
