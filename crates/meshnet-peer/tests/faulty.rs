@@ -42,7 +42,10 @@ const TOKENS: usize = 6;
 /// A tracker holding 10 layers and one peer holding the other 20, which corrupts frames as
 /// `faulty` says.
 async fn mesh(faulty: Arc<FaultyFrames>) -> (RunningPeer, RunningPeer) {
-    let tracker = tracker(10).await;
+    let mut tracker_config = common::config(true, 10, vec![]);
+    // One frame per token: the test counts the frames the peer corrupted.
+    tracker_config.max_draft = 0;
+    let tracker = meshnet_peer::start(tracker_config).await.unwrap();
     let mut config = common::config(false, 20, tracker.p2p_addrs().await.unwrap());
     config.faulty = Some(faulty);
     let peer = meshnet_peer::start(config).await.unwrap();
