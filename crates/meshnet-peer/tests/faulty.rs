@@ -9,7 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{converged, tracker, wait_for};
+use common::{converged, wait_for};
 use meshnet_peer::RunningPeer;
 use meshnet_peer::faulty::{CorruptionMode, FaultyFrames};
 use meshnet_peer::status::StatusReport;
