@@ -30,8 +30,9 @@ pub struct SpanStatus {
     pub state: SpanState,
 }
 
-/// The most round-trip times one announcement carries (the sender's nearest members).
-pub const MAX_RTT_ENTRIES: usize = 64;
+/// The most round-trip times one announcement carries (the sender's nearest members): enough
+/// to route around a far member, small enough that a large mesh's gossip stays light.
+pub const MAX_RTT_ENTRIES: usize = 16;
 
 /// A round-trip time the sender measured to another member's activation plane.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -16,8 +16,13 @@ use meshnet_wire::Endpoint;
 
 use crate::locking::lock;
 
-/// How often every known member is probed.
+/// The shortest time between two probe rounds of a member; a round waits at least the
+/// member's announcement interval too, which the tracker lengthens in a large mesh.
 pub const PROBE_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Members probed per round, taken in turn from the members known: the probes one member
+/// sends and receives stay bounded however large the mesh.
+pub const PROBES_PER_ROUND: usize = 4;
 
 /// How long one probe may take before it counts as lost (and is not recorded).
 const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
@@ -61,8 +66,22 @@ impl RttBook {
     }
 }
 
+/// The members the round after `cursor` probes: [`PROBES_PER_ROUND`] of `known` in turn,
+/// wrapping around; also the cursor for the next round.
+pub fn round_targets<T: Clone>(known: &[T], cursor: usize) -> (Vec<T>, usize) {
+    if known.is_empty() {
+        return (Vec::new(), 0);
+    }
+    let count = PROBES_PER_ROUND.min(known.len());
+    let start = cursor % known.len();
+    let chosen = (0..count)
+        .map(|offset| known[(start + offset) % known.len()].clone())
+        .collect();
+    (chosen, (start + count) % known.len())
+}
+
 /// Probes each of `targets` once with `client`, at the same time, recording every answered
-/// probe into `book`, then forgets every member not among them.
+/// probe into `book`.
 pub(crate) async fn probe_round(
     client: &ForwardClient,
     targets: &[(PeerId, Endpoint)],
@@ -79,13 +98,24 @@ pub(crate) async fn probe_round(
             Err(_) => tracing::debug!(%peer, "a round-trip probe timed out"),
         }
     }
-    let known: Vec<PeerId> = targets.iter().map(|(peer, _)| peer.clone()).collect();
-    book.keep_only(&known);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rounds_take_the_members_in_turn_a_few_at_a_time() {
+        let known: Vec<u32> = (0..10).collect();
+        let (first, cursor) = round_targets(&known, 0);
+        assert_eq!(first, [0, 1, 2, 3]);
+        let (second, cursor) = round_targets(&known, cursor);
+        assert_eq!(second, [4, 5, 6, 7]);
+        let (third, cursor) = round_targets(&known, cursor);
+        assert_eq!((third, cursor), (vec![8, 9, 0, 1], 2));
+        assert_eq!(round_targets(&known[..2], 7), (vec![1, 0], 1));
+        assert_eq!(round_targets::<u32>(&[], 3), (vec![], 0));
+    }
 
     #[test]
     fn round_trips_are_smoothed_sorted_nearest_first_and_forgotten() {

@@ -360,8 +360,8 @@ impl Member {
     }
 
     /// The members whose round trips this member measures: every other member heard from
-    /// that is not leaving (at most [`meshnet_p2p::MAX_RTT_ENTRIES`]), at its announced
-    /// activation plane (HTTP when it gave one, else a libp2p stream).
+    /// that is not leaving, at its announced activation plane (HTTP when it gave one, else a
+    /// libp2p stream).
     pub(crate) fn probe_targets(&self) -> Vec<(PeerId, meshnet_wire::Endpoint)> {
         let view = self.view.borrow();
         view.seen
@@ -375,7 +375,6 @@ impl Member {
                     .unwrap_or_else(|| meshnet_wire::Endpoint::Peer(announcement.peer.clone()));
                 (announcement.peer.clone(), endpoint)
             })
-            .take(meshnet_p2p::MAX_RTT_ENTRIES)
             .collect()
     }
 

@@ -448,18 +448,23 @@ fn api_key_guard(
     )))
 }
 
-/// Measures the member's round trips to every member it knows each
-/// [`crate::latency::PROBE_INTERVAL`], until `stop` turns true.
+/// Measures the member's round trips to the members it knows, a few each round (every
+/// [`crate::latency::PROBE_INTERVAL`] or announcement interval, whichever is longer), until
+/// `stop` turns true.
 async fn probe_members(member: Arc<Member>, mut stop: watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(crate::latency::PROBE_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut cursor = 0;
     loop {
+        let wait = crate::latency::PROBE_INTERVAL.max(member.view.borrow().announce_every);
         tokio::select! {
             _ = stop.changed() => return,
-            _ = tick.tick() => {}
+            _ = tokio::time::sleep(wait) => {}
         }
-        let targets = member.probe_targets();
+        let known = member.probe_targets();
+        let (targets, next) = crate::latency::round_targets(&known, cursor);
+        cursor = next;
         crate::latency::probe_round(&member.settings.client, &targets, &member.rtt).await;
+        let peers: Vec<PeerId> = known.into_iter().map(|(peer, _)| peer).collect();
+        member.rtt.keep_only(&peers);
     }
 }
 
