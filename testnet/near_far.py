@@ -11,8 +11,9 @@ hold the same span. Each peer's HTTP endpoint sits behind its own `meshnet-linke
 round trips to each other's activation planes and announce them; the tracker picks the route
 of least total delay (ADR-0033).
 
-It sends one-token chats until a route (the `X-Meshnet-Route` header) goes through the near
-peer, then checks that 5 more chats do too. It kills the near peer and sends chats until one
+It sends one-token chats until five routes in a row (the `X-Meshnet-Route` header) go through
+the near peer (before the first probe rounds, routes follow load and id order), then checks
+that 5 more chats do too. It kills the near peer and sends chats until one
 is answered, which must go through the far peer. Prints one JSON line with the routes and how
 long each step took; exit 1 when a check fails. Every process it starts is stopped when it
 ends, also on failure or Ctrl-C.
@@ -167,8 +168,17 @@ def main():
             route = routed_chat(base, model)
             return route if route and holder in route else None
 
-        first, learned_s = until(lambda: through(near), args.timeout,
-                                 "no route went through the near holder")
+        # Until the first probe rounds are in, routes follow load and id order (which puts
+        # the near holder last): wait for five routes in a row through the near holder.
+        streak = []
+
+        def settled():
+            route = routed_chat(base, model)
+            streak.append(bool(route and near in route and far not in route))
+            return route if len(streak) >= 5 and all(streak[-5:]) else None
+
+        first, learned_s = until(settled, args.timeout,
+                                 "no five routes in a row went through the near holder")
         later = [routed_chat(base, model) for _ in range(5)]
         if any(not route or near not in route or far in route for route in later):
             sys.exit(f"near_far.py: a later route left the near holder: {later}")
