@@ -91,16 +91,6 @@ class NearFar(wan.Mesh):
         self.wait_for_holders()
         return self
 
-    def ready_line(self, process, name):
-        for line in process.stdout:
-            try:
-                ready = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(ready, dict) and ready.get("event") == "ready":
-                return ready
-        sys.exit(f"near_far.py: {name} printed no ready line; see {self.dir}/{name}.log")
-
     def wait_for_holders(self, timeout=180):
         deadline = time.time() + timeout
         while time.time() < deadline:

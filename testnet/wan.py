@@ -175,16 +175,22 @@ class Mesh:
         self.wait_for_coverage(members)
         return self
 
-    def ready_p2p(self, process):
-        """The libp2p TCP address in the ready line the tracker prints."""
+    def ready_line(self, process, name):
+        """The ready line `process` (logging to `name`.log) prints, as a dict."""
         for line in process.stdout:
             try:
                 ready = json.loads(line)
             except ValueError:
                 continue
             if isinstance(ready, dict) and ready.get("event") == "ready":
-                return next(a for a in ready["p2p"] if "/tcp/" in a)
-        sys.exit(f"wan.py: the tracker printed no ready line; see {self.dir}/member0.log")
+                return ready
+        sys.exit(f"{os.path.basename(sys.argv[0])}: {name} printed no ready line; "
+                 f"see {self.dir}/{name}.log")
+
+    def ready_p2p(self, process):
+        """The libp2p TCP address in the ready line the tracker prints."""
+        ready = self.ready_line(process, "member0")
+        return next(a for a in ready["p2p"] if "/tcp/" in a)
 
     def wait_for_coverage(self, members, timeout=180):
         deadline = time.time() + timeout
