@@ -4,14 +4,21 @@
     testnet/wan.py [--members N] [--delay-ms D] [--rate-kbit R] [--jitter-ms J]
                    [--prompt short|long|copy|code] [--tokens T]
                    [--direct-return on|off|both] [--speculation on|off|both] [--ladder]
-                   [--compare-undelayed]
+                   [--compare-undelayed] [--netns]
 
 Starts one tracker and N-1 peers of the release `meshnet-peer` on 127.0.0.1, each serving an
-equal share of the default model's layers, and one `meshnet-linkem relay` with a link per
-member: a member listens on its own port and announces the relay's port, so every activation
-frame sent to it (and every answer it gives) crosses one emulated link of D ms each way at R
-kbit/s. The members are the unmodified binary. libp2p traffic (announcements, gossip) is not
-delayed: the activation plane is what is measured.
+equal share of the default model's layers, and one `meshnet-linkem relay` with two links per
+member, one for its HTTP endpoint and one for its libp2p port: a member listens on its own
+ports and announces the relay's (`--advertise-http`, `--advertise-p2p`), so every activation
+frame sent to it, every libp2p connection dialed to it (gossip, Kademlia) and every answer it
+gives crosses one emulated link of D ms each way at R kbit/s. The members are the unmodified
+binary. After each chat the script checks with `ss` that every TCP connection a member
+accepted came from the relay (none bypassed the emulated links).
+
+With `--netns` (root, iproute2) the members run in the network-namespace testbed instead:
+each in a namespace of its own on one bridge (198.18.0.0/24), listening only on the
+namespace's loopback, with its relay beside it on the bridge address, so every byte between
+two members crosses the relay by construction.
 
 It then sends one greedy streamed chat and prints a JSON line per run: the time to the first
 token (TTFT, from the request), decode tok/s after the first token (the mean over the rest of
@@ -32,8 +39,10 @@ cargo into target/release).
 """
 
 import argparse
+import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,6 +132,151 @@ def http_json(url, body=None, timeout=30):
         return json.loads(response.read())
 
 
+class LoopbackSites:
+    """Every member on 127.0.0.1 with ports of its own, and one relay process holding two
+    links per member: its HTTP port and its libp2p port."""
+
+    def __init__(self, members):
+        ports = free_ports(4 * members)
+        self.http, self.relay, self.p2p, self.p2p_relay = (
+            ports[k * members:(k + 1) * members] for k in range(4)
+        )
+        self.direct_ports = set(self.http) | set(self.p2p)
+
+    def relays(self):
+        """(log name, command prefix, LISTEN=TARGET links) of each relay process."""
+        own, relayed = self.http + self.p2p, self.relay + self.p2p_relay
+        return [("linkem", [], [f"127.0.0.1:{r}=127.0.0.1:{o}" for o, r in zip(own, relayed)])]
+
+    def member(self, k):
+        """Member k's command prefix and its listen and advertised addresses (HOST:PORT)."""
+        return [], {
+            "http": f"127.0.0.1:{self.http[k]}",
+            "advertise_http": f"127.0.0.1:{self.relay[k]}",
+            "p2p": f"127.0.0.1:{self.p2p[k]}",
+            "advertise_p2p": f"127.0.0.1:{self.p2p_relay[k]}",
+        }
+
+    def enter_client(self):
+        pass
+
+    def leave_client(self):
+        pass
+
+    def close(self):
+        pass
+
+    def bypassing_connections(self):
+        """The TCP connections a member accepted from anyone but the relay, as `ss` lines
+        (None when `ss` is not installed)."""
+        if shutil.which("ss") is None:
+            return None
+        lines = subprocess.run(["ss", "-Htnp", "state", "established"], capture_output=True,
+                               text=True, check=True).stdout.splitlines()
+        owner, accepted = {}, []
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4:
+                continue
+            local, remote = fields[2].rpartition(":")[2], fields[3].rpartition(":")[2]
+            owner[local] = fields[4] if len(fields) > 4 else ""
+            if int(local) in self.direct_ports:
+                accepted.append((remote, line))
+        return [line for remote, line in accepted if "meshnet-linkem" not in owner.get(remote, "")]
+
+
+class NamespaceSites:
+    """Each member in a network namespace of its own (mwan-m<k>, 198.18.0.<10+k> on the bridge
+    mwan-br in mwan-inet) with its relay beside it. The member listens on the namespace's
+    127.0.0.1 only, so the relay on the bridge address is the only way in: no connection can
+    bypass the emulated link. The script's own requests go to the tracker from inside its
+    namespace (setns). Needs root and iproute2."""
+
+    INET = "mwan-inet"
+    HTTP_PORT, P2P_PORT = 8080, 4001
+
+    def __init__(self, members):
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            sys.exit("wan.py: --netns needs root and iproute2 (ip)")
+        self.names = [f"mwan-m{k}" for k in range(members)]
+        self.host_netns = None
+        self.close()
+        self.ip("netns", "add", self.INET)
+        self.ip("-n", self.INET, "link", "add", "mwan-br", "type", "bridge")
+        self.ip("-n", self.INET, "link", "set", "mwan-br", "up")
+        for k, name in enumerate(self.names):
+            self.ip("netns", "add", name)
+            self.ip("-n", name, "link", "set", "lo", "up")
+            self.ip("link", "add", f"mwan-p{k}", "netns", self.INET, "type", "veth",
+                    "peer", "name", "eth0", "netns", name)
+            self.ip("-n", self.INET, "link", "set", f"mwan-p{k}", "master", "mwan-br", "up")
+            self.ip("-n", name, "addr", "add", f"{self.address(k)}/24", "dev", "eth0")
+            self.ip("-n", name, "link", "set", "eth0", "up")
+
+    @staticmethod
+    def ip(*argv):
+        subprocess.run(["ip", *argv], check=True, stdout=subprocess.DEVNULL)
+
+    @staticmethod
+    def address(k):
+        return f"198.18.0.{10 + k}"
+
+    def relays(self):
+        return [
+            (f"linkem{k}", ["ip", "netns", "exec", name], [
+                f"{self.address(k)}:{port}=127.0.0.1:{port}"
+                for port in (self.HTTP_PORT, self.P2P_PORT)
+            ])
+            for k, name in enumerate(self.names)
+        ]
+
+    def member(self, k):
+        return ["ip", "netns", "exec", self.names[k]], {
+            "http": f"127.0.0.1:{self.HTTP_PORT}",
+            "advertise_http": f"{self.address(k)}:{self.HTTP_PORT}",
+            "p2p": f"127.0.0.1:{self.P2P_PORT}",
+            "advertise_p2p": f"{self.address(k)}:{self.P2P_PORT}",
+        }
+
+    def enter_client(self):
+        """Moves this process into the tracker's namespace (until `leave_client`)."""
+        self.host_netns = os.open("/proc/self/ns/net", os.O_RDONLY)
+        target = os.open(f"/run/netns/{self.names[0]}", os.O_RDONLY)
+        try:
+            set_netns(target)
+        finally:
+            os.close(target)
+
+    def leave_client(self):
+        if self.host_netns is not None:
+            set_netns(self.host_netns)
+            os.close(self.host_netns)
+            self.host_netns = None
+
+    def close(self):
+        """Stops what runs in the namespaces and deletes them (also what a crashed run left)."""
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        for name in [line.split()[0] for line in listed.splitlines() if line.startswith("mwan-")]:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", name], check=False)
+
+    def bypassing_connections(self):
+        return []
+
+
+def set_netns(fd):
+    """Moves this (single-threaded) process into the network namespace open at `fd`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+        raise OSError(ctypes.get_errno(), "setns")
+
+
 class Mesh:
     """N members behind one relay process, started in __enter__ and stopped in __exit__."""
 
@@ -144,20 +298,22 @@ class Mesh:
     def __enter__(self):
         members = self.args.members
         memories = budgets(self.peer, members)
-        ports = free_ports(2 * members)
-        http, relay = ports[:members], ports[members:]
-        links = [f"--link=127.0.0.1:{r}=127.0.0.1:{h}" for h, r in zip(http, relay)]
+        self.sites = (NamespaceSites if self.args.netns else LoopbackSites)(members)
         shape = ["--delay-ms", str(self.delay_ms), "--rate-kbit", str(self.args.rate_kbit)]
         if self.args.jitter_ms:
             shape += ["--jitter-ms", str(self.args.jitter_ms)]
-        self.spawn("linkem", [self.linkem, "relay", *links, *shape])
+        for name, prefix, links in self.sites.relays():
+            self.spawn(name, [*prefix, self.linkem, "relay",
+                              *(f"--link={link}" for link in links), *shape])
         bootstrap = None
         for k in range(members):
+            prefix, place = self.sites.member(k)
             argv = [
-                self.peer,
-                "--http", f"127.0.0.1:{http[k]}",
-                "--advertise-http", f"http://127.0.0.1:{relay[k]}",
-                "--p2p", "/ip4/127.0.0.1/tcp/0",
+                *prefix, self.peer,
+                "--http", place["http"],
+                "--advertise-http", f"http://{place['advertise_http']}",
+                "--p2p", f"/ip4/{place['p2p'].replace(':', '/tcp/')}",
+                "--advertise-p2p", f"/ip4/{place['advertise_p2p'].replace(':', '/tcp/')}",
                 "--memory", str(memories[k]),
                 "--data-dir", os.path.join(self.dir, f"member{k}"),
                 "--reachable",
@@ -170,8 +326,10 @@ class Mesh:
                 argv.append("--no-speculation")
             process = self.spawn(f"member{k}", argv)
             if k == 0:
-                bootstrap = self.ready_p2p(process)
-        self.tracker = f"http://127.0.0.1:{http[0]}"
+                tracker_id = self.ready_line(process, "member0")["peer"]
+                bootstrap = f"/ip4/{place['advertise_p2p'].replace(':', '/tcp/')}/p2p/{tracker_id}"
+                self.tracker = f"http://{place['http']}"
+        self.sites.enter_client()
         self.wait_for_coverage(members)
         return self
 
@@ -186,11 +344,6 @@ class Mesh:
                 return ready
         sys.exit(f"{os.path.basename(sys.argv[0])}: {name} printed no ready line; "
                  f"see {self.dir}/{name}.log")
-
-    def ready_p2p(self, process):
-        """The libp2p TCP address in the ready line the tracker prints."""
-        ready = self.ready_line(process, "member0")
-        return next(a for a in ready["p2p"] if "/tcp/" in a)
 
     def wait_for_coverage(self, members, timeout=180):
         deadline = time.time() + timeout
@@ -207,6 +360,9 @@ class Mesh:
         sys.exit(f"wan.py: the mesh did not cover the model in {timeout} s; logs in {self.dir}")
 
     def __exit__(self, *_):
+        sites = getattr(self, "sites", None)
+        if sites:
+            sites.leave_client()
         for process in self.processes:
             try:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -218,6 +374,8 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+        if sites:
+            sites.close()
 
 
 def prompt_text(kind):
@@ -302,6 +460,12 @@ def run(args, peer, linkem, delay_ms, mode):
             base, model, prompt_text(args.prompt), args.tokens
         )
         after = counters(base)
+        bypassing = mesh.sites.bypassing_connections()
+    if bypassing:
+        sys.exit("wan.py: connections reached members without crossing the emulated links:\n"
+                 + "\n".join(bypassing))
+    if bypassing is None and not args.netns:
+        say("ss is not installed: not checked that every connection crossed the relay")
     row = {
         "members": args.members,
         "delay_ms": delay_ms,
@@ -334,6 +498,7 @@ def main():
     parser.add_argument("--speculation", choices=["on", "off", "both"], default="on")
     parser.add_argument("--ladder", action="store_true")
     parser.add_argument("--compare-undelayed", action="store_true")
+    parser.add_argument("--netns", action="store_true")
     args = parser.parse_args()
     if args.members < 2:
         parser.error("--members needs at least 2 (a tracker and a peer)")

@@ -98,7 +98,8 @@ impl MeshBehaviour {
 
         let identify = identify::Behaviour::new(
             identify::Config::new(IDENTIFY_PROTOCOL_VERSION.to_owned(), keypair.public())
-                .with_agent_version(agent_version(&config.model_id, &config.role)),
+                .with_agent_version(agent_version(&config.model_id, &config.role))
+                .with_hide_listen_addrs(!config.external_addresses.is_empty()),
         );
 
         // AutoNAT probes need dial-backs over real IP transports; in-memory meshes skip it.

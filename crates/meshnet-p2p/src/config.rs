@@ -77,6 +77,11 @@ pub struct P2pConfig {
     /// Treat every listen address as externally reachable: it becomes an external
     /// address and Kademlia serves requests. For public hosts, LANs and loopback testnets.
     pub assume_reachable: bool,
+    /// The addresses others reach this node at when they differ from where it listens (a
+    /// port forward, or a link emulator's relay in front of it). When any is given, these
+    /// are the only addresses the node announces (identify, its tracker record): its listen
+    /// addresses are kept to itself.
+    pub external_addresses: Vec<Multiaddr>,
     /// Run a relay server with these limits for peers of the same model (`None`: no relay).
     pub relay_server: Option<RelayLimits>,
     /// Reserve a slot on up to two relays of the mesh (the tracker's first) and listen on
@@ -121,6 +126,7 @@ impl P2pConfig {
             role,
             upnp: false,
             assume_reachable: false,
+            external_addresses: Vec::new(),
             relay_server: None,
             reserve_relays: false,
             max_connections: 256,

@@ -89,6 +89,9 @@ pub(crate) struct EventLoop {
     /// Who the tracker is, its term and succession, and this node's own record.
     election: TrackerElection,
     assume_reachable: bool,
+    /// Whether the node was given the addresses others reach it at: its listen addresses
+    /// then never become external ones.
+    announces_given_addresses: bool,
     topics: HashMap<TopicKind, IdentTopic>,
     topic_kinds: HashMap<TopicHash, TopicKind>,
     tracker_query: Option<QueryId>,
@@ -150,6 +153,7 @@ impl EventLoop {
             model_id: config.model_id,
             election,
             assume_reachable: config.assume_reachable,
+            announces_given_addresses: !config.external_addresses.is_empty(),
             tracker_query: None,
             tracker_lookup_interval: config.tracker_lookup_interval,
             tracker_refresh_interval: config.tracker_refresh_interval,
@@ -526,7 +530,7 @@ impl EventLoop {
             SwarmEvent::NewListenAddr { address, .. } => self.on_new_listen_addr(address),
             SwarmEvent::ExpiredListenAddr { address, .. } => {
                 self.listen_addrs.retain(|known| known != &address);
-                if self.assume_reachable {
+                if self.listen_is_external() {
                     self.swarm.remove_external_address(&address);
                 }
             }
@@ -572,10 +576,15 @@ impl EventLoop {
         }
     }
 
+    /// Whether a listen address is one others reach this node at.
+    fn listen_is_external(&self) -> bool {
+        self.assume_reachable && !self.announces_given_addresses
+    }
+
     /// The node listens on a new direct `address`: whoever waits for a listener hears of it.
     fn on_new_listen_addr(&mut self, address: Multiaddr) {
         tracing::info!(%address, "listening");
-        if self.assume_reachable {
+        if self.listen_is_external() {
             self.swarm.add_external_address(address.clone());
         }
         self.listen_addrs.push(address.clone());

@@ -130,6 +130,9 @@ async fn start(
     let local_peer_id = *swarm.local_peer_id();
 
     listen_all(&mut swarm, &config)?;
+    for address in &config.external_addresses {
+        swarm.add_external_address(address.clone());
+    }
     let topics = subscribe_all(&mut swarm, &config.model_id)?;
     dial_bootstrap(&mut swarm, &config.bootstrap);
 

@@ -43,6 +43,10 @@ pub struct PeerConfig {
     pub advertise_http: Option<String>,
     /// libp2p listen addresses.
     pub p2p_listen: Vec<Multiaddr>,
+    /// The libp2p addresses others reach this member at, when they differ from where it
+    /// listens (a port forward, a link emulator's relay): announced instead of the listen
+    /// addresses.
+    pub advertise_p2p: Vec<Multiaddr>,
     /// libp2p addresses of any members of the mesh.
     pub bootstrap: Vec<Multiaddr>,
     /// Memory given to the mesh, in bytes (weights plus KV cache).
@@ -124,6 +128,7 @@ impl PeerConfig {
             http_listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise_http: None,
             p2p_listen: Vec::new(),
+            advertise_p2p: Vec::new(),
             bootstrap: Vec::new(),
             memory_bytes: 1 << 30,
             quantizations: Vec::new(),

@@ -225,6 +225,11 @@ struct RunArgs {
     /// for the tracker, a free port for a peer; TCP only with --swarm-key).
     #[arg(long = "p2p", value_name = "MULTIADDR")]
     p2p: Vec<Multiaddr>,
+    /// The libp2p address other peers reach this one at, repeatable, when it is not where it
+    /// listens (a port forward, a relay in front of it): announced instead of the listen
+    /// addresses.
+    #[arg(long, value_name = "MULTIADDR")]
+    advertise_p2p: Vec<Multiaddr>,
     /// libp2p address of any member of the mesh, repeatable.
     #[arg(long, value_name = "MULTIADDR")]
     bootstrap: Vec<Multiaddr>,

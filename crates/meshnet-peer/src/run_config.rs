@@ -57,6 +57,7 @@ fn set_network(config: &mut PeerConfig, args: &RunArgs) -> anyhow::Result<()> {
         .http
         .unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], if args.tracker { 8080 } else { 0 })));
     config.advertise_http = args.advertise_http.clone();
+    config.advertise_p2p = args.advertise_p2p.clone();
     config.relay_limits = meshnet_p2p::RelayLimits {
         max_circuits: args.relay_max_circuits,
         max_circuits_per_peer: args.relay_circuits_per_peer,

@@ -326,6 +326,7 @@ fn p2p_config(
     p2p_config.transport = config.transport;
     p2p_config.upnp = config.upnp;
     p2p_config.assume_reachable = config.assume_reachable;
+    p2p_config.external_addresses = config.advertise_p2p.clone();
     // The tracker and reachable members relay for the others; the others reserve slots.
     p2p_config.relay_server =
         (config.tracker || config.assume_reachable).then_some(config.relay_limits);
@@ -356,8 +357,13 @@ impl Addresses {
             && http_addr.ip().is_unspecified()
             && (config.assume_reachable || config.tracker);
         let listen_addrs = announceable_listen_addrs(p2p, names_an_interface).await;
+        let announced = if config.advertise_p2p.is_empty() {
+            &listen_addrs
+        } else {
+            &config.advertise_p2p
+        };
         Addresses {
-            p2p_addrs: listen_addrs.iter().map(ToString::to_string).collect(),
+            p2p_addrs: announced.iter().map(ToString::to_string).collect(),
             http_url: crate::http::announced_url(
                 config.advertise_http.clone(),
                 http_addr,
