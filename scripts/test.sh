@@ -184,11 +184,18 @@ else
   export MESHNET_DOCKER_DIR
   trap 'testnet/docker.sh down --image || true; rm -rf "$MESHNET_DOCKER_DIR"' EXIT
   docker_failed=0
+  # The image packages meshnet-linkem from beside the binary too (for `up --delay-ms`).
+  cargo build --locked -p meshnet-linkem
   MESHNET_BIN=$PWD/target/debug/meshnet-peer bounded 900 testnet/docker.sh up || docker_failed=1
   if [ "$docker_failed" -eq 0 ]; then
     bounded 600 testnet/docker.sh smoke || docker_failed=1
     bounded 1500 testnet/docker.sh chaos || docker_failed=1
   fi
+  step "the Docker testnet behind emulated links: every member behind its own 20 ms relay (HTTP and libp2p), the chat equal to generate"
+  testnet/docker.sh down >/dev/null
+  MESHNET_BIN=$PWD/target/debug/meshnet-peer bounded 900 testnet/docker.sh up --delay-ms 20 ||
+    docker_failed=1
+  [ "$docker_failed" -ne 0 ] || bounded 600 testnet/docker.sh smoke || docker_failed=1
   # Then Gemma 3 on the same ten containers, each limited below the whole model's resident size
   # (measured first, in this run): a model no single member could hold, served by the mesh.
   step "Gemma 3 on the Docker testnet, every container's memory below the whole model's"

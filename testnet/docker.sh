@@ -4,12 +4,18 @@
 #
 #   testnet/docker.sh build    build the image FROM scratch (no registry, no base image)
 #   testnet/docker.sh up [--model FILE] [--tracker-mem-limit SIZE] [--peer-mem-limit SIZE]
-#                        [--private]
+#                        [--private] [--delay-ms D [--rate-kbit R] [--jitter-ms J]]
 #                              build if needed, start the ten, wait for coverage; the last line
 #                              printed is the OpenAI base URL on this host (the flags override
 #                              MESHNET_MODEL and the two MEM_LIMIT variables below); --private
 #                              makes one swarm key (run directory's swarm.key) and starts every
-#                              member with --swarm-key: a private mesh
+#                              member with --swarm-key: a private mesh; --delay-ms puts an
+#                              emulated link (meshnet-linkem relay, D ms one-way, R kbit/s) in
+#                              front of every member: a relay container in the member's network
+#                              namespace takes its other ports (9080 for HTTP, 5001 for libp2p)
+#                              and every member advertises those and bootstraps from them, so
+#                              traffic between members crosses their relays (the host's API port
+#                              still reaches the tracker directly); not for `chaos`
 #   testnet/docker.sh smoke    ten members, complete coverage, and the OpenAI client's chat equal
 #                              to `meshnet-peer generate --chat --boundaries` at the tracker's
 #                              boundaries
@@ -21,7 +27,8 @@
 #                              image too); idempotent
 #
 # Environment:
-#   MESHNET_BIN            the meshnet-peer binary to package (default: cargo build --release)
+#   MESHNET_BIN            the meshnet-peer binary to package (default: cargo build --release);
+#                          meshnet-linkem beside it is packaged too when it is there
 #   MESHNET_PROFILE        release (default) or debug, when MESHNET_BIN is not set
 #   MESHNET_MODEL          the GGUF model file (default: scripts/fetch-model.sh's)
 #   MESHNET_DOCKER_DIR     run directory: env file, image context, logs (default
@@ -45,6 +52,8 @@ env_file=$run_dir/compose.env
 # With `up --private`: the swarm key, and the compose file that hands it to every member.
 key_file=$run_dir/swarm.key
 private_file=$run_dir/private.yml
+# With `up --delay-ms`: the compose file of the emulated links.
+links_file=$run_dir/links.yml
 state_file=$run_dir/state
 project=meshnet-testnet
 image=${MESHNET_IMAGE:-meshnet-peer:testnet}
@@ -54,6 +63,7 @@ timeout=${MESHNET_DOCKER_TIMEOUT:-240}
 peers=9
 services=(tracker peer1 peer2 peer3 peer4 peer5 peer6 peer7 peer8 peer9)
 private=0
+link_shape=()
 
 say() { printf 'docker.sh: %s\n' "$*" >&2; }
 die() {
@@ -62,7 +72,7 @@ die() {
 }
 
 usage() {
-  sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,44p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 # The compose tool: the standalone docker-compose, else the docker compose plugin.
@@ -80,6 +90,7 @@ find_compose() {
 compose() {
   local files=(-f "$compose_file")
   [ ! -f "$private_file" ] || files+=(-f "$private_file")
+  [ ! -f "$links_file" ] || files+=(-f "$links_file")
   "${compose_cmd[@]}" -p "$project" "${files[@]}" --env-file "$env_file" "$@"
 }
 
@@ -100,6 +111,59 @@ write_private() {
       echo "      - $key_file:/keys/swarm.key:ro"
     done
   } >"$private_file"
+}
+
+# member_command K: the JSON command of member K (0 the tracker) behind its link: its own
+# ports as in docker-compose.yml, the relay's advertised and bootstrapped from.
+member_command() {
+  local k=$1 ip="\${MESHNET_DOCKER_NET:-10.213.0}.1$1" role memory others
+  if [ "$k" = 0 ]; then
+    role='"--tracker", '
+    memory='${MESHNET_TRACKER_MEMORY}'
+    others=(1)
+  else
+    role=''
+    memory='${MESHNET_PEER_MEMORY}'
+    others=(0 $((k == 1 ? 2 : 1)))
+  fi
+  local bootstrap="" other
+  for other in "${others[@]}"; do
+    bootstrap+=", \"--bootstrap\", \"/ip4/\${MESHNET_DOCKER_NET:-10.213.0}.1$other/tcp/5001\""
+  done
+  printf '[%s"--model", "/models/${MESHNET_MODEL_FILE}", "--memory", "%s", ' "$role" "$memory"
+  printf '"--http", "0.0.0.0:8080", "--advertise-http", "http://%s:9080", ' "$ip"
+  printf '"--p2p", "/ip4/0.0.0.0/tcp/4001", "--advertise-p2p", "/ip4/%s/tcp/5001"%s, ' \
+    "$ip" "$bootstrap"
+  printf '"--reachable", "--announce-interval", "0.5"]'
+}
+
+# write_links: a compose file that starts every member behind its relay (see `up --delay-ms`).
+write_links() {
+  rm -f "$links_file"
+  local shape k
+  shape=$(printf ', "%s"' "${link_shape[@]}")
+  {
+    echo "# Written by testnet/docker.sh up --delay-ms: every member behind an emulated link."
+    echo 'version: "2.4"'
+    echo "services:"
+    for ((k = 0; k < ${#services[@]}; k++)); do
+      echo "  ${services[$k]}:"
+      echo "    command: $(member_command "$k")"
+      echo "  ${services[$k]}-link:"
+      echo '    image: ${MESHNET_IMAGE:-meshnet-peer:testnet}'
+      echo '    restart: "no"'
+      echo "    network_mode: \"service:${services[$k]}\""
+      echo '    entrypoint: ["/usr/local/bin/meshnet-linkem"]'
+      printf '    command: ["relay", "--link", "0.0.0.0:9080=127.0.0.1:8080", '
+      printf '"--link", "0.0.0.0:5001=127.0.0.1:4001"%s]\n' "$shape"
+    done
+  } >"$links_file"
+}
+
+# start_member SERVICE: starts it, and its relay when the members are behind links.
+start_member() {
+  compose up -d --no-deps "$1" >/dev/null 2>&1 || return 1
+  [ ! -f "$links_file" ] || compose up -d --no-deps "$1-link" >/dev/null 2>&1
 }
 
 # Fails loudly when no Docker engine answers (status 3, so callers can tell it apart).
@@ -130,7 +194,8 @@ resolve_bin() {
     *) die "MESHNET_PROFILE must be release or debug, got '$profile'" ;;
   esac
   say "building meshnet-peer ($profile)"
-  (cd "$repo" && cargo build --locked -p meshnet-peer "${flags[@]+"${flags[@]}"}") >&2 ||
+  (cd "$repo" && cargo build --locked -p meshnet-peer -p meshnet-linkem \
+    "${flags[@]+"${flags[@]}"}") >&2 ||
     die "cargo build failed"
   bin=$repo/target/$profile/meshnet-peer
 }
@@ -145,8 +210,15 @@ resolve_model() {
   model=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
 }
 
+# The digest of what an image of the binary `$1` packages (meshnet-linkem beside it too).
 binary_digest() {
-  sha256sum "$1" | cut -c1-64
+  local linkem
+  linkem=$(dirname "$1")/meshnet-linkem
+  if [ -x "$linkem" ]; then
+    cat "$1" "$linkem" | sha256sum | cut -c1-64
+  else
+    sha256sum "$1" | cut -c1-64
+  fi
 }
 
 # build: stages rootfs/ with the binary (debug info stripped) and the shared libraries `ldd`
@@ -164,10 +236,15 @@ build() {
   else
     cp "$bin" "$target"
   fi
-  local libs lib
+  local libs lib packaged=("$bin")
+  if [ -x "$(dirname "$bin")/meshnet-linkem" ]; then
+    packaged+=("$(dirname "$bin")/meshnet-linkem")
+    cp "${packaged[1]}" "$context/rootfs/usr/local/bin/meshnet-linkem"
+  fi
   # "libc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x...)" and "/lib64/ld-linux-x86-64.so.2
   # (0x...)"; a static binary has none.
-  libs=$(ldd "$bin" 2>/dev/null | awk '/=> \//{print $3} /^\t\//{print $1}' || true)
+  libs=$(for lib in "${packaged[@]}"; do ldd "$lib" 2>/dev/null || true; done |
+    awk '/=> \//{print $3} /^\t\//{print $1}' | sort -u)
   for lib in $libs; do
     mkdir -p "$context/rootfs$(dirname "$lib")"
     cp -L "$lib" "$context/rootfs$lib"
@@ -271,7 +348,9 @@ collect_logs() {
 }
 
 write_state() {
-  local name id ip k network
+  local name id ip k network port=8080
+  # Behind links, members advertise their relay's port.
+  [ ! -f "$links_file" ] || port=9080
   network=$(docker inspect -f '{{range $name, $_ := .NetworkSettings.Networks}}{{$name}} {{end}}' \
     "$(container_of tracker)" | awk '{print $1}')
   {
@@ -283,7 +362,7 @@ write_state() {
       name=${services[k]}
       id=$(container_of "$name")
       ip=$net.$((10 + k))
-      printf 'member=%s %s %s http://%s:8080\n' "$name" "$id" "$ip" "$ip"
+      printf 'member=%s %s %s http://%s:%s\n' "$name" "$id" "$ip" "$ip" "$port"
     done
   } >"$state_file"
 }
@@ -354,7 +433,12 @@ parse_up_flags() {
         private=1
         shift
         ;;
-      *) die "up: unknown argument '$1' (flags: --model FILE, --tracker-mem-limit SIZE, --peer-mem-limit SIZE, --private)" ;;
+      --delay-ms | --rate-kbit | --jitter-ms)
+        [ "$#" -ge 2 ] && [[ "$2" =~ ^[0-9]+$ ]] || die "up: $1 needs a whole number"
+        link_shape+=("$1" "$2")
+        shift 2
+        ;;
+      *) die "up: unknown argument '$1' (flags: --model FILE, --tracker-mem-limit SIZE, --peer-mem-limit SIZE, --private, --delay-ms D, --rate-kbit R, --jitter-ms J)" ;;
     esac
   done
 }
@@ -371,7 +455,13 @@ up() {
   resolve_model
   build_if_needed
   plan_budgets
-  rm -f "$private_file"
+  rm -f "$private_file" "$links_file"
+  if [ "${#link_shape[@]}" -gt 0 ]; then
+    [ -x "$(dirname "$bin")/meshnet-linkem" ] ||
+      die "up --delay-ms: no meshnet-linkem beside $bin (cargo build -p meshnet-linkem)"
+    write_links
+    say "every member behind an emulated link: ${link_shape[*]}"
+  fi
   if [ "$private" -eq 1 ]; then
     write_private
     say "private mesh: every member gets --swarm-key ($key_file)"
@@ -393,7 +483,7 @@ up() {
     compose down -v --remove-orphans --timeout 5 >/dev/null 2>&1 || true
     exit 1
   }
-  compose up -d --no-deps tracker >/dev/null 2>&1 || fail_up "starting the tracker failed"
+  start_member tracker || fail_up "starting the tracker failed"
   until [ "$(http_code "$(tracker_url)/status")" = 200 ]; do
     [ "$SECONDS" -lt "$deadline" ] || fail_up "the tracker did not answer $(tracker_url)/status in ${timeout}s"
     sleep 0.5
@@ -405,7 +495,7 @@ up() {
   # side measure each other's contention.
   for ((k = 1; k <= peers; k++)); do
     say "starting peer$k"
-    compose up -d --no-deps "peer$k" >/dev/null 2>&1 || fail_up "starting peer$k failed"
+    start_member "peer$k" || fail_up "starting peer$k failed"
     until status_check listed "$k"; do
       [ "$SECONDS" -lt "$deadline" ] ||
         fail_up "the tracker did not list peer$k with a ready span within ${timeout}s"
@@ -492,7 +582,7 @@ down() {
     docker_bounded 60 docker image rm -f "$image" >/dev/null 2>&1 || true
   fi
   [ "$failed" -eq 0 ] || die "down: some of $project may be left: see 'docker ps -a' and 'docker network ls'"
-  rm -f "$state_file" "$private_file" "$key_file"
+  rm -f "$state_file" "$private_file" "$key_file" "$links_file"
   say "down: no container, network or volume of $project is left"
 }
 
