@@ -83,15 +83,6 @@ pub trait LogitsHead {
     /// Applies the final norm and LM head to the last position of `hidden` (`[1, tokens,
     /// hidden]`), returning one logit per vocabulary entry.
     fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>>;
-
-    /// The logits after every position of `hidden` (`[1, tokens, hidden]`), first first, each
-    /// as [`LogitsHead::logits`] gives it for that position alone.
-    fn logits_rows(&self, hidden: &Tensor) -> Result<Vec<Vec<f32>>> {
-        let tokens = hidden.dim(1)?;
-        (0..tokens)
-            .map(|row| self.logits(&hidden.narrow(1, row, 1)?))
-            .collect()
-    }
 }
 
 /// How hidden states cross from one stage to the next.
@@ -246,15 +237,10 @@ impl LayerRoute<'_> {
         }
     }
 
-    /// Runs one chunk and returns the logits after each of its positions.
-    pub fn forward_rows(
-        &self,
-        session: SessionId,
-        position: usize,
-        tokens: &[u32],
-    ) -> Result<Vec<Vec<f32>>> {
-        let hidden = self.forward_hidden(session, position, tokens)?;
-        self.head.logits_rows(&hidden)
+    /// The logits after position `row` of `hidden` (`[1, tokens, hidden]`), as
+    /// [`LogitsHead::logits`] gives them for that position alone.
+    pub fn logits_at(&self, hidden: &Tensor, row: usize) -> Result<Vec<f32>> {
+        self.head.logits(&hidden.narrow(1, row, 1)?)
     }
 
     /// Whether every stage can take cached positions back ([`Stage::can_rewind`]).
@@ -528,15 +514,19 @@ fn final_text(
 }
 
 /// Where decoding stands on the route: the logits the next token is chosen from and, when
-/// speculating, the drafted tokens already sent after it with the logits after each.
+/// speculating, the drafted tokens already sent after it with the hidden states after each
+/// (their logits are computed only for the drafts that come up for checking: after the first
+/// rejection, none are).
 struct DecodeFront<'r, 'a> {
     route: &'r LayerRoute<'a>,
     session: SessionId,
     /// The logits for the next token.
     logits: Vec<f32>,
-    /// Drafted tokens every stage has cached after the last chosen one, each with the logits
-    /// after it, oldest first.
-    drafted: VecDeque<(u32, Vec<f32>)>,
+    /// Drafted tokens every stage has cached after the last chosen one, oldest first.
+    drafted: VecDeque<u32>,
+    /// The last hidden states of the step being verified (`[1, 1 + drafts, hidden]`) and the
+    /// row of the next drafted token in it.
+    verified: Option<(Tensor, usize)>,
     /// Positions every stage holds.
     cached: usize,
     /// The prompt and every token chosen so far: where drafts are looked up.
@@ -556,6 +546,7 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
             session: request.session,
             logits,
             drafted: VecDeque::new(),
+            verified: None,
             cached: request.prompt.len(),
             context: if speculate {
                 request.prompt.clone()
@@ -574,7 +565,7 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
 
     /// The drafted token waiting to be checked against the next choice.
     fn draft(&self) -> Option<u32> {
-        self.drafted.front().map(|&(token, _)| token)
+        self.drafted.front().copied()
     }
 
     /// Moves past the chosen `token`, of which `remaining` more may follow: a draft it equals
@@ -585,8 +576,13 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
             self.context.push(token);
         }
         match self.drafted.pop_front() {
-            Some((draft, logits)) if draft == token => {
-                self.logits = logits;
+            Some(draft) if draft == token => {
+                let (hidden, row) = self
+                    .verified
+                    .as_mut()
+                    .ok_or_else(|| ModelError::InvalidSpan("a draft without its step".into()))?;
+                self.logits = self.route.logits_at(hidden, *row)?;
+                *row += 1;
                 self.step.1 += 1;
                 if self.drafted.is_empty() {
                     self.end_step();
@@ -619,15 +615,13 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
         let mut tokens = Vec::with_capacity(draft.len() + 1);
         tokens.push(token);
         tokens.extend_from_slice(&draft);
-        let mut rows = self
+        let hidden = self
             .route
-            .forward_rows(self.session, self.cached, &tokens)?
-            .into_iter();
+            .forward_hidden(self.session, self.cached, &tokens)?;
         self.cached += tokens.len();
-        self.logits = rows
-            .next()
-            .ok_or_else(|| ModelError::InvalidSpan("no logits for a verified step".into()))?;
-        self.drafted = draft.iter().copied().zip(rows).collect();
+        self.logits = self.route.logits_at(&hidden, 0)?;
+        self.verified = Some((hidden, 1));
+        self.drafted = draft.iter().copied().collect();
         self.step = (draft.len(), 0);
         self.stats.drafted += draft.len();
         self.stats.verify_steps += 1;
@@ -636,6 +630,7 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
 
     /// Records how the step being verified went.
     fn end_step(&mut self) {
+        self.verified = None;
         let (drafted, accepted) = std::mem::take(&mut self.step);
         self.stats.accepted += accepted;
         if let Some(length) = self.length.as_mut() {
