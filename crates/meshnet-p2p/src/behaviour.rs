@@ -104,7 +104,9 @@ impl MeshBehaviour {
 
         // AutoNAT probes need dial-backs over real IP transports; in-memory meshes skip it.
         // Servers only dial back global IPs unless reachability is assumed (LAN/loopback).
-        let autonat = network.then(|| {
+        // A node told the addresses it is reached at has nothing to learn, and its probes
+        // would have others dial its listen addresses, which it keeps to itself.
+        let autonat = (network && config.external_addresses.is_empty()).then(|| {
             autonat::Behaviour::new(
                 local_peer_id,
                 autonat::Config {

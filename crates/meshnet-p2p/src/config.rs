@@ -80,7 +80,8 @@ pub struct P2pConfig {
     /// The addresses others reach this node at when they differ from where it listens (a
     /// port forward, or a link emulator's relay in front of it). When any is given, these
     /// are the only addresses the node announces (identify, its tracker record): its listen
-    /// addresses are kept to itself.
+    /// addresses are kept to itself, and it runs no AutoNAT (whose probes would have others
+    /// dial them).
     pub external_addresses: Vec<Multiaddr>,
     /// Run a relay server with these limits for peers of the same model (`None`: no relay).
     pub relay_server: Option<RelayLimits>,

@@ -243,6 +243,13 @@ impl PeerConfig {
         if let Err(reason) = self.verify.validate() {
             return invalid("verify", Some("verify-sample"), reason);
         }
+        if !self.advertise_p2p.is_empty() && !self.assume_reachable {
+            return invalid(
+                "advertise_p2p",
+                Some("advertise-p2p"),
+                "names where others reach this member: it needs --reachable".to_owned(),
+            );
+        }
         Ok(())
     }
 }
@@ -295,6 +302,12 @@ mod tests {
         assert_eq!(
             refusal(&slow),
             "announce_interval (--announce-interval) must be at most a day (86400 s), got 172800 s"
+        );
+        let mut unreachable = config();
+        unreachable.advertise_p2p = vec!["/ip4/192.0.2.1/tcp/4001".parse().unwrap()];
+        assert_eq!(
+            refusal(&unreachable),
+            "advertise_p2p (--advertise-p2p) names where others reach this member: it needs --reachable"
         );
         let mut sample = config();
         sample.verify.sample_rate = 2.0;

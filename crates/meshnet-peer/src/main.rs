@@ -227,7 +227,7 @@ struct RunArgs {
     p2p: Vec<Multiaddr>,
     /// The libp2p address other peers reach this one at, repeatable, when it is not where it
     /// listens (a port forward, a relay in front of it): announced instead of the listen
-    /// addresses.
+    /// addresses (with --reachable).
     #[arg(long, value_name = "MULTIADDR")]
     advertise_p2p: Vec<Multiaddr>,
     /// libp2p address of any member of the mesh, repeatable.
