@@ -102,19 +102,7 @@ impl MeshBehaviour {
                 .with_hide_listen_addrs(!config.external_addresses.is_empty()),
         );
 
-        // AutoNAT probes need dial-backs over real IP transports; in-memory meshes skip it.
-        // Servers only dial back global IPs unless reachability is assumed (LAN/loopback).
-        // A node told the addresses it is reached at has nothing to learn, and its probes
-        // would have others dial its listen addresses, which it keeps to itself.
-        let autonat = (network && config.external_addresses.is_empty()).then(|| {
-            autonat::Behaviour::new(
-                local_peer_id,
-                autonat::Config {
-                    only_global_ips: !config.assume_reachable,
-                    ..autonat::Config::default()
-                },
-            )
-        });
+        let autonat = autonat_behaviour(config, local_peer_id, network);
 
         let relay_server = config.relay_server.map(|limits| {
             let mut server =
@@ -142,6 +130,27 @@ impl MeshBehaviour {
             upnp: Toggle::from((network && config.upnp).then(upnp::tokio::Behaviour::default)),
         })
     }
+}
+
+/// AutoNAT, when the node has something to learn from it. Its probes need dial-backs over
+/// real IP transports (in-memory meshes skip it); servers only dial back global IPs unless
+/// reachability is assumed (LAN, loopback). A node told the addresses it is reached at has
+/// nothing to learn, and its probes would have others dial its listen addresses, which it
+/// keeps to itself.
+fn autonat_behaviour(
+    config: &P2pConfig,
+    local_peer_id: libp2p::PeerId,
+    network: bool,
+) -> Option<autonat::Behaviour> {
+    (network && config.external_addresses.is_empty()).then(|| {
+        autonat::Behaviour::new(
+            local_peer_id,
+            autonat::Config {
+                only_global_ips: !config.assume_reachable,
+                ..autonat::Config::default()
+            },
+        )
+    })
 }
 
 /// The relay server's configuration: `limits`, no byte limit per circuit, and only peers that

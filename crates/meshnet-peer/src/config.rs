@@ -243,12 +243,17 @@ impl PeerConfig {
         if let Err(reason) = self.verify.validate() {
             return invalid("verify", Some("verify-sample"), reason);
         }
+        self.validate_addresses()
+    }
+
+    /// Refuses addresses to announce that others could not use.
+    fn validate_addresses(&self) -> Result<(), PeerError> {
         if !self.advertise_p2p.is_empty() && !self.assume_reachable {
-            return invalid(
-                "advertise_p2p",
-                Some("advertise-p2p"),
-                "names where others reach this member: it needs --reachable".to_owned(),
-            );
+            return Err(PeerError::InvalidSetting {
+                setting: "advertise_p2p",
+                flag: Some("advertise-p2p"),
+                reason: "names where others reach this member: it needs --reachable".to_owned(),
+            });
         }
         Ok(())
     }
