@@ -5,14 +5,11 @@
 
 mod common;
 
-use common::{Node, next_event};
-
-use std::time::Duration;
+use common::{Node, next_event, tcp_config, tracker_record};
 
 use libp2p::Multiaddr;
-use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
-use meshnet_p2p::{P2pConfig, P2pEvent, Role, TrackerRecord, TransportChoice, spawn};
+use meshnet_p2p::{P2pConfig, P2pEvent, Role, spawn};
 use meshnet_types::PeerId;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
@@ -20,13 +17,7 @@ use tokio::task::JoinSet;
 const MODEL: &str = "test-model";
 
 fn config(role: Role, bootstrap: Vec<Multiaddr>) -> P2pConfig {
-    let mut config = P2pConfig::new(Keypair::generate_ed25519(), MODEL, role);
-    config.transport = TransportChoice::Network;
-    config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
-    config.bootstrap = bootstrap;
-    config.assume_reachable = true;
-    config.tracker_lookup_interval = Duration::from_millis(200);
-    config
+    tcp_config(MODEL, role, bootstrap)
 }
 
 fn unpinned() -> Role {
@@ -62,17 +53,6 @@ fn socket_address(address: &Multiaddr) -> std::net::SocketAddr {
     (ip.unwrap(), port.unwrap()).into()
 }
 
-fn record(tracker: &Node) -> TrackerRecord {
-    TrackerRecord {
-        peer: tracker.id.clone(),
-        addresses: Vec::new(),
-        http_endpoint: "http://tracker.invalid:8080".into(),
-        epoch: 1,
-        term: 1,
-        model_id: MODEL.into(),
-    }
-}
-
 fn disconnected_from(peer: &PeerId) -> impl FnMut(P2pEvent) -> Option<()> + '_ {
     move |event| matches!(event, P2pEvent::PeerDisconnected(gone) if &gone == peer).then_some(())
 }
@@ -85,7 +65,7 @@ async fn members_reach_a_node_only_at_the_addresses_it_was_given() {
     let mut tracker_config = config(Role::Tracker, Vec::new());
     tracker_config.external_addresses = vec![forwarder.clone()];
     let tracker = Node::spawn(tracker_config).await;
-    let record = record(&tracker);
+    let record = tracker_record(&tracker, MODEL);
     tracker.handle.set_tracker_record(record).await.unwrap();
     let _incoming = tracker.handle.accept_http_streams().unwrap();
     let relay = tokio::spawn(forward(listener, socket_address(&tracker.address)));

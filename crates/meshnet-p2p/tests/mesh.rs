@@ -142,14 +142,7 @@ fn directive(target: PeerId, epoch: u64) -> DirectiveMessage {
 }
 
 fn tracker_record(tracker: &Node) -> TrackerRecord {
-    TrackerRecord {
-        peer: tracker.id.clone(),
-        addresses: Vec::new(),
-        http_endpoint: "http://tracker.invalid:8080".into(),
-        epoch: 1,
-        term: 1,
-        model_id: MODEL.into(),
-    }
+    common::tracker_record(tracker, MODEL)
 }
 
 async fn discovered_tracker(node: &mut Node) -> TrackerRecord {

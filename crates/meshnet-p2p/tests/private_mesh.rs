@@ -4,20 +4,20 @@
 //! connect to a member, and the member counts each refusal. A private node never listens on
 //! QUIC. Every wait is bounded by [`DEADLINE`].
 
+mod common;
+
 use std::error::Error;
 use std::time::Duration;
 
 use futures::StreamExt;
 use libp2p::core::upgrade::Version;
-use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use libp2p::pnet::{PnetConfig, PreSharedKey};
 use libp2p::swarm::{DialError, SwarmEvent, dummy};
 use libp2p::{Multiaddr, Swarm, SwarmBuilder, Transport, noise, tcp, yamux};
 use meshnet_metrics::Metrics;
 use meshnet_p2p::{
-    P2pConfig, P2pError, P2pEvent, P2pHandle, PeerAnnouncement, Role, SwarmKey, TransportChoice,
-    spawn,
+    P2pConfig, P2pError, P2pEvent, P2pHandle, PeerAnnouncement, Role, SwarmKey, spawn,
 };
 use meshnet_types::PeerId;
 use tokio::sync::mpsc::Receiver;
@@ -41,12 +41,7 @@ struct Member {
 }
 
 fn member_config(key: &SwarmKey, role: Role, bootstrap: Vec<Multiaddr>) -> P2pConfig {
-    let mut config = P2pConfig::new(Keypair::generate_ed25519(), MODEL, role);
-    config.transport = TransportChoice::Network;
-    config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
-    config.bootstrap = bootstrap;
-    config.assume_reachable = true;
-    config.tracker_lookup_interval = Duration::from_millis(200);
+    let mut config = common::tcp_config(MODEL, role, bootstrap);
     config.swarm_key = Some(key.clone());
     config
 }

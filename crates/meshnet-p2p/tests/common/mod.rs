@@ -7,8 +7,11 @@ use std::future::Future;
 use std::time::Duration;
 
 use libp2p::Multiaddr;
+use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
-use meshnet_p2p::{P2pConfig, P2pError, P2pEvent, P2pHandle, spawn};
+use meshnet_p2p::{
+    P2pConfig, P2pError, P2pEvent, P2pHandle, Role, TrackerRecord, TransportChoice, spawn,
+};
 use meshnet_types::PeerId;
 use tokio::sync::mpsc::Receiver;
 use tokio::time::timeout;
@@ -45,6 +48,31 @@ impl Node {
             address,
             id,
         }
+    }
+}
+
+/// A node of `model` in `role` on TCP at 127.0.0.1 (a port the system picks), reachable,
+/// dialing `bootstrap`, looking its tracker up every 200 ms.
+pub fn tcp_config(model: &str, role: Role, bootstrap: Vec<Multiaddr>) -> P2pConfig {
+    let mut config = P2pConfig::new(Keypair::generate_ed25519(), model, role);
+    config.transport = TransportChoice::Network;
+    config.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+    config.bootstrap = bootstrap;
+    config.assume_reachable = true;
+    config.tracker_lookup_interval = Duration::from_millis(200);
+    config
+}
+
+/// The record `tracker` stores for `model`: itself, epoch and term 1 (its addresses are
+/// filled in when it is stored).
+pub fn tracker_record(tracker: &Node, model: &str) -> TrackerRecord {
+    TrackerRecord {
+        peer: tracker.id.clone(),
+        addresses: Vec::new(),
+        http_endpoint: "http://tracker.invalid:8080".into(),
+        epoch: 1,
+        term: 1,
+        model_id: model.into(),
     }
 }
 
