@@ -7,6 +7,7 @@
 //! in f32 (bit-identical to one process) or cast to bfloat16 as on the wire.
 
 use std::collections::VecDeque;
+use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 use meshnet_wire::chunk::chunk_ranges;
@@ -18,7 +19,7 @@ use crate::kv_cache::SessionId;
 use crate::sampling::{
     Sampler, SamplingConfig, StopConditions, TokenLogprobs, TokenMask, token_logprobs,
 };
-use crate::speculation::{DraftLength, SpeculationStats, prompt_lookup};
+use crate::speculation::{DraftGate, DraftLength, SpeculationStats, prompt_lookup};
 use crate::tokenizer::ModelTokenizer;
 
 /// A contiguous span of layers, in this process or behind a network hop.
@@ -308,6 +309,9 @@ pub struct GenerationRequest {
     /// The most tokens drafted (prompt lookup) and verified in one pass per decode step;
     /// 0 decodes one token per pass. Used only on routes whose stages can all rewind.
     pub max_draft: usize,
+    /// Send only the drafts that the route's measured pass times and the acceptance so far
+    /// pay for ([`DraftGate`]); `false` sends every draft the lookup finds.
+    pub gate_drafts: bool,
 }
 
 impl GenerationRequest {
@@ -324,6 +328,7 @@ impl GenerationRequest {
             session: SessionId::new_v4(),
             constraint: None,
             max_draft: 0,
+            gate_drafts: true,
         }
     }
 }
@@ -533,6 +538,10 @@ struct DecodeFront<'r, 'a> {
     context: Vec<u32>,
     /// How many tokens to draft; `None` when not speculating.
     length: Option<DraftLength>,
+    /// Whether drafts pay for themselves on this route, from the passes timed so far.
+    gate: DraftGate,
+    /// Whether [`DecodeFront::gate`] may hold drafts back.
+    gate_drafts: bool,
     /// Drafted and accepted tokens of the step being verified.
     step: (usize, usize),
     stats: SpeculationStats,
@@ -554,6 +563,8 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
                 Vec::new()
             },
             length: speculate.then(|| DraftLength::new(request.max_draft)),
+            gate: DraftGate::new(),
+            gate_drafts: request.gate_drafts,
             step: (0, 0),
             stats: SpeculationStats::default(),
         }
@@ -599,10 +610,23 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
             None => {}
         }
         let draft = match self.length.as_mut() {
-            Some(length) => prompt_lookup(&self.context, length.take_step().min(remaining - 1)),
+            Some(length) => {
+                self.gate.fade();
+                let wanted = length.take_step().min(remaining - 1);
+                let allowed = match self.gate_drafts {
+                    true => self.gate.allowed(wanted),
+                    false => wanted,
+                };
+                prompt_lookup(&self.context, allowed)
+            }
             None => Vec::new(),
         };
-        self.send(token, draft)
+        let started = Instant::now();
+        let drafts = draft.len();
+        self.send(token, draft)?;
+        self.gate
+            .record_pass(drafts, started.elapsed().as_secs_f64());
+        Ok(())
     }
 
     /// Sends `token` and `draft` after it through the route at the end of the cache.
@@ -633,6 +657,7 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
         self.verified = None;
         let (drafted, accepted) = std::mem::take(&mut self.step);
         self.stats.accepted += accepted;
+        self.gate.record_checks(drafted, accepted);
         if let Some(length) = self.length.as_mut() {
             length.record(drafted, accepted);
         }
@@ -808,6 +833,113 @@ mod tests {
         fn logits(&self, _: &Tensor) -> Result<Vec<f32>> {
             Ok(self.logits.clone())
         }
+    }
+
+    /// A route over the vocabulary {0, 1} that can rewind, whose next token is a fixed
+    /// pseudo-random bit of the position (so prompt lookup always finds a draft and about
+    /// half of the drafted tokens are right), and whose passes cost `per_draft` of wall time
+    /// for every row past the first.
+    struct Costly {
+        per_draft: std::time::Duration,
+    }
+
+    /// The token [`Costly`] gives after `position`.
+    fn costly_token_after(position: usize) -> u32 {
+        ((0xB5E3_9A17_4C2D_F086_u64 >> (position % 64)) & 1) as u32
+    }
+
+    impl Costly {
+        fn route(&self) -> LayerRoute<'_> {
+            LayerRoute {
+                embedder: self,
+                stages: vec![self],
+                head: self,
+                boundary: BoundaryPolicy::F32,
+            }
+        }
+    }
+
+    impl TokenEmbedder for Costly {
+        fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
+            Ok(Tensor::zeros(
+                (1, tokens.len(), 1),
+                DType::F32,
+                &Device::Cpu,
+            )?)
+        }
+    }
+
+    impl Stage for Costly {
+        /// Each row's hidden state becomes its position.
+        fn forward(&self, _: SessionId, position: usize, hidden: Tensor) -> Result<Tensor> {
+            let rows = hidden.dim(1)?;
+            std::thread::sleep(self.per_draft * (rows as u32 - 1));
+            let positions: Vec<f32> = (position..position + rows).map(|p| p as f32).collect();
+            Ok(Tensor::from_vec(positions, (1, rows, 1), &Device::Cpu)?)
+        }
+
+        fn end_session(&self, _: SessionId) {}
+
+        fn name(&self) -> String {
+            "costly".to_owned()
+        }
+
+        fn can_rewind(&self) -> bool {
+            true
+        }
+
+        fn rewind(&self, _: SessionId, _: usize) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    impl LogitsHead for Costly {
+        fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>> {
+            let position = hidden.flatten_all()?.to_vec1::<f32>()?[hidden.dim(1)? - 1];
+            let mut logits = vec![0.0; 2];
+            logits[costly_token_after(position as usize) as usize] = 1.0;
+            Ok(logits)
+        }
+    }
+
+    #[test]
+    fn drafts_that_cost_more_than_they_save_stop_once_the_gate_has_timed_both_passes() {
+        let route = Costly {
+            per_draft: std::time::Duration::from_millis(5),
+        };
+        let route = route.route();
+        let prompt: Vec<u32> = (0..6).map(costly_token_after).collect();
+        let expected: Vec<u32> = (6..6 + 48).map(|p| costly_token_after(p - 1)).collect();
+        let request = GenerationRequest {
+            max_draft: 8,
+            ..GenerationRequest::greedy(prompt, 48)
+        };
+        let ungated = generate(
+            &route,
+            &GenerationRequest {
+                gate_drafts: false,
+                ..request.clone()
+            },
+            None,
+        )
+        .unwrap();
+        let gated = generate(&route, &request, None).unwrap();
+        println!(
+            "ungated {:?}, gated {:?}",
+            ungated.speculation, gated.speculation
+        );
+        assert_eq!(ungated.tokens, expected);
+        assert_eq!(gated.tokens, expected);
+        assert!(
+            ungated.speculation.verify_steps > 4,
+            "{:?}",
+            ungated.speculation
+        );
+        // A draft of one is accepted and one of six is cut; the next step sends no draft, to
+        // time a one-row pass; the one after drafts three and is timed. A drafted row then
+        // costs thousands of one-row passes, and no draft is sent again.
+        assert_eq!(gated.speculation.verify_steps, 3, "{:?}", gated.speculation);
+        assert_eq!(gated.speculation.drafted, 10, "{:?}", gated.speculation);
     }
 
     /// A constraint that allows exactly the next id of `ids`; after the last, only `end`

@@ -68,7 +68,8 @@ pub use sampling::{
     token_logprobs,
 };
 pub use speculation::{
-    DEFAULT_MAX_DRAFT, DraftLength, MAX_NGRAM, MIN_NGRAM, SpeculationStats, prompt_lookup,
+    DEFAULT_MAX_DRAFT, DraftGate, DraftLength, MAX_NGRAM, MIN_NGRAM, SpeculationStats,
+    prompt_lookup,
 };
 pub use tokenizer::{EncodeOptions, ModelTokenizer};
 pub use tool_calls::{

@@ -118,6 +118,111 @@ impl DraftLength {
     }
 }
 
+/// How much of an observation of the draft gate survives each decode step: old evidence fades
+/// so that a generation whose text turns repetitive later gets to draft again.
+const EVIDENCE_KEPT_PER_STEP: f64 = 0.97;
+
+/// How much of the previous pass-time estimate survives a new measurement.
+const TIME_KEPT_PER_PASS: f64 = 0.8;
+
+/// Whether drafts pay for themselves on this route (ADR-0032): each drafted row makes the
+/// verifying pass dearer, and pays back one whole pass only if it is accepted.
+///
+/// It learns two things as a generation goes on: what a pass of one row costs and what each
+/// drafted row adds to it (from the wall time of the passes themselves), and how often a
+/// drafted token is accepted (from the checks, with one accepted and one rejected token as the
+/// prior). The `j`-th drafted token is accepted only when the `j - 1` before it were, with
+/// probability about `p^j`, and then saves one pass; it is worth sending while
+/// `p^j × pass > added cost`. Over a slow link a pass costs the round trip and a row adds
+/// almost nothing, so the gate stays open; on a fast route a free text whose drafts fail
+/// closes it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DraftGate {
+    /// Seconds a one-row pass takes, once measured.
+    single_row: Option<f64>,
+    /// Seconds each drafted row adds to a pass, once measured.
+    per_draft: Option<f64>,
+    /// Drafted tokens accepted, fading by [`EVIDENCE_KEPT_PER_STEP`].
+    accepted: f64,
+    /// Drafted tokens checked (accepted, or the one rejected), fading alike.
+    checked: f64,
+}
+
+impl DraftGate {
+    /// A gate that knows nothing yet and lets every draft through.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Records a pass that sent one token and `drafts` drafted ones and took `seconds`.
+    pub fn record_pass(&mut self, drafts: usize, seconds: f64) {
+        if !seconds.is_finite() || seconds < 0.0 {
+            return;
+        }
+        if drafts == 0 {
+            self.single_row = Some(blend(self.single_row, seconds));
+            return;
+        }
+        if let Some(single) = self.single_row {
+            let added = ((seconds - single) / drafts as f64).max(0.0);
+            self.per_draft = Some(blend(self.per_draft, added));
+        }
+    }
+
+    /// Records a verified step: `accepted` of `drafted` tokens were taken.
+    pub fn record_checks(&mut self, drafted: usize, accepted: usize) {
+        let rejected = usize::from(accepted < drafted);
+        self.accepted += accepted as f64;
+        self.checked += (accepted + rejected) as f64;
+    }
+
+    /// Counts a decode step: the evidence about acceptance fades a little.
+    pub fn fade(&mut self) {
+        self.accepted *= EVIDENCE_KEPT_PER_STEP;
+        self.checked *= EVIDENCE_KEPT_PER_STEP;
+    }
+
+    /// The estimated chance that a drafted token is accepted when the ones before it were.
+    pub fn acceptance(&self) -> f64 {
+        (self.accepted + 1.0) / (self.checked + 2.0)
+    }
+
+    /// How many of `wanted` drafted tokens are worth sending: once both costs are measured,
+    /// those whose expected saving exceeds what they add. Before that, all of them, except
+    /// that a step after a rejected draft sends none when no one-row pass was timed yet (text
+    /// that drafts at every step would otherwise never show what a pass costs without drafts).
+    pub fn allowed(&self, wanted: usize) -> usize {
+        let Some(single) = self.single_row else {
+            let rejected = self.checked > self.accepted;
+            return if rejected { 0 } else { wanted };
+        };
+        let Some(per_draft) = self.per_draft else {
+            return wanted;
+        };
+        if per_draft <= 0.0 || single <= 0.0 {
+            return wanted;
+        }
+        let ratio = per_draft / single;
+        let acceptance = self.acceptance();
+        // The j-th draft is reached (and may save a pass) with chance acceptance^j.
+        let mut reached = acceptance;
+        let mut worth = 0;
+        while worth < wanted && reached > ratio {
+            worth += 1;
+            reached *= acceptance;
+        }
+        worth
+    }
+}
+
+/// `sample` folded into the running estimate `previous`.
+fn blend(previous: Option<f64>, sample: f64) -> f64 {
+    match previous {
+        Some(previous) => TIME_KEPT_PER_PASS * previous + (1.0 - TIME_KEPT_PER_PASS) * sample,
+        None => sample,
+    }
+}
+
 /// What speculation did over one generation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SpeculationStats {
@@ -206,5 +311,98 @@ mod tests {
         }
         let third = (0..).take_while(|_| length.take_step() == 0).count();
         assert_eq!(third, FIRST_PAUSE as usize);
+    }
+
+    /// A gate that has timed a one-row pass at `single` seconds and drafted rows at
+    /// `per_draft` seconds each.
+    fn timed_gate(single: f64, per_draft: f64) -> DraftGate {
+        let mut gate = DraftGate::new();
+        gate.record_pass(0, single);
+        gate.record_pass(4, single + 4.0 * per_draft);
+        gate
+    }
+
+    #[test]
+    fn the_gate_lets_everything_through_until_both_costs_are_measured() {
+        let mut gate = DraftGate::new();
+        gate.record_checks(4, 4);
+        assert_eq!(gate.allowed(6), 6, "nothing timed");
+        gate.record_pass(3, 0.030);
+        assert_eq!(
+            gate.allowed(6),
+            6,
+            "a drafted pass alone says nothing of its cost"
+        );
+        for _ in 0..20 {
+            gate.record_checks(4, 0);
+        }
+        assert_eq!(
+            gate.allowed(6),
+            0,
+            "after a rejection, a one-row pass is timed first"
+        );
+        gate.record_pass(0, 0.010);
+        assert_eq!(
+            gate.allowed(6),
+            6,
+            "still no drafted pass after the one-row one"
+        );
+        gate.record_pass(2, 0.014);
+        assert_eq!(gate.allowed(6), 0);
+    }
+
+    #[test]
+    fn a_draft_is_sent_while_its_chance_times_a_pass_beats_its_cost() {
+        // A row adds 0.275 of a pass: with the prior (p = 1/2) one draft is worth it
+        // (1/2 > 0.275) and two are not (1/4 < 0.275).
+        let gate = timed_gate(0.012, 0.0033);
+        assert_eq!(gate.acceptance(), 0.5);
+        assert_eq!(gate.allowed(8), 1);
+        // Three accepted of three checked: p = 4/5, and 0.8^5 = 0.328 > 0.275 > 0.8^6 = 0.262.
+        let mut accepting = gate.clone();
+        accepting.record_checks(3, 3);
+        assert_eq!(accepting.acceptance(), 0.8);
+        assert_eq!(accepting.allowed(8), 5);
+        assert_eq!(accepting.allowed(2), 2, "never more than wanted");
+        // Two outright rejections: p = 1/4, below the cost.
+        let mut rejecting = gate.clone();
+        rejecting.record_checks(4, 0);
+        rejecting.record_checks(2, 0);
+        assert_eq!(rejecting.acceptance(), 0.25);
+        assert_eq!(rejecting.allowed(8), 0);
+    }
+
+    #[test]
+    fn over_a_slow_link_rejected_drafts_still_go_through() {
+        // 300 ms a pass, 1 ms a row: even at p = 1/12 one draft beats its cost.
+        let mut gate = timed_gate(0.300, 0.001);
+        for _ in 0..5 {
+            gate.record_checks(2, 0);
+        }
+        assert_eq!(gate.acceptance(), 1.0 / 7.0);
+        assert_eq!(gate.allowed(8), 2, "(1/7)^2 = 0.020 > 1/300 > (1/7)^3");
+    }
+
+    #[test]
+    fn old_rejections_fade_so_that_drafting_is_tried_again() {
+        let mut gate = timed_gate(0.012, 0.004);
+        gate.record_checks(4, 0);
+        gate.record_checks(4, 0);
+        assert_eq!(gate.allowed(4), 0);
+        let steps = (1..200).find(|_| {
+            gate.fade();
+            gate.allowed(4) > 0
+        });
+        // p = 1 / (2 + 2 × 0.97^n) rises above 1/3 once 0.97^n < 1/2: at n = 23.
+        assert_eq!(steps, Some(23));
+    }
+
+    #[test]
+    fn a_pass_time_that_is_not_a_duration_is_ignored() {
+        let mut gate = DraftGate::new();
+        gate.record_pass(0, f64::NAN);
+        gate.record_pass(0, -1.0);
+        gate.record_pass(2, f64::INFINITY);
+        assert_eq!(gate, DraftGate::new());
     }
 }

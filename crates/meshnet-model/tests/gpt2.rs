@@ -817,6 +817,7 @@ fn speculative_decoding_gives_the_tokens_and_logits_of_one_token_per_pass() {
         &route,
         &GenerationRequest {
             max_draft: 6,
+            gate_drafts: false,
             session: SessionId::new_v4(),
             ..request
         },

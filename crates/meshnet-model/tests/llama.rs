@@ -505,6 +505,9 @@ fn speculative_decoding_gives_the_tokens_and_logits_of_one_token_per_pass() {
                 &route,
                 &GenerationRequest {
                     max_draft: 6,
+                    // Every draft found is sent, so that rejections and rewinds happen
+                    // whatever the passes cost on this machine.
+                    gate_drafts: false,
                     session,
                     ..request.clone()
                 },

@@ -282,7 +282,8 @@ struct RunArgs {
     no_direct_return: bool,
     /// The most tokens the tracker drafts from the context (prompt lookup) and verifies in
     /// one trip through the route (speculative decoding); the length adapts to how many are
-    /// accepted. 0 turns it off.
+    /// accepted, and drafts whose measured cost outweighs their expected saving are not sent.
+    /// 0 turns it off.
     #[arg(long, default_value_t = meshnet_model::DEFAULT_MAX_DRAFT)]
     max_draft: usize,
     /// Decode one token per trip through the route (the same as `--max-draft 0`).
