@@ -613,9 +613,10 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
             Some(length) => {
                 self.gate.fade();
                 let wanted = length.take_step().min(remaining - 1);
-                let allowed = match self.gate_drafts {
-                    true => self.gate.allowed(wanted),
-                    false => wanted,
+                let allowed = if self.gate_drafts {
+                    self.gate.allowed(wanted)
+                } else {
+                    wanted
                 };
                 prompt_lookup(&self.context, allowed)
             }
@@ -796,24 +797,34 @@ mod tests {
         logits: Vec<f32>,
     }
 
+    /// A route of one stage that is also the route's embedder and head.
+    fn one_stage_route<T: TokenEmbedder + Stage + LogitsHead>(part: &T) -> LayerRoute<'_> {
+        LayerRoute {
+            embedder: part,
+            stages: vec![part],
+            head: part,
+            boundary: BoundaryPolicy::F32,
+        }
+    }
+
+    /// One zero of width 1 per token: the test routes' embedding.
+    fn zero_embedding(tokens: &[u32]) -> Result<Tensor> {
+        Ok(Tensor::zeros(
+            (1, tokens.len(), 1),
+            DType::F32,
+            &Device::Cpu,
+        )?)
+    }
+
     impl Fixed {
         fn route(&self) -> LayerRoute<'_> {
-            LayerRoute {
-                embedder: self,
-                stages: vec![self],
-                head: self,
-                boundary: BoundaryPolicy::F32,
-            }
+            one_stage_route(self)
         }
     }
 
     impl TokenEmbedder for Fixed {
         fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
-            Ok(Tensor::zeros(
-                (1, tokens.len(), 1),
-                DType::F32,
-                &Device::Cpu,
-            )?)
+            zero_embedding(tokens)
         }
     }
 
@@ -848,24 +859,9 @@ mod tests {
         ((0xB5E3_9A17_4C2D_F086_u64 >> (position % 64)) & 1) as u32
     }
 
-    impl Costly {
-        fn route(&self) -> LayerRoute<'_> {
-            LayerRoute {
-                embedder: self,
-                stages: vec![self],
-                head: self,
-                boundary: BoundaryPolicy::F32,
-            }
-        }
-    }
-
     impl TokenEmbedder for Costly {
         fn embed(&self, tokens: &[u32]) -> Result<Tensor> {
-            Ok(Tensor::zeros(
-                (1, tokens.len(), 1),
-                DType::F32,
-                &Device::Cpu,
-            )?)
+            zero_embedding(tokens)
         }
     }
 
@@ -904,10 +900,10 @@ mod tests {
 
     #[test]
     fn drafts_that_cost_more_than_they_save_stop_once_the_gate_has_timed_both_passes() {
-        let route = Costly {
+        let costly = Costly {
             per_draft: std::time::Duration::from_millis(5),
         };
-        let route = route.route();
+        let route = one_stage_route(&costly);
         let prompt: Vec<u32> = (0..6).map(costly_token_after).collect();
         let expected: Vec<u32> = (6..6 + 48).map(|p| costly_token_after(p - 1)).collect();
         let request = GenerationRequest {
