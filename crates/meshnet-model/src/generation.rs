@@ -586,13 +586,16 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
         if self.length.is_some() {
             self.context.push(token);
         }
+        let mut rewind_seconds = None;
         match self.drafted.pop_front() {
             Some(draft) if draft == token => {
                 let (hidden, row) = self
                     .verified
                     .as_mut()
                     .ok_or_else(|| ModelError::InvalidSpan("a draft without its step".into()))?;
+                let started = Instant::now();
                 self.logits = self.route.logits_at(hidden, *row)?;
+                self.gate.record_head(started.elapsed().as_secs_f64());
                 *row += 1;
                 self.step.1 += 1;
                 if self.drafted.is_empty() {
@@ -604,7 +607,9 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
                 let kept = self.cached - self.drafted.len() - 1;
                 self.drafted.clear();
                 self.end_step();
+                let started = Instant::now();
                 self.route.rewind(self.session, kept)?;
+                rewind_seconds = Some(started.elapsed().as_secs_f64());
                 self.cached = kept;
             }
             None => {}
@@ -625,8 +630,11 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
         let started = Instant::now();
         let drafts = draft.len();
         self.send(token, draft)?;
-        self.gate
-            .record_pass(drafts, started.elapsed().as_secs_f64());
+        let seconds = started.elapsed().as_secs_f64();
+        match rewind_seconds {
+            Some(rewind) => self.gate.record_rewound_pass(drafts, seconds, rewind),
+            None => self.gate.record_pass(drafts, seconds),
+        }
         Ok(())
     }
 
@@ -932,10 +940,11 @@ mod tests {
             ungated.speculation
         );
         // A draft of one is accepted and one of six is cut; the next step sends no draft, to
-        // time a one-row pass; the one after drafts three and is timed. A drafted row then
-        // costs thousands of one-row passes, and no draft is sent again.
+        // time a one-row pass; the one after drafts one row only (a drafted row is not timed
+        // yet) and is timed. A drafted row then costs thousands of one-row passes, and no
+        // draft is sent again.
         assert_eq!(gated.speculation.verify_steps, 3, "{:?}", gated.speculation);
-        assert_eq!(gated.speculation.drafted, 10, "{:?}", gated.speculation);
+        assert_eq!(gated.speculation.drafted, 8, "{:?}", gated.speculation);
     }
 
     /// A constraint that allows exactly the next id of `ids`; after the last, only `end`

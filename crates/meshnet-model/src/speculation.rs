@@ -125,23 +125,29 @@ const EVIDENCE_KEPT_PER_STEP: f64 = 0.97;
 /// How much of the previous pass-time estimate survives a new measurement.
 const TIME_KEPT_PER_PASS: f64 = 0.8;
 
-/// Whether drafts pay for themselves on this route (ADR-0032): each drafted row makes the
-/// verifying pass dearer, and pays back one whole pass only if it is accepted.
+/// Whether drafts pay for themselves on this route (ADR-0035, ADR-0036): each drafted row
+/// makes the verifying pass dearer, and pays back a pass only if it is accepted.
 ///
-/// It learns two things as a generation goes on: what a pass of one row costs and what each
-/// drafted row adds to it (from the wall time of the passes themselves), and how often a
-/// drafted token is accepted (from the checks, with one accepted and one rejected token as the
-/// prior). The `j`-th drafted token is accepted only when the `j - 1` before it were, with
-/// probability about `p^j`, and then saves one pass; it is worth sending while
-/// `p^j × pass > added cost`. Over a slow link a pass costs the round trip and a row adds
-/// almost nothing, so the gate stays open; on a fast route a free text whose drafts fail
-/// closes it.
+/// It learns, as a generation goes on, what a pass of one row costs, what each drafted row adds
+/// to it, what turning an accepted draft's row into logits costs and what a rewind costs (from
+/// the wall time of each), and how often a drafted token is accepted (from the checks, with
+/// one accepted and one rejected token as the prior). The `j`-th drafted token is accepted
+/// only when the `j - 1` before it were, with probability about `p^j`, and then saves a pass
+/// less its logits; it is rejected with probability `p^(j-1) (1 - p)`, and then costs a
+/// rewind. It is worth sending while
+/// `p^j × (pass − logits) > added cost + p^(j-1) (1 − p) × rewind`. Over a slow link a pass
+/// costs the round trip and a row adds almost nothing, so the gate stays open; on a fast
+/// route, where a drafted row costs about as much as the pass it may save, it closes.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DraftGate {
     /// Seconds a one-row pass takes, once measured.
     single_row: Option<f64>,
     /// Seconds each drafted row adds to a pass, once measured.
     per_draft: Option<f64>,
+    /// Seconds the logits of an accepted draft's row take, once measured.
+    head: Option<f64>,
+    /// Seconds a rewind after a rejected draft takes, once measured.
+    rewind: Option<f64>,
     /// Drafted tokens accepted, fading by [`EVIDENCE_KEPT_PER_STEP`].
     accepted: f64,
     /// Drafted tokens checked (accepted, or the one rejected), fading alike.
@@ -156,7 +162,7 @@ impl DraftGate {
 
     /// Records a pass that sent one token and `drafts` drafted ones and took `seconds`.
     pub fn record_pass(&mut self, drafts: usize, seconds: f64) {
-        if !seconds.is_finite() || seconds < 0.0 {
+        if !is_duration(seconds) {
             return;
         }
         if drafts == 0 {
@@ -167,6 +173,30 @@ impl DraftGate {
             let added = ((seconds - single) / drafts as f64).max(0.0);
             self.per_draft = Some(blend(self.per_draft, added));
         }
+    }
+
+    /// Records the `seconds` that the logits of an accepted draft's row took.
+    pub fn record_head(&mut self, seconds: f64) {
+        if is_duration(seconds) {
+            self.head = Some(blend(self.head, seconds));
+        }
+    }
+
+    /// Records a pass that sent one token and `drafts` drafted ones right after a rewind that
+    /// took `rewind_seconds` here: the stages behind a link take the positions back when this
+    /// pass reaches them, so what the pass took beyond the estimate of such a pass counts as
+    /// part of the rewind, and the pass itself is not used for the estimate.
+    pub fn record_rewound_pass(&mut self, drafts: usize, seconds: f64, rewind_seconds: f64) {
+        if !is_duration(seconds) || !is_duration(rewind_seconds) {
+            return;
+        }
+        let expected = match (self.single_row, self.per_draft, drafts) {
+            (Some(single), _, 0) => Some(single),
+            (Some(single), Some(per_draft), _) => Some(single + drafts as f64 * per_draft),
+            _ => None,
+        };
+        let beyond = expected.map_or(0.0, |expected| (seconds - expected).max(0.0));
+        self.rewind = Some(blend(self.rewind, rewind_seconds + beyond));
     }
 
     /// Records a verified step: `accepted` of `drafted` tokens were taken.
@@ -188,31 +218,45 @@ impl DraftGate {
     }
 
     /// How many of `wanted` drafted tokens are worth sending: once both costs are measured,
-    /// those whose expected saving exceeds what they add. Before that, all of them, except
-    /// that a step after a rejected draft sends none when no one-row pass was timed yet (text
-    /// that drafts at every step would otherwise never show what a pass costs without drafts).
+    /// those whose expected saving exceeds what they add. Before a one-row pass is timed, all
+    /// of them, except that a step after a rejected draft sends none (text that drafts at every
+    /// step would otherwise never show what a pass costs without drafts); after it, one, until
+    /// a drafted pass is timed too.
     pub fn allowed(&self, wanted: usize) -> usize {
         let Some(single) = self.single_row else {
             let rejected = self.checked > self.accepted;
             return if rejected { 0 } else { wanted };
         };
         let Some(per_draft) = self.per_draft else {
-            return wanted;
+            // One drafted row measures what a row adds as well as several would.
+            return wanted.min(1);
         };
         if per_draft <= 0.0 || single <= 0.0 {
             return wanted;
         }
-        let ratio = per_draft / single;
+        let saving = single - self.head.unwrap_or(0.0);
+        let rewind = self.rewind.unwrap_or(0.0);
         let acceptance = self.acceptance();
-        // The j-th draft is reached (and may save a pass) with chance acceptance^j.
-        let mut reached = acceptance;
+        // The j-th draft is reached with chance p^(j-1), then accepted (saving a pass less its
+        // logits) with chance p^j or rejected (costing a rewind) with chance p^(j-1) (1 - p).
+        let mut reached = 1.0;
         let mut worth = 0;
-        while worth < wanted && reached > ratio {
+        while worth < wanted {
+            let gain = reached * acceptance * saving;
+            let cost = per_draft + reached * (1.0 - acceptance) * rewind;
+            if gain <= cost {
+                break;
+            }
             worth += 1;
             reached *= acceptance;
         }
         worth
     }
+}
+
+/// Whether `seconds` can be a measured duration.
+fn is_duration(seconds: f64) -> bool {
+    seconds.is_finite() && seconds >= 0.0
 }
 
 /// `sample` folded into the running estimate `previous`.
@@ -323,7 +367,7 @@ mod tests {
     }
 
     #[test]
-    fn the_gate_lets_everything_through_until_both_costs_are_measured() {
+    fn until_both_costs_are_measured_the_gate_sends_drafts_that_time_them() {
         let mut gate = DraftGate::new();
         gate.record_checks(4, 4);
         assert_eq!(gate.allowed(6), 6, "nothing timed");
@@ -344,8 +388,8 @@ mod tests {
         gate.record_pass(0, 0.010);
         assert_eq!(
             gate.allowed(6),
-            6,
-            "still no drafted pass after the one-row one"
+            1,
+            "no drafted pass after the one-row one yet: one row measures its cost"
         );
         gate.record_pass(2, 0.014);
         assert_eq!(gate.allowed(6), 0);
@@ -370,6 +414,39 @@ mod tests {
         rejecting.record_checks(2, 0);
         assert_eq!(rejecting.acceptance(), 0.25);
         assert_eq!(rejecting.allowed(8), 0);
+    }
+
+    #[test]
+    fn an_accepted_draft_saves_a_pass_less_its_logits() {
+        // One draft is worth 1/2 × 12 ms = 6 ms against 3.3 ms of cost (see above).
+        let mut gate = timed_gate(0.012, 0.0033);
+        assert_eq!(gate.allowed(8), 1);
+        // With 9 ms of logits a saved pass is worth 3 ms, less than a row costs: no draft,
+        // however often drafts are accepted.
+        gate.record_head(0.009);
+        assert_eq!(gate.allowed(8), 0);
+        for _ in 0..50 {
+            gate.record_checks(8, 8);
+        }
+        assert!(gate.acceptance() > 0.99, "{}", gate.acceptance());
+        assert_eq!(gate.allowed(8), 0);
+    }
+
+    #[test]
+    fn a_rejected_draft_costs_its_rewind() {
+        // p = 1/2: the first draft gains 6 ms and costs 3.3 ms plus half a rewind.
+        let mut slow = timed_gate(0.012, 0.0033);
+        slow.record_rewound_pass(2, 0.012 + 2.0 * 0.0033, 0.006);
+        assert_eq!(slow.allowed(8), 0, "3.3 + 3 ms > 6 ms");
+        let mut quick = timed_gate(0.012, 0.0033);
+        quick.record_rewound_pass(0, 0.012, 0.005);
+        assert_eq!(quick.allowed(8), 1, "3.3 + 2.5 ms < 6 ms");
+        // The pass after a rewind takes 1 ms longer than a one-row pass: that counts as part
+        // of the rewind (3.3 + 3 ms > 6 ms), and the one-row estimate stays where it was.
+        let mut late = timed_gate(0.012, 0.0033);
+        late.record_rewound_pass(0, 0.013, 0.005);
+        assert_eq!(late.allowed(8), 0);
+        assert_eq!(late.single_row, Some(0.012));
     }
 
     #[test]
@@ -403,6 +480,9 @@ mod tests {
         gate.record_pass(0, f64::NAN);
         gate.record_pass(0, -1.0);
         gate.record_pass(2, f64::INFINITY);
+        gate.record_head(f64::NAN);
+        gate.record_rewound_pass(0, 0.01, -0.5);
+        gate.record_rewound_pass(1, f64::NAN, 0.001);
         assert_eq!(gate, DraftGate::new());
     }
 }
