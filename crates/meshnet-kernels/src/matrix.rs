@@ -837,4 +837,51 @@ mod tests {
             }
         }
     }
+
+    /// Times passes of 1 to 5 input rows (a decode step and its drafts) through the default
+    /// model's three matrix shapes on two threads; prints each pass's time against one row's.
+    /// `cargo test --release -p meshnet-kernels --lib few_rows_timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn few_rows_timing() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .expect("a pool of two threads");
+        for format in [
+            WeightFormat::Q4_1,
+            WeightFormat::Q8_0,
+            WeightFormat::Q4_K,
+            WeightFormat::Q6_K,
+        ] {
+            for (rows, cols) in [(576usize, 576usize), (1536, 576), (576, 1536), (1536, 1536)] {
+                if !cols.is_multiple_of(format.block_values()) {
+                    continue;
+                }
+                let matrix = random_matrix(format, rows, cols, 23);
+                let mut one = 0.0;
+                let mut line = format!("{} {rows}x{cols}:", format.name());
+                for m in 1..=5 {
+                    let input: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+                    let mut output = vec![0f32; m * rows];
+                    let best = pool.install(|| {
+                        (0..200)
+                            .map(|_| {
+                                let start = std::time::Instant::now();
+                                matrix
+                                    .matmul_with(Kernel::best(), &input, &mut output)
+                                    .expect("shapes fit");
+                                start.elapsed().as_secs_f64()
+                            })
+                            .fold(f64::MAX, f64::min)
+                    });
+                    if m == 1 {
+                        one = best;
+                    }
+                    line += &format!(" {m}: {:.1} us ({:.2}x)", best * 1e6, best / one);
+                }
+                println!("{line}");
+            }
+        }
+    }
 }
