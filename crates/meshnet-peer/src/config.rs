@@ -77,6 +77,9 @@ pub struct PeerConfig {
     /// The most tokens the tracker drafts and verifies in one trip through a route
     /// (speculative decoding, ADR-0032); 0 turns it off.
     pub max_draft: usize,
+    /// Whether the tracker sends only the drafts whose measured cost they are likely to repay
+    /// (ADR-0035); `false` sends every draft the lookup finds, whatever the route costs.
+    pub gate_drafts: bool,
     /// Requests the tracker keeps waiting for a generation slot; one more is answered 429.
     pub max_queued_sessions: usize,
     /// How long a request waits in line for a slot before it is answered 429.
@@ -143,6 +146,7 @@ impl PeerConfig {
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
             direct_return: true,
             max_draft: meshnet_model::DEFAULT_MAX_DRAFT,
+            gate_drafts: true,
             max_queued_sessions: 32,
             queue_timeout: Duration::from_secs(60),
             assume_reachable: false,

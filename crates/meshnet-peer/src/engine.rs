@@ -48,6 +48,8 @@ pub struct MeshEngine {
     prefill_in_flight: usize,
     /// The most tokens drafted per trip (0: no speculative decoding).
     max_draft: usize,
+    /// Whether drafts pass the draft gate (ADR-0035).
+    gate_drafts: bool,
     /// Where the last hops of its routes post their outputs, and the desk that awaits them;
     /// `None` has outputs come back along the routes.
     direct_return: Option<DirectReturn>,
@@ -131,6 +133,7 @@ impl MeshEngine {
             admission: Admission::new(limits),
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
             max_draft: 0,
+            gate_drafts: true,
             direct_return: None,
             grants: None,
             structured: StructuredOutput::Off(
@@ -192,8 +195,11 @@ impl MeshEngine {
 
     /// Drafts up to `max_draft` tokens from the context and verifies them in one trip
     /// through the route (speculative decoding, ADR-0032); 0 decodes one token per trip.
-    pub fn with_speculation(mut self, max_draft: usize) -> Self {
+    /// With `gate_drafts`, only the drafts whose measured cost they are likely to repay are
+    /// sent (ADR-0035).
+    pub fn with_speculation(mut self, max_draft: usize, gate_drafts: bool) -> Self {
         self.max_draft = max_draft;
+        self.gate_drafts = gate_drafts;
         self
     }
 
@@ -544,6 +550,7 @@ impl MeshEngine {
                 strings: request.stop,
             },
             max_draft: self.max_draft,
+            gate_drafts: self.gate_drafts,
             ..GenerationRequest::greedy(prompt, max_tokens)
         }
     }

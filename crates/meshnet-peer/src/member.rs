@@ -113,6 +113,8 @@ pub(crate) struct Settings {
     pub(crate) prefill_in_flight: usize,
     /// The most tokens the tracker drafts per trip (0: no speculative decoding).
     pub(crate) max_draft: usize,
+    /// Whether the tracker's drafts pass the draft gate (ADR-0035).
+    pub(crate) gate_drafts: bool,
     /// Whether this member may take over the tracker role.
     pub(crate) tracker_capable: bool,
     /// The activation-plane client the engine sends with.

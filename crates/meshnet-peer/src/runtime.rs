@@ -393,6 +393,7 @@ fn settings(
         verify: config.verify.clone(),
         prefill_in_flight: config.prefill_in_flight,
         max_draft: config.max_draft,
+        gate_drafts: config.gate_drafts,
         tracker_capable: config.tracker_capable && config.pinned_tracker.is_none(),
         client,
         grants,

@@ -58,7 +58,7 @@ pub(crate) async fn build_tracker_parts(
             settings.admission,
         )
         .with_prefill_in_flight(settings.prefill_in_flight)
-        .with_speculation(settings.max_draft)
+        .with_speculation(settings.max_draft, settings.gate_drafts)
         .with_direct_return(
             Arc::clone(&settings.returns),
             settings.return_endpoint.clone(),
