@@ -789,6 +789,31 @@ mod tests {
         QuantizedMatrix::from_ggml_bytes(format, rows, cols, &bytes).expect("whole blocks")
     }
 
+    /// The fastest of `runs` products of `matrix` with `m` input rows on `pool`, in seconds,
+    /// with the fastest kernel.
+    fn fastest_matmul(
+        pool: &rayon::ThreadPool,
+        matrix: &QuantizedMatrix,
+        m: usize,
+        runs: usize,
+    ) -> f64 {
+        let input: Vec<f32> = (0..m * matrix.cols())
+            .map(|i| (i as f32 * 0.37).sin())
+            .collect();
+        let mut output = vec![0f32; m * matrix.rows()];
+        pool.install(|| {
+            (0..runs)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    matrix
+                        .matmul_with(Kernel::best(), &input, &mut output)
+                        .expect("shapes fit");
+                    start.elapsed().as_secs_f64()
+                })
+                .fold(f64::MAX, f64::min)
+        })
+    }
+
     /// Times the batched matmul (128 input rows, a prefill) of a 1536 × 576 and a 576 × 1536
     /// matrix of each quantized format on one thread with the fastest kernel; prints ns per
     /// weight row × input row.
@@ -816,19 +841,7 @@ mod tests {
                     continue;
                 }
                 let matrix = random_matrix(format, rows, cols, 17);
-                let input: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
-                let mut output = vec![0f32; m * rows];
-                let best = pool.install(|| {
-                    (0..10)
-                        .map(|_| {
-                            let start = std::time::Instant::now();
-                            matrix
-                                .matmul_with(Kernel::best(), &input, &mut output)
-                                .expect("shapes fit");
-                            start.elapsed().as_secs_f64()
-                        })
-                        .fold(f64::MAX, f64::min)
-                });
+                let best = fastest_matmul(&pool, &matrix, m, 10);
                 let per = best * 1e9 / (rows * m) as f64;
                 println!(
                     "{} {rows}x{cols} x {m} rows: {per:.1} ns per weight row x input row",
@@ -839,7 +852,7 @@ mod tests {
     }
 
     /// Times passes of 1 to 5 input rows (a decode step and its drafts) through the default
-    /// model's three matrix shapes on two threads; prints each pass's time against one row's.
+    /// model's matrix shapes (and a 1536 × 1536 one for the k-quants) on two threads; prints each pass's time against one row's.
     /// `cargo test --release -p meshnet-kernels --lib few_rows_timing -- --ignored --nocapture`
     #[test]
     #[ignore]
@@ -862,19 +875,7 @@ mod tests {
                 let mut one = 0.0;
                 let mut line = format!("{} {rows}x{cols}:", format.name());
                 for m in 1..=5 {
-                    let input: Vec<f32> = (0..m * cols).map(|i| (i as f32 * 0.37).sin()).collect();
-                    let mut output = vec![0f32; m * rows];
-                    let best = pool.install(|| {
-                        (0..200)
-                            .map(|_| {
-                                let start = std::time::Instant::now();
-                                matrix
-                                    .matmul_with(Kernel::best(), &input, &mut output)
-                                    .expect("shapes fit");
-                                start.elapsed().as_secs_f64()
-                            })
-                            .fold(f64::MAX, f64::min)
-                    });
+                    let best = fastest_matmul(&pool, &matrix, m, 200);
                     if m == 1 {
                         one = best;
                     }
