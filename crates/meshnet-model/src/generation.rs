@@ -312,6 +312,9 @@ pub struct GenerationRequest {
     /// Send only the drafts that the route's measured pass times and the acceptance so far
     /// pay for ([`DraftGate`]); `false` sends every draft the lookup finds.
     pub gate_drafts: bool,
+    /// The gate the generation starts from: what earlier generations over the same route
+    /// timed ([`DraftGate::for_next_generation`]), or a new gate.
+    pub draft_gate: DraftGate,
 }
 
 impl GenerationRequest {
@@ -329,6 +332,7 @@ impl GenerationRequest {
             constraint: None,
             max_draft: 0,
             gate_drafts: true,
+            draft_gate: DraftGate::new(),
         }
     }
 }
@@ -364,6 +368,8 @@ pub struct Generation {
     pub logprobs: Vec<TokenLogprobs>,
     /// What speculative decoding drafted and had accepted.
     pub speculation: SpeculationStats,
+    /// The draft gate as the generation left it: for the next generation over the route.
+    pub draft_gate: DraftGate,
 }
 
 /// Generates a continuation of `request.prompt` over `route`: prefill in chunks, then one
@@ -498,6 +504,7 @@ fn decode(
         logits: recorded,
         logprobs,
         speculation: front.stats(),
+        draft_gate: front.gate,
     })
 }
 
@@ -542,6 +549,10 @@ struct DecodeFront<'r, 'a> {
     gate: DraftGate,
     /// Whether [`DecodeFront::gate`] may hold drafts back.
     gate_drafts: bool,
+    /// The first token the lookup found at a step that sent no drafts: checked against the
+    /// next choice, so the gate learns how often drafts would be accepted without paying for
+    /// a row.
+    unsent: Option<u32>,
     /// Drafted and accepted tokens of the step being verified.
     step: (usize, usize),
     stats: SpeculationStats,
@@ -563,8 +574,9 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
                 Vec::new()
             },
             length: speculate.then(|| DraftLength::new(request.max_draft)),
-            gate: DraftGate::new(),
+            gate: request.draft_gate.clone(),
             gate_drafts: request.gate_drafts,
+            unsent: None,
             step: (0, 0),
             stats: SpeculationStats::default(),
         }
@@ -585,6 +597,9 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
     fn advance(&mut self, token: u32, remaining: usize) -> Result<()> {
         if self.length.is_some() {
             self.context.push(token);
+        }
+        if let Some(unsent) = self.unsent.take() {
+            self.gate.record_checks(1, usize::from(unsent == token));
         }
         let mut rewind_seconds = None;
         match self.drafted.pop_front() {
@@ -614,19 +629,7 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
             }
             None => {}
         }
-        let draft = match self.length.as_mut() {
-            Some(length) => {
-                self.gate.fade();
-                let wanted = length.take_step().min(remaining - 1);
-                let allowed = if self.gate_drafts {
-                    self.gate.allowed(wanted)
-                } else {
-                    wanted
-                };
-                prompt_lookup(&self.context, allowed)
-            }
-            None => Vec::new(),
-        };
+        let draft = self.next_draft(remaining);
         let started = Instant::now();
         let drafts = draft.len();
         self.send(token, draft)?;
@@ -636,6 +639,27 @@ impl<'r, 'a> DecodeFront<'r, 'a> {
             None => self.gate.record_pass(drafts, seconds),
         }
         Ok(())
+    }
+
+    /// The drafted tokens to send after the chosen token, of which `remaining` more may follow:
+    /// as many as the draft length and the gate allow. When none are sent, the first token
+    /// the lookup finds is kept in [`DecodeFront::unsent`].
+    fn next_draft(&mut self, remaining: usize) -> Vec<u32> {
+        let Some(length) = self.length.as_mut() else {
+            return Vec::new();
+        };
+        self.gate.fade();
+        let wanted = length.take_step().min(remaining - 1);
+        let allowed = if self.gate_drafts {
+            self.gate.allowed(wanted)
+        } else {
+            wanted
+        };
+        if allowed == 0 {
+            self.unsent = prompt_lookup(&self.context, 1).first().copied();
+            return Vec::new();
+        }
+        prompt_lookup(&self.context, allowed)
     }
 
     /// Sends `token` and `draft` after it through the route at the end of the cache.
@@ -854,12 +878,32 @@ mod tests {
         }
     }
 
-    /// A route over the vocabulary {0, 1} that can rewind, whose next token is a fixed
-    /// pseudo-random bit of the position (so prompt lookup always finds a draft and about
-    /// half of the drafted tokens are right), and whose passes cost `per_draft` of wall time
-    /// for every row past the first.
+    /// A route over the vocabulary {0, 1} that can rewind, whose next token is `token_after`
+    /// the position, and whose passes cost `per_pass` of wall time and `per_draft` more for
+    /// every row past the first.
     struct Costly {
+        per_pass: std::time::Duration,
         per_draft: std::time::Duration,
+        token_after: fn(usize) -> u32,
+    }
+
+    impl Costly {
+        /// Passes that cost only `per_draft` for each drafted row, over pseudo-random bits (so
+        /// prompt lookup always finds a draft and about half of the drafted tokens are right).
+        fn random(per_draft: std::time::Duration) -> Self {
+            Costly {
+                per_pass: std::time::Duration::ZERO,
+                per_draft,
+                token_after: costly_token_after,
+            }
+        }
+
+        /// The first `count` tokens after the prompt of `prompt_length` tokens.
+        fn continuation(&self, prompt_length: usize, count: usize) -> Vec<u32> {
+            (prompt_length..prompt_length + count)
+                .map(|p| (self.token_after)(p - 1))
+                .collect()
+        }
     }
 
     /// The token [`Costly`] gives after `position`.
@@ -877,7 +921,7 @@ mod tests {
         /// Each row's hidden state becomes its position.
         fn forward(&self, _: SessionId, position: usize, hidden: Tensor) -> Result<Tensor> {
             let rows = hidden.dim(1)?;
-            std::thread::sleep(self.per_draft * (rows as u32 - 1));
+            std::thread::sleep(self.per_pass + self.per_draft * (rows as u32 - 1));
             let positions: Vec<f32> = (position..position + rows).map(|p| p as f32).collect();
             Ok(Tensor::from_vec(positions, (1, rows, 1), &Device::Cpu)?)
         }
@@ -901,19 +945,17 @@ mod tests {
         fn logits(&self, hidden: &Tensor) -> Result<Vec<f32>> {
             let position = hidden.flatten_all()?.to_vec1::<f32>()?[hidden.dim(1)? - 1];
             let mut logits = vec![0.0; 2];
-            logits[costly_token_after(position as usize) as usize] = 1.0;
+            logits[(self.token_after)(position as usize) as usize] = 1.0;
             Ok(logits)
         }
     }
 
     #[test]
     fn drafts_that_cost_more_than_they_save_stop_once_the_gate_has_timed_both_passes() {
-        let costly = Costly {
-            per_draft: std::time::Duration::from_millis(5),
-        };
+        let costly = Costly::random(std::time::Duration::from_millis(5));
         let route = one_stage_route(&costly);
         let prompt: Vec<u32> = (0..6).map(costly_token_after).collect();
-        let expected: Vec<u32> = (6..6 + 48).map(|p| costly_token_after(p - 1)).collect();
+        let expected = costly.continuation(6, 48);
         let request = GenerationRequest {
             max_draft: 8,
             ..GenerationRequest::greedy(prompt, 48)
@@ -940,11 +982,70 @@ mod tests {
             ungated.speculation
         );
         // A draft of one is accepted and one of six is cut; the next step sends no draft, to
-        // time a one-row pass; the one after drafts one row only (a drafted row is not timed
-        // yet) and is timed. A drafted row then costs thousands of one-row passes, and no
-        // draft is sent again.
+        // time a one-row pass; the one after (a drafted row is not timed yet) drafts the three
+        // that the draft length allows after the cut, up to LEARNING_DRAFTS, and is timed. A
+        // drafted row then costs thousands of one-row passes, and no draft is sent again.
         assert_eq!(gated.speculation.verify_steps, 3, "{:?}", gated.speculation);
-        assert_eq!(gated.speculation.drafted, 8, "{:?}", gated.speculation);
+        assert_eq!(gated.speculation.drafted, 10, "{:?}", gated.speculation);
+        // A generation that starts from what this one timed drafts once only: when the row's
+        // timing, last renewed early in the first generation, has aged out, one drafted pass
+        // times it again.
+        let carried = generate(
+            &route,
+            &GenerationRequest {
+                draft_gate: gated.draft_gate.for_next_generation(),
+                ..request.clone()
+            },
+            None,
+        )
+        .unwrap();
+        assert_eq!(carried.tokens, expected);
+        assert_eq!(
+            carried.speculation.verify_steps, 1,
+            "{:?}",
+            carried.speculation
+        );
+        assert_eq!(
+            carried.speculation.drafted,
+            crate::speculation::LEARNING_DRAFTS,
+            "{:?}",
+            carried.speculation
+        );
+    }
+
+    /// Tokens 0, 0, 1 over and over: prompt lookup always drafts right.
+    fn repeating_token_after(position: usize) -> u32 {
+        u32::from(position % 3 == 2)
+    }
+
+    #[test]
+    fn steps_that_send_no_draft_still_check_one_so_a_closed_gate_can_open() {
+        // A drafted row costs 0.7 of a one-row pass: at the prior acceptance (1/2) no draft is
+        // worth it; at the acceptance of this text (all right) one is.
+        let pass = std::time::Duration::from_millis(10);
+        let costly = Costly {
+            per_pass: pass,
+            per_draft: pass * 7 / 10,
+            token_after: repeating_token_after,
+        };
+        let route = one_stage_route(&costly);
+        let mut closed = DraftGate::new();
+        closed.record_pass(0, 0.010);
+        closed.record_pass(1, 0.017);
+        assert_eq!(closed.allowed(8), 0);
+        // Token `i` of the prompt is what follows position `i - 1`, as after it.
+        let prompt: Vec<u32> = (2..8).map(repeating_token_after).collect();
+        let request = GenerationRequest {
+            max_draft: 8,
+            draft_gate: closed,
+            ..GenerationRequest::greedy(prompt, 24)
+        };
+        let generation = generate(&route, &request, None).unwrap();
+        assert_eq!(generation.tokens, costly.continuation(6, 24));
+        let stats = generation.speculation;
+        assert!(stats.drafted > 0, "{stats:?}");
+        assert_eq!(stats.accepted, stats.drafted, "{stats:?}");
+        assert!(generation.draft_gate.acceptance() > 0.9);
     }
 
     /// A constraint that allows exactly the next id of `ids`; after the last, only `end`

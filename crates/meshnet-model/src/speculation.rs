@@ -122,6 +122,22 @@ impl DraftLength {
 /// so that a generation whose text turns repetitive later gets to draft again.
 const EVIDENCE_KEPT_PER_STEP: f64 = 0.97;
 
+/// The most checks of drafted tokens that a generation's acceptance counts as when the next
+/// generation over the route starts from it ([`DraftGate::for_next_generation`]).
+pub const CARRIED_CHECKS: f64 = 4.0;
+
+/// Decode steps after which the time a drafted row adds is measured again: a gate that has
+/// closed sends no drafted pass that could correct an estimate taken at a bad moment, and the
+/// route may have changed since.
+pub const ROW_TIMING_LIFETIME: u32 = 64;
+
+/// Passes with up to this many drafts have the cost of their rows timed apart (a product of
+/// two rows costs more per row than one of five); a pass with more counts as one with this many.
+pub const TIMED_DRAFT_COUNTS: usize = 8;
+
+/// The most drafts a pass sends to time what drafted rows cost, when no timing is known.
+pub const LEARNING_DRAFTS: usize = 4;
+
 /// How much of the previous pass-time estimate survives a new measurement.
 const TIME_KEPT_PER_PASS: f64 = 0.8;
 
@@ -129,21 +145,27 @@ const TIME_KEPT_PER_PASS: f64 = 0.8;
 /// makes the verifying pass dearer, and pays back a pass only if it is accepted.
 ///
 /// It learns, as a generation goes on, what a pass of one row costs, what each drafted row adds
-/// to it, what turning an accepted draft's row into logits costs and what a rewind costs (from
+/// to it (apart for each number of drafts: rows are cheaper by the batch), what turning an accepted draft's row into logits costs and what a rewind costs (from
 /// the wall time of each), and how often a drafted token is accepted (from the checks, with
-/// one accepted and one rejected token as the prior). The `j`-th drafted token is accepted
-/// only when the `j - 1` before it were, with probability about `p^j`, and then saves a pass
-/// less its logits; it is rejected with probability `p^(j-1) (1 - p)`, and then costs a
-/// rewind. It is worth sending while
-/// `p^j × (pass − logits) > added cost + p^(j-1) (1 − p) × rewind`. Over a slow link a pass
+/// one accepted and one rejected token as the prior; a step that sends no draft still checks
+/// the first token the lookup found, at no cost). The timings belong to the route, and a
+/// generation may start from an earlier one's ([`DraftGate::for_next_generation`]).
+///
+/// The `j`-th drafted token is accepted only when the `j - 1` before it were, with probability
+/// about `p^j`, and then saves a pass less its logits; some draft of `k` is rejected with
+/// probability `1 - p^k`, and that costs a rewind. The gate sends the `k` drafts that give the
+/// most of `(pass − logits) × (p + … + p^k) − k × row cost(k) − (1 − p^k) × rewind`, or none
+/// when no `k` gives more than nothing. Over a slow link a pass
 /// costs the round trip and a row adds almost nothing, so the gate stays open; on a fast
 /// route, where a drafted row costs about as much as the pass it may save, it closes.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct DraftGate {
     /// Seconds a one-row pass takes, once measured.
     single_row: Option<f64>,
-    /// Seconds each drafted row adds to a pass, once measured.
-    per_draft: Option<f64>,
+    /// Seconds each drafted row adds to a pass of `k` drafts (at `k - 1`), once measured.
+    row_costs: [Option<f64>; TIMED_DRAFT_COUNTS],
+    /// Decode steps since a drafted pass was last timed.
+    row_age: u32,
     /// Seconds the logits of an accepted draft's row take, once measured.
     head: Option<f64>,
     /// Seconds a rewind after a rejected draft takes, once measured.
@@ -170,8 +192,14 @@ impl DraftGate {
             return;
         }
         if let Some(single) = self.single_row {
+            // Timings that have aged out are replaced, not blended.
+            if self.row_age >= ROW_TIMING_LIFETIME {
+                self.row_costs = Default::default();
+            }
             let added = ((seconds - single) / drafts as f64).max(0.0);
-            self.per_draft = Some(blend(self.per_draft, added));
+            let slot = &mut self.row_costs[drafts.min(TIMED_DRAFT_COUNTS) - 1];
+            *slot = Some(blend(*slot, added));
+            self.row_age = 0;
         }
     }
 
@@ -190,9 +218,9 @@ impl DraftGate {
         if !is_duration(seconds) || !is_duration(rewind_seconds) {
             return;
         }
-        let expected = match (self.single_row, self.per_draft, drafts) {
+        let expected = match (self.single_row, self.row_cost(drafts), drafts) {
             (Some(single), _, 0) => Some(single),
-            (Some(single), Some(per_draft), _) => Some(single + drafts as f64 * per_draft),
+            (Some(single), Some(row_cost), _) => Some(single + drafts as f64 * row_cost),
             _ => None,
         };
         let beyond = expected.map_or(0.0, |expected| (seconds - expected).max(0.0));
@@ -206,10 +234,28 @@ impl DraftGate {
         self.checked += (accepted + rejected) as f64;
     }
 
-    /// Counts a decode step: the evidence about acceptance fades a little.
+    /// The gate a later generation over the same route starts from: the same timings (its
+    /// passes cost the same), and the acceptance seen so far weighed as at most
+    /// [`CARRIED_CHECKS`] checks, a prior that the new text's own checks soon outweigh.
+    pub fn for_next_generation(&self) -> DraftGate {
+        let scale = if self.checked > CARRIED_CHECKS {
+            CARRIED_CHECKS / self.checked
+        } else {
+            1.0
+        };
+        DraftGate {
+            accepted: self.accepted * scale,
+            checked: self.checked * scale,
+            ..self.clone()
+        }
+    }
+
+    /// Counts a decode step: the evidence about acceptance fades a little, and the time a
+    /// drafted row adds ages.
     pub fn fade(&mut self) {
         self.accepted *= EVIDENCE_KEPT_PER_STEP;
         self.checked *= EVIDENCE_KEPT_PER_STEP;
+        self.row_age = self.row_age.saturating_add(1);
     }
 
     /// The estimated chance that a drafted token is accepted when the ones before it were.
@@ -217,40 +263,80 @@ impl DraftGate {
         (self.accepted + 1.0) / (self.checked + 2.0)
     }
 
-    /// How many of `wanted` drafted tokens are worth sending: once both costs are measured,
-    /// those whose expected saving exceeds what they add. Before a one-row pass is timed, all
-    /// of them, except that a step after a rejected draft sends none (text that drafts at every
-    /// step would otherwise never show what a pass costs without drafts); after it, one, until
-    /// a drafted pass is timed too.
+    /// What each drafted row adds to a pass of `drafts` drafts: as timed for that many, else
+    /// for the nearest count timed (the smaller one on a tie); `None` before any is timed.
+    fn row_cost(&self, drafts: usize) -> Option<f64> {
+        let at = drafts.clamp(1, TIMED_DRAFT_COUNTS) - 1;
+        (0..TIMED_DRAFT_COUNTS).find_map(|distance| {
+            let below = at.checked_sub(distance).and_then(|i| self.row_costs[i]);
+            below.or_else(|| self.row_costs.get(at + distance).copied().flatten())
+        })
+    }
+
+    /// How many of `wanted` drafted tokens are worth sending: once a one-row pass and a
+    /// drafted one are timed, the number with the most expected gain (none when none gains).
+    /// Before a one-row pass is timed, all of them, except that a step after a rejected draft
+    /// sends none (text that drafts at every step would otherwise never show what a pass costs
+    /// without drafts); after it, up to [`LEARNING_DRAFTS`], until a drafted pass is timed
+    /// too, and again once [`ROW_TIMING_LIFETIME`] steps have passed since the last one was.
     pub fn allowed(&self, wanted: usize) -> usize {
         let Some(single) = self.single_row else {
             let rejected = self.checked > self.accepted;
             return if rejected { 0 } else { wanted };
         };
-        let Some(per_draft) = self.per_draft else {
-            // One drafted row measures what a row adds as well as several would.
-            return wanted.min(1);
-        };
-        if per_draft <= 0.0 || single <= 0.0 {
-            return wanted;
+        if self.row_age >= ROW_TIMING_LIFETIME || self.row_cost(1).is_none() {
+            return wanted.min(LEARNING_DRAFTS);
         }
         let saving = single - self.head.unwrap_or(0.0);
-        let rewind = self.rewind.unwrap_or(0.0);
-        let acceptance = self.acceptance();
-        // The j-th draft is reached with chance p^(j-1), then accepted (saving a pass less its
-        // logits) with chance p^j or rejected (costing a rewind) with chance p^(j-1) (1 - p).
-        let mut reached = 1.0;
-        let mut worth = 0;
-        while worth < wanted {
-            let gain = reached * acceptance * saving;
-            let cost = per_draft + reached * (1.0 - acceptance) * rewind;
-            if gain <= cost {
-                break;
+        let mut best = (0, 0.0);
+        for drafts in 1..=wanted {
+            let gain = self.expected_gain(drafts, saving);
+            if gain > best.1 {
+                best = (drafts, gain);
             }
-            worth += 1;
-            reached *= acceptance;
         }
-        worth
+        best.0
+    }
+
+    /// The seconds `drafts` drafted tokens are expected to save, each accepted one a pass less
+    /// its logits (`saving`), less what their rows add and the rewind when one is rejected.
+    fn expected_gain(&self, drafts: usize, saving: f64) -> f64 {
+        let acceptance = self.acceptance();
+        let rewind = self.rewind.unwrap_or(0.0);
+        let row_cost = self.row_cost(drafts).unwrap_or(0.0);
+        // p + p^2 + ... + p^k, and p^k: every draft accepted.
+        let (accepted, all) = (0..drafts).fold((0.0, 1.0), |(sum, power), _| {
+            (sum + power * acceptance, power * acceptance)
+        });
+        saving * accepted - drafts as f64 * row_cost - (1.0 - all) * rewind
+    }
+}
+
+impl std::fmt::Display for DraftGate {
+    /// The estimates in milliseconds (`-` where not measured yet; rows by number of drafts)
+    /// and the acceptance, as in `pass 10.2 rows 1:6.0 4:4.1 head 1.9 rewind 0.8 ms,
+    /// acceptance 0.31`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ms = |seconds: Option<f64>| match seconds {
+            Some(seconds) => format!("{:.1}", seconds * 1e3),
+            None => "-".to_owned(),
+        };
+        let rows: Vec<String> = (1..=TIMED_DRAFT_COUNTS)
+            .filter_map(|k| Some(format!("{k}:{}", ms(Some(self.row_costs[k - 1]?)))))
+            .collect();
+        let rows = if rows.is_empty() {
+            "-".to_owned()
+        } else {
+            rows.join(" ")
+        };
+        write!(
+            f,
+            "pass {} rows {rows} head {} rewind {} ms, acceptance {:.2}",
+            ms(self.single_row),
+            ms(self.head),
+            ms(self.rewind),
+            self.acceptance()
+        )
     }
 }
 
@@ -388,8 +474,8 @@ mod tests {
         gate.record_pass(0, 0.010);
         assert_eq!(
             gate.allowed(6),
-            1,
-            "no drafted pass after the one-row one yet: one row measures its cost"
+            LEARNING_DRAFTS,
+            "no drafted pass after the one-row one yet: a few rows time their cost"
         );
         gate.record_pass(2, 0.014);
         assert_eq!(gate.allowed(6), 0);
@@ -433,6 +519,34 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_of_drafts_can_pay_where_one_does_not() {
+        // One drafted row adds 8 ms to a 10 ms pass; in a pass of four, each adds 2 ms.
+        let mut gate = DraftGate::new();
+        gate.record_pass(0, 0.010);
+        gate.record_pass(1, 0.018);
+        gate.record_pass(4, 0.018);
+        for _ in 0..3 {
+            gate.record_checks(4, 4);
+        }
+        // p = 13/14: one draft gains 9.3 ms for 8; four gain 33 ms for 8.
+        assert_eq!(gate.allowed(4), 4);
+        // The counts not timed take the nearest timed one's cost: two and three rows cost
+        // 8 ms each (as one), five to eight 2 ms each (as four).
+        let close = |cost: Option<f64>, expected: f64| (cost.unwrap() - expected).abs() < 1e-12;
+        assert!(close(gate.row_cost(2), 0.008));
+        assert!(close(gate.row_cost(3), 0.002));
+        assert!(close(gate.row_cost(12), 0.002));
+        assert_eq!(gate.allowed(8), 8);
+        // At p = 1/2 one draft alone would lose (5 ms for 8); three (priced as four, 2 ms a
+        // row) gain 10 × (1/2 + 1/4 + 1/8) = 8.75 ms for 6, more than four's 9.4 for 8.
+        let mut doubtful = gate.clone();
+        doubtful.accepted = 0.0;
+        doubtful.checked = 0.0;
+        assert_eq!(doubtful.allowed(1), 0);
+        assert_eq!(doubtful.allowed(4), 3);
+    }
+
+    #[test]
     fn a_rejected_draft_costs_its_rewind() {
         // p = 1/2: the first draft gains 6 ms and costs 3.3 ms plus half a rewind.
         let mut slow = timed_gate(0.012, 0.0033);
@@ -472,6 +586,80 @@ mod tests {
         });
         // p = 1 / (2 + 2 × 0.97^n) rises above 1/3 once 0.97^n < 1/2: at n = 23.
         assert_eq!(steps, Some(23));
+    }
+
+    #[test]
+    fn the_next_generation_keeps_the_timings_and_a_weak_prior_of_the_acceptance() {
+        let mut gate = timed_gate(0.012, 0.004);
+        gate.record_head(0.002);
+        gate.record_rewound_pass(0, 0.012, 0.001);
+        gate.record_checks(3, 1);
+        // Two checks (1 accepted, 1 rejected): fewer than CARRIED_CHECKS, carried whole.
+        assert_eq!(gate.for_next_generation(), gate);
+        for _ in 0..9 {
+            gate.record_checks(4, 0);
+        }
+        // 1 accepted of 11 checked, weighed as 4 checks: 4/11 accepted.
+        let next = gate.for_next_generation();
+        assert_eq!(
+            (next.single_row, next.row_costs, next.head, next.rewind),
+            (gate.single_row, gate.row_costs, gate.head, gate.rewind)
+        );
+        assert_eq!(next.checked, CARRIED_CHECKS);
+        assert!(
+            (next.accepted - 4.0 / 11.0).abs() < 1e-12,
+            "{}",
+            next.accepted
+        );
+        assert!((gate.acceptance() - 2.0 / 13.0).abs() < 1e-12);
+        assert!((next.acceptance() - (4.0 / 11.0 + 1.0) / 6.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_closed_gate_times_a_drafted_row_again_when_its_timing_is_old() {
+        // A row timed at 20 ms (say, at a bad moment) against a 10 ms pass: no draft pays.
+        let mut gate = timed_gate(0.010, 0.020);
+        gate.record_checks(8, 8);
+        let closed = (0..ROW_TIMING_LIFETIME - 1).all(|_| {
+            gate.fade();
+            gate.allowed(4) == 0
+        });
+        assert!(closed);
+        gate.fade();
+        assert_eq!(
+            gate.allowed(8),
+            LEARNING_DRAFTS,
+            "drafts to time a row again"
+        );
+        // Timed again at 2 ms a row: the new timing replaces the old one, and drafts pay.
+        gate.record_pass(4, 0.010 + 4.0 * 0.002);
+        assert_eq!(
+            gate.to_string(),
+            "pass 10.0 rows 4:2.0 head - rewind - ms, acceptance 0.68"
+        );
+        assert_eq!(gate.allowed(4), 4);
+    }
+
+    #[test]
+    fn the_gate_shows_its_estimates_in_milliseconds() {
+        let mut gate = DraftGate::new();
+        assert_eq!(
+            gate.to_string(),
+            "pass - rows - head - rewind - ms, acceptance 0.50"
+        );
+        gate.record_pass(0, 0.0102);
+        gate.record_pass(2, 0.0184);
+        gate.record_head(0.0019);
+        gate.record_checks(2, 2);
+        assert_eq!(
+            gate.to_string(),
+            "pass 10.2 rows 2:4.1 head 1.9 rewind - ms, acceptance 0.75"
+        );
+        gate.record_pass(5, 0.0202);
+        assert_eq!(
+            gate.to_string(),
+            "pass 10.2 rows 2:4.1 5:2.0 head 1.9 rewind - ms, acceptance 0.75"
+        );
     }
 
     #[test]
