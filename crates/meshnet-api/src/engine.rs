@@ -169,6 +169,10 @@ pub struct EngineRequest {
     /// The shape the text must have; the engine refuses a schema it cannot compile (400
     /// naming `response_format`).
     pub response_format: ResponseFormat,
+    /// The most tokens drafted per trip through the mesh (speculative decoding), `0..=64`;
+    /// `0` turns drafting off for this request, `None` leaves it to the engine. An engine
+    /// drafts no more than it is configured to.
+    pub max_draft: Option<usize>,
 }
 
 /// One of the most likely tokens at a step, in OpenAI's `top_logprobs` shape.

@@ -29,6 +29,9 @@ pub const MAX_CHOICES: usize = 8;
 /// The most alternatives `top_logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
+/// The largest `max_draft` a request may give.
+pub const MAX_DRAFT_LIMIT: usize = 64;
+
 /// The longest `response_format.json_schema.name`.
 const MAX_FORMAT_NAME: usize = 64;
 
@@ -56,6 +59,7 @@ pub(crate) struct ParsedRequest {
     pub stream: bool,
     pub include_usage: bool,
     pub tools: Option<ToolRequest>,
+    pub max_draft: Option<usize>,
 }
 
 /// Parses `body` sent to `endpoint`, checking `model` against `model_id` and token ids
@@ -112,6 +116,7 @@ pub(crate) fn parse(
     let response_format = parse_response_format(&fields)?;
     let stream = fields.bool("stream")?.unwrap_or(false);
     let include_usage = parse_include_usage(&fields)?;
+    let max_draft = parse_max_draft(&fields)?;
 
     Ok(ParsedRequest {
         prompts,
@@ -125,6 +130,7 @@ pub(crate) fn parse(
         stream,
         include_usage,
         tools,
+        max_draft,
     })
 }
 
@@ -251,6 +257,24 @@ fn parse_n(fields: &Fields<'_>) -> Result<usize, ApiError> {
         _ => Err(ApiError::invalid(
             Some("n"),
             format!("Invalid 'n': {v} is not an integer from 1 to {MAX_CHOICES}."),
+        )),
+    }
+}
+
+/// `max_draft` (an extension): the most tokens drafted per trip, `0..=64`; absent leaves it
+/// to the tracker.
+fn parse_max_draft(fields: &Fields<'_>) -> Result<Option<usize>, ApiError> {
+    let Some(v) = fields.get("max_draft") else {
+        return Ok(None);
+    };
+    if !v.is_number() {
+        return Err(type_error("max_draft", "an integer", v));
+    }
+    match v.as_u64() {
+        Some(k) if k <= MAX_DRAFT_LIMIT as u64 => Ok(Some(k as usize)),
+        _ => Err(ApiError::invalid(
+            Some("max_draft"),
+            format!("Invalid 'max_draft': {v} is not an integer from 0 to {MAX_DRAFT_LIMIT}."),
         )),
     }
 }
@@ -846,6 +870,25 @@ mod tests {
     }
 
     #[test]
+    fn max_draft_sets_the_draft_length_of_one_request() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let draft = |body: Value| chat(body).unwrap().max_draft;
+        assert_eq!(draft(json!({"model": "m", "messages": user})), None);
+        assert_eq!(
+            draft(json!({"model": "m", "messages": user, "max_draft": null})),
+            None
+        );
+        for k in [0, 3, MAX_DRAFT_LIMIT] {
+            assert_eq!(
+                draft(json!({"model": "m", "messages": user, "max_draft": k})),
+                Some(k)
+            );
+        }
+        let prompt = json!({"model": "m", "prompt": "hi", "max_draft": 0});
+        assert_eq!(text(prompt).unwrap().max_draft, Some(0));
+    }
+
+    #[test]
     fn null_fields_count_as_absent() {
         let parsed = chat(json!({
             "model": "m",
@@ -981,6 +1024,18 @@ mod tests {
                 "frequency_penalty",
             ),
             (json!({"model": "m", "messages": user, "top_k": 0}), "top_k"),
+            (
+                json!({"model": "m", "messages": user, "max_draft": 65}),
+                "max_draft",
+            ),
+            (
+                json!({"model": "m", "messages": user, "max_draft": -1}),
+                "max_draft",
+            ),
+            (
+                json!({"model": "m", "messages": user, "max_draft": "4"}),
+                "max_draft",
+            ),
             (
                 json!({"model": "m", "messages": user, "top_k": 2.5}),
                 "top_k",

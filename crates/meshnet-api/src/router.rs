@@ -192,6 +192,7 @@ async fn start_all(
             stop: parsed.stop.clone(),
             tools: parsed.tools.clone(),
             response_format: parsed.response_format.clone(),
+            max_draft: parsed.max_draft,
         };
         let stream = engine.start(request).await?;
         if all.route.is_empty() {
