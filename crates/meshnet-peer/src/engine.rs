@@ -24,6 +24,7 @@ use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use crate::admission::{Admission, AdmissionLimits};
 use crate::remote::{DirectReturn, Failover, RemoteStage, RouteLost};
+use crate::route_gates::{RouteGates, RouteKey};
 use crate::routing::PlannedHop;
 use crate::span_host::{LoadedSpan, SpanHost};
 use crate::tool_use::{self, CallReader};
@@ -50,6 +51,8 @@ pub struct MeshEngine {
     max_draft: usize,
     /// Whether drafts pass the draft gate (ADR-0035).
     gate_drafts: bool,
+    /// What the draft gates of earlier generations timed, per route (ADR-0037).
+    route_gates: Arc<RouteGates>,
     /// Where the last hops of its routes post their outputs, and the desk that awaits them;
     /// `None` has outputs come back along the routes.
     direct_return: Option<DirectReturn>,
@@ -134,6 +137,7 @@ impl MeshEngine {
             prefill_in_flight: crate::remote::DEFAULT_PREFILL_IN_FLIGHT,
             max_draft: 0,
             gate_drafts: true,
+            route_gates: Arc::default(),
             direct_return: None,
             grants: None,
             structured: StructuredOutput::Off(
@@ -477,6 +481,7 @@ impl MeshEngine {
             })?;
 
         let route = route_members(&self.local_peer, &entry, &hops);
+        let route_key = RouteKey::new(entry.target.layers, &hops);
         let remote = self.remote_stage(start, hops)?;
         let request_id = request.request_id.clone();
         let choices = request.n.max(1);
@@ -487,6 +492,7 @@ impl MeshEngine {
             .map(|tools| CallReader::new(self.tool_format(), tools.parallel));
         let mut generation = self.generation_request(request, prompt, chat, max_tokens);
         generation.constraint = constraint.map(|c| Box::new(c) as Box<dyn TokenConstraint>);
+        generation.draft_gate = self.route_gates.start(&route_key);
         let prompt_tokens = generation.prompt.len();
         let (events, receivers): (Vec<_>, Vec<_>) =
             (0..choices).map(|_| mpsc::channel(EVENT_BUFFER)).unzip();
@@ -501,6 +507,8 @@ impl MeshEngine {
             echo,
             events,
             calls,
+            route_gates: Arc::clone(&self.route_gates),
+            route_key,
             _permit: permit,
         };
         tokio::task::spawn_blocking(move || job.run());
@@ -529,8 +537,9 @@ impl MeshEngine {
         }
     }
 
-    /// What to generate: `prompt`, `request`'s sampling settings and stop sequences, and the
-    /// model's end-of-text tokens (with its end-of-turn token for a chat).
+    /// What to generate: `prompt`, `request`'s sampling settings, stop sequences and draft
+    /// length (within the engine's), and the model's end-of-text tokens (with its end-of-turn
+    /// token for a chat).
     fn generation_request(
         &self,
         request: EngineRequest,
@@ -549,7 +558,9 @@ impl MeshEngine {
                 tokens: stop_tokens,
                 strings: request.stop,
             },
-            max_draft: self.max_draft,
+            max_draft: request
+                .max_draft
+                .map_or(self.max_draft, |asked| asked.min(self.max_draft)),
             gate_drafts: self.gate_drafts,
             ..GenerationRequest::greedy(prompt, max_tokens)
         }
@@ -605,6 +616,10 @@ struct GenerationJob {
     /// Reads tool calls out of an answer, when the request offered tools: each choice reads
     /// with a copy of this one.
     calls: Option<CallReader>,
+    /// Where the draft gate's timings are kept for the next generation over the route.
+    route_gates: Arc<RouteGates>,
+    /// The route the generation started on.
+    route_key: RouteKey,
     /// Held until the generation ends, freeing its session slot.
     _permit: OwnedSemaphorePermit,
 }
@@ -802,6 +817,12 @@ impl GenerationJob {
         (outcome, called): (Result<meshnet_model::Generation, ModelError>, bool),
     ) {
         let session = request.session;
+        if let Ok(generation) = &outcome
+            && request.max_draft > 0
+        {
+            self.route_gates
+                .keep(&self.route_key, &generation.draft_gate);
+        }
         match outcome {
             Ok(generation) if generation.finish == ModelFinish::Cancelled => {
                 tracing::info!(request = %self.request_id, %session, "generation cancelled: the client went away");
@@ -824,6 +845,7 @@ impl GenerationJob {
                     completion_tokens = generation.tokens.len(),
                     drafted = speculation.drafted,
                     accepted_drafts = speculation.accepted,
+                    draft_gate = %generation.draft_gate,
                     elapsed_ms = self.admitted.elapsed().as_millis() as u64,
                     "generation finished"
                 );

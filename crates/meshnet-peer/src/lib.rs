@@ -19,6 +19,7 @@
 //!   commands generations send it.
 //! - `tracker_role`: what a member builds when it starts as the tracker or takes the role over.
 //! - [`routing`]: choosing the hops of a generation over ready peers.
+//! - [`route_gates`]: what the draft gates of earlier generations timed, per route.
 //! - [`remote`]: the remote part of a route as one stage of the generation loop.
 //! - [`engine`]: the completion engine behind the OpenAI-style API.
 //! - `tool_use`: a chat's tools and calls through the template, the grammar that makes the
@@ -49,6 +50,7 @@ pub mod mesh_model;
 mod p2p_plane;
 mod rejections;
 pub mod remote;
+pub mod route_gates;
 pub mod route_table;
 pub mod routing;
 pub mod runtime;

@@ -753,10 +753,40 @@ async fn metric(member: &meshnet_peer::RunningPeer, name: &str) -> u64 {
         .unwrap_or_else(|| panic!("no {name} in {scrape}"))
 }
 
+/// The text and finish reason of a greedy chat whose request sets `max_draft` to 0 (no
+/// drafts, whatever the tracker's own draft length).
+async fn chat_without_drafts(
+    base: &str,
+    model: &str,
+    prompt: &str,
+    max_tokens: u32,
+) -> (String, String) {
+    let response = reqwest::Client::new()
+        .post(format!("{base}/chat/completions"))
+        .json(&serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+            "max_tokens": max_tokens,
+            "max_draft": 0,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 200);
+    let body: serde_json::Value = response.json().await.unwrap();
+    let choice = &body["choices"][0];
+    (
+        choice["message"]["content"].as_str().unwrap().to_owned(),
+        choice["finish_reason"].as_str().unwrap().to_owned(),
+    )
+}
+
 /// Speculative decoding through two peers (drafts verified in one trip, every hop's cache
 /// cut back past a rejected draft with the next frame) gives the greedy text of one token
 /// per trip, with outputs returning along the route or straight from the last hop; the
-/// tracker's `/metrics` count what was drafted and accepted.
+/// tracker's `/metrics` count what was drafted and accepted. A request's `max_draft` of 0
+/// turns drafting off for that request alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn speculative_decoding_through_two_peers_gives_the_text_of_one_token_per_trip() {
     let prompt = "Copy this list exactly, one item per line: apples, pears, plums, cherries, \
@@ -775,6 +805,11 @@ async fn speculative_decoding_through_two_peers_gives_the_text_of_one_token_per_
         wait_for("coverage", &tracker, |s| converged(s, &[&first, &second])).await;
         let base = tracker.openai_base_url().unwrap();
         let model = tracker.model_id().to_owned();
+        if max_draft > 0 && direct_return {
+            answers.push(chat_without_drafts(&base, &model, prompt, 40).await);
+            let drafted = metric(&tracker, "meshnet_drafted_tokens_total").await;
+            assert_eq!(drafted, 0, "a request with max_draft 0 drafted");
+        }
         answers.push(greedy_chat(&base, &model, prompt, 40, &[], false).await);
         let drafted = metric(&tracker, "meshnet_drafted_tokens_total").await;
         let accepted = metric(&tracker, "meshnet_accepted_drafts_total").await;
