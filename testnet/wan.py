@@ -4,7 +4,7 @@
     testnet/wan.py [--members N] [--delay-ms D] [--rate-kbit R] [--jitter-ms J]
                    [--prompt short|long|copy|code] [--tokens T]
                    [--direct-return on|off|both] [--speculation on|off|both] [--ladder]
-                   [--compare-undelayed] [--netns]
+                   [--compare-undelayed] [--alternate ROUNDS] [--netns]
 
 Starts one tracker and N-1 peers of the release `meshnet-peer` on 127.0.0.1, each serving an
 equal share of the default model's layers, and one `meshnet-linkem relay` with two links per
@@ -30,7 +30,11 @@ return with speculation. `--prompt` picks the task: `short` a story (free text),
 summary of a ~1,000-token prompt, `copy` a paragraph rewritten with one word changed and
 `code` a function edited (repetitive tasks, where drafts from the context are accepted). Each
 row also gives the tokens the tracker drafted and had accepted. `--compare-undelayed` also runs the same chat on a mesh without delay and
-checks the text is equal. Exit 1 when a check fails.
+checks the text is equal. `--alternate ROUNDS` measures speculation on one mesh instead (it
+must be on): ROUNDS rounds of two chats, one as the tracker drafts and one with the request's
+`max_draft` at 0, in the order on, off in even rounds and off, on in odd ones; it prints a line
+per chat and one with the mean decode tok/s of each and their ratio (so the spread between
+freshly started meshes does not enter the comparison). Exit 1 when a check fails.
 
 Every process it starts is stopped when it ends, also on failure or Ctrl-C.
 
@@ -167,22 +171,26 @@ class LoopbackSites:
         pass
 
     def bypassing_connections(self):
-        """The TCP connections a member accepted from anyone but the relay, as `ss` lines
-        (None when `ss` is not installed)."""
+        """The TCP connections a member accepted from another process than the relay, as `ss`
+        lines (None when `ss` is not installed). A connection whose other end no process
+        holds any more (closed by it and being torn down) cannot be told apart and is left
+        out: a bypassing one stays open and is held by the member that dialed it."""
         if shutil.which("ss") is None:
             return None
-        lines = subprocess.run(["ss", "-Htnp", "state", "established"], capture_output=True,
-                               text=True, check=True).stdout.splitlines()
+        lines = subprocess.run(["ss", "-Htanp"], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
         owner, accepted = {}, []
         for line in lines:
             fields = line.split()
-            if len(fields) < 4:
+            if len(fields) < 5 or fields[0] == "LISTEN":
                 continue
-            local, remote = fields[2].rpartition(":")[2], fields[3].rpartition(":")[2]
-            owner[local] = fields[4] if len(fields) > 4 else ""
-            if int(local) in self.direct_ports:
+            local, remote = fields[3].rpartition(":")[2], fields[4].rpartition(":")[2]
+            if len(fields) > 5:
+                owner[local] = fields[5]
+            if fields[0] == "ESTAB" and int(local) in self.direct_ports:
                 accepted.append((remote, line))
-        return [line for remote, line in accepted if "meshnet-linkem" not in owner.get(remote, "")]
+        return [line for remote, line in accepted
+                if remote in owner and "meshnet-linkem" not in owner[remote]]
 
 
 class NamespaceSites:
@@ -394,8 +402,9 @@ def prompt_text(kind):
     return LONG_PARAGRAPH * 24 + "Summarise the paragraph above in one sentence."
 
 
-def streamed_chat(base, model, prompt, tokens):
-    """One greedy streamed chat: (TTFT s, decode tok/s after the first token, tokens, text)."""
+def streamed_chat(base, model, prompt, tokens, max_draft=None):
+    """One greedy streamed chat: (TTFT s, decode tok/s after the first token, tokens, text).
+    `max_draft` sets the request's draft length (None leaves it to the tracker)."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -404,6 +413,8 @@ def streamed_chat(base, model, prompt, tokens):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if max_draft is not None:
+        body["max_draft"] = max_draft
     request = urllib.request.Request(
         f"{base}/v1/chat/completions",
         data=json.dumps(body).encode(),
@@ -484,6 +495,48 @@ def run(args, peer, linkem, delay_ms, mode):
     return row
 
 
+def alternate(args, peer, linkem, rounds):
+    """Chats with speculation on and off (the request's `max_draft` at 0) in turn on one mesh."""
+    chats = {True: [], False: []}
+    texts = set()
+    with Mesh(args, peer, linkem, args.delay_ms, (args.direct_return != "off", True)) as mesh:
+        base = mesh.tracker
+        model = model_id(base)
+        streamed_chat(base, model, "Hello.", 4)
+        for round_index in range(rounds):
+            order = [True, False] if round_index % 2 == 0 else [False, True]
+            for speculation in order:
+                before = counters(base)
+                _, decode, generated, text = streamed_chat(
+                    base, model, prompt_text(args.prompt), args.tokens,
+                    None if speculation else 0,
+                )
+                after = counters(base)
+                texts.add(text)
+                chats[speculation].append(decode)
+                print(json.dumps({
+                    "round": round_index,
+                    "speculation": speculation,
+                    "drafted": after[0] - before[0],
+                    "accepted": after[1] - before[1],
+                    "decode_tok_s": round(decode, 2),
+                    "tokens": generated,
+                }), flush=True)
+    if len(texts) != 1:
+        sys.exit(f"wan.py: the chats' texts differ: {sorted(texts)}")
+    on = sum(chats[True]) / rounds
+    off = sum(chats[False]) / rounds
+    print(json.dumps({
+        "members": args.members,
+        "delay_ms": args.delay_ms,
+        "prompt": args.prompt,
+        "rounds": rounds,
+        "on_tok_s": round(on, 2),
+        "off_tok_s": round(off, 2),
+        "on_over_off": round(on / off, 3) if off else None,
+    }), flush=True)
+
+
 def main():
     # A SIGTERM ends the run like Ctrl-C does: the meshes' processes are stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -498,13 +551,20 @@ def main():
     parser.add_argument("--speculation", choices=["on", "off", "both"], default="on")
     parser.add_argument("--ladder", action="store_true")
     parser.add_argument("--compare-undelayed", action="store_true")
+    parser.add_argument("--alternate", type=int, metavar="ROUNDS")
     parser.add_argument("--netns", action="store_true")
     args = parser.parse_args()
     if args.members < 2:
         parser.error("--members needs at least 2 (a tracker and a peer)")
     if args.tokens < 2:
         parser.error("--tokens needs at least 2 (decode speed is measured after the first)")
+    if args.alternate is not None:
+        if args.alternate < 1 or args.ladder or args.speculation != "on":
+            parser.error("--alternate needs ROUNDS >= 1, speculation on and no --ladder")
     peer, linkem = binaries()
+    if args.alternate is not None:
+        alternate(args, peer, linkem, args.alternate)
+        return
     switch = {"on": [True], "off": [False], "both": [False, True]}
     modes = [
         (direct, speculation)
