@@ -246,37 +246,13 @@ fn random_seed() -> u64 {
 
 /// `n`: how many choices, `1..=MAX_CHOICES` (default 1).
 fn parse_n(fields: &Fields<'_>) -> Result<usize, ApiError> {
-    let Some(v) = fields.get("n") else {
-        return Ok(1);
-    };
-    if !v.is_number() {
-        return Err(type_error("n", "an integer", v));
-    }
-    match v.as_u64() {
-        Some(n) if (1..=MAX_CHOICES as u64).contains(&n) => Ok(n as usize),
-        _ => Err(ApiError::invalid(
-            Some("n"),
-            format!("Invalid 'n': {v} is not an integer from 1 to {MAX_CHOICES}."),
-        )),
-    }
+    Ok(fields.int_from_to("n", 1, MAX_CHOICES)?.unwrap_or(1))
 }
 
 /// `max_draft` (an extension): the most tokens drafted per trip, `0..=64`; absent leaves it
 /// to the tracker.
 fn parse_max_draft(fields: &Fields<'_>) -> Result<Option<usize>, ApiError> {
-    let Some(v) = fields.get("max_draft") else {
-        return Ok(None);
-    };
-    if !v.is_number() {
-        return Err(type_error("max_draft", "an integer", v));
-    }
-    match v.as_u64() {
-        Some(k) if k <= MAX_DRAFT_LIMIT as u64 => Ok(Some(k as usize)),
-        _ => Err(ApiError::invalid(
-            Some("max_draft"),
-            format!("Invalid 'max_draft': {v} is not an integer from 0 to {MAX_DRAFT_LIMIT}."),
-        )),
-    }
+    fields.int_from_to("max_draft", 0, MAX_DRAFT_LIMIT)
 }
 
 /// `stream_options.include_usage`, default false.
@@ -727,6 +703,23 @@ impl<'a> Fields<'a> {
     fn penalty(&self, name: &str) -> Result<f32, ApiError> {
         let penalty = self.number_between(name, -MAX_PENALTY, MAX_PENALTY)?;
         Ok(penalty.unwrap_or(0.0) as f32)
+    }
+
+    /// An integer from `low` to `high`.
+    fn int_from_to(&self, name: &str, low: usize, high: usize) -> Result<Option<usize>, ApiError> {
+        let Some(v) = self.get(name) else {
+            return Ok(None);
+        };
+        if !v.is_number() {
+            return Err(type_error(name, "an integer", v));
+        }
+        match v.as_u64().and_then(|k| usize::try_from(k).ok()) {
+            Some(k) if (low..=high).contains(&k) => Ok(Some(k)),
+            _ => Err(ApiError::invalid(
+                Some(name),
+                format!("Invalid '{name}': {v} is not an integer from {low} to {high}."),
+            )),
+        }
     }
 
     /// An integer of at least 1.

@@ -480,6 +480,24 @@ async fn a_hop_whose_kv_budget_is_full_answers_503_and_the_entry_gives_up_naming
     tracker.shutdown().await;
 }
 
+/// The body of a greedy chat request.
+fn greedy_chat_body(
+    model: &str,
+    prompt: &str,
+    max_tokens: u32,
+    stop: &[&str],
+    stream: bool,
+) -> serde_json::Value {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stop": stop,
+        "stream": stream,
+    })
+}
+
 /// Posts a greedy chat to `base`; returns the text and the finish reason, from the JSON answer
 /// or (with `stream`) from the joined SSE deltas.
 async fn greedy_chat(
@@ -490,16 +508,20 @@ async fn greedy_chat(
     stop: &[&str],
     stream: bool,
 ) -> (String, String) {
+    post_chat(
+        base,
+        &greedy_chat_body(model, prompt, max_tokens, stop, stream),
+    )
+    .await
+}
+
+/// Posts the chat request `request` to `base`; returns the text and the finish reason, from the
+/// JSON answer or (when the request streams) from the joined SSE deltas.
+async fn post_chat(base: &str, request: &serde_json::Value) -> (String, String) {
+    let stream = request["stream"].as_bool().unwrap_or(false);
     let response = reqwest::Client::new()
         .post(format!("{base}/chat/completions"))
-        .json(&serde_json::json!({
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "stop": stop,
-            "stream": stream,
-        }))
+        .json(request)
         .send()
         .await
         .unwrap();
@@ -761,25 +783,9 @@ async fn chat_without_drafts(
     prompt: &str,
     max_tokens: u32,
 ) -> (String, String) {
-    let response = reqwest::Client::new()
-        .post(format!("{base}/chat/completions"))
-        .json(&serde_json::json!({
-            "model": model,
-            "messages": [{"role": "user", "content": prompt}],
-            "temperature": 0,
-            "max_tokens": max_tokens,
-            "max_draft": 0,
-        }))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(response.status().as_u16(), 200);
-    let body: serde_json::Value = response.json().await.unwrap();
-    let choice = &body["choices"][0];
-    (
-        choice["message"]["content"].as_str().unwrap().to_owned(),
-        choice["finish_reason"].as_str().unwrap().to_owned(),
-    )
+    let mut request = greedy_chat_body(model, prompt, max_tokens, &[], false);
+    request["max_draft"] = 0.into();
+    post_chat(base, &request).await
 }
 
 /// Speculative decoding through two peers (drafts verified in one trip, every hop's cache
