@@ -14,9 +14,14 @@
 //! format's float combination is written once and called by both. For Q4_1 and Q8_0 the bits
 //! also equal candle 0.11's quantized matmul. `MESHNET_KERNEL=scalar` forces the reference.
 //!
+//! [`attend_head`] is a layer's attention over one cached key/value head (scores, softmax,
+//! weighted values) in f32, in a fixed order of operations that the scalar reference and the
+//! AVX2 kernel both follow, so a volunteer's attention has the same bits on either.
+//!
 //! This is the only meshnet crate with `unsafe` code, confined to the `avx2` module.
 
 mod activations;
+mod attention;
 mod avx2;
 mod error;
 mod formats;
@@ -24,6 +29,7 @@ mod matrix;
 mod scalar;
 mod super_rows;
 
+pub use attention::{CachedHead, attend_head};
 pub use error::{KernelError, Result};
 pub use matrix::{MatrixBuilder, QuantizedMatrix, WeightFormat};
 

@@ -19,6 +19,7 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+mod attention;
 mod float;
 mod legacy;
 mod q2_k;
