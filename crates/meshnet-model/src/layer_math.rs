@@ -3,11 +3,14 @@
 //! read where they lie (no head repetition, no concatenation, no tensor per step).
 //!
 //! Norm and rotation compute exactly what candle's `rms_norm` and `rope_i` compute. Attention
-//! sums in its own order, so its results differ from candle's matmul by float rounding
-//! (the model tests state the bound on the logits).
+//! is `meshnet_kernels::attend_head`'s, which sums in its own fixed order (the same bits on
+//! every kernel), so its results differ from candle's matmul by float rounding (the model
+//! tests state the bound on the logits).
 
+use meshnet_kernels::{CachedHead, Kernel, attend_head};
 use rayon::prelude::*;
 
+use crate::Result;
 use crate::family::RopeStyle;
 
 /// RMSNorm of each `weight.len()`-wide row of `input`: `x / sqrt(mean(x²) + eps) · weight`,
@@ -183,8 +186,10 @@ const PARALLEL_WORK: usize = 64 * 1024;
 /// last `window` of them when the rule has a window; scores are scaled by the rule's scale. Returns
 /// `[tokens, heads · head_dim]`.
 ///
-/// The query heads that share a key/value head are computed together, so each cached key and
-/// value is read once per group rather than once per head.
+/// Each (token, key/value head) is one task of `meshnet_kernels::attend_head` with the query
+/// heads it serves (each cached key and value read once for all of them; the kernel's fixed
+/// order of operations, so the bits depend neither on the kernel nor on the threads); the
+/// tasks are split over the pool when there is enough work.
 pub(crate) fn attend(
     shape: Heads,
     rule: AttentionRule,
@@ -192,101 +197,56 @@ pub(crate) fn attend(
     keys: &[f32],
     values: &[f32],
     position: usize,
-) -> Vec<f32> {
+) -> Result<Vec<f32>> {
     let Heads {
         heads,
         kv_heads,
         head_dim,
     } = shape;
-    let kv_width = kv_heads * head_dim;
-    let known = keys.len() / kv_width;
+    let row_width = kv_heads * head_dim;
+    let known = keys.len() / row_width;
     let tokens = queries.len() / (heads * head_dim);
     let group = heads / kv_heads;
     let group_width = group * head_dim;
-    let scale = rule.scale;
+    let kernel = Kernel::best();
     let mut output = vec![0f32; queries.len()];
-    // One task per (token, key/value head): the scores of its query heads, their softmax, and
-    // their weighted sums of values. `weights` holds `group` rows of `visible` scores.
     let one_group = |task: usize, attended: &mut [f32], weights: &mut Vec<f32>| {
         let (token, kv_head) = (task / kv_heads, task % kv_heads);
-        let group_queries = &queries[task * group_width..(task + 1) * group_width];
-        let offset = kv_head * head_dim;
         let end = (position + token + 1).min(known);
         let first = rule.window.map_or(0, |window| end.saturating_sub(window));
-        let visible = end - first;
-        weights.clear();
-        weights.resize(group * visible, 0.0);
-        for (at, key) in keys
-            .chunks_exact(kv_width)
-            .skip(first)
-            .take(visible)
-            .enumerate()
-        {
-            let key = &key[offset..offset + head_dim];
-            for (member, query) in group_queries.chunks_exact(head_dim).enumerate() {
-                weights[member * visible + at] = dot(query, key) * scale;
-            }
-        }
-        for row in weights.chunks_exact_mut(visible) {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut total = 0f32;
-            for weight in row.iter_mut() {
-                *weight = (*weight - max).exp();
-                total += *weight;
-            }
-            for weight in row.iter_mut() {
-                *weight /= total;
-            }
-        }
-        attended.fill(0.0);
-        for (at, value) in values
-            .chunks_exact(kv_width)
-            .skip(first)
-            .take(visible)
-            .enumerate()
-        {
-            let value = &value[offset..offset + head_dim];
-            for (member, sums) in attended.chunks_exact_mut(head_dim).enumerate() {
-                let weight = weights[member * visible + at];
-                for (sum, value) in sums.iter_mut().zip(value) {
-                    *sum += weight * value;
-                }
-            }
-        }
+        let cached = CachedHead {
+            keys,
+            values,
+            row_width,
+            offset: kv_head * head_dim,
+            head_dim,
+        };
+        let group_queries = &queries[task * group_width..(task + 1) * group_width];
+        attend_head(
+            kernel,
+            cached,
+            first..end,
+            group_queries,
+            rule.scale,
+            weights,
+            attended,
+        )
     };
     let work = tokens * heads * known * head_dim;
     if work < PARALLEL_WORK {
         let mut weights = Vec::new();
         for (task, attended) in output.chunks_exact_mut(group_width).enumerate() {
-            one_group(task, attended, &mut weights);
+            one_group(task, attended, &mut weights)?;
         }
     } else {
         output
             .par_chunks_exact_mut(group_width)
             .enumerate()
-            .for_each_init(Vec::new, |weights, (task, attended)| {
+            .try_for_each_init(Vec::new, |weights, (task, attended)| {
                 one_group(task, attended, weights)
-            });
+            })?;
     }
-    output
-}
-
-/// `Σ a·b` in eight interleaved partial sums (two SSE registers; the compiler keeps them in
-/// vector registers), then the rest.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut lanes = [0f32; 8];
-    let (a_blocks, b_blocks) = (a.chunks_exact(8), b.chunks_exact(8));
-    let (a_rest, b_rest) = (a_blocks.remainder(), b_blocks.remainder());
-    for (a, b) in a_blocks.zip(b_blocks) {
-        for lane in 0..8 {
-            lanes[lane] += a[lane] * b[lane];
-        }
-    }
-    let mut sum = lanes.iter().sum::<f32>();
-    for (a, b) in a_rest.iter().zip(b_rest) {
-        sum += a * b;
-    }
-    sum
+    Ok(output)
 }
 
 #[cfg(test)]
@@ -375,7 +335,8 @@ mod tests {
                 &keys,
                 &values,
                 position,
-            );
+            )
+            .expect("the buffers fit");
             let reference = reference_attention(shape, &queries, &keys, &values, position, None);
             for (index, (ours, reference)) in ours.iter().zip(&reference).enumerate() {
                 assert!(
@@ -404,7 +365,9 @@ mod tests {
         let mut best = f64::MAX;
         for _ in 0..200 {
             let start = std::time::Instant::now();
-            std::hint::black_box(attend(shape, rule, &queries, &keys, &values, known - 1));
+            std::hint::black_box(
+                attend(shape, rule, &queries, &keys, &values, known - 1).expect("the buffers fit"),
+            );
             best = best.min(start.elapsed().as_secs_f64());
         }
         println!(
@@ -429,7 +392,8 @@ mod tests {
             let queries = filler(tokens * 4 * 8, 11);
             let keys = filler(known * 2 * 8, 12);
             let values = filler(known * 2 * 8, 13);
-            let ours = attend(shape, rule, &queries, &keys, &values, position);
+            let ours =
+                attend(shape, rule, &queries, &keys, &values, position).expect("the buffers fit");
             // The reference scales by 1/√8; the rule's 0.25 is larger, so scale the queries.
             let scaled: Vec<f32> = queries.iter().map(|q| q * 0.25 * 8f32.sqrt()).collect();
             let reference = reference_attention(shape, &scaled, &keys, &values, position, Some(3));
@@ -525,7 +489,8 @@ mod tests {
             &keys,
             &values,
             3,
-        );
+        )
+        .expect("the buffers fit");
         // Changing the last position's key and value moves only the last token's output.
         let (mut keys, mut values) = (keys, values);
         keys[16..].iter_mut().for_each(|k| *k += 1.0);
@@ -537,7 +502,8 @@ mod tests {
             &keys,
             &values,
             3,
-        );
+        )
+        .expect("the buffers fit");
         assert_eq!(before[..8], after[..8], "token 0 (position 3) moved");
         assert_ne!(before[8..], after[8..], "token 1 (position 4) did not move");
     }

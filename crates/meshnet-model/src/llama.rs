@@ -546,7 +546,7 @@ fn attend_parts(
             cached.keys(),
             cached.values(),
             part.position,
-        ));
+        )?);
     }
     Ok(attended)
 }
