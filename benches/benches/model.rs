@@ -327,27 +327,36 @@ struct LlamaBench {
 
 impl LlamaBench {
     /// Tokens/s of the test of `prompt` tokens then `generated` tokens after `depth` tokens
-    /// already in the cache: the median of its repetitions.
+    /// already in the cache: the median of its repetitions, the fastest when it ran the test
+    /// in several settings (`-fa 0,1`).
     fn rate(&self, prompt: usize, generated: usize, depth: usize) -> Option<f64> {
-        let row = self.rows.iter().find(|row| {
-            row["n_prompt"] == prompt
-                && row["n_gen"] == generated
-                && row["n_depth"].as_u64().unwrap_or(0) == depth as u64
-        })?;
-        let samples: Vec<f64> = row["samples_ts"]
-            .as_array()
-            .map(|samples| {
-                samples
-                    .iter()
-                    .filter_map(serde_json::Value::as_f64)
-                    .collect()
+        self.rows
+            .iter()
+            .filter(|row| {
+                row["n_prompt"] == prompt
+                    && row["n_gen"] == generated
+                    && row["n_depth"].as_u64().unwrap_or(0) == depth as u64
             })
-            .unwrap_or_default();
-        if samples.is_empty() {
-            row["avg_ts"].as_f64()
-        } else {
-            Some(median(&samples))
-        }
+            .filter_map(row_rate)
+            .reduce(f64::max)
+    }
+}
+
+/// One `llama-bench` row's tokens/s: the median of its samples, else its average.
+fn row_rate(row: &serde_json::Value) -> Option<f64> {
+    let samples: Vec<f64> = row["samples_ts"]
+        .as_array()
+        .map(|samples| {
+            samples
+                .iter()
+                .filter_map(serde_json::Value::as_f64)
+                .collect()
+        })
+        .unwrap_or_default();
+    if samples.is_empty() {
+        row["avg_ts"].as_f64()
+    } else {
+        Some(median(&samples))
     }
 }
 
@@ -814,7 +823,8 @@ fn long_table() {
          {LONG_CONTEXT}-token prefill (ours in the wire's {PREFILL_CHUNK_TOKENS}-token chunks, \
          as peers run it; llama-bench -p {LONG_CONTEXT} in its own 512-token micro-batches), \
          and {FILE_DECODE_TOKENS} decode steps with {LONG_CONTEXT} tokens in the cache \
-         (llama-bench -d {LONG_CONTEXT} -n {FILE_DECODE_TOKENS}); ratio: ours / llama.cpp"
+         (llama-bench -d {LONG_CONTEXT} -n {FILE_DECODE_TOKENS}); llama.cpp: the faster of \
+         flash attention off and on (-fa 0,1); ratio: ours / llama.cpp"
     );
     println!(
         "| threads | prefill {LONG_CONTEXT} ours | llama.cpp | ratio | decode @{LONG_CONTEXT} ours | llama.cpp | ratio |"
@@ -849,6 +859,8 @@ fn long_table() {
             &0,
             &"-r",
             &LONG_REPS,
+            &"-fa",
+            &"0,1",
         ]))
         .and_then(|bench| bench.rate(LONG_CONTEXT, 0, 0));
         let anchor_decode = anchor(bench_args(&[
@@ -860,6 +872,8 @@ fn long_table() {
             &LONG_CONTEXT,
             &"-r",
             &LONG_REPS,
+            &"-fa",
+            &"0,1",
         ]))
         .and_then(|bench| bench.rate(0, FILE_DECODE_TOKENS, LONG_CONTEXT));
         let ours_value = |index: usize| ours.as_ref().map(|numbers| numbers[index]);
