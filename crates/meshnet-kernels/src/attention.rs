@@ -1,5 +1,6 @@
 //! Attention of a few query heads over one cached key/value head: scores, softmax and the
-//! weighted sum of values, in f32, in an order every kernel reproduces bit for bit.
+//! weighted sum of values, in f32, in an order every kernel reproduces bit for bit, and in
+//! pieces of positions that separate threads may compute (the same bits either way).
 //!
 //! The reference's arithmetic, where `fma(a, b, c)` is `a·b + c` rounded once (`f32::mul_add`;
 //! every other operation rounded on its own):
@@ -7,11 +8,14 @@
 //!   fma(q, k, lane)`, lanes starting at `+0.0`) for the whole groups of eight, adds the lanes as
 //!   `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))` ([`combine`]), then takes the values
 //!   past the last whole group in order (`sum = fma(q, k, sum)`);
-//! - softmax takes the row's maximum, turns each score `s` into `exp(s − max)` by
-//!   [`exp_nonpositive`] (a fixed polynomial, not the C library's `expf`), adds the weights
-//!   into lane `i % 8` and combines the lanes as above, then divides each weight by that total;
-//! - each output value starts at `+0.0` and takes `sum = fma(weight, value, sum)` position
-//!   after position.
+//! - the positions are taken in pieces of [`PIECE_POSITIONS`] from the first one a query sees;
+//!   in each piece a query's weights are `exp(s − m)` of its scores `s`, `m` the piece's largest,
+//!   by [`exp_nonpositive`] (a fixed polynomial, not the C library's `expf`); their total adds
+//!   weight `i` into lane `i % 8` (`lane + w`) and combines the lanes as above; each weighted
+//!   value starts at `+0.0` and takes `sum = fma(weight, value, sum)` position after position;
+//! - the pieces are joined in order ([`combine_pieces`]): with `M` the largest `m`, each piece's
+//!   total and values are scaled by `c = exp(m − M)` and added (`fma(c, part, sum)` from
+//!   `+0.0`), and each value is divided by the total.
 //!
 //! Fused multiply-adds halve the vector instructions of the AVX2 kernel (every AVX2 CPU has
 //! FMA); the reference pays for them only on a CPU without FMA, where `f32::mul_add` is a
@@ -110,10 +114,29 @@ impl CachedHead<'_> {
     }
 }
 
+/// Positions one piece of an attention covers: a query's positions are taken a piece at a
+/// time from the first it sees, and the pieces combined, so that the pieces of a long cache
+/// can run on different threads and still give the same bits.
+pub const PIECE_POSITIONS: usize = 256;
+
+/// The pieces of `positions`: [`PIECE_POSITIONS`] each from the start, the last shorter.
+pub fn pieces(positions: Range<usize>) -> impl Iterator<Item = Range<usize>> {
+    positions
+        .clone()
+        .step_by(PIECE_POSITIONS)
+        .map(move |start| start..(start + PIECE_POSITIONS).min(positions.end))
+}
+
+/// Floats one piece's sums take for `queries` queries of `head_dim` values: per query its
+/// largest score, the sum of its weights and its weighted values (not yet divided).
+pub fn piece_len(queries: usize, head_dim: usize) -> usize {
+    queries * (head_dim + 2)
+}
+
 /// Attention of `queries` (whole heads, each of `head.head_dim` values) over the cached
-/// `positions` of `head`, scores scaled by `scale`, into `attended` (as long as `queries`).
-/// `weights` is scratch space (it ends holding each query's softmax weights, one row of
-/// `positions.len()` per query). Every kernel gives the reference's bits (module docs).
+/// `positions` of `head`, scores scaled by `scale`, into `attended` (as long as `queries`):
+/// [`attend_piece`] of each of [`pieces`], then [`combine_pieces`]. `weights` is scratch
+/// space. Every kernel gives the reference's bits (module docs).
 ///
 /// Give every query head that shares the cached head in one call: the AVX2 kernel then reads
 /// each key and value once for all of them (a long cache streams from memory, so that is
@@ -128,32 +151,108 @@ pub fn attend_head(
     attended: &mut [f32],
 ) -> Result<()> {
     head.check(&positions, queries, attended)?;
-    let visible = positions.len();
-    weights.clear();
-    weights.resize(queries.len() / head.head_dim * visible, 0.0);
-    if visible == 0 {
+    if positions.is_empty() {
         attended.fill(0.0);
         return Ok(());
     }
+    let one = piece_len(queries.len() / head.head_dim, head.head_dim);
+    let mut sums = vec![0f32; pieces(positions.clone()).count() * one];
+    for (piece, sums) in pieces(positions).zip(sums.chunks_exact_mut(one)) {
+        attend_piece(kernel, head, piece, queries, scale, weights, sums)?;
+    }
+    combine_pieces(&sums, head.head_dim, attended)
+}
+
+/// One piece of an attention: for each query, its scores over `positions` (at most
+/// [`PIECE_POSITIONS`]), their largest `m`, the weights `exp(score − m)` and their total, and
+/// the weighted values, into `sums` ([`piece_len`] long: per query `m`, the total, the
+/// values). `weights` is scratch space.
+pub fn attend_piece(
+    kernel: Kernel,
+    head: CachedHead<'_>,
+    positions: Range<usize>,
+    queries: &[f32],
+    scale: f32,
+    weights: &mut Vec<f32>,
+    sums: &mut [f32],
+) -> Result<()> {
+    head.check(&positions, queries, queries)?;
+    let members = queries.len() / head.head_dim;
+    if positions.len() > PIECE_POSITIONS || sums.len() != piece_len(members, head.head_dim) {
+        return Err(KernelError::Shape(format!(
+            "a piece of {} positions into {} sums for {members} queries of {}",
+            positions.len(),
+            sums.len(),
+            head.head_dim
+        )));
+    }
+    weights.clear();
+    weights.resize(members * positions.len(), 0.0);
+    let group = Group {
+        first: positions.start,
+        queries,
+        scale,
+    };
     match kernel {
-        Kernel::Scalar => {
-            let rows = weights.chunks_exact_mut(visible);
-            let heads = queries
-                .chunks_exact(head.head_dim)
-                .zip(attended.chunks_exact_mut(head.head_dim));
-            for (row, (query, output)) in rows.zip(heads) {
-                scores(head, positions.start, query, scale, row);
-                softmax(row);
-                weighted_values(head, positions.start, row, output);
+        Kernel::Scalar => attend_piece_reference(head, group, weights, sums),
+        Kernel::Avx2(fast) => fast.0.attend_piece(head, group, weights, sums),
+    }
+    Ok(())
+}
+
+/// The reference of [`attend_piece`], one query after another.
+fn attend_piece_reference(
+    head: CachedHead<'_>,
+    group: Group<'_>,
+    weights: &mut [f32],
+    sums: &mut [f32],
+) {
+    let visible = weights.len() / (group.queries.len() / head.head_dim);
+    let queries = group.queries.chunks_exact(head.head_dim);
+    for (query, sums) in queries.zip(sums.chunks_exact_mut(head.head_dim + 2)) {
+        let (stats, values) = sums.split_at_mut(2);
+        let row = &mut weights[..visible];
+        scores(head, group.first, query, group.scale, row);
+        (stats[0], stats[1]) = exponentiate(row);
+        weighted_values(head, group.first, row, values);
+    }
+}
+
+/// Joins the pieces' sums (`pieces`, one [`piece_len`] after another, in position order) into
+/// each query's attention: with `M` the largest of the pieces' maxima and `c = exp(m − M)` for
+/// each piece in order, `total = fma(c, piece total, total)` and `value = fma(c, piece value,
+/// value)` from `+0.0`, then `value / total`.
+pub fn combine_pieces(pieces: &[f32], head_dim: usize, attended: &mut [f32]) -> Result<()> {
+    let one = piece_len(attended.len() / head_dim.max(1), head_dim);
+    let fits = head_dim > 0 && attended.len().is_multiple_of(head_dim) && one > 0;
+    if !fits || pieces.is_empty() || !pieces.len().is_multiple_of(one) {
+        return Err(KernelError::Shape(format!(
+            "{} piece sums for {} outputs in heads of {head_dim}",
+            pieces.len(),
+            attended.len()
+        )));
+    }
+    for (member, output) in attended.chunks_exact_mut(head_dim).enumerate() {
+        let at = member * (head_dim + 2);
+        let of_member = || {
+            pieces
+                .chunks_exact(one)
+                .map(|piece| &piece[at..at + head_dim + 2])
+        };
+        let max = of_member()
+            .map(|sums| sums[0])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut total = 0f32;
+        output.fill(0.0);
+        for sums in of_member() {
+            let factor = exp_nonpositive(sums[0] - max);
+            total = factor.mul_add(sums[1], total);
+            for (value, part) in output.iter_mut().zip(&sums[2..]) {
+                *value = factor.mul_add(*part, *value);
             }
         }
-        Kernel::Avx2(fast) => {
-            let group = Group {
-                first: positions.start,
-                queries,
-                scale,
-            };
-            fast.0.attend_group(head, group, weights, attended);
+        for value in output.iter_mut() {
+            *value /= total;
         }
     }
     Ok(())
@@ -208,18 +307,16 @@ pub(crate) fn combine(lanes: [f32; LANES]) -> f32 {
         + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
 }
 
-/// The scores of `row` turned into softmax weights in place (module docs).
-pub(crate) fn softmax(row: &mut [f32]) {
+/// The scores of `row` turned into weights `exp(score − max)` in place; returns the row's
+/// largest score and the weights' total, added in lane `i % 8` and combined (module docs).
+pub(crate) fn exponentiate(row: &mut [f32]) -> (f32, f32) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut lanes = [0f32; LANES];
     for (index, weight) in row.iter_mut().enumerate() {
         *weight = exp_nonpositive(*weight - max);
         lanes[index % LANES] += *weight;
     }
-    let total = combine(lanes);
-    for weight in row.iter_mut() {
-        *weight /= total;
-    }
+    (max, combine(lanes))
 }
 
 /// `e^x` for `x ≤ 0`, within a few ulps: `x = n·ln2 + r` with `n = ⌊x·log2(e) + 1/2⌋`, the
@@ -252,6 +349,16 @@ pub(crate) fn weighted_values(
     output: &mut [f32],
 ) {
     output.fill(0.0);
+    add_weighted_values(head, first, weights, output);
+}
+
+/// [`weighted_values`] added onto what `output` holds, position by position.
+pub(crate) fn add_weighted_values(
+    head: CachedHead<'_>,
+    first: usize,
+    weights: &[f32],
+    output: &mut [f32],
+) {
     for (at, weight) in weights.iter().enumerate() {
         for (sum, value) in output.iter_mut().zip(head.value(first + at)) {
             *sum = weight.mul_add(*value, *sum);
@@ -311,21 +418,132 @@ mod tests {
     }
 
     #[test]
-    fn softmax_weights_add_to_one_and_keep_their_order() {
+    fn exponentiate_gives_the_largest_score_and_the_total_of_the_weights() {
         let mut row: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin() * 6.0).collect();
         let scores = row.clone();
-        softmax(&mut row);
-        let total: f64 = row.iter().map(|w| f64::from(*w)).sum();
-        assert!((total - 1.0).abs() < 1e-6, "{total}");
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let exact_total: f64 = scores.iter().map(|s| f64::from(s - max).exp()).sum();
-        for (weight, score) in row.iter().zip(&scores) {
-            let exact = f64::from(score - max).exp() / exact_total;
-            assert!(
-                (f64::from(*weight) - exact).abs() < 1e-6,
-                "{weight} vs {exact}"
-            );
+        let (max, total) = exponentiate(&mut row);
+        assert_eq!(
+            max,
+            scores.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+        );
+        let mut lanes = [0f32; LANES];
+        for (index, (weight, score)) in row.iter().zip(&scores).enumerate() {
+            assert_eq!(weight.to_bits(), exp_nonpositive(score - max).to_bits());
+            lanes[index % LANES] += weight;
         }
+        assert_eq!(total.to_bits(), combine(lanes).to_bits());
+    }
+
+    /// Attention in f64 the textbook way: one softmax over every position.
+    fn textbook(
+        head: CachedHead<'_>,
+        positions: Range<usize>,
+        query: &[f32],
+        scale: f32,
+    ) -> Vec<f64> {
+        let scores: Vec<f64> = positions
+            .clone()
+            .map(|at| {
+                let key = head.key(at);
+                query
+                    .iter()
+                    .zip(key)
+                    .map(|(q, k)| f64::from(*q) * f64::from(*k))
+                    .sum::<f64>()
+                    * f64::from(scale)
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        let mut output = vec![0f64; head.head_dim];
+        for (at, weight) in positions.zip(&weights) {
+            for (sum, value) in output.iter_mut().zip(head.value(at)) {
+                *sum += weight / total * f64::from(*value);
+            }
+        }
+        output
+    }
+
+    #[test]
+    fn attention_in_pieces_is_the_textbook_attention() {
+        let head_dim = 16;
+        let cached = 3 * PIECE_POSITIONS + 37;
+        let filler = |seed: usize, count: usize| -> Vec<f32> {
+            (0..count)
+                .map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 500.0 - 2.0)
+                .collect()
+        };
+        let (keys, values) = (
+            filler(1, cached * 2 * head_dim),
+            filler(2, cached * 2 * head_dim),
+        );
+        let head = CachedHead {
+            keys: &keys,
+            values: &values,
+            row_width: 2 * head_dim,
+            offset: head_dim,
+            head_dim,
+        };
+        let queries = filler(3, 2 * head_dim);
+        for positions in [0..1, 0..PIECE_POSITIONS, 5..PIECE_POSITIONS + 9, 40..cached] {
+            let mut attended = vec![0f32; queries.len()];
+            attend_head(
+                Kernel::Scalar,
+                head,
+                positions.clone(),
+                &queries,
+                0.3,
+                &mut Vec::new(),
+                &mut attended,
+            )
+            .expect("the shape fits");
+            for (query, ours) in queries
+                .chunks_exact(head_dim)
+                .zip(attended.chunks_exact(head_dim))
+            {
+                let reference = textbook(head, positions.clone(), query, 0.3);
+                for (ours, reference) in ours.iter().zip(&reference) {
+                    assert!(
+                        (f64::from(*ours) - reference).abs() < 1e-5,
+                        "{positions:?}: {ours} vs {reference}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pieces_are_joined_by_their_maxima() {
+        // One query of two values; each piece: its largest score, its total, its values.
+        let equal = [0.0, 2.0, 4.0, 1.0, 0.0, 5.0, 7.0, 3.0];
+        let mut attended = [0f32; 2];
+        combine_pieces(&equal, 2, &mut attended).expect("whole pieces");
+        assert_eq!(attended, [11.0 / 7.0, 4.0 / 7.0]);
+        // A piece whose largest score is far below the other's adds nothing.
+        let far = [0.0, 2.0, 4.0, 1.0, -1000.0, 5.0, 7.0, 3.0];
+        combine_pieces(&far, 2, &mut attended).expect("whole pieces");
+        assert_eq!(attended, [2.0, 0.5]);
+        // One below by ln 2 counts half: (4 + 7/2) / (2 + 5/2).
+        let half = [0.0, 2.0, 4.0, 1.0, -std::f32::consts::LN_2, 5.0, 7.0, 3.0];
+        combine_pieces(&half, 2, &mut attended).expect("whole pieces");
+        assert!((attended[0] - 7.5 / 4.5).abs() < 1e-6, "{attended:?}");
+        assert!(combine_pieces(&equal[..7], 2, &mut attended).is_err());
+        assert!(combine_pieces(&[], 2, &mut attended).is_err());
+    }
+
+    #[test]
+    fn pieces_cover_the_positions_in_order() {
+        let all: Vec<Range<usize>> = pieces(3..3 + 2 * PIECE_POSITIONS + 1).collect();
+        assert_eq!(
+            all,
+            [
+                3..3 + PIECE_POSITIONS,
+                3 + PIECE_POSITIONS..3 + 2 * PIECE_POSITIONS,
+                3 + 2 * PIECE_POSITIONS..4 + 2 * PIECE_POSITIONS
+            ]
+        );
+        assert_eq!(pieces(7..7).count(), 0);
     }
 
     #[test]

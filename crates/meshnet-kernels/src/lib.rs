@@ -29,7 +29,9 @@ mod matrix;
 mod scalar;
 mod super_rows;
 
-pub use attention::{CachedHead, attend_head};
+pub use attention::{
+    CachedHead, PIECE_POSITIONS, attend_head, attend_piece, combine_pieces, piece_len, pieces,
+};
 pub use error::{KernelError, Result};
 pub use matrix::{MatrixBuilder, QuantizedMatrix, WeightFormat};
 

@@ -7,7 +7,11 @@
 //! every kernel), so its results differ from candle's matmul by float rounding (the model
 //! tests state the bound on the logits).
 
-use meshnet_kernels::{CachedHead, Kernel, attend_head};
+use std::ops::Range;
+
+use meshnet_kernels::{
+    CachedHead, Kernel, attend_head, attend_piece, combine_pieces, piece_len, pieces,
+};
 use rayon::prelude::*;
 
 use crate::Result;
@@ -180,6 +184,11 @@ impl AttentionRule {
 /// Below this many multiply-adds an attention runs on the calling thread.
 const PARALLEL_WORK: usize = 64 * 1024;
 
+/// With fewer (token, key/value head) tasks than this many per thread, an attention splits
+/// each task's positions into the kernels' pieces and spreads those (a decode step has as
+/// many tasks as key/value heads, often fewer than twice the threads).
+const TASKS_PER_THREAD: usize = 4;
+
 /// Causal attention of a chunk's queries (`[tokens, heads · head_dim]`, the chunk starting at
 /// absolute `position`) over `keys` and `values` (`[position + tokens, kv_heads · head_dim]`,
 /// the cache including this chunk). Query `t` sees positions `0..=position + t`, or only the
@@ -187,9 +196,9 @@ const PARALLEL_WORK: usize = 64 * 1024;
 /// `[tokens, heads · head_dim]`.
 ///
 /// Each (token, key/value head) is one task of `meshnet_kernels::attend_head` with the query
-/// heads it serves (each cached key and value read once for all of them; the kernel's fixed
-/// order of operations, so the bits depend neither on the kernel nor on the threads); the
-/// tasks are split over the pool when there is enough work.
+/// heads it serves (each cached key and value read once for all of them). The kernels' order
+/// of operations is fixed, so the bits depend neither on the kernel nor on the threads: with
+/// many tasks they are split over the pool, with few each task's pieces are.
 pub(crate) fn attend(
     shape: Heads,
     rule: AttentionRule,
@@ -198,55 +207,135 @@ pub(crate) fn attend(
     values: &[f32],
     position: usize,
 ) -> Result<Vec<f32>> {
-    let Heads {
-        heads,
-        kv_heads,
-        head_dim,
-    } = shape;
-    let row_width = kv_heads * head_dim;
-    let known = keys.len() / row_width;
-    let tokens = queries.len() / (heads * head_dim);
-    let group = heads / kv_heads;
-    let group_width = group * head_dim;
-    let kernel = Kernel::best();
+    let tasks = AttentionTasks::new(shape, rule, queries, keys, values, position);
     let mut output = vec![0f32; queries.len()];
-    let one_group = |task: usize, attended: &mut [f32], weights: &mut Vec<f32>| {
-        let (token, kv_head) = (task / kv_heads, task % kv_heads);
-        let end = (position + token + 1).min(known);
-        let first = rule.window.map_or(0, |window| end.saturating_sub(window));
-        let cached = CachedHead {
+    let count = output.len() / tasks.group_width;
+    let work = count * shape.heads / shape.kv_heads * tasks.known * shape.head_dim;
+    if work < PARALLEL_WORK {
+        let mut weights = Vec::new();
+        for (task, attended) in output.chunks_exact_mut(tasks.group_width).enumerate() {
+            tasks.attend(task, attended, &mut weights)?;
+        }
+    } else if count >= TASKS_PER_THREAD * rayon::current_num_threads() {
+        output
+            .par_chunks_exact_mut(tasks.group_width)
+            .enumerate()
+            .try_for_each_init(Vec::new, |weights, (task, attended)| {
+                tasks.attend(task, attended, weights)
+            })?;
+    } else {
+        tasks.attend_in_pieces(&mut output)?;
+    }
+    Ok(output)
+}
+
+/// The (token, key/value head) tasks of one attention.
+struct AttentionTasks<'a> {
+    shape: Heads,
+    rule: AttentionRule,
+    queries: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
+    position: usize,
+    known: usize,
+    group_width: usize,
+    kernel: Kernel,
+}
+
+impl<'a> AttentionTasks<'a> {
+    fn new(
+        shape: Heads,
+        rule: AttentionRule,
+        queries: &'a [f32],
+        keys: &'a [f32],
+        values: &'a [f32],
+        position: usize,
+    ) -> Self {
+        Self {
+            shape,
+            rule,
+            queries,
             keys,
             values,
-            row_width,
+            position,
+            known: keys.len() / (shape.kv_heads * shape.head_dim),
+            group_width: shape.heads / shape.kv_heads * shape.head_dim,
+            kernel: Kernel::best(),
+        }
+    }
+
+    /// The cached head task `task` reads, the positions it sees and its queries.
+    fn task(&self, task: usize) -> (CachedHead<'a>, Range<usize>, &'a [f32]) {
+        let Heads {
+            kv_heads, head_dim, ..
+        } = self.shape;
+        let (token, kv_head) = (task / kv_heads, task % kv_heads);
+        let end = (self.position + token + 1).min(self.known);
+        let first = self
+            .rule
+            .window
+            .map_or(0, |window| end.saturating_sub(window));
+        let head = CachedHead {
+            keys: self.keys,
+            values: self.values,
+            row_width: kv_heads * head_dim,
             offset: kv_head * head_dim,
             head_dim,
         };
-        let group_queries = &queries[task * group_width..(task + 1) * group_width];
+        let queries = &self.queries[task * self.group_width..(task + 1) * self.group_width];
+        (head, first..end, queries)
+    }
+
+    /// Task `task` whole, into `attended`.
+    fn attend(&self, task: usize, attended: &mut [f32], weights: &mut Vec<f32>) -> Result<()> {
+        let (head, positions, queries) = self.task(task);
         attend_head(
-            kernel,
-            cached,
-            first..end,
-            group_queries,
-            rule.scale,
+            self.kernel,
+            head,
+            positions,
+            queries,
+            self.rule.scale,
             weights,
             attended,
-        )
-    };
-    let work = tokens * heads * known * head_dim;
-    if work < PARALLEL_WORK {
-        let mut weights = Vec::new();
-        for (task, attended) in output.chunks_exact_mut(group_width).enumerate() {
-            one_group(task, attended, &mut weights)?;
-        }
-    } else {
-        output
-            .par_chunks_exact_mut(group_width)
-            .enumerate()
-            .try_for_each_init(Vec::new, |weights, (task, attended)| {
-                one_group(task, attended, weights)
-            })?;
+        )?;
+        Ok(())
     }
-    Ok(output)
+
+    /// Every task, its pieces spread over the pool, then joined task by task into `output`.
+    fn attend_in_pieces(&self, output: &mut [f32]) -> Result<()> {
+        let count = output.len() / self.group_width;
+        let one = piece_len(self.shape.heads / self.shape.kv_heads, self.shape.head_dim);
+        let all: Vec<(usize, Range<usize>)> = (0..count)
+            .flat_map(|task| pieces(self.task(task).1).map(move |piece| (task, piece)))
+            .collect();
+        let mut sums = vec![0f32; all.len() * one];
+        sums.par_chunks_exact_mut(one)
+            .zip(all.par_iter())
+            .try_for_each_init(Vec::new, |weights, (sums, (task, piece))| {
+                let (head, _, queries) = self.task(*task);
+                let scale = self.rule.scale;
+                attend_piece(
+                    self.kernel,
+                    head,
+                    piece.clone(),
+                    queries,
+                    scale,
+                    weights,
+                    sums,
+                )
+            })?;
+        let mut first = 0;
+        for (task, attended) in output.chunks_exact_mut(self.group_width).enumerate() {
+            let end = first + pieces(self.task(task).1).count();
+            if first == end {
+                attended.fill(0.0);
+                continue;
+            }
+            combine_pieces(&sums[first * one..end * one], self.shape.head_dim, attended)?;
+            first = end;
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -344,6 +433,40 @@ mod tests {
                     "position {position} tokens {tokens} value {index}: {ours} vs {reference}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn a_decode_step_over_a_long_cache_gives_the_bits_of_whole_tasks() {
+        let shape = Heads {
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 16,
+        };
+        // One token over 1,000 positions: enough work for the pool, too few tasks for it, so
+        // the tasks' pieces are spread instead.
+        let known = 1000;
+        let queries = filler(6 * 16, 21);
+        let keys = filler(known * 2 * 16, 22);
+        let values = filler(known * 2 * 16, 23);
+        let rule = AttentionRule::causal(16);
+        let ours =
+            attend(shape, rule, &queries, &keys, &values, known - 1).expect("the buffers fit");
+        let tasks = AttentionTasks::new(shape, rule, &queries, &keys, &values, known - 1);
+        let mut whole = vec![0f32; queries.len()];
+        for (task, attended) in whole.chunks_exact_mut(3 * 16).enumerate() {
+            tasks
+                .attend(task, attended, &mut Vec::new())
+                .expect("the buffers fit");
+        }
+        let bits = |values: &[f32]| values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&ours), bits(&whole));
+        let reference = reference_attention(shape, &queries, &keys, &values, known - 1, None);
+        for (ours, reference) in ours.iter().zip(&reference) {
+            assert!(
+                (f64::from(*ours) - reference).abs() < 1e-4,
+                "{ours} vs {reference}"
+            );
         }
     }
 
