@@ -102,7 +102,8 @@ impl CachedHead<'_> {
                 self.row_width
             ));
         }
-        if !queries.len().is_multiple_of(self.head_dim) || queries.len() != attended.len() {
+        let whole_heads = !queries.is_empty() && queries.len().is_multiple_of(self.head_dim);
+        if !whole_heads || queries.len() != attended.len() {
             return shape_error(format!(
                 "{} query values and {} outputs for heads of {}",
                 queries.len(),
@@ -178,7 +179,8 @@ pub fn attend_piece(
 ) -> Result<()> {
     head.check(&positions, queries, queries)?;
     let members = queries.len() / head.head_dim;
-    if positions.len() > PIECE_POSITIONS || sums.len() != piece_len(members, head.head_dim) {
+    let fits = (1..=PIECE_POSITIONS).contains(&positions.len());
+    if !fits || sums.len() != piece_len(members, head.head_dim) {
         return Err(KernelError::Shape(format!(
             "a piece of {} positions into {} sums for {members} queries of {}",
             positions.len(),
@@ -582,5 +584,31 @@ mod tests {
             ..head
         };
         assert!(attend(short, 0..1, &mut out).is_err());
+        assert!(
+            attend_head(
+                Kernel::Scalar,
+                head,
+                0..4,
+                &[],
+                1.0,
+                &mut Vec::new(),
+                &mut []
+            )
+            .is_err()
+        );
+        let mut sums = vec![0f32; piece_len(1, 4)];
+        let mut piece = |positions: Range<usize>| {
+            attend_piece(
+                Kernel::Scalar,
+                head,
+                positions,
+                &[1.0; 4],
+                1.0,
+                &mut Vec::new(),
+                &mut sums,
+            )
+        };
+        assert!(piece(0..4).is_ok());
+        assert!(piece(2..2).is_err());
     }
 }
