@@ -18,10 +18,14 @@
 //!   `+0.0`), and each value is divided by the total.
 //!
 //! Fused multiply-adds halve the vector instructions of the AVX2 kernel (every AVX2 CPU has
-//! FMA); the reference pays for them only on a CPU without FMA, where `f32::mul_add` is a
-//! library call.
+//! FMA). The crate is built for any x86_64, so the scalar code's `f32::mul_add` is a call to
+//! the C library's `fmaf` (correctly rounded, hence the same bits): slow in the reference, and
+//! in the few scalar steps the AVX2 path keeps (joining pieces, the last positions or values
+//! past a group of eight, heads whose size is not a multiple of eight).
 //!
-//! Scores are assumed finite; a NaN anywhere gives NaNs, which NaN is not part of the contract.
+//! Scores are assumed finite; a NaN anywhere gives NaNs, which NaN is not part of the contract,
+//! and neither is the sign of a piece's largest score when it is zero (`attended` is the same
+//! either way).
 
 use std::ops::Range;
 
@@ -87,14 +91,16 @@ impl CachedHead<'_> {
     /// `attended` hold whole heads, as many of each.
     fn check(&self, positions: &Range<usize>, queries: &[f32], attended: &[f32]) -> Result<()> {
         let shape_error = |what: String| Err(KernelError::Shape(what));
-        if self.head_dim == 0 || self.offset + self.head_dim > self.row_width {
+        let head_end = self.offset.checked_add(self.head_dim);
+        if self.head_dim == 0 || head_end.is_none_or(|end| end > self.row_width) {
             return shape_error(format!(
                 "a head of {} values at {} in rows of {}",
                 self.head_dim, self.offset, self.row_width
             ));
         }
         let cached = self.keys.len() / self.row_width;
-        if self.keys.len() != self.values.len() || positions.end > cached {
+        let ordered = positions.start <= positions.end;
+        if self.keys.len() != self.values.len() || !ordered || positions.end > cached {
             return shape_error(format!(
                 "positions {positions:?} of {} keys and {} values in rows of {}",
                 self.keys.len(),
@@ -125,13 +131,13 @@ pub fn pieces(positions: Range<usize>) -> impl Iterator<Item = Range<usize>> {
     positions
         .clone()
         .step_by(PIECE_POSITIONS)
-        .map(move |start| start..(start + PIECE_POSITIONS).min(positions.end))
+        .map(move |start| start..start.saturating_add(PIECE_POSITIONS).min(positions.end))
 }
 
 /// Floats one piece's sums take for `queries` queries of `head_dim` values: per query its
 /// largest score, the sum of its weights and its weighted values (not yet divided).
 pub fn piece_len(queries: usize, head_dim: usize) -> usize {
-    queries * (head_dim + 2)
+    queries.saturating_mul(head_dim.saturating_add(2))
 }
 
 /// Attention of `queries` (whole heads, each of `head.head_dim` values) over the cached
@@ -610,5 +616,15 @@ mod tests {
         };
         assert!(piece(0..4).is_ok());
         assert!(piece(2..2).is_err());
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = 3..1;
+        assert!(attend(head, backwards, &mut out).is_err());
+        let far = CachedHead {
+            offset: usize::MAX,
+            ..head
+        };
+        assert!(attend(far, 0..4, &mut out).is_err());
+        assert!(combine_pieces(&[0.0; 6], usize::MAX, &mut out).is_err());
+        assert_eq!(pieces(usize::MAX - 1..usize::MAX).count(), 1);
     }
 }

@@ -68,7 +68,8 @@ pub const KERNEL_VARIABLE: &str = "MESHNET_KERNEL";
 pub enum Kernel {
     /// Plain Rust, every CPU: the reference.
     Scalar,
-    /// AVX2 integer dot products (x86_64 CPUs that have AVX2).
+    /// AVX2 integer dot products and float attention (x86_64 CPUs that have AVX2, FMA and
+    /// F16C).
     Avx2(Avx2Kernel),
 }
 

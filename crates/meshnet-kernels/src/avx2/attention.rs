@@ -105,7 +105,7 @@ fn store(values: &mut [f32], at: usize, vector: __m256) {
 /// The reference's `scores`, eight positions at a time.
 ///
 /// # Safety
-/// The CPU must have AVX2; `head.head_dim` must be a multiple of eight.
+/// The CPU must have AVX2 and FMA; `head.head_dim` must be a multiple of eight.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn scores(
@@ -221,7 +221,7 @@ fn exp_nonpositive(x: __m256) -> __m256 {
 /// a time (then one at a time), each pass over every position.
 ///
 /// # Safety
-/// The CPU must have AVX2; `head.head_dim` must be a multiple of eight.
+/// The CPU must have AVX2 and FMA; `head.head_dim` must be a multiple of eight.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn weighted_values(head: CachedHead<'_>, first: usize, weights: &[f32], output: &mut [f32]) {

@@ -4,7 +4,9 @@
 //! dot product of each block is computed with `maddubs`/`madd` (exact: no intermediate can
 //! saturate, see below), eight blocks' sums are reduced together with `hadd`, and the float part
 //! is computed lane-wise with separate multiplies and adds (never fused) and then added to the
-//! running sum one block at a time, in block order, exactly as the scalar loop does.
+//! running sum one block at a time, in block order, exactly as the scalar loop does. Attention
+//! (`attention.rs`) is the exception: its reference is written with fused multiply-adds, and
+//! the kernel uses FMA where the reference does.
 //!
 //! Saturation: `maddubs` adds two products of an unsigned and a signed byte into an i16. For
 //! Q4_1 the unsigned side is a nibble (≤ 15) and the signed side an activation (|a| ≤ 128):
