@@ -436,6 +436,17 @@ mod tests {
         }
     }
 
+    /// One decode step's queries and a cache of `known` positions' keys and values, filled
+    /// from seeds `seed`, `seed + 1` and `seed + 2`.
+    fn decode_operands(shape: Heads, known: usize, seed: u32) -> [Vec<f32>; 3] {
+        let cached = known * shape.kv_heads * shape.head_dim;
+        [
+            filler(shape.heads * shape.head_dim, seed),
+            filler(cached, seed + 1),
+            filler(cached, seed + 2),
+        ]
+    }
+
     #[test]
     fn a_decode_step_over_a_long_cache_gives_the_bits_of_whole_tasks() {
         let shape = Heads {
@@ -446,9 +457,7 @@ mod tests {
         // One token over 1,000 positions: enough work for the pool, too few tasks for it, so
         // the tasks' pieces are spread instead.
         let known = 1000;
-        let queries = filler(6 * 16, 21);
-        let keys = filler(known * 2 * 16, 22);
-        let values = filler(known * 2 * 16, 23);
+        let [queries, keys, values] = decode_operands(shape, known, 21);
         let rule = AttentionRule::causal(16);
         let ours =
             attend(shape, rule, &queries, &keys, &values, known - 1).expect("the buffers fit");
@@ -481,9 +490,7 @@ mod tests {
             head_dim: 64,
         };
         let known = 1900;
-        let queries = filler(9 * 64, 1);
-        let keys = filler(known * 3 * 64, 2);
-        let values = filler(known * 3 * 64, 3);
+        let [queries, keys, values] = decode_operands(shape, known, 1);
         let rule = AttentionRule::causal(64);
         let mut best = f64::MAX;
         for _ in 0..200 {
