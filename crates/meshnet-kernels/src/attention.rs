@@ -2,8 +2,10 @@
 //! weighted sum of values, in f32, in an order every kernel reproduces bit for bit, and in
 //! pieces of positions that separate threads may compute (the same bits either way).
 //!
-//! The reference's arithmetic, where `fma(a, b, c)` is `a·b + c` rounded once (`f32::mul_add`;
-//! every other operation rounded on its own):
+//! The cache holds keys and values as IEEE half floats (half the bytes a long cache streams
+//! per step); each is widened to f32, which is exact, where it is used. The reference's
+//! arithmetic, where `fma(a, b, c)` is `a·b + c` rounded once (`f32::mul_add`; every other
+//! operation rounded on its own):
 //! - a score is `dot(query, key) · scale`; `dot` puts value `i` into lane `i % 8` (`lane =
 //!   fma(q, k, lane)`, lanes starting at `+0.0`) for the whole groups of eight, adds the lanes as
 //!   `((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))` ([`combine`]), then takes the values
@@ -28,6 +30,8 @@
 //! either way).
 
 use std::ops::Range;
+
+use half::f16;
 
 use crate::{Kernel, KernelError, Result};
 
@@ -61,13 +65,14 @@ pub(crate) const EXP_TERMS: [f32; 8] = [
 ];
 
 /// One key/value head of a session's cache: position `p`'s key is
-/// `keys[p · row_width + offset..][..head_dim]`, its value likewise in `values`.
+/// `keys[p · row_width + offset..][..head_dim]`, its value likewise in `values`. The cache
+/// holds IEEE half floats; every kernel widens them to f32 exactly before any arithmetic.
 #[derive(Clone, Copy, Debug)]
 pub struct CachedHead<'a> {
     /// Cached keys, `row_width` values per position.
-    pub keys: &'a [f32],
+    pub keys: &'a [f16],
     /// Cached values, laid out as the keys.
-    pub values: &'a [f32],
+    pub values: &'a [f16],
     /// Values per cached position (every key/value head side by side).
     pub row_width: usize,
     /// Where this head starts within a position's row.
@@ -78,12 +83,12 @@ pub struct CachedHead<'a> {
 
 impl CachedHead<'_> {
     /// Position `at`'s key.
-    pub(crate) fn key(&self, at: usize) -> &[f32] {
+    pub(crate) fn key(&self, at: usize) -> &[f16] {
         &self.keys[at * self.row_width + self.offset..][..self.head_dim]
     }
 
     /// Position `at`'s value.
-    pub(crate) fn value(&self, at: usize) -> &[f32] {
+    pub(crate) fn value(&self, at: usize) -> &[f16] {
         &self.values[at * self.row_width + self.offset..][..self.head_dim]
     }
 
@@ -290,8 +295,8 @@ pub(crate) fn scores(
     }
 }
 
-/// The reference's dot product (module docs).
-pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+/// The reference's dot product (module docs) of a query and a cached key.
+pub(crate) fn dot(a: &[f32], b: &[f16]) -> f32 {
     let whole = a.len() - a.len() % LANES;
     let mut lanes = [0f32; LANES];
     for (a, b) in a[..whole]
@@ -299,12 +304,12 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
         .zip(b[..whole].chunks_exact(LANES))
     {
         for lane in 0..LANES {
-            lanes[lane] = a[lane].mul_add(b[lane], lanes[lane]);
+            lanes[lane] = a[lane].mul_add(b[lane].to_f32(), lanes[lane]);
         }
     }
     let mut sum = combine(lanes);
     for (a, b) in a[whole..].iter().zip(&b[whole..]) {
-        sum = a.mul_add(*b, sum);
+        sum = a.mul_add(b.to_f32(), sum);
     }
     sum
 }
@@ -369,7 +374,7 @@ pub(crate) fn add_weighted_values(
 ) {
     for (at, weight) in weights.iter().enumerate() {
         for (sum, value) in output.iter_mut().zip(head.value(first + at)) {
-            *sum = weight.mul_add(*value, *sum);
+            *sum = weight.mul_add(value.to_f32(), *sum);
         }
     }
 }
@@ -417,7 +422,7 @@ mod tests {
         // Lanes 1e8, 1, -1e8, 1: pairwise (1e8 + 1) + (-1e8 + 1) rounds to 0, left to right
         // to 1. The two values past the last whole group are added after the lanes.
         let a = [1e8, 1.0, -1e8, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5, 3.0];
-        let b = [1.0; 10];
+        let b = [f16::ONE; 10];
         assert_eq!(dot(&a, &b), 3.5);
         assert_eq!(combine([1e8, 1.0, -1e8, 1.0, 0.0, 0.0, 0.0, 0.0]), 0.0);
         assert_eq!(combine([0.0, 0.0, 0.0, 0.0, 1e8, 1.0, -1e8, 1.0]), 0.0);
@@ -456,7 +461,7 @@ mod tests {
                 query
                     .iter()
                     .zip(key)
-                    .map(|(q, k)| f64::from(*q) * f64::from(*k))
+                    .map(|(q, k)| f64::from(*q) * f64::from(k.to_f32()))
                     .sum::<f64>()
                     * f64::from(scale)
             })
@@ -467,7 +472,7 @@ mod tests {
         let mut output = vec![0f64; head.head_dim];
         for (at, weight) in positions.zip(&weights) {
             for (sum, value) in output.iter_mut().zip(head.value(at)) {
-                *sum += weight / total * f64::from(*value);
+                *sum += weight / total * f64::from(value.to_f32());
             }
         }
         output
@@ -477,9 +482,9 @@ mod tests {
     fn attention_in_pieces_is_the_textbook_attention() {
         let head_dim = 16;
         let cached = 3 * PIECE_POSITIONS + 37;
-        let filler = |seed: usize, count: usize| -> Vec<f32> {
+        let filler = |seed: usize, count: usize| -> Vec<f16> {
             (0..count)
-                .map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 500.0 - 2.0)
+                .map(|i| f16::from_f32(((i * 7919 + seed * 104_729) % 2003) as f32 / 500.0 - 2.0))
                 .collect()
         };
         let (keys, values) = (
@@ -493,7 +498,7 @@ mod tests {
             offset: head_dim,
             head_dim,
         };
-        let queries = filler(3, 2 * head_dim);
+        let queries: Vec<f32> = filler(3, 2 * head_dim).iter().map(|q| q.to_f32()).collect();
         for positions in [0..1, 0..PIECE_POSITIONS, 5..PIECE_POSITIONS + 9, 40..cached] {
             let mut attended = vec![0f32; queries.len()];
             attend_head(
@@ -559,7 +564,7 @@ mod tests {
 
     #[test]
     fn operands_that_do_not_fit_are_refused() {
-        let keys = vec![0f32; 4 * 12];
+        let keys = vec![f16::ZERO; 4 * 12];
         let head = CachedHead {
             keys: &keys,
             values: &keys,

@@ -30,7 +30,7 @@ use crate::generation::{LogitsHead, Stage, TokenEmbedder};
 use meshnet_types::{LayerSpan, Quantization};
 
 use crate::gguf::{ModelDescription, WeightBytes};
-use crate::kv_cache::{KvStore, SessionCache, SessionId};
+use crate::kv_cache::{CACHED_VALUE_BYTES, KvStore, SessionCache, SessionId};
 use crate::llama::SpanSpec;
 
 /// The configuration file of a Hugging Face model directory.
@@ -964,7 +964,7 @@ impl Gpt2Span {
         let token_embedding = if spec.embedding { token_table } else { None };
 
         let span_layers = spec.layers.len() as usize;
-        let bytes_per_position = span_layers * 2 * hidden * DType::F32.size_in_bytes();
+        let bytes_per_position = span_layers * 2 * hidden * CACHED_VALUE_BYTES;
         let attention_scale = if config.scale_attention {
             1.0 / (config.head_dim() as f64).sqrt()
         } else {

@@ -1,12 +1,13 @@
-//! Key/value caches kept apart from the weights: one per session, one pair of growing f32
-//! buffers per layer (position after position), indexed by absolute position and bounded by a
-//! byte budget shared by all sessions.
+//! Key/value caches kept apart from the weights: one per session, one pair of growing buffers
+//! of IEEE half floats per layer (position after position), indexed by absolute position and
+//! bounded by a byte budget shared by all sessions.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use half::f16;
 
 use crate::error::{ModelError, Result};
 
@@ -16,27 +17,48 @@ pub type SessionId = uuid::Uuid;
 /// The default budget of a [`KvStore`]: 256 MiB.
 pub const DEFAULT_KV_BUDGET_BYTES: usize = 256 * 1024 * 1024;
 
+/// Bytes one cached key or value element takes: keys and values are kept as IEEE half floats
+/// (rounded to nearest, ties to even, when a chunk is appended; beyond ±65504 saturated),
+/// half what f32 would take.
+pub const CACHED_VALUE_BYTES: usize = 2;
+
 /// One layer's cached keys and values, position after position: each is `[positions, width]`
-/// row-major, `width` being the key/value heads times the head size. Appending a chunk only
+/// row-major half floats, `width` being the key/value heads times the head size. Appending a chunk only
 /// extends the buffers (no copy of what is cached, beyond a buffer's occasional growth). A
 /// buffer grows by doubling, so it may reserve up to twice what its positions take; the
 /// store's budget counts positions.
 #[derive(Debug, Clone, Default)]
 pub struct LayerCache {
-    keys: Vec<f32>,
-    values: Vec<f32>,
+    keys: Vec<f16>,
+    values: Vec<f16>,
 }
 
 impl LayerCache {
     /// The cached keys, `[positions, width]` row-major.
-    pub fn keys(&self) -> &[f32] {
+    pub fn keys(&self) -> &[f16] {
         &self.keys
     }
 
     /// The cached values, `[positions, width]` row-major.
-    pub fn values(&self) -> &[f32] {
+    pub fn values(&self) -> &[f16] {
         &self.values
     }
+}
+
+/// `rows` rounded to half floats and added at the end of `cached`; values beyond the half
+/// floats' range are kept as the largest one of their sign, not as an infinity that would turn
+/// every later attention over them into NaN.
+fn extend_rounded(cached: &mut Vec<f16>, rows: &[f32]) {
+    let largest = f16::MAX.to_f32();
+    cached.extend(
+        rows.iter()
+            .map(|&value| f16::from_f32(value.clamp(-largest, largest))),
+    );
+}
+
+/// Half floats widened to f32 (exactly).
+fn widened(cached: &[f16]) -> Vec<f32> {
+    cached.iter().map(|value| value.to_f32()).collect()
 }
 
 /// The cached keys and values of one session in one span.
@@ -77,8 +99,8 @@ impl SessionCache {
         self.layers.get(index)
     }
 
-    /// Appends one chunk's keys and values for a layer (`[tokens, width]` row-major each),
-    /// returning everything the layer now holds. Byte accounting and position checks are the
+    /// Appends one chunk's keys and values for a layer (`[tokens, width]` row-major each,
+    /// rounded to half floats), returning everything the layer now holds. Byte accounting and position checks are the
     /// store's job ([`KvStore::with_session`]).
     pub(crate) fn append_rows(
         &mut self,
@@ -97,14 +119,15 @@ impl SessionCache {
             .layers
             .get_mut(index)
             .ok_or_else(|| ModelError::InvalidSpan(format!("no cache slot for layer {index}")))?;
-        slot.keys.extend_from_slice(keys);
-        slot.values.extend_from_slice(values);
-        self.bytes += 2 * keys.len() * std::mem::size_of::<f32>();
+        extend_rounded(&mut slot.keys, keys);
+        extend_rounded(&mut slot.values, values);
+        self.bytes += 2 * keys.len() * CACHED_VALUE_BYTES;
         Ok(slot)
     }
 
     /// Appends one chunk's keys and values for a layer as tensors `[1, heads, tokens,
-    /// head_dim]`, returning the layer's full keys and values in the same layout.
+    /// head_dim]`, returning the layer's full keys and values in the same layout (f32 widened
+    /// from the cache's half floats).
     pub(crate) fn append(
         &mut self,
         index: usize,
@@ -122,9 +145,9 @@ impl SessionCache {
         let (keys, values) = (rows(&keys)?, rows(&values)?);
         let layer = self.append_rows(index, &keys, &values)?;
         let positions = layer.keys.len() / (heads * head_dim);
-        let heads_first = |rows: &[f32]| -> Result<Tensor> {
+        let heads_first = |rows: &[f16]| -> Result<Tensor> {
             Ok(
-                Tensor::from_slice(rows, (1, positions, heads, head_dim), &Device::Cpu)?
+                Tensor::from_vec(widened(rows), (1, positions, heads, head_dim), &Device::Cpu)?
                     .transpose(1, 2)?
                     .contiguous()?,
             )
@@ -150,7 +173,7 @@ impl SessionCache {
         SessionCache {
             layers,
             len,
-            bytes: floats * std::mem::size_of::<f32>(),
+            bytes: floats * CACHED_VALUE_BYTES,
             last_used: Instant::now(),
         }
     }
@@ -493,6 +516,12 @@ fn release(
 mod tests {
     use super::*;
 
+    /// Bytes of one position of [`chunk`]'s rows: keys and values of 2 heads of 4.
+    const CHUNK_POSITION_BYTES: usize = 2 * 2 * 4 * CACHED_VALUE_BYTES;
+
+    /// Bytes of one position of [`append_numbered`]'s rows: 2 layers, keys and values of 2.
+    const NUMBERED_POSITION_BYTES: usize = 2 * 2 * 2 * CACHED_VALUE_BYTES;
+
     fn chunk(tokens: usize) -> (Tensor, Tensor) {
         let keys = Tensor::zeros((1, 2, tokens, 4), candle_core::DType::F32, &Device::Cpu).unwrap();
         (keys.clone(), keys)
@@ -508,12 +537,12 @@ mod tests {
 
     #[test]
     fn appends_and_rejects_gaps_and_overlaps() {
-        let store = KvStore::new(1, 2 * 2 * 4 * 4, 1 << 20);
+        let store = KvStore::new(1, CHUNK_POSITION_BYTES, 1 << 20);
         let session = SessionId::new_v4();
         append(&store, session, 0, 3).unwrap();
         append(&store, session, 3, 1).unwrap();
         assert_eq!(store.session_len(session), 4);
-        assert_eq!(store.used_bytes(), 4 * 64);
+        assert_eq!(store.used_bytes(), 4 * CHUNK_POSITION_BYTES);
         let gap = append(&store, session, 6, 1).unwrap_err();
         assert!(
             matches!(gap, ModelError::PositionMismatch { kind: "gap", .. }),
@@ -560,19 +589,18 @@ mod tests {
         let mut state = store.lock();
         let cache = state.sessions.get_mut(&session).unwrap();
         let layer = cache.layer(layer).unwrap();
-        (layer.keys().to_vec(), layer.values().to_vec())
+        (widened(layer.keys()), widened(layer.values()))
     }
 
     #[test]
     fn a_fork_copies_the_parents_first_positions_and_then_lives_on_its_own() {
-        // Two layers of width 2: 16 bytes per position each for keys and values.
-        let store = KvStore::new(2, 2 * 2 * 2 * 4, 1 << 20);
+        let store = KvStore::new(2, NUMBERED_POSITION_BYTES, 1 << 20);
         let parent = SessionId::new_v4();
         let child = SessionId::new_v4();
         append_numbered(&store, parent, 0, 5);
         store.fork(parent, child, 3).unwrap();
         assert_eq!(store.session_len(child), 3);
-        assert_eq!(store.used_bytes(), 8 * 32);
+        assert_eq!(store.used_bytes(), 8 * NUMBERED_POSITION_BYTES);
         for layer in 0..2 {
             assert_eq!(layer_rows(&store, child, layer), numbered_rows(0, 3));
         }
@@ -588,7 +616,7 @@ mod tests {
 
     #[test]
     fn a_fork_is_refused_without_enough_parent_an_existing_child_or_room() {
-        let store = KvStore::new(2, 2 * 2 * 2 * 4, 9 * 32);
+        let store = KvStore::new(2, NUMBERED_POSITION_BYTES, 9 * NUMBERED_POSITION_BYTES);
         let parent = SessionId::new_v4();
         let child = SessionId::new_v4();
         append_numbered(&store, parent, 0, 5);
@@ -606,8 +634,8 @@ mod tests {
             matches!(
                 full,
                 ModelError::CacheBudget {
-                    needed: 160,
-                    used: 160,
+                    needed: 80,
+                    used: 80,
                     ..
                 }
             ),
@@ -615,12 +643,12 @@ mod tests {
         );
         assert!(!store.has_session(child));
         store.fork(parent, child, 4).unwrap();
-        assert_eq!(store.used_bytes(), 9 * 32);
+        assert_eq!(store.used_bytes(), 9 * NUMBERED_POSITION_BYTES);
     }
 
     #[test]
     fn tensor_chunks_come_back_joined_in_position_order() {
-        let store = KvStore::new(1, 2 * 2 * 3 * 4, 1 << 20);
+        let store = KvStore::new(1, 2 * 2 * 3 * CACHED_VALUE_BYTES, 1 << 20);
         let session = SessionId::new_v4();
         // `[1, heads = 2, tokens, head_dim = 3]`, each value naming its head, position, index.
         let chunk = |first: usize, tokens: usize| {
@@ -655,8 +683,27 @@ mod tests {
     }
 
     #[test]
+    fn appended_rows_are_kept_as_their_nearest_half_floats() {
+        let store = KvStore::new(1, 2 * 2 * CACHED_VALUE_BYTES, 1 << 20);
+        let session = SessionId::new_v4();
+        // Just above halfway between 1 and the next half float (1 + 2^-10); exactly halfway
+        // (ties go to the even 1); values past the largest half float (65504) either side.
+        let keys = [1.0 + 2f32.powi(-11) + 2f32.powi(-20), 1.0 + 2f32.powi(-11)];
+        let values = [70_000.0, -1e30];
+        store
+            .with_session(session, 0, 1, |cache| {
+                let layer = cache.append_rows(0, &keys, &values)?;
+                assert_eq!(widened(layer.keys()), [1.0 + 2f32.powi(-10), 1.0]);
+                assert_eq!(widened(layer.values()), [65504.0, -65504.0]);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(store.used_bytes(), 2 * 2 * CACHED_VALUE_BYTES);
+    }
+
+    #[test]
     fn a_failed_chunk_leaves_the_cached_rows_as_they_were() {
-        let store = KvStore::new(2, 2 * 2 * 4, 1 << 20);
+        let store = KvStore::new(2, NUMBERED_POSITION_BYTES, 1 << 20);
         let session = SessionId::new_v4();
         let rows = |value: f32, tokens: usize| vec![value; tokens * 2];
         store
@@ -674,9 +721,9 @@ mod tests {
         store
             .with_session(session, 2, 1, |cache| {
                 let layer = cache.append_rows(0, &rows(5.0, 1), &rows(6.0, 1))?;
-                assert_eq!(layer.keys(), [1.0, 1.0, 1.0, 1.0, 5.0, 5.0]);
-                assert_eq!(layer.values(), [2.0, 2.0, 2.0, 2.0, 6.0, 6.0]);
-                assert_eq!(cache.layer(1).unwrap().keys(), [3.0; 4]);
+                assert_eq!(widened(layer.keys()), [1.0, 1.0, 1.0, 1.0, 5.0, 5.0]);
+                assert_eq!(widened(layer.values()), [2.0, 2.0, 2.0, 2.0, 6.0, 6.0]);
+                assert_eq!(widened(cache.layer(1).unwrap().keys()), [3.0; 4]);
                 Ok(())
             })
             .unwrap();
@@ -684,7 +731,7 @@ mod tests {
 
     #[test]
     fn a_rewind_drops_the_last_positions_frees_their_bytes_and_appending_goes_on_from_there() {
-        let store = KvStore::new(2, 2 * 2 * 4 * 2, 1 << 20);
+        let store = KvStore::new(2, NUMBERED_POSITION_BYTES, 1 << 20);
         let session = SessionId::new_v4();
         append_numbered(&store, session, 0, 3);
         append_numbered(&store, session, 3, 4);
@@ -712,7 +759,7 @@ mod tests {
 
     #[test]
     fn budget_is_enforced_across_sessions() {
-        let store = KvStore::new(1, 64, 64 * 5);
+        let store = KvStore::new(1, CHUNK_POSITION_BYTES, CHUNK_POSITION_BYTES * 5);
         let first = SessionId::new_v4();
         let second = SessionId::new_v4();
         append(&store, first, 0, 4).unwrap();
@@ -721,12 +768,12 @@ mod tests {
         append(&store, second, 0, 1).unwrap();
         store.end_session(first);
         append(&store, second, 1, 2).unwrap();
-        assert_eq!(store.used_bytes(), 3 * 64);
+        assert_eq!(store.used_bytes(), 3 * CHUNK_POSITION_BYTES);
     }
 
     #[test]
     fn failed_compute_leaves_the_session_unchanged() {
-        let store = KvStore::new(1, 64, 1 << 20);
+        let store = KvStore::new(1, CHUNK_POSITION_BYTES, 1 << 20);
         let session = SessionId::new_v4();
         append(&store, session, 0, 2).unwrap();
         let result: Result<()> = store.with_session(session, 2, 1, |cache| {
@@ -736,13 +783,13 @@ mod tests {
         });
         assert!(result.is_err());
         assert_eq!(store.session_len(session), 2);
-        assert_eq!(store.used_bytes(), 2 * 64);
+        assert_eq!(store.used_bytes(), 2 * CHUNK_POSITION_BYTES);
         append(&store, session, 2, 1).unwrap();
     }
 
     #[test]
     fn a_session_ended_while_computing_is_dropped_when_the_chunk_finishes() {
-        let store = KvStore::new(1, 2 * 2 * 4 * 4, 1 << 20);
+        let store = KvStore::new(1, CHUNK_POSITION_BYTES, 1 << 20);
         let session = SessionId::new_v4();
         append(&store, session, 0, 2).unwrap();
         store
@@ -764,7 +811,7 @@ mod tests {
 
     #[test]
     fn idle_sessions_are_reaped_and_busy_ones_kept() {
-        let store = KvStore::new(1, 2 * 2 * 4 * 4, 1 << 20);
+        let store = KvStore::new(1, CHUNK_POSITION_BYTES, 1 << 20);
         let before = Instant::now();
         let idle = SessionId::new_v4();
         append(&store, idle, 0, 2).unwrap();
@@ -794,7 +841,7 @@ mod tests {
             "the busy session is back after its chunk"
         );
         assert_eq!(store.session_len(busy), 2);
-        assert_eq!(store.used_bytes(), 2 * 64);
+        assert_eq!(store.used_bytes(), 2 * CHUNK_POSITION_BYTES);
         // Its next chunk continues where the last one ended.
         append(&store, busy, 2, 1).unwrap();
         assert_eq!(store.session_len(busy), 3);

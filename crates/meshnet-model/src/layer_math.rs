@@ -9,6 +9,7 @@
 
 use std::ops::Range;
 
+use half::f16;
 use meshnet_kernels::{
     CachedHead, Kernel, attend_head, attend_piece, combine_pieces, piece_len, pieces,
 };
@@ -203,8 +204,8 @@ pub(crate) fn attend(
     shape: Heads,
     rule: AttentionRule,
     queries: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    keys: &[f16],
+    values: &[f16],
     position: usize,
 ) -> Result<Vec<f32>> {
     let tasks = AttentionTasks::new(shape, rule, queries, keys, values, position);
@@ -234,8 +235,8 @@ struct AttentionTasks<'a> {
     shape: Heads,
     rule: AttentionRule,
     queries: &'a [f32],
-    keys: &'a [f32],
-    values: &'a [f32],
+    keys: &'a [f16],
+    values: &'a [f16],
     position: usize,
     known: usize,
     group_width: usize,
@@ -247,8 +248,8 @@ impl<'a> AttentionTasks<'a> {
         shape: Heads,
         rule: AttentionRule,
         queries: &'a [f32],
-        keys: &'a [f32],
-        values: &'a [f32],
+        keys: &'a [f16],
+        values: &'a [f16],
         position: usize,
     ) -> Self {
         Self {
@@ -346,8 +347,8 @@ mod tests {
     fn reference_attention(
         shape: Heads,
         queries: &[f32],
-        keys: &[f32],
-        values: &[f32],
+        keys: &[f16],
+        values: &[f16],
         position: usize,
         window: Option<usize>,
     ) -> Vec<f64> {
@@ -370,7 +371,7 @@ mod tests {
                         query
                             .iter()
                             .zip(key)
-                            .map(|(q, k)| f64::from(*q) * f64::from(*k))
+                            .map(|(q, k)| f64::from(*q) * f64::from(k.to_f32()))
                             .sum::<f64>()
                             / (head_dim as f64).sqrt()
                     })
@@ -382,12 +383,17 @@ mod tests {
                     let value = &values[(at * kv_heads + kv) * head_dim..][..head_dim];
                     for (i, v) in value.iter().enumerate() {
                         output[(token * heads + head) * head_dim + i] +=
-                            weight / total * f64::from(*v);
+                            weight / total * f64::from(v.to_f32());
                     }
                 }
             }
         }
         output
+    }
+
+    /// [`filler`]'s values as the cache keeps them.
+    fn half_filler(count: usize, seed: u32) -> Vec<f16> {
+        filler(count, seed).into_iter().map(f16::from_f32).collect()
     }
 
     /// Deterministic values in about [-2, 2].
@@ -415,8 +421,8 @@ mod tests {
         for (position, tokens) in [(9, 1), (4, 5), (0, 1), (30, 70)] {
             let known = position + tokens;
             let queries = filler(tokens * 6 * 12, 1);
-            let keys = filler(known * 2 * 12, 2);
-            let values = filler(known * 2 * 12, 3);
+            let keys = half_filler(known * 2 * 12, 2);
+            let values = half_filler(known * 2 * 12, 3);
             let ours = attend(
                 shape,
                 AttentionRule::causal(shape.head_dim),
@@ -438,13 +444,12 @@ mod tests {
 
     /// One decode step's queries and a cache of `known` positions' keys and values, filled
     /// from seeds `seed`, `seed + 1` and `seed + 2`.
-    fn decode_operands(shape: Heads, known: usize, seed: u32) -> [Vec<f32>; 3] {
+    fn decode_operands(shape: Heads, known: usize, seed: u32) -> (Vec<f32>, [Vec<f16>; 2]) {
         let cached = known * shape.kv_heads * shape.head_dim;
-        [
+        (
             filler(shape.heads * shape.head_dim, seed),
-            filler(cached, seed + 1),
-            filler(cached, seed + 2),
-        ]
+            [half_filler(cached, seed + 1), half_filler(cached, seed + 2)],
+        )
     }
 
     #[test]
@@ -457,7 +462,7 @@ mod tests {
         // One token over 1,000 positions: enough work for the pool, too few tasks for it, so
         // the tasks' pieces are spread instead.
         let known = 1000;
-        let [queries, keys, values] = decode_operands(shape, known, 21);
+        let (queries, [keys, values]) = decode_operands(shape, known, 21);
         let rule = AttentionRule::causal(16);
         let ours =
             attend(shape, rule, &queries, &keys, &values, known - 1).expect("the buffers fit");
@@ -490,7 +495,7 @@ mod tests {
             head_dim: 64,
         };
         let known = 1900;
-        let [queries, keys, values] = decode_operands(shape, known, 1);
+        let (queries, [keys, values]) = decode_operands(shape, known, 1);
         let rule = AttentionRule::causal(64);
         let mut best = f64::MAX;
         for _ in 0..200 {
@@ -520,8 +525,8 @@ mod tests {
         for (position, tokens) in [(9, 1), (0, 6), (2, 5)] {
             let known = position + tokens;
             let queries = filler(tokens * 4 * 8, 11);
-            let keys = filler(known * 2 * 8, 12);
-            let values = filler(known * 2 * 8, 13);
+            let keys = half_filler(known * 2 * 8, 12);
+            let values = half_filler(known * 2 * 8, 13);
             let ours =
                 attend(shape, rule, &queries, &keys, &values, position).expect("the buffers fit");
             // The reference scales by 1/√8; the rule's 0.25 is larger, so scale the queries.
@@ -610,8 +615,8 @@ mod tests {
             head_dim: 4,
         };
         let queries = filler(2 * 2 * 4, 4);
-        let keys = filler(5 * 4, 5);
-        let values = filler(5 * 4, 6);
+        let keys = half_filler(5 * 4, 5);
+        let values = half_filler(5 * 4, 6);
         let before = attend(
             shape,
             AttentionRule::causal(shape.head_dim),
@@ -623,8 +628,10 @@ mod tests {
         .expect("the buffers fit");
         // Changing the last position's key and value moves only the last token's output.
         let (mut keys, mut values) = (keys, values);
-        keys[16..].iter_mut().for_each(|k| *k += 1.0);
-        values[16..].iter_mut().for_each(|v| *v -= 3.0);
+        keys[16..].iter_mut().for_each(|k| *k += f16::ONE);
+        values[16..]
+            .iter_mut()
+            .for_each(|v| *v -= f16::from_f32(3.0));
         let after = attend(
             shape,
             AttentionRule::causal(shape.head_dim),

@@ -60,7 +60,7 @@ pub use gguf_check::{
 };
 pub use gpt2::{GPT2_CONFIG_FILE, GPT2_WEIGHTS_FILE, Gpt2Config, Gpt2Model, Gpt2Span};
 pub use known_models::{DEFAULT_MODEL_NAME, KNOWN_MODELS, KnownModel, PinnedWheel, known_model};
-pub use kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
+pub use kv_cache::{CACHED_VALUE_BYTES, DEFAULT_KV_BUDGET_BYTES, KvStore, SessionCache, SessionId};
 pub use llama::{LlamaSpan, SpanSpec, SplitModel, split_specs};
 pub use model::{GPT2_TOKENIZER_FILE, Model, ModelSpan, TextSide};
 pub use sampling::{

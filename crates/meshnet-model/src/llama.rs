@@ -19,7 +19,9 @@ use meshnet_types::{LayerSpan, Quantization};
 use crate::batch::BatchItem;
 use crate::family::{Activation, ArchitectureConfig};
 use crate::gguf::{GgufModel, ModelDescription, TensorReader};
-use crate::kv_cache::{DEFAULT_KV_BUDGET_BYTES, KvStore, SessionId, SessionLease};
+use crate::kv_cache::{
+    CACHED_VALUE_BYTES, DEFAULT_KV_BUDGET_BYTES, KvStore, SessionId, SessionLease,
+};
 use crate::layer_math::{
     AttentionRule, Heads, Rotary, add_in_place, attend, geglu, rms_norm, swiglu,
 };
@@ -183,7 +185,7 @@ impl LlamaSpan {
         let embedding = if spec.embedding { embedding } else { None };
         let hyper = loader.hyper()?;
         let kv_width = description.kv_heads * description.head_dim;
-        let bytes_per_position = span_layers * 2 * kv_width * DType::F32.size_in_bytes();
+        let bytes_per_position = span_layers * 2 * kv_width * CACHED_VALUE_BYTES;
         Ok(Self {
             hyper,
             layer_range: spec.layers,

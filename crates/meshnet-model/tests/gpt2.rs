@@ -16,8 +16,11 @@ use meshnet_model::{
 use meshnet_types::{LayerSpan, Quantization};
 use serde_json::Value;
 
-/// The tolerance of every f32 comparison with the reference.
-const TOLERANCE: f32 = 1e-4;
+/// The tolerance of every comparison with the reference (computed in f32 throughout). Our KV
+/// cache keeps keys and values as half floats, as llama.cpp's does (ADR-0039), and every
+/// attention reads them back from there: 1.8e-3 on the logits at worst (largest |logit| 4.2)
+/// and 1.1e-3 on block 0's output, where an f32 cache gave under 1e-4.
+const TOLERANCE: f32 = 2.5e-3;
 
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt2-tiny")
@@ -344,8 +347,10 @@ fn kv_cache_steps_match_the_reference_and_recomputation() {
         let fresh = SessionId::new_v4();
         let recomputed = route.forward(fresh, 0, &tokens[..=position]).unwrap();
         route.end_session(fresh);
+        // A key computed in a chunk of one and in a chunk of many may differ in its last f32
+        // bit, and then round to neighbouring half floats in the cache: 4.5e-5 measured.
         worst_vs_recompute =
-            worst_vs_recompute.max(assert_close("vs recomputation", &logits, &recomputed, 1e-5));
+            worst_vs_recompute.max(assert_close("vs recomputation", &logits, &recomputed, 1e-4));
     }
     println!("cached steps vs recomputation: max abs diff {worst_vs_recompute:e}");
     assert_eq!(first.kv_store().session_len(session), tokens.len());

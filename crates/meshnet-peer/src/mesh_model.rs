@@ -6,7 +6,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use meshnet_model::{Model, ModelDescription};
+use meshnet_model::{CACHED_VALUE_BYTES, Model, ModelDescription};
 use meshnet_planner::{ModelShape, PeerCapacity};
 use meshnet_types::Quantization;
 use sha2::{Digest, Sha256};
@@ -133,7 +133,7 @@ impl MeshModel {
         )))
     }
 
-    /// KV-cache bytes one token takes in one layer (keys and values, f32).
+    /// KV-cache bytes one token takes in one layer (keys and values, half floats).
     pub fn kv_bytes_per_token_per_layer(&self) -> u64 {
         self.shape.kv_bytes_per_token_per_layer
     }
@@ -190,7 +190,7 @@ fn model_id(path: &Path, files: &[PathBuf]) -> Result<String, PeerError> {
 }
 
 /// The planner's view of the model: the largest layer in each servable format, embedding and
-/// head as shipped, and f32 keys and values per token per layer.
+/// head as shipped, and half-float keys and values per token per layer.
 fn model_shape(id: &str, description: &ModelDescription, shipped: Quantization) -> ModelShape {
     let largest = |bytes: &[u64]| bytes.iter().copied().max().unwrap_or(0).max(1);
     let mut layer_bytes = std::collections::BTreeMap::new();
@@ -205,6 +205,6 @@ fn model_shape(id: &str, description: &ModelDescription, shipped: Quantization) 
         layer_bytes,
         embedding_bytes: description.bytes_as_shipped.embedding,
         head_bytes: description.bytes_as_shipped.head,
-        kv_bytes_per_token_per_layer: 2 * kv_width * 4,
+        kv_bytes_per_token_per_layer: 2 * kv_width * CACHED_VALUE_BYTES as u64,
     }
 }

@@ -10,11 +10,15 @@
 //!   reference's eight lanes.
 //! - Values: up to 64 outputs kept in registers while the positions stream past, each output
 //!   taking `fma(weight, value, sum)` in position order.
+//! - Keys and values are half floats, widened by `vcvtph2ps` (exact, as the reference's
+//!   `to_f32`).
 //!
 //! Heads whose size is not a multiple of eight take the reference for scores and values.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
+
+use half::f16;
 
 use super::Avx2;
 use crate::attention::{self, CachedHead, Group, LANES};
@@ -51,7 +55,7 @@ impl Avx2 {
                 let first = group.first + positions.start;
                 let scores = &mut row[positions.clone()];
                 if vectors {
-                    // SAFETY: the token exists only when the CPU has AVX2 and FMA
+                    // SAFETY: the token exists only when the CPU has AVX2, FMA and F16C
                     // (`Avx2::detect`), and the head's size is a multiple of eight.
                     unsafe { self::scores(head, first, query, group.scale, scores) };
                 } else {
@@ -92,6 +96,16 @@ fn load(values: &[f32], at: usize) -> __m256 {
     unsafe { _mm256_loadu_ps(eight.as_ptr()) }
 }
 
+/// Eight half floats from `values[at..at + 8]`, widened to f32 (exactly; bounds checked).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn load_half(values: &[f16], at: usize) -> __m256 {
+    let eight = &values[at..at + LANES];
+    // SAFETY: `eight` holds the sixteen bytes an unaligned load reads.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(eight.as_ptr().cast())) }
+}
+
 /// Stores `vector` into `values[at..at + 8]` (bounds checked).
 #[cfg(target_arch = "x86_64")]
 #[inline]
@@ -105,9 +119,9 @@ fn store(values: &mut [f32], at: usize, vector: __m256) {
 /// The reference's `scores`, eight positions at a time.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `head.head_dim` must be a multiple of eight.
+/// The CPU must have AVX2, FMA and F16C; `head.head_dim` must be a multiple of eight.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn scores(
     head: CachedHead<'_>,
     first: usize,
@@ -118,12 +132,12 @@ unsafe fn scores(
     let whole = scores.len() - scores.len() % LANES;
     let scale_lanes = _mm256_set1_ps(scale);
     for at in (0..whole).step_by(LANES) {
-        let keys: [&[f32]; LANES] = std::array::from_fn(|k| head.key(first + at + k));
+        let keys: [&[f16]; LANES] = std::array::from_fn(|k| head.key(first + at + k));
         let mut sums = [_mm256_setzero_ps(); LANES];
         for start in (0..head.head_dim).step_by(LANES) {
             let query_part = load(query, start);
             for (sum, key) in sums.iter_mut().zip(keys) {
-                *sum = _mm256_fmadd_ps(query_part, load(key, start), *sum);
+                *sum = _mm256_fmadd_ps(query_part, load_half(key, start), *sum);
             }
         }
         store(scores, at, _mm256_mul_ps(reduce_eight(sums), scale_lanes));
@@ -221,9 +235,9 @@ fn exp_nonpositive(x: __m256) -> __m256 {
 /// a time (then one at a time), each pass over every position.
 ///
 /// # Safety
-/// The CPU must have AVX2 and FMA; `head.head_dim` must be a multiple of eight.
+/// The CPU must have AVX2, FMA and F16C; `head.head_dim` must be a multiple of eight.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn weighted_values(head: CachedHead<'_>, first: usize, weights: &[f32], output: &mut [f32]) {
     let wide = VALUE_VECTORS * LANES;
     let whole = head.head_dim - head.head_dim % wide;
@@ -243,7 +257,7 @@ unsafe fn weighted_values(_: CachedHead<'_>, _: usize, _: &[f32], _: &mut [f32])
 /// Outputs `start..start + 8·N`: each adds `weight · value` over the positions, in order.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn add_weighted<const N: usize>(
     head: CachedHead<'_>,
     first: usize,
@@ -256,7 +270,7 @@ fn add_weighted<const N: usize>(
         let value = head.value(first + at);
         let weight = _mm256_set1_ps(*weight);
         for (k, sum) in sums.iter_mut().enumerate() {
-            let part = load(value, start + k * LANES);
+            let part = load_half(value, start + k * LANES);
             *sum = _mm256_fmadd_ps(weight, part, *sum);
         }
     }
@@ -286,6 +300,10 @@ mod tests {
         fn values(&mut self, count: usize) -> Vec<f32> {
             (0..count).map(|_| self.value()).collect()
         }
+
+        fn halves(&mut self, count: usize) -> Vec<f16> {
+            (0..count).map(|_| f16::from_f32(self.value())).collect()
+        }
     }
 
     /// Both kernels' outputs for one shape, as bits.
@@ -299,8 +317,8 @@ mod tests {
         let (kv_heads, head_dim, members, cached) = shape;
         let mut random = Random(seed | 1);
         let row_width = kv_heads * head_dim;
-        let keys = random.values(cached * row_width);
-        let values = random.values(cached * row_width);
+        let keys = random.halves(cached * row_width);
+        let values = random.halves(cached * row_width);
         let queries = random.values(members * head_dim);
         let head = CachedHead {
             keys: &keys,
