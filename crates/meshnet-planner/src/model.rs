@@ -84,7 +84,8 @@ impl TransformerDimensions {
         matrix_bytes.saturating_add(norm_bytes)
     }
 
-    /// Bytes of K and V for one token in one layer, stored in bf16.
+    /// Bytes of K and V for one token in one layer, two bytes a value (the peers keep their
+    /// caches in half floats).
     ///
     /// Saturates at `u64::MAX` like [`Self::params_per_layer`].
     pub fn kv_bytes_per_token_per_layer(&self) -> u64 {
