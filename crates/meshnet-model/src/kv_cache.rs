@@ -23,8 +23,9 @@ pub const DEFAULT_KV_BUDGET_BYTES: usize = 256 * 1024 * 1024;
 pub const CACHED_VALUE_BYTES: usize = 2;
 
 /// One layer's cached keys and values, position after position: each is `[positions, width]`
-/// row-major half floats, `width` being the key/value heads times the head size. Appending a chunk only
-/// extends the buffers (no copy of what is cached, beyond a buffer's occasional growth). A
+/// row-major half floats, `width` being the key/value heads times the head size. Appending a
+/// chunk only extends the buffers (no copy of what is cached, beyond a buffer's occasional
+/// growth). A
 /// buffer grows by doubling, so it may reserve up to twice what its positions take; the
 /// store's budget counts positions.
 #[derive(Debug, Clone, Default)]
@@ -100,8 +101,8 @@ impl SessionCache {
     }
 
     /// Appends one chunk's keys and values for a layer (`[tokens, width]` row-major each,
-    /// rounded to half floats), returning everything the layer now holds. Byte accounting and position checks are the
-    /// store's job ([`KvStore::with_session`]).
+    /// rounded to half floats), returning everything the layer now holds. Byte accounting and
+    /// position checks are the store's job ([`KvStore::with_session`]).
     pub(crate) fn append_rows(
         &mut self,
         index: usize,
