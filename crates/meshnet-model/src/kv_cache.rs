@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use crate::error::{ModelError, Result};
 
@@ -25,9 +26,8 @@ pub const CACHED_VALUE_BYTES: usize = 2;
 /// One layer's cached keys and values, position after position: each is `[positions, width]`
 /// row-major half floats, `width` being the key/value heads times the head size. Appending a
 /// chunk only extends the buffers (no copy of what is cached, beyond a buffer's occasional
-/// growth). A
-/// buffer grows by doubling, so it may reserve up to twice what its positions take; the
-/// store's budget counts positions.
+/// growth). A buffer grows by doubling, so it may reserve up to twice what its positions
+/// take; the store's budget counts positions.
 #[derive(Debug, Clone, Default)]
 pub struct LayerCache {
     keys: Vec<f16>,
@@ -55,11 +55,6 @@ fn extend_rounded(cached: &mut Vec<f16>, rows: &[f32]) {
         rows.iter()
             .map(|&value| f16::from_f32(value.clamp(-largest, largest))),
     );
-}
-
-/// Half floats widened to f32 (exactly).
-fn widened(cached: &[f16]) -> Vec<f32> {
-    cached.iter().map(|value| value.to_f32()).collect()
 }
 
 /// The cached keys and values of one session in one span.
@@ -147,11 +142,13 @@ impl SessionCache {
         let layer = self.append_rows(index, &keys, &values)?;
         let positions = layer.keys.len() / (heads * head_dim);
         let heads_first = |rows: &[f16]| -> Result<Tensor> {
-            Ok(
-                Tensor::from_vec(widened(rows), (1, positions, heads, head_dim), &Device::Cpu)?
-                    .transpose(1, 2)?
-                    .contiguous()?,
-            )
+            Ok(Tensor::from_vec(
+                rows.to_f32_vec(),
+                (1, positions, heads, head_dim),
+                &Device::Cpu,
+            )?
+            .transpose(1, 2)?
+            .contiguous()?)
         };
         Ok((heads_first(&layer.keys)?, heads_first(&layer.values)?))
     }
@@ -590,7 +587,7 @@ mod tests {
         let mut state = store.lock();
         let cache = state.sessions.get_mut(&session).unwrap();
         let layer = cache.layer(layer).unwrap();
-        (widened(layer.keys()), widened(layer.values()))
+        (layer.keys().to_f32_vec(), layer.values().to_f32_vec())
     }
 
     #[test]
@@ -694,8 +691,8 @@ mod tests {
         store
             .with_session(session, 0, 1, |cache| {
                 let layer = cache.append_rows(0, &keys, &values)?;
-                assert_eq!(widened(layer.keys()), [1.0 + 2f32.powi(-10), 1.0]);
-                assert_eq!(widened(layer.values()), [65504.0, -65504.0]);
+                assert_eq!(layer.keys().to_f32_vec(), [1.0 + 2f32.powi(-10), 1.0]);
+                assert_eq!(layer.values().to_f32_vec(), [65504.0, -65504.0]);
                 Ok(())
             })
             .unwrap();
@@ -722,9 +719,9 @@ mod tests {
         store
             .with_session(session, 2, 1, |cache| {
                 let layer = cache.append_rows(0, &rows(5.0, 1), &rows(6.0, 1))?;
-                assert_eq!(widened(layer.keys()), [1.0, 1.0, 1.0, 1.0, 5.0, 5.0]);
-                assert_eq!(widened(layer.values()), [2.0, 2.0, 2.0, 2.0, 6.0, 6.0]);
-                assert_eq!(widened(cache.layer(1).unwrap().keys()), [3.0; 4]);
+                assert_eq!(layer.keys().to_f32_vec(), [1.0, 1.0, 1.0, 1.0, 5.0, 5.0]);
+                assert_eq!(layer.values().to_f32_vec(), [2.0, 2.0, 2.0, 2.0, 6.0, 6.0]);
+                assert_eq!(cache.layer(1).unwrap().keys().to_f32_vec(), [3.0; 4]);
                 Ok(())
             })
             .unwrap();
