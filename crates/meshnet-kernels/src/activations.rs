@@ -5,8 +5,13 @@
 //! `max|x| / 127` rounded to f16, values are `round(x / scale)` with the unrounded scale, and
 //! the sum is `f16(Σq) · f16(scale)` rounded to f16. Scales and sums are kept as the f32 values
 //! of those f16 numbers, so the dot products see exactly what candle's would.
+//!
+//! For the AVX-512 VNNI tiles a matmul also interleaves its rows in groups of four
+//! ([`QuantizedRows::interleave`]): the same bytes, four at a time from each row in turn, and
+//! lifted by 128 for weights that enter as signed values; the tiles' outputs do not change.
 
 use half::f16;
+use rayon::prelude::*;
 
 use crate::{BLOCK, Kernel};
 
@@ -21,6 +26,102 @@ pub struct QuantizedRows {
     pub(crate) sums: Vec<f32>,
     /// 32 signed bytes per block.
     pub(crate) quants: Vec<i8>,
+    /// Every whole group of [`QUAD`] rows interleaved ([`Self::interleave`]), when asked for.
+    quads: Option<Interleaved>,
+}
+
+/// Rows an interleaved group holds.
+pub(crate) const QUAD: usize = 4;
+
+/// Bytes of one block of an interleaved group.
+pub(crate) const QUAD_BLOCK_BYTES: usize = QUAD * BLOCK;
+
+/// Groups of [`QUAD`] consecutive rows interleaved for the wide tiles, group after group.
+#[derive(Clone, Debug)]
+struct Interleaved {
+    /// Per group and block, [`QUAD_BLOCK_BYTES`] bytes: bytes `16k + 4c..16k + 4c + 4` are
+    /// bytes `4k..4k + 4` of row `c`'s block, plus 128 each (as unsigned bytes) when `lifted`.
+    quants: Vec<u8>,
+    /// Per group and block, the four rows' scales.
+    scales: Vec<[f32; QUAD]>,
+    /// Per group and block, the four rows' scaled sums.
+    sums: Vec<[f32; QUAD]>,
+    /// Whether the quants are lifted by 128.
+    lifted: bool,
+}
+
+/// One group of [`QUAD`] rows interleaved (see [`QuantizedRows::interleave`]), seen from row
+/// `member` of it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Quad<'a> {
+    /// The group's interleaved quants, [`QUAD_BLOCK_BYTES`] per block.
+    pub(crate) quants: &'a [u8],
+    /// The four rows' scales, block by block.
+    pub(crate) scales: &'a [[f32; QUAD]],
+    /// The four rows' scaled sums, block by block.
+    pub(crate) sums: &'a [[f32; QUAD]],
+    /// Whether the quants are lifted by 128.
+    pub(crate) lifted: bool,
+    /// Which of the four rows this row is.
+    pub(crate) member: usize,
+}
+
+impl<'a> Quad<'a> {
+    /// The group of `rows` interleaved here and now (for rows that come without one).
+    pub(crate) fn of(rows: &[ActivationRow<'_>; QUAD], lifted: bool) -> OwnedQuad {
+        let blocks = rows[0].scales.len();
+        let mut owned = OwnedQuad {
+            quants: vec![0; blocks * QUAD_BLOCK_BYTES],
+            scales: vec![[0.0; QUAD]; blocks],
+            sums: vec![[0.0; QUAD]; blocks],
+        };
+        interleave_group(rows.map(|row| row.quants), lifted, &mut owned.quants);
+        for (c, row) in rows.iter().enumerate() {
+            for block in 0..blocks {
+                owned.scales[block][c] = row.scales[block];
+                owned.sums[block][c] = row.sums[block];
+            }
+        }
+        owned
+    }
+}
+
+/// A [`Quad`]'s data owned (see [`Quad::of`]).
+#[derive(Debug)]
+pub(crate) struct OwnedQuad {
+    quants: Vec<u8>,
+    scales: Vec<[f32; QUAD]>,
+    sums: Vec<[f32; QUAD]>,
+}
+
+impl OwnedQuad {
+    /// The group as a [`Quad`] (its first row's view).
+    pub(crate) fn quad(&self, lifted: bool) -> Quad<'_> {
+        Quad {
+            quants: &self.quants,
+            scales: &self.scales,
+            sums: &self.sums,
+            lifted,
+            member: 0,
+        }
+    }
+}
+
+/// Writes a group's four rows (`rows`, their quants) interleaved into `interleaved` (the
+/// group's [`QUAD_BLOCK_BYTES`] per block), plus 128 when `lifted`.
+fn interleave_group(rows: [&[i8]; QUAD], lifted: bool, interleaved: &mut [u8]) {
+    let flip = if lifted { 0x8080_8080u32 } else { 0 };
+    for (block, out) in interleaved.chunks_exact_mut(QUAD_BLOCK_BYTES).enumerate() {
+        let words: [[u32; BLOCK / 4]; QUAD] = rows.map(|row| {
+            let quants = &row[block * BLOCK..(block + 1) * BLOCK];
+            std::array::from_fn(|k| {
+                u32::from_le_bytes(std::array::from_fn(|i| quants[4 * k + i] as u8)) ^ flip
+            })
+        });
+        for (at, bytes) in out.chunks_exact_mut(4).enumerate() {
+            bytes.copy_from_slice(&words[at % QUAD][at / QUAD].to_le_bytes());
+        }
+    }
 }
 
 impl QuantizedRows {
@@ -42,6 +143,7 @@ impl QuantizedRows {
             scales: vec![0.0; blocks],
             sums: vec![0.0; blocks],
             quants: vec![0; blocks * BLOCK],
+            quads: None,
         };
         for (block, values) in input.chunks_exact(BLOCK).enumerate() {
             let quants = &mut quantized.quants[block * BLOCK..(block + 1) * BLOCK];
@@ -68,14 +170,65 @@ impl QuantizedRows {
         joined
     }
 
-    /// Row `row`'s scales, sums and quants.
+    /// Row `row`'s scales, sums and quants, and its group of [`QUAD`] when the rows are
+    /// interleaved and the group is whole.
     pub(crate) fn row(&self, row: usize) -> ActivationRow<'_> {
         let blocks = row * self.blocks_per_row..(row + 1) * self.blocks_per_row;
         ActivationRow {
             scales: &self.scales[blocks.clone()],
             sums: &self.sums[blocks.clone()],
             quants: &self.quants[blocks.start * BLOCK..blocks.end * BLOCK],
+            quad: self.quad(row),
         }
+    }
+
+    /// Interleaves every whole group of [`QUAD`] consecutive rows (rows `4g..4g + 4`) for the
+    /// wide tiles, their quants lifted by 128 when `lifted` (for weights that enter as signed
+    /// values).
+    pub(crate) fn interleave(&mut self, lifted: bool) {
+        let groups = self.rows / QUAD;
+        let blocks = self.blocks_per_row;
+        let group_bytes = blocks * QUAD_BLOCK_BYTES;
+        let mut quants = vec![0u8; groups * group_bytes];
+        quants
+            .par_chunks_mut(group_bytes.max(1))
+            .enumerate()
+            .for_each(|(group, bytes)| {
+                let rows = std::array::from_fn(|c| self.row(group * QUAD + c).quants);
+                interleave_group(rows, lifted, bytes);
+            });
+        let side_by_side = |values: &[f32]| -> Vec<[f32; QUAD]> {
+            (0..groups * blocks)
+                .map(|at| {
+                    let (group, block) = (at / blocks, at % blocks);
+                    std::array::from_fn(|c| values[(group * QUAD + c) * blocks + block])
+                })
+                .collect()
+        };
+        self.quads = Some(Interleaved {
+            quants,
+            scales: side_by_side(&self.scales),
+            sums: side_by_side(&self.sums),
+            lifted,
+        });
+    }
+
+    /// Row `row`'s interleaved group, when there is one.
+    fn quad(&self, row: usize) -> Option<Quad<'_>> {
+        let quads = self.quads.as_ref()?;
+        let group = row / QUAD;
+        if group >= self.rows / QUAD {
+            return None;
+        }
+        let blocks = self.blocks_per_row;
+        let bytes = blocks * QUAD_BLOCK_BYTES;
+        Some(Quad {
+            quants: &quads.quants[group * bytes..(group + 1) * bytes],
+            scales: &quads.scales[group * blocks..(group + 1) * blocks],
+            sums: &quads.sums[group * blocks..(group + 1) * blocks],
+            lifted: quads.lifted,
+            member: row % QUAD,
+        })
     }
 }
 
@@ -85,6 +238,8 @@ pub(crate) struct ActivationRow<'a> {
     pub(crate) scales: &'a [f32],
     pub(crate) sums: &'a [f32],
     pub(crate) quants: &'a [i8],
+    /// The row's interleaved group, when the rows were interleaved (the wide tiles read it).
+    pub(crate) quad: Option<Quad<'a>>,
 }
 
 /// Quantizes 32 values into `quants` with `kernel`; returns the block's scale and scaled sum.

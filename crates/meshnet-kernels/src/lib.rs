@@ -12,7 +12,8 @@
 //! Two kernels compute the same bits: a scalar reference that runs everywhere and an AVX2
 //! kernel (with FMA and F16C) chosen at run time when the CPU has it ([`Kernel::best`]). Each
 //! format's float combination is written once and called by both. For Q4_1 and Q8_0 the bits
-//! also equal candle 0.11's quantized matmul. `MESHNET_KERNEL=scalar` forces the reference.
+//! also equal candle 0.11's quantized matmul. `MESHNET_KERNEL=scalar` forces the reference,
+//! `MESHNET_KERNEL=avx2` the AVX2 kernel without its AVX-512 VNNI tiles.
 //!
 //! [`attend_head`] is a layer's attention over one cached key/value head (scores, softmax,
 //! weighted values) in f32, in a fixed order of operations that the scalar reference and the
@@ -60,7 +61,8 @@ pub const BLOCK: usize = 32;
 /// Bytes of 4-bit quants in a Q4_1 block.
 pub(crate) const Q4_1_QUANT_BYTES: usize = BLOCK / 2;
 
-/// The environment variable that forces a kernel (`scalar` or `avx2`).
+/// The environment variable that forces a kernel: `scalar`, or `avx2` for the AVX2 kernel
+/// without its AVX-512 VNNI tiles.
 pub const KERNEL_VARIABLE: &str = "MESHNET_KERNEL";
 
 /// Which implementation computes the dot products.
@@ -69,7 +71,7 @@ pub enum Kernel {
     /// Plain Rust, every CPU: the reference.
     Scalar,
     /// AVX2 integer dot products and float attention (x86_64 CPUs that have AVX2, FMA and
-    /// F16C).
+    /// F16C), with 512-bit tiles where the CPU also has AVX-512 VNNI.
     Avx2(Avx2Kernel),
 }
 
@@ -78,33 +80,49 @@ pub enum Kernel {
 pub struct Avx2Kernel(avx2::Avx2);
 
 impl Kernel {
-    /// The fastest kernel this CPU has, unless `MESHNET_KERNEL=scalar` asks for the
-    /// reference; decided once per process.
+    /// The fastest kernel this CPU has, unless `MESHNET_KERNEL` asks for `scalar` (the
+    /// reference) or `avx2` (no AVX-512); decided once per process.
     pub fn best() -> Self {
         static BEST: OnceLock<Kernel> = OnceLock::new();
         *BEST.get_or_init(|| {
             let forced = std::env::var(KERNEL_VARIABLE).unwrap_or_default();
-            match (forced.as_str(), Self::avx2()) {
+            match (forced.as_str(), avx2::Avx2::detect()) {
                 ("scalar", _) | (_, None) => Self::Scalar,
-                (_, Some(fast)) => fast,
+                ("avx2", Some(token)) => Self::Avx2(Avx2Kernel(token.narrow())),
+                (_, Some(token)) => Self::Avx2(Avx2Kernel(token)),
             }
         })
     }
 
-    /// The AVX2 kernel, when the CPU has AVX2.
+    /// The AVX2 kernel, when the CPU has AVX2 (with its AVX-512 VNNI tiles when it has those).
     pub fn avx2() -> Option<Self> {
         avx2::Avx2::detect().map(|token| Self::Avx2(Avx2Kernel(token)))
     }
 
-    /// Every kernel this CPU can run, the reference first.
+    /// Every kernel this CPU can run, the reference first, then the AVX2 kernel without and
+    /// with its AVX-512 VNNI tiles.
     pub fn available() -> Vec<Self> {
-        std::iter::once(Self::Scalar).chain(Self::avx2()).collect()
+        let mut kernels = vec![Self::Scalar];
+        if let Some(token) = avx2::Avx2::detect() {
+            kernels.push(Self::Avx2(Avx2Kernel(token.narrow())));
+            if token.is_wide() {
+                kernels.push(Self::Avx2(Avx2Kernel(token)));
+            }
+        }
+        kernels
     }
 
-    /// The kernel's name (`scalar`, `avx2`).
+    /// Whether the kernel's tiles read activation rows interleaved in groups of four
+    /// (`QuantizedRows::interleave`): the AVX2 kernel with its AVX-512 VNNI tiles.
+    fn interleaves(self) -> bool {
+        matches!(self, Self::Avx2(Avx2Kernel(token)) if token.is_wide())
+    }
+
+    /// The kernel's name (`scalar`, `avx2`, or `avx512vnni` for AVX2 with the 512-bit tiles).
     pub fn name(self) -> &'static str {
         match self {
             Self::Scalar => "scalar",
+            Self::Avx2(Avx2Kernel(token)) if token.is_wide() => "avx512vnni",
             Self::Avx2(_) => "avx2",
         }
     }

@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use crate::activations::ActivationRow;
-use crate::activations::QuantizedRows;
+use crate::activations::{QUAD, QuantizedRows};
 use crate::error::{KernelError, Result};
 use crate::formats::{BlockFormat, FloatFormat, SUPER_BLOCK, SuperFormat, half_at};
 use crate::super_rows::SuperRows;
@@ -97,6 +97,12 @@ impl WeightFormat {
     /// The format named `name` as ggml spells it (`Q4_K`, `BF16`).
     pub fn from_name(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|format| format.name() == name)
+    }
+
+    /// Whether the wide tiles take this format's values as signed bytes (against activations
+    /// lifted by 128): Q8_0, and Q4_0 and Q5_0 with their offsets taken off.
+    pub(crate) fn enters_signed(self) -> bool {
+        matches!(self, Self::Q8_0 | Self::Q4_0 | Self::Q5_0)
     }
 
     pub(crate) fn family(self) -> Family {
@@ -344,7 +350,7 @@ impl QuantizedMatrix {
         if m == 0 {
             return Ok(());
         }
-        let activations = Activations::quantize(kernel, self.format.family(), input, m, self.cols);
+        let activations = Activations::quantize(kernel, self.format, input, m, self.cols);
         let dot = |row: usize, activation: usize| self.dot(kernel, &activations, row, activation);
         if m == 1 && self.rows * self.cols < PARALLEL_BLOCKS * BLOCK {
             for (row, value) in output.iter_mut().enumerate() {
@@ -367,12 +373,19 @@ impl QuantizedMatrix {
         // Each task takes a band of weight rows against every input row (the band stays in
         // cache), writing the band's outputs input row by input row (`[m, band]`); each input
         // row's outputs are then copied into place.
+        let groups = activations.groups(m);
         let mut bands = vec![0f32; self.rows * m];
         bands
             .par_chunks_mut(chunk_rows * m)
             .enumerate()
             .for_each(|(chunk, values)| {
-                self.dot_band(kernel, &activations, chunk * chunk_rows, values, m);
+                self.dot_band(
+                    kernel,
+                    (&activations, &groups),
+                    chunk * chunk_rows,
+                    values,
+                    m,
+                );
             });
         for (chunk, values) in bands.chunks(chunk_rows * m).enumerate() {
             let band = values.len() / m;
@@ -412,13 +425,14 @@ impl QuantizedMatrix {
         }
     }
 
-    /// Weight rows `first..first + band` against every activation row, into `values`
-    /// (`[m, band]`, `band = values.len() / m`): [`TILE_ROWS`] weight rows at a time, the rows
-    /// after the last whole tile one at a time.
+    /// Weight rows `first..first + band` against every activation row (`activations`, with
+    /// their whole groups of [`TOGETHER`] in `groups`), into `values` (`[m, band]`,
+    /// `band = values.len() / m`): [`TILE_ROWS`] weight rows at a time, the rows after the last
+    /// whole tile one at a time.
     fn dot_band(
         &self,
         kernel: Kernel,
-        activations: &Activations<'_>,
+        (activations, groups): (&Activations<'_>, &[[ActivationRow<'_>; TOGETHER]]),
         first: usize,
         values: &mut [f32],
         m: usize,
@@ -429,6 +443,7 @@ impl QuantizedMatrix {
             self.dot_tile_columns(
                 kernel,
                 activations,
+                groups,
                 first + local,
                 Band {
                     values: &mut *values,
@@ -457,26 +472,26 @@ impl QuantizedMatrix {
         &self,
         kernel: Kernel,
         activations: &Activations<'_>,
+        groups: &[[ActivationRow<'_>; TOGETHER]],
         first: usize,
         mut outputs: Band<'_>,
     ) {
         let m = outputs.values.len() / outputs.band;
-        let groups = (0..m - m % TOGETHER).step_by(TOGETHER);
         match (self.format.family(), activations) {
-            (Family::Parsed, Activations::Blocks(rows)) => {
+            (Family::Parsed, Activations::Blocks(_)) => {
                 let weights = std::array::from_fn(|r| self.row(first + r));
-                outputs.put_wide_tiles(rows, m, |columns, tiles| {
+                outputs.put_wide_tiles(groups, |columns, tiles| {
                     kernel.dot_tile(self.format, weights, columns, tiles);
                 });
             }
-            (Family::Blocks(format), Activations::Blocks(rows)) => {
+            (Family::Blocks(format), Activations::Blocks(_)) => {
                 let weights = std::array::from_fn(|r| self.row_bytes(first + r));
-                outputs.put_wide_tiles(rows, m, |columns, tiles| {
+                outputs.put_wide_tiles(groups, |columns, tiles| {
                     kernel.dot_blocks_tile(format, weights, columns, tiles);
                 });
             }
             _ => {
-                for group in groups {
+                for group in (0..m - m % TOGETHER).step_by(TOGETHER) {
                     let tile = std::array::from_fn(|r| {
                         self.dot_together(kernel, activations, first + r, group)
                     });
@@ -562,25 +577,18 @@ impl Band<'_> {
         self.values[activation * self.band + self.local + row] = value;
     }
 
-    /// Sets the tiles of every whole group of [`TOGETHER`] input rows (of `m` in `rows`),
+    /// Sets the tiles of every whole group of [`TOGETHER`] input rows (`groups`, in order),
     /// [`WIDE_GROUPS`] groups at a time: `tiles(groups, results)` computes one tile per group.
     fn put_wide_tiles(
         &mut self,
-        rows: &QuantizedRows,
-        m: usize,
+        groups: &[[ActivationRow<'_>; TOGETHER]],
         tiles: impl Fn(&[[ActivationRow<'_>; TOGETHER]], &mut [[[f32; TOGETHER]; TILE_ROWS]]),
     ) {
-        let whole = m - m % TOGETHER;
-        for wide in (0..whole).step_by(WIDE_GROUPS * TOGETHER) {
-            let count = ((whole - wide) / TOGETHER).min(WIDE_GROUPS);
-            // Groups past `count` repeat the last input row; they are not computed.
-            let groups: [[ActivationRow<'_>; TOGETHER]; WIDE_GROUPS] = std::array::from_fn(|g| {
-                std::array::from_fn(|k| rows.row((wide + g * TOGETHER + k).min(m - 1)))
-            });
+        for (wide, groups) in groups.chunks(WIDE_GROUPS).enumerate() {
             let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; WIDE_GROUPS];
-            tiles(&groups[..count], &mut results[..count]);
-            for (g, tile) in results[..count].iter().enumerate() {
-                self.put_tile(wide + g * TOGETHER, *tile);
+            tiles(groups, &mut results[..groups.len()]);
+            for (g, tile) in results[..groups.len()].iter().enumerate() {
+                self.put_tile((wide * WIDE_GROUPS + g) * TOGETHER, *tile);
             }
         }
     }
@@ -608,11 +616,33 @@ enum Activations<'a> {
 }
 
 impl<'a> Activations<'a> {
-    /// `input` (`m` rows of `cols`) quantized for `family` by `kernel`.
-    fn quantize(kernel: Kernel, family: Family, input: &'a [f32], m: usize, cols: usize) -> Self {
-        match family {
+    /// Every whole group of [`TOGETHER`] consecutive input rows, for the tiles (none for the
+    /// formats without).
+    fn groups(&self, m: usize) -> Vec<[ActivationRow<'_>; TOGETHER]> {
+        match self {
+            Self::Blocks(rows) => (0..m / TOGETHER)
+                .map(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// `input` (`m` rows of `cols`) quantized for `format` by `kernel`, and interleaved when
+    /// the kernel's tiles read them so.
+    fn quantize(
+        kernel: Kernel,
+        format: WeightFormat,
+        input: &'a [f32],
+        m: usize,
+        cols: usize,
+    ) -> Self {
+        match format.family() {
             Family::Parsed | Family::Blocks(_) => {
-                Self::Blocks(quantize_rows(kernel, input, m, cols))
+                let mut rows = quantize_rows(kernel, input, m, cols);
+                if kernel.interleaves() && m >= QUAD {
+                    rows.interleave(format.enters_signed());
+                }
+                Self::Blocks(rows)
             }
             Family::Super(_) => Self::Super(SuperRows::quantize_with(kernel, input, m, cols)),
             Family::Float(_) => Self::Floats(input),

@@ -107,41 +107,6 @@ pub(super) trait Layout {
     unsafe fn pairs(unpacked: __m256i, activations: __m256i) -> __m256i;
 }
 
-/// A format's quants as signed values `w` of at most 16 in magnitude, for the tiles: `q − c`
-/// for the formats with an offset, `q − 16` for Q5_1 (whose dot is then `Σw·a + 16 · Σa`).
-#[cfg(target_arch = "x86_64")]
-pub(super) trait Signed: Layout {
-    /// What the block's dot adds per activation to `Σw·a`: 0, or 16 for Q5_1.
-    const BACK: i32;
-
-    /// A block's 32 values `w` as signed bytes.
-    ///
-    /// # Safety
-    /// The CPU must have AVX2; `block` must point at `BYTES` readable bytes.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    unsafe fn signed(block: *const u8) -> __m256i {
-        // SAFETY: passed on from the caller.
-        let values = unsafe { Self::unpack(block) };
-        _mm256_sub_epi8(values, _mm256_set1_epi8(Self::BACK as i8))
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Signed for Q4_0 {
-    const BACK: i32 = 0;
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Signed for Q5_0 {
-    const BACK: i32 = 0;
-}
-
-#[cfg(target_arch = "x86_64")]
-impl Signed for Q5_1 {
-    const BACK: i32 = 16;
-}
-
 #[cfg(target_arch = "x86_64")]
 impl Layout for Q4_0 {
     const BYTES: usize = legacy::Q4_0_BYTES;
@@ -893,6 +858,7 @@ mod tests {
                         scales: &scales,
                         sums: &sums,
                         quants: &quants,
+                        quad: None,
                     };
                     let (want, got) = (reference(&weights, row), fast(token, &weights, row));
                     assert_eq!(
@@ -930,6 +896,7 @@ mod tests {
                         scales: &scales,
                         sums: &sums,
                         quants: &quants,
+                        quad: None,
                     };
                     let (want, got) = (reference(&weights, row), fast(token, &weights, row));
                     // NaN payloads may differ (an add's operands may be taken either way).
@@ -1054,6 +1021,7 @@ mod tests {
                     scales: &scales,
                     sums: &sums,
                     quants: &quants,
+                    quad: None,
                 };
                 let row_bytes = blocks * block_bytes;
                 let time = |dot: &dyn Fn(&[u8]) -> f32| {
@@ -1149,6 +1117,7 @@ mod tests {
                         scales,
                         sums,
                         quants,
+                        quad: None,
                     });
                     let got = together(token, &weights, rows);
                     for (k, (row, got)) in rows.into_iter().zip(got).enumerate() {
@@ -1182,6 +1151,7 @@ mod tests {
                         scales,
                         sums,
                         quants,
+                        quad: None,
                     });
                     let got = together(token, &weights, rows);
                     for (row, got) in rows.into_iter().zip(got) {
@@ -1209,11 +1179,13 @@ mod tests {
             scales: &scales,
             sums: &sums,
             quants: &quants,
+            quad: None,
         };
         let short = ActivationRow {
             scales: &scales[..1],
             sums: &sums[..1],
             quants: &quants[..BLOCK],
+            quad: None,
         };
         dot_q5_0_together(token, &weights, [row, row, short, row]);
     }
@@ -1246,6 +1218,7 @@ mod tests {
                             scales,
                             sums,
                             quants,
+                            quad: None,
                         });
                 let row_bytes = blocks * block_bytes;
                 let time = |dot: &dyn Fn(&[u8]) -> [f32; TOGETHER]| {

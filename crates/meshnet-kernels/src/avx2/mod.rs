@@ -24,6 +24,7 @@ use std::arch::x86_64::*;
 mod attention;
 mod float;
 mod legacy;
+mod outer;
 mod q2_k;
 mod q3_k;
 mod q4_k;
@@ -31,6 +32,7 @@ mod q5_k;
 mod q6_k;
 mod quantize;
 mod tile;
+mod wide;
 
 pub(crate) use tile::{TILE_ROWS, WIDE_GROUPS};
 
@@ -48,15 +50,12 @@ const GROUP: usize = 8;
 /// weight row at once.
 pub(crate) const TOGETHER: usize = 4;
 
-/// Q5_1 rows this many blocks long or longer run four-row dots in a batched product, not the
-/// tile: measured on data in L1, the tile took 0.98 against 1.15 ns per output and block at 18
-/// blocks (and was faster at 16 to 26), but 0.90 against 0.83 at 48 and 0.94 against 0.80 at
-/// 64 (its minimums and activation sums cost more than four-row dots of long rows).
-const Q5_1_TILE_BLOCKS: usize = 32;
-
 /// Proof that the running CPU has AVX2, FMA and F16C: the only way to reach the kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Avx2(());
+pub(crate) struct Avx2 {
+    /// Whether the CPU also has AVX-512 F, BW and VNNI, which the wide tile (`wide.rs`) needs.
+    wide: bool,
+}
 
 impl Avx2 {
     /// `Some` when the CPU this process runs on has AVX2, FMA and F16C (every CPU with AVX2
@@ -67,9 +66,22 @@ impl Avx2 {
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
         {
-            return Some(Self(()));
+            let wide = std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vnni");
+            return Some(Self { wide });
         }
         None
+    }
+
+    /// Whether the 512-bit tile runs here (the CPU has AVX-512 F, BW and VNNI).
+    pub(crate) fn is_wide(self) -> bool {
+        self.wide
+    }
+
+    /// This token without its 512-bit paths: the AVX2 kernels alone (the same bits).
+    pub(crate) fn narrow(self) -> Self {
+        Self { wide: false }
     }
 
     /// One Q4_1 weight row against one activation row (equal to `scalar::dot_q4_1`).
@@ -116,8 +128,14 @@ impl Avx2 {
     ) {
         let blocks = checked_groups(&weights, activations, results.len(), BLOCK);
         // SAFETY: as in `dot_q8_0`, for every weight row and every activation row; the groups
-        // and results are as many, at most `WIDE_GROUPS`.
-        unsafe { tile::parsed::<tile::Q8_0Tile>(weights, activations, blocks, results) }
+        // and results are as many, at most `WIDE_GROUPS`; `wide` only when the CPU has
+        // AVX-512 F, BW and VNNI (`detect`).
+        unsafe {
+            match self.wide {
+                true => wide::wide_blocks::<tile::Q8_0Tile>(weights, activations, blocks, results),
+                false => tile::parsed::<tile::Q8_0Tile>(weights, activations, blocks, results),
+            }
+        }
     }
 
     /// [`Self::dot_q8_0_tile`] for Q4_1: the bits of as many `dot_q4_1` calls.
@@ -133,8 +151,14 @@ impl Avx2 {
             "kernel operands of unequal length"
         );
         // SAFETY: as in `dot_q4_1`, for every weight row and every activation row; the groups
-        // and results are as many, at most `WIDE_GROUPS`.
-        unsafe { tile::parsed::<tile::Q4_1Tile>(weights, activations, blocks, results) }
+        // and results are as many, at most `WIDE_GROUPS`; `wide` only when the CPU has
+        // AVX-512 F, BW and VNNI (`detect`).
+        unsafe {
+            match self.wide {
+                true => wide::wide_blocks::<tile::Q4_1Tile>(weights, activations, blocks, results),
+                false => tile::parsed::<tile::Q4_1Tile>(weights, activations, blocks, results),
+            }
+        }
     }
 
     /// One row of a 32-value format's block bytes against one activation row (equal to
@@ -186,8 +210,8 @@ impl Avx2 {
 
     /// [`TILE_ROWS`] rows of a 32-value format's block bytes against groups of [`TOGETHER`]
     /// activation rows (at most [`WIDE_GROUPS`]), one tile of results per group: the bits of
-    /// as many [`Self::dot_blocks`] calls, each weight block read once for all the groups
-    /// (Q5_1 rows of [`Q5_1_TILE_BLOCKS`] blocks or more run four-row dots instead).
+    /// as many [`Self::dot_blocks`] calls, each weight block unpacked once for all the groups
+    /// (in 512-bit vectors where the CPU has AVX-512 VNNI, `wide.rs`; else `outer.rs`).
     pub(crate) fn dot_blocks_tile(
         self,
         format: BlockFormat,
@@ -207,20 +231,18 @@ impl Avx2 {
                 blocks = legacy::checked_rows(row, group, format.block_bytes());
             }
         }
-        let tile = match format {
-            BlockFormat::Q4_0 => tile::offset_blocks::<legacy::Q4_0>,
-            BlockFormat::Q5_0 => tile::offset_blocks::<legacy::Q5_0>,
-            BlockFormat::Q5_1 if blocks < Q5_1_TILE_BLOCKS => tile::offset_blocks::<legacy::Q5_1>,
-            BlockFormat::Q5_1 => {
-                for (group, result) in activations.iter().zip(results) {
-                    *result = weights.map(|row| self.dot_blocks_together(format, row, *group));
-                }
-                return;
-            }
+        let tile = match (format, self.wide) {
+            (BlockFormat::Q4_0, true) => wide::wide_blocks::<legacy::Q4_0>,
+            (BlockFormat::Q5_0, true) => wide::wide_blocks::<legacy::Q5_0>,
+            (BlockFormat::Q5_1, true) => wide::wide_blocks::<legacy::Q5_1>,
+            (BlockFormat::Q4_0, false) => outer::outer_blocks::<legacy::Q4_0>,
+            (BlockFormat::Q5_0, false) => outer::outer_blocks::<legacy::Q5_0>,
+            (BlockFormat::Q5_1, false) => outer::outer_blocks::<legacy::Q5_1>,
         };
-        // SAFETY: the token exists only when the CPU has AVX2, FMA and F16C (`detect`);
-        // `checked_rows` checked that every weight row and every part of every activation row
-        // hold `blocks` blocks, and the groups and results are as many, at most `WIDE_GROUPS`.
+        // SAFETY: the token exists only when the CPU has AVX2, FMA and F16C, and `wide` only
+        // when it also has AVX-512 F, BW and VNNI (`detect`); `checked_rows` checked that every
+        // weight row and every part of every activation row hold `blocks` blocks, and the
+        // groups and results are as many, at most `WIDE_GROUPS`.
         unsafe { tile(weights, activations, blocks, results) }
     }
 

@@ -9,8 +9,8 @@
 //! the reference's own operations (`scalar::dot_q8_0`), so each output has its bits. The
 //! integer dots are those of `q8_block` (exact, see `avx2/mod.rs`).
 //!
-//! Q4_0, Q5_0 and Q5_1: the same side-by-side dots from the weight blocks unpacked to signed
-//! values, the terms kept in the reference's eight lanes per output (`offset_blocks`).
+//! Q4_0, Q5_0 and Q5_1 have tiles of their own, as outer products (`outer.rs`, and `wide.rs`
+//! where the CPU has AVX-512 VNNI).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -19,10 +19,7 @@ use super::TOGETHER;
 use crate::activations::ActivationRow;
 use crate::matrix::WeightRow;
 #[cfg(target_arch = "x86_64")]
-use {
-    super::GROUP, super::legacy::Signed, crate::BLOCK, crate::Q4_1_QUANT_BYTES,
-    crate::formats::legacy,
-};
+use {crate::BLOCK, crate::Q4_1_QUANT_BYTES};
 
 /// Weight rows a tile computes at once.
 pub(crate) const TILE_ROWS: usize = 4;
@@ -309,238 +306,6 @@ fn halves_added(upper: __m256i, lower: __m256i) -> __m256i {
     )
 }
 
-/// The dot products of [`TILE_ROWS`] rows of Q4_0, Q5_0 or Q5_1 (`F`, block bytes) with up to
-/// [`WIDE_GROUPS`] groups of [`TOGETHER`] activation rows, into `results` (one tile per group),
-/// each with the bits of `formats::legacy`'s reference.
-///
-/// Each weight block is unpacked once to its signed values ([`Signed::signed`]) for all the
-/// groups; each group's 16 exact integer dots are computed side by side as Q8_0's are
-/// ([`offset_four_dots`], plus `16 · Σa` for Q5_1), and their terms with the reference's
-/// multiplies and adds ([`block_terms`]).
-/// The reference's eight lanes per output (block `b` into lane `b % 8`, the blocks after the
-/// last whole group of eight first) are eight accumulators of the outputs, added block by
-/// block in that order, and combined per output by the reference's `combine_lanes`.
-///
-/// # Safety
-/// The CPU must have AVX2 and F16C; `activations` must hold at most [`WIDE_GROUPS`] groups
-/// and `results` as many tiles; every weight row must hold `blocks` blocks of `F` and every
-/// part of every activation row `blocks` blocks.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn offset_blocks<F: Signed>(
-    weights: [&[u8]; TILE_ROWS],
-    activations: &[[ActivationRow<'_>; TOGETHER]],
-    blocks: usize,
-    results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
-) {
-    let whole = blocks / GROUP * GROUP;
-    let mut lanes = [[[_mm256_setzero_ps(); PAIRS]; WIDE_GROUPS]; GROUP];
-    let add = |lanes: &mut [[__m256; PAIRS]; WIDE_GROUPS], block: usize| {
-        // SAFETY: `block < blocks`, in range of every row (the caller).
-        let unpacked = unsafe { unpacked_blocks::<F>(&weights, block) };
-        for (lanes, group) in lanes.iter_mut().zip(activations) {
-            // SAFETY: as above.
-            let terms = unsafe { block_terms::<F>(&unpacked, group, block) };
-            for (lane, term) in lanes.iter_mut().zip(terms) {
-                *lane = _mm256_add_ps(*lane, term);
-            }
-        }
-    };
-    // The blocks after the last whole group first, then the groups, as the reference.
-    for (lanes, block) in lanes.iter_mut().zip(whole..blocks) {
-        add(lanes, block);
-    }
-    for first in (0..whole).step_by(GROUP) {
-        for (offset, lanes) in lanes.iter_mut().enumerate() {
-            add(lanes, first + offset);
-        }
-    }
-    for (group, result) in results.iter_mut().enumerate() {
-        *result = combined(&std::array::from_fn(|k| lanes[k][group]));
-    }
-}
-
-/// Each output's eight lanes (lane `k` of output `(r, c)` is lane `4 · (r % 2) + c` of
-/// `lanes[k][r / 2]`) combined by the reference's `combine_lanes`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn combined(lanes: &[[__m256; PAIRS]; GROUP]) -> [[f32; TOGETHER]; TILE_ROWS] {
-    let mut results = [[0f32; TOGETHER]; TILE_ROWS];
-    for pair in 0..PAIRS {
-        let mut sums = [[0f32; 2 * TOGETHER]; GROUP];
-        for (sums, lanes) in sums.iter_mut().zip(lanes) {
-            // SAFETY: `sums` holds eight f32, what an unaligned 256-bit store writes.
-            unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), lanes[pair]) };
-        }
-        let outputs = results[2 * pair..2 * pair + 2].iter_mut().flatten();
-        for (output, sum) in outputs.enumerate() {
-            *sum = legacy::combine_lanes(sums.map(|lanes| lanes[output]));
-        }
-    }
-    results
-}
-
-/// A tile's block: each weight row's signed values, and the rows' scales and minimums (zero
-/// for the formats without).
-#[cfg(target_arch = "x86_64")]
-struct Unpacked {
-    values: [__m256i; TILE_ROWS],
-    scales: __m128,
-    mins: __m128,
-}
-
-/// Block `block` of every weight row unpacked ([`Signed::signed`]), with its scales and
-/// minimums.
-///
-/// # Safety
-/// The CPU must have AVX2 and F16C; block `block` must be in range of every weight row.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn unpacked_blocks<F: Signed>(weights: &[&[u8]; TILE_ROWS], block: usize) -> Unpacked {
-    // SAFETY: the block's bytes in every weight row are readable (the caller); the scale is
-    // at 0 and the minimum at `F::MIN`, inside the block.
-    unsafe {
-        let blocks = weights.map(|row| row.as_ptr().add(block * F::BYTES));
-        Unpacked {
-            values: blocks.map(|block| F::signed(block)),
-            scales: tile_halves(&blocks, 0),
-            mins: F::MIN.map_or(_mm_setzero_ps(), |at| tile_halves(&blocks, at)),
-        }
-    }
-}
-
-/// Block `block`'s terms of a group's outputs, laid out as [`combined`] reads them: each
-/// output's `legacy::scaled_term` (`dot · d · d_a`), plus `m · s_a` for Q5_1
-/// (`legacy::offset_term`), multiplies and adds never fused.
-///
-/// # Safety
-/// The CPU must have AVX2 and F16C; block `block` must be in range of every part of every
-/// activation row.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn block_terms<F: Signed>(
-    unpacked: &Unpacked,
-    activations: &[ActivationRow<'_>; TOGETHER],
-    block: usize,
-) -> [__m256; PAIRS] {
-    // SAFETY: the block's part of every activation row is readable (the caller).
-    let (quants, activation_scales, activation_sums) = unsafe {
-        let quants: [__m256i; TOGETHER] = std::array::from_fn(|c| {
-            _mm256_loadu_si256(activations[c].quants.as_ptr().add(block * BLOCK).cast())
-        });
-        let scale = |c: usize| *activations[c].scales.get_unchecked(block);
-        let sum = |c: usize| *activations[c].sums.get_unchecked(block);
-        let scales = _mm_setr_ps(scale(0), scale(1), scale(2), scale(3));
-        let sums = _mm_setr_ps(sum(0), sum(1), sum(2), sum(3));
-        (
-            quants,
-            _mm256_set_m128(scales, scales),
-            _mm256_set_m128(sums, sums),
-        )
-    };
-    let magnitudes = quants.map(|quants| _mm256_sign_epi8(quants, quants));
-    // `BACK · Σa` of each activation row, in the lanes of `halves_added`'s two rows.
-    let back = if F::BACK == 0 {
-        _mm256_setzero_si256()
-    } else {
-        let sums = four_sums(&quants);
-        debug_assert_eq!(F::BACK, 16);
-        _mm256_slli_epi32(halves_added(sums, sums), 4)
-    };
-    let mut terms = [_mm256_setzero_ps(); PAIRS];
-    for (pair, terms) in terms.iter_mut().enumerate() {
-        let upper = offset_four_dots(unpacked.values[2 * pair], &magnitudes, &quants);
-        let lower = offset_four_dots(unpacked.values[2 * pair + 1], &magnitudes, &quants);
-        let dots = _mm256_add_epi32(halves_added(upper, lower), back);
-        // Lanes 0..4 take weight row `2 · pair`'s scale, lanes 4..8 the next row's.
-        let at = _mm256_add_epi32(
-            _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
-            _mm256_set1_epi32(2 * pair as i32),
-        );
-        let spread = |values: __m128| _mm256_permutevar8x32_ps(_mm256_castps128_ps256(values), at);
-        let scaled = _mm256_mul_ps(
-            _mm256_mul_ps(_mm256_cvtepi32_ps(dots), spread(unpacked.scales)),
-            activation_scales,
-        );
-        *terms = match F::MIN {
-            Some(_) => _mm256_add_ps(
-                scaled,
-                _mm256_mul_ps(spread(unpacked.mins), activation_sums),
-            ),
-            None => scaled,
-        };
-    }
-    terms
-}
-
-/// The f16 numbers at byte `at` of the tile's four blocks, widened to f32 (exactly, as
-/// `half_at` widens one).
-///
-/// # Safety
-/// The CPU must have AVX2 and F16C; two bytes must be readable at `at` of every block.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn tile_halves(blocks: &[*const u8; TILE_ROWS], at: usize) -> __m128 {
-    let half = |r: usize| {
-        // SAFETY: the caller guarantees two readable bytes at `at` of block `r`.
-        u64::from(unsafe { blocks[r].add(at).cast::<u16>().read_unaligned() })
-    };
-    let packed = half(0) | half(1) << 16 | half(2) << 32 | half(3) << 48;
-    _mm_cvtph_ps(_mm_set_epi64x(0, packed as i64))
-}
-
-/// The sums of four activation blocks, laid out as [`offset_four_dots`] lays its dots out
-/// (`maddubs` of ones with the activations, then the same exact rounds of `hadd`).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2")]
-fn four_sums(activations: &[__m256i; TOGETHER]) -> __m256i {
-    let pairs = |c: usize| _mm256_maddubs_epi16(_mm256_set1_epi8(1), activations[c]);
-    let sums = _mm256_hadd_epi16(
-        _mm256_hadd_epi16(pairs(0), pairs(1)),
-        _mm256_hadd_epi16(pairs(2), pairs(3)),
-    );
-    _mm256_madd_epi16(sums, _mm256_set1_epi16(1))
-}
-
-/// One weight block's signed values `w` (|w| ≤ 16) against four activation blocks,
-/// laid out as [`q8_0_four_dots`] lays them out: the values take the activations' signs and
-/// meet their `magnitudes` (`|a| · ±w`, as Q8_0's products).
-///
-/// The products are summed in i16 as far as they fit: with activations in -127..=127 (as
-/// `activations.rs` rounds them), 16 products are at most 32512 in magnitude, so three rounds
-/// of `hadd` after `maddubs` are exact before `madd` widens the sums.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2")]
-fn offset_four_dots(
-    values: __m256i,
-    magnitudes: &[__m256i; TOGETHER],
-    activations: &[__m256i; TOGETHER],
-) -> __m256i {
-    let pairs =
-        |c: usize| _mm256_maddubs_epi16(magnitudes[c], _mm256_sign_epi8(values, activations[c]));
-    let sums = _mm256_hadd_epi16(
-        _mm256_hadd_epi16(pairs(0), pairs(1)),
-        _mm256_hadd_epi16(pairs(2), pairs(3)),
-    );
-    _mm256_madd_epi16(sums, _mm256_set1_epi16(1))
-}
-
-/// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
-#[cfg(not(target_arch = "x86_64"))]
-pub(super) unsafe fn offset_blocks<F>(
-    _: [&[u8]; TILE_ROWS],
-    _: &[[ActivationRow<'_>; TOGETHER]],
-    _: usize,
-    _: &mut [[[f32; TOGETHER]; TILE_ROWS]],
-) {
-    unreachable!("no AVX2 outside x86_64")
-}
-
 /// Stand-in where there is no x86_64: `Avx2::detect` never returns a token there.
 #[cfg(not(target_arch = "x86_64"))]
 pub(super) unsafe fn parsed<T>(
@@ -617,18 +382,20 @@ mod tests {
                 mins: &[],
                 quants: &quants[r * cols..(r + 1) * cols],
             };
-            // Both groups at once, and the second alone.
-            let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 3];
-            let weights = std::array::from_fn(weight);
-            token.dot_q8_0_tile(weights, &groups, &mut tiles[..2]);
-            token.dot_q8_0_tile(weights, &groups[1..], &mut tiles[2..]);
-            for (g, tile) in tiles.iter().enumerate() {
-                let group = groups[g.min(1)];
-                for (r, outputs) in tile.iter().enumerate() {
-                    for (c, got) in outputs.iter().enumerate() {
-                        let want = crate::scalar::dot_q8_0(weight(r), group[c]);
-                        let at = format!("{blocks} blocks, tile {g}, ({r}, {c})");
-                        assert_eq!(want.to_bits(), got.to_bits(), "{at}");
+            // Both groups at once, and the second alone, by every tile this CPU has.
+            for token in tokens(token) {
+                let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 3];
+                let weights = std::array::from_fn(weight);
+                token.dot_q8_0_tile(weights, &groups, &mut tiles[..2]);
+                token.dot_q8_0_tile(weights, &groups[1..], &mut tiles[2..]);
+                for (g, tile) in tiles.iter().enumerate() {
+                    let group = groups[g.min(1)];
+                    for (r, outputs) in tile.iter().enumerate() {
+                        for (c, got) in outputs.iter().enumerate() {
+                            let want = crate::scalar::dot_q8_0(weight(r), group[c]);
+                            let at = format!("{token:?}, {blocks} blocks, tile {g}, ({r}, {c})");
+                            assert_eq!(want.to_bits(), got.to_bits(), "{at}");
+                        }
                     }
                 }
             }
@@ -665,14 +432,16 @@ mod tests {
                 mins: &mins[r * blocks..(r + 1) * blocks],
                 quants: &quants[r * cols / 2..(r + 1) * cols / 2],
             };
-            let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 2];
-            token.dot_q4_1_tile(std::array::from_fn(weight), &groups, &mut tiles);
-            for (g, tile) in tiles.iter().enumerate() {
-                for (r, outputs) in tile.iter().enumerate() {
-                    for (c, got) in outputs.iter().enumerate() {
-                        let want = crate::scalar::dot_q4_1(weight(r), groups[g][c]);
-                        let at = format!("{blocks} blocks, tile {g}, ({r}, {c})");
-                        assert_eq!(want.to_bits(), got.to_bits(), "{at}");
+            for token in tokens(token) {
+                let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 2];
+                token.dot_q4_1_tile(std::array::from_fn(weight), &groups, &mut tiles);
+                for (g, tile) in tiles.iter().enumerate() {
+                    for (r, outputs) in tile.iter().enumerate() {
+                        for (c, got) in outputs.iter().enumerate() {
+                            let want = crate::scalar::dot_q4_1(weight(r), groups[g][c]);
+                            let at = format!("{token:?}, {blocks} blocks, tile {g}, ({r}, {c})");
+                            assert_eq!(want.to_bits(), got.to_bits(), "{at}");
+                        }
                     }
                 }
             }
@@ -712,26 +481,43 @@ mod tests {
                     }
                 }
                 let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
-                // Both groups at once, and the second alone.
-                let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 3];
-                let weights = std::array::from_fn(row);
-                token.dot_blocks_tile(format, weights, &groups, &mut tiles[..2]);
-                token.dot_blocks_tile(format, weights, &groups[1..], &mut tiles[2..]);
-                for (g, tile) in tiles.iter().enumerate() {
-                    let group = groups[g.min(1)];
-                    for (r, outputs) in tile.iter().enumerate() {
-                        for (c, got) in outputs.iter().enumerate() {
-                            let want = reference(row(r), group[c]);
-                            assert_eq!(
-                                want.to_bits(),
-                                got.to_bits(),
-                                "{format:?}, {blocks} blocks, tile {g}, ({r}, {c})"
-                            );
+                // Both groups at once, and the second alone, by every tile this CPU has.
+                for token in tokens(token) {
+                    let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 3];
+                    let weights = std::array::from_fn(row);
+                    token.dot_blocks_tile(format, weights, &groups, &mut tiles[..2]);
+                    token.dot_blocks_tile(format, weights, &groups[1..], &mut tiles[2..]);
+                    for (g, tile) in tiles.iter().enumerate() {
+                        let group = groups[g.min(1)];
+                        for (r, outputs) in tile.iter().enumerate() {
+                            for (c, got) in outputs.iter().enumerate() {
+                                let want = reference(row(r), group[c]);
+                                assert_eq!(
+                                    want.to_bits(),
+                                    got.to_bits(),
+                                    "{format:?} ({token:?}), {blocks} blocks, tile {g}, ({r}, {c})"
+                                );
+                            }
                         }
                     }
                 }
             }
         }
+    }
+
+    /// The token, and when it has the 512-bit paths also the token without them.
+    fn tokens(token: Avx2) -> Vec<Avx2> {
+        if token.is_wide() {
+            vec![token, token.narrow()]
+        } else {
+            vec![token]
+        }
+    }
+
+    /// `input` quantized, twice.
+    fn quantized_twice(input: &[f32], rows: usize, cols: usize) -> (QuantizedRows, QuantizedRows) {
+        let rows = QuantizedRows::quantize(input, rows, cols);
+        (rows.clone(), rows)
     }
 
     /// The shortest of 20 timings, in seconds, of 50 calls of `run`.
@@ -765,9 +551,15 @@ mod tests {
             let input: Vec<f32> = (0..GROUPS * TOGETHER * cols)
                 .map(|i| (i as f32 * 0.37).sin())
                 .collect();
-            let rows = QuantizedRows::quantize(&input, GROUPS * TOGETHER, cols);
+            // Interleaved as a matmul interleaves them for the wide tiles: lifted for the
+            // formats whose values are signed, as they are for the others.
+            let (mut rows, mut unsigned) = quantized_twice(&input, GROUPS * TOGETHER, cols);
+            rows.interleave(true);
+            unsigned.interleave(false);
             let groups: [[ActivationRow<'_>; TOGETHER]; GROUPS] =
                 std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
+            let unsigned_groups: [[ActivationRow<'_>; TOGETHER]; GROUPS] =
+                std::array::from_fn(|g| std::array::from_fn(|k| unsigned.row(g * TOGETHER + k)));
             let scales: Vec<f32> = (0..16 * blocks).map(|i| (i % 7) as f32 * 0.01).collect();
             let quants = bytes(16 * cols, 3);
             let weight = |r: usize| WeightRow {
@@ -783,16 +575,21 @@ mod tests {
                 let row = |r: usize| groups.map(|g| token.dot_q8_0_four(weight(r), g)[0]);
                 (0..16).map(|r| row(r).iter().sum::<f32>()).sum()
             });
-            let tiled = per(&|| {
-                let tile = |t: usize| {
-                    let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
-                    let rows = std::array::from_fn(|r| weight(t + r));
-                    token.dot_q8_0_tile(rows, &groups, &mut results);
-                    results[0][0][0]
-                };
-                tiles().map(tile).sum()
-            });
-            println!("Q8_0 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block");
+            for token in tokens(token) {
+                let tiled = per(&|| {
+                    let tile = |t: usize| {
+                        let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
+                        let rows = std::array::from_fn(|r| weight(t + r));
+                        token.dot_q8_0_tile(rows, &groups, &mut results);
+                        results[0][0][0]
+                    };
+                    tiles().map(tile).sum()
+                });
+                println!(
+                    "Q8_0 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block \
+                     ({token:?})"
+                );
+            }
             let nibbles = |r: usize| WeightRow {
                 scales: &scales[r * blocks..(r + 1) * blocks],
                 mins: &scales[r * blocks..(r + 1) * blocks],
@@ -802,17 +599,26 @@ mod tests {
                 let row = |r: usize| groups.map(|g| token.dot_q4_1_four(nibbles(r), g)[0]);
                 (0..16).map(|r| row(r).iter().sum::<f32>()).sum()
             });
-            let tiled = per(&|| {
-                let tile = |t: usize| {
-                    let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
-                    let rows = std::array::from_fn(|r| nibbles(t + r));
-                    token.dot_q4_1_tile(rows, &groups, &mut results);
-                    results[0][0][0]
-                };
-                tiles().map(tile).sum()
-            });
-            println!("Q4_1 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block");
+            for token in tokens(token) {
+                let tiled = per(&|| {
+                    let tile = |t: usize| {
+                        let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
+                        let rows = std::array::from_fn(|r| nibbles(t + r));
+                        token.dot_q4_1_tile(rows, &unsigned_groups, &mut results);
+                        results[0][0][0]
+                    };
+                    tiles().map(tile).sum()
+                });
+                println!(
+                    "Q4_1 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block \
+                     ({token:?})"
+                );
+            }
             for format in [BlockFormat::Q4_0, BlockFormat::Q5_0, BlockFormat::Q5_1] {
+                let groups = match format {
+                    BlockFormat::Q5_1 => unsigned_groups,
+                    _ => groups,
+                };
                 let row_bytes = blocks * format.block_bytes();
                 let mut weights = bytes(16 * row_bytes, 5);
                 for block in weights.chunks_exact_mut(format.block_bytes()) {
@@ -824,18 +630,21 @@ mod tests {
                         |r: usize| groups.map(|g| token.dot_blocks_together(format, row(r), g)[0]);
                     (0..16).map(|r| one(r).iter().sum::<f32>()).sum()
                 });
-                let tiled = per(&|| {
-                    let tile = |t: usize| {
-                        let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
-                        let rows = std::array::from_fn(|r| row(t + r));
-                        token.dot_blocks_tile(format, rows, &groups, &mut results);
-                        results[0][0][0]
-                    };
-                    tiles().map(tile).sum()
-                });
-                println!(
-                    "{format:?} {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block"
-                );
+                for token in tokens(token) {
+                    let tiled = per(&|| {
+                        let tile = |t: usize| {
+                            let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
+                            let rows = std::array::from_fn(|r| row(t + r));
+                            token.dot_blocks_tile(format, rows, &groups, &mut results);
+                            results[0][0][0]
+                        };
+                        tiles().map(tile).sum()
+                    });
+                    println!(
+                        "{format:?} {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns \
+                         per block ({token:?})"
+                    );
+                }
             }
         }
     }
