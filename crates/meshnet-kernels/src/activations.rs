@@ -30,8 +30,9 @@ pub struct QuantizedRows {
     quads: Option<Interleaved>,
 }
 
-/// Rows an interleaved group holds.
+/// Rows an interleaved group holds: a group of the tiles.
 pub(crate) const QUAD: usize = 4;
+const _: () = assert!(QUAD == crate::TOGETHER);
 
 /// Bytes of one block of an interleaved group.
 pub(crate) const QUAD_BLOCK_BYTES: usize = QUAD * BLOCK;
@@ -67,22 +68,16 @@ pub(crate) struct Quad<'a> {
 }
 
 impl<'a> Quad<'a> {
-    /// The group of `rows` interleaved here and now (for rows that come without one).
-    pub(crate) fn of(rows: &[ActivationRow<'_>; QUAD], lifted: bool) -> OwnedQuad {
-        let blocks = rows[0].scales.len();
-        let mut owned = OwnedQuad {
-            quants: vec![0; blocks * QUAD_BLOCK_BYTES],
-            scales: vec![[0.0; QUAD]; blocks],
-            sums: vec![[0.0; QUAD]; blocks],
-        };
-        interleave_group(rows.map(|row| row.quants), lifted, &mut owned.quants);
-        for (c, row) in rows.iter().enumerate() {
-            for block in 0..blocks {
-                owned.scales[block][c] = row.scales[block];
-                owned.sums[block][c] = row.sums[block];
-            }
+    /// The group of `rows` interleaved here and now (for rows that come without one): their
+    /// first `blocks` blocks, which every row must hold.
+    pub(crate) fn of(rows: &[ActivationRow<'_>; QUAD], blocks: usize, lifted: bool) -> OwnedQuad {
+        let mut quants = vec![0; blocks * QUAD_BLOCK_BYTES];
+        interleave_group(rows.map(|row| row.quants), lifted, &mut quants);
+        OwnedQuad {
+            quants,
+            scales: side_by_side(rows.map(|row| row.scales), blocks).collect(),
+            sums: side_by_side(rows.map(|row| row.sums), blocks).collect(),
         }
-        owned
     }
 }
 
@@ -105,6 +100,11 @@ impl OwnedQuad {
             member: 0,
         }
     }
+}
+
+/// The first `blocks` values of four rows (`rows`, one value per block), block by block.
+fn side_by_side(rows: [&[f32]; QUAD], blocks: usize) -> impl Iterator<Item = [f32; QUAD]> + '_ {
+    (0..blocks).map(move |block| rows.map(|row| row[block]))
 }
 
 /// Writes a group's four rows (`rows`, their quants) interleaved into `interleaved` (the
@@ -197,18 +197,17 @@ impl QuantizedRows {
                 let rows = std::array::from_fn(|c| self.row(group * QUAD + c).quants);
                 interleave_group(rows, lifted, bytes);
             });
-        let side_by_side = |values: &[f32]| -> Vec<[f32; QUAD]> {
-            (0..groups * blocks)
-                .map(|at| {
-                    let (group, block) = (at / blocks, at % blocks);
-                    std::array::from_fn(|c| values[(group * QUAD + c) * blocks + block])
-                })
+        // Each group's rows' values (scales or sums), block by block.
+        let groups_side_by_side = |values: &[f32]| -> Vec<[f32; QUAD]> {
+            let group = |g: usize| std::array::from_fn(|c| &values[(g * QUAD + c) * blocks..]);
+            (0..groups)
+                .flat_map(|g| side_by_side(group(g), blocks))
                 .collect()
         };
         self.quads = Some(Interleaved {
             quants,
-            scales: side_by_side(&self.scales),
-            sums: side_by_side(&self.sums),
+            scales: groups_side_by_side(&self.scales),
+            sums: groups_side_by_side(&self.sums),
             lifted,
         });
     }

@@ -6,7 +6,9 @@
 //! is computed lane-wise with separate multiplies and adds (never fused) and then added to the
 //! running sum one block at a time, in block order, exactly as the scalar loop does. Attention
 //! (`attention.rs`) is the exception: its reference is written with fused multiply-adds, and
-//! the kernel uses FMA where the reference does.
+//! the kernel uses FMA where the reference does. The prefill tiles of the 32-value formats
+//! compute their integer dots as outer products (`outer.rs`), and with `vpdpbusd` in 512-bit
+//! vectors where the CPU has AVX-512 VNNI (`wide.rs`), to the same bits.
 //!
 //! Saturation: `maddubs` adds two products of an unsigned and a signed byte into an i16. For
 //! Q4_1 the unsigned side is a nibble (≤ 15) and the signed side an activation (|a| ≤ 128):
@@ -15,7 +17,8 @@
 //! 32512 < 32767.
 //!
 //! Safety: the kernels are reachable only through [`Avx2`], which exists only when the running
-//! CPU reports AVX2; every pointer read is inside a slice whose length is checked first.
+//! CPU reports AVX2, FMA and F16C, and reaches the 512-bit tiles only when `detect` also saw
+//! AVX-512 F, BW and VNNI; every pointer read is inside a slice whose length is checked first.
 #![allow(unsafe_code)]
 
 #[cfg(target_arch = "x86_64")]

@@ -142,16 +142,8 @@ impl Columns {
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn load<F: Layout>(weights: &[&[u8]; TILE_ROWS], block: usize) -> Self {
-        // SAFETY: the block's bytes in every weight row are readable (the caller); the scale
-        // is at 0 and the minimum at `F::MIN`, inside the block.
-        let (rows, scales, mins) = unsafe {
-            let blocks = weights.map(|row| row.as_ptr().add(block * F::BYTES));
-            (
-                blocks.map(|block| F::unpack(block)),
-                tile_halves(&blocks, 0),
-                F::MIN.map_or(_mm_setzero_ps(), |at| tile_halves(&blocks, at)),
-            )
-        };
+        // SAFETY: passed on from the caller.
+        let (rows, scales, mins) = unsafe { unpacked_tile::<F>(weights, block) };
         let values = transposed(rows);
         let bias = if F::BIASED {
             let ones = _mm256_set1_epi8(1);
@@ -166,6 +158,30 @@ impl Columns {
             scales: spread_rows(scales),
             mins: spread_rows(mins),
         }
+    }
+}
+
+/// Block `block` of four rows of a 32-value format with an offset or a minimum: each row's 32
+/// values (`Layout::unpack`), and the rows' scales and minimums (zero without).
+///
+/// # Safety
+/// The CPU must have AVX2 and F16C; block `block` must be in range of every row.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn unpacked_tile<F: Layout>(
+    rows: &[&[u8]; TILE_ROWS],
+    block: usize,
+) -> ([__m256i; TILE_ROWS], __m128, __m128) {
+    // SAFETY: the block's bytes in every row are readable (the caller); the scale is at 0 and
+    // the minimum at `F::MIN`, inside the block.
+    unsafe {
+        let blocks = rows.map(|row| row.as_ptr().add(block * F::BYTES));
+        (
+            blocks.map(|block| F::unpack(block)),
+            tile_halves(&blocks, 0),
+            F::MIN.map_or(_mm_setzero_ps(), |at| tile_halves(&blocks, at)),
+        )
     }
 }
 
@@ -322,7 +338,7 @@ fn spread_pair(first: f32, second: f32) -> __m256 {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn tile_halves(blocks: &[*const u8; TILE_ROWS], at: usize) -> __m128 {
+unsafe fn tile_halves(blocks: &[*const u8; TILE_ROWS], at: usize) -> __m128 {
     let half = |r: usize| {
         // SAFETY: the caller guarantees two readable bytes at `at` of block `r`.
         u64::from(unsafe { blocks[r].add(at).cast::<u16>().read_unaligned() })

@@ -9,8 +9,9 @@
 //! the reference's own operations (`scalar::dot_q8_0`), so each output has its bits. The
 //! integer dots are those of `q8_block` (exact, see `avx2/mod.rs`).
 //!
-//! Q4_0, Q5_0 and Q5_1 have tiles of their own, as outer products (`outer.rs`, and `wide.rs`
-//! where the CPU has AVX-512 VNNI).
+//! Where the CPU has AVX-512 VNNI, Q8_0 and Q4_1 run the 512-bit tiles of `wide.rs` instead
+//! of these. Q4_0, Q5_0 and Q5_1 have tiles of their own, as outer products (`outer.rs`, and
+//! `wide.rs` with AVX-512 VNNI).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -368,8 +369,7 @@ mod tests {
             // Activations at their extremes (±127) and random; weights random, all -128 or 127.
             let input = mixed_input(2 * TOGETHER, cols, round, 2);
             let rows = QuantizedRows::quantize(&input, 2 * TOGETHER, cols);
-            let groups: [[ActivationRow<'_>; TOGETHER]; 2] =
-                std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
+            let sets = with_interleaved(&rows, true);
             let mut quants = bytes(TILE_ROWS * cols, round as u64);
             quants[..cols].fill(0x80);
             quants[cols..2 * cols].fill(0x7F);
@@ -383,7 +383,7 @@ mod tests {
                 quants: &quants[r * cols..(r + 1) * cols],
             };
             // Both groups at once, and the second alone, by every tile this CPU has.
-            for token in tokens(token) {
+            for (token, groups) in cases(token, &sets) {
                 let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 3];
                 let weights = std::array::from_fn(weight);
                 token.dot_q8_0_tile(weights, &groups, &mut tiles[..2]);
@@ -418,8 +418,7 @@ mod tests {
                 .collect();
             let mut rows = QuantizedRows::quantize(&input, 2 * TOGETHER, cols);
             rows.quants[..BLOCK].fill(-128);
-            let groups: [[ActivationRow<'_>; TOGETHER]; 2] =
-                std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
+            let sets = with_interleaved(&rows, false);
             let mut quants = bytes(TILE_ROWS * cols / 2, round as u64);
             quants[..cols / 2].fill(0xFF);
             let floats = |seed: u64| -> Vec<f32> {
@@ -432,7 +431,7 @@ mod tests {
                 mins: &mins[r * blocks..(r + 1) * blocks],
                 quants: &quants[r * cols / 2..(r + 1) * cols / 2],
             };
-            for token in tokens(token) {
+            for (token, groups) in cases(token, &sets) {
                 let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 2];
                 token.dot_q4_1_tile(std::array::from_fn(weight), &groups, &mut tiles);
                 for (g, tile) in tiles.iter().enumerate() {
@@ -464,8 +463,7 @@ mod tests {
                 let cols = blocks * BLOCK;
                 let input = mixed_input(2 * TOGETHER, cols, round, 3);
                 let rows = QuantizedRows::quantize(&input, 2 * TOGETHER, cols);
-                let groups: [[ActivationRow<'_>; TOGETHER]; 2] =
-                    std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
+                let sets = with_interleaved(&rows, format != BlockFormat::Q5_1);
                 let row_bytes = blocks * format.block_bytes();
                 // Random bytes, then row 0 all quants 0 (the most negative values) and row 1
                 // all bits set; every scale finite.
@@ -482,7 +480,7 @@ mod tests {
                 }
                 let row = |r: usize| &weights[r * row_bytes..(r + 1) * row_bytes];
                 // Both groups at once, and the second alone, by every tile this CPU has.
-                for token in tokens(token) {
+                for (token, groups) in cases(token, &sets) {
                     let mut tiles = [[[0f32; TOGETHER]; TILE_ROWS]; 3];
                     let weights = std::array::from_fn(row);
                     token.dot_blocks_tile(format, weights, &groups, &mut tiles[..2]);
@@ -503,6 +501,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `rows` as they come, and interleaved as a matmul interleaves them for the 512-bit tiles
+    /// (lifted by 128 when `lifted`).
+    fn with_interleaved(rows: &QuantizedRows, lifted: bool) -> [QuantizedRows; 2] {
+        let mut interleaved = rows.clone();
+        interleaved.interleave(lifted);
+        [rows.clone(), interleaved]
+    }
+
+    /// Every tile of `token` (see [`tokens`]) against the first two groups of each of `sets`.
+    fn cases(
+        token: Avx2,
+        sets: &[QuantizedRows; 2],
+    ) -> Vec<(Avx2, [[ActivationRow<'_>; TOGETHER]; 2])> {
+        let mut cases = Vec::new();
+        for token in tokens(token) {
+            for rows in sets {
+                let groups =
+                    std::array::from_fn(|g| std::array::from_fn(|k| rows.row(g * TOGETHER + k)));
+                cases.push((token, groups));
+            }
+        }
+        cases
     }
 
     /// The token, and when it has the 512-bit paths also the token without them.

@@ -67,29 +67,6 @@ pub(super) trait WideFormat {
     unsafe fn block(rows: &Self::Rows<'_>, block: usize) -> ([__m256i; TILE_ROWS], __m128, __m128);
 }
 
-/// Block `block` of four rows of a 32-value format with an offset or a minimum.
-///
-/// # Safety
-/// The CPU must have AVX2 and F16C; block `block` must be in range of every row.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn legacy_block<F: Layout>(
-    rows: &[&[u8]; TILE_ROWS],
-    block: usize,
-) -> ([__m256i; TILE_ROWS], __m128, __m128) {
-    // SAFETY: the block's bytes in every row are readable (the caller); the scale is at 0 and
-    // the minimum at `F::MIN`, inside the block.
-    unsafe {
-        let blocks = rows.map(|row| row.as_ptr().add(block * F::BYTES));
-        (
-            blocks.map(|block| F::unpack(block)),
-            outer::tile_halves(&blocks, 0),
-            F::MIN.map_or(_mm_setzero_ps(), |at| outer::tile_halves(&blocks, at)),
-        )
-    }
-}
-
 /// The scales or minimums of block `block` of four parsed rows.
 ///
 /// # Safety
@@ -114,12 +91,13 @@ macro_rules! legacy_wide {
             const EIGHT_LANES: bool = true;
 
             #[inline]
+            #[target_feature(enable = "avx2,f16c")]
             unsafe fn block(
                 rows: &Self::Rows<'_>,
                 block: usize,
             ) -> ([__m256i; TILE_ROWS], __m128, __m128) {
                 // SAFETY: passed on from the caller.
-                unsafe { legacy_block::<$format>(rows, block) }
+                unsafe { outer::unpacked_tile::<$format>(rows, block) }
             }
         }
     )*};
@@ -135,6 +113,7 @@ impl WideFormat for Q8_0Tile {
     const EIGHT_LANES: bool = false;
 
     #[inline]
+    #[target_feature(enable = "avx2,f16c")]
     unsafe fn block(rows: &Self::Rows<'_>, block: usize) -> ([__m256i; TILE_ROWS], __m128, __m128) {
         // SAFETY: the block's 32 quants and scale of every row are readable (the caller).
         unsafe {
@@ -155,6 +134,7 @@ impl WideFormat for Q4_1Tile {
     const EIGHT_LANES: bool = false;
 
     #[inline]
+    #[target_feature(enable = "avx2,f16c")]
     unsafe fn block(rows: &Self::Rows<'_>, block: usize) -> ([__m256i; TILE_ROWS], __m128, __m128) {
         // SAFETY: the block's 16 quant bytes, scale and minimum of every row are readable (the
         // caller).
@@ -175,7 +155,8 @@ impl WideFormat for Q4_1Tile {
 /// the format's reference (see the module's notes).
 ///
 /// # Safety
-/// The CPU must have AVX2, F16C, AVX-512 F and BW, and AVX-512 VNNI; `activations` must hold
+/// The CPU must have AVX2, F16C, AVX-512 F and BW, and AVX-512 VNNI (BW is not used, but every
+/// CPU with VNNI has it, and the detection asks for it); `activations` must hold
 /// at most [`WIDE_GROUPS`] groups and `results` as many tiles; every weight row must hold
 /// `blocks` blocks of `F` and every part of every activation row `blocks` blocks.
 #[cfg(target_arch = "x86_64")]
@@ -186,11 +167,17 @@ pub(super) unsafe fn wide_blocks<F: WideFormat>(
     blocks: usize,
     results: &mut [[[f32; TOGETHER]; TILE_ROWS]],
 ) {
+    assert!(
+        activations.len() <= WIDE_GROUPS && results.len() == activations.len(),
+        "a tile of {} groups for {} results",
+        activations.len(),
+        results.len()
+    );
     // Each group's interleaved rows: those it came with, or made here.
     let made: Vec<Option<OwnedQuad>> = (activations.iter())
         .map(|group| match interleaved(group, F::BIASED, blocks) {
             Some(_) => None,
-            None => Some(Quad::of(group, F::BIASED)),
+            None => Some(Quad::of(group, blocks, F::BIASED)),
         })
         .collect();
     let quads: Vec<Quad<'_>> = (activations.iter().zip(&made))
@@ -244,7 +231,9 @@ fn interleaved<'a>(
             quad.member == c && std::ptr::eq(quad.quants.as_ptr(), first.quants.as_ptr())
         })
     };
-    let whole = first.quants.len() == blocks * QUAD_BLOCK_BYTES && first.scales.len() == blocks;
+    let whole = first.quants.len() == blocks * QUAD_BLOCK_BYTES
+        && first.scales.len() == blocks
+        && first.sums.len() == blocks;
     (first.lifted == lifted && whole && (0..TOGETHER).all(same)).then_some(first)
 }
 
@@ -394,4 +383,64 @@ pub(super) unsafe fn wide_blocks<F>(
     _: &mut [[[f32; TOGETHER]; TILE_ROWS]],
 ) {
     unreachable!("no AVX2 outside x86_64")
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+    use crate::activations::QuantizedRows;
+
+    #[test]
+    fn a_group_is_read_interleaved_only_whole_in_order_and_lifted_as_asked() {
+        let (blocks, cols) = (3, 3 * BLOCK);
+        let input: Vec<f32> = (0..6 * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut rows = QuantizedRows::quantize(&input, 6, cols);
+        rows.interleave(true);
+        let group = |first: usize| std::array::from_fn(|c| rows.row(first + c));
+        assert!(interleaved(&group(0), true, blocks).is_some());
+        assert!(
+            interleaved(&group(0), false, blocks).is_none(),
+            "lifted otherwise"
+        );
+        assert!(
+            interleaved(&group(0), true, blocks - 1).is_none(),
+            "another length"
+        );
+        let rotated = std::array::from_fn(|c| rows.row((c + 1) % TOGETHER));
+        assert!(
+            interleaved(&rotated, true, blocks).is_none(),
+            "members out of order"
+        );
+        // Rows 4 and 5 are a partial group: no interleaved view of them.
+        assert!(rows.row(4).quad.is_none() && rows.row(5).quad.is_none());
+        assert!(
+            interleaved(&group(2), true, blocks).is_none(),
+            "straddling two groups"
+        );
+    }
+
+    #[test]
+    fn interleaving_puts_word_k_of_row_c_at_sixteen_k_plus_four_c() {
+        let cols = BLOCK;
+        let input: Vec<f32> = (0..TOGETHER * cols).map(|i| i as f32 - 60.0).collect();
+        for lifted in [false, true] {
+            let mut rows = QuantizedRows::quantize(&input, TOGETHER, cols);
+            rows.interleave(lifted);
+            let quad = rows.row(0).quad.expect("a whole group");
+            for c in 0..TOGETHER {
+                let own = rows.row(c);
+                assert_eq!(quad.scales[0][c].to_bits(), own.scales[0].to_bits());
+                assert_eq!(quad.sums[0][c].to_bits(), own.sums[0].to_bits());
+                for (at, quant) in own.quants.iter().enumerate() {
+                    let (k, byte) = (at / 4, at % 4);
+                    let want = (*quant as u8) ^ if lifted { 0x80 } else { 0 };
+                    assert_eq!(
+                        quad.quants[16 * k + 4 * c + byte],
+                        want,
+                        "row {c}, value {at}"
+                    );
+                }
+            }
+        }
+    }
 }
