@@ -542,6 +542,22 @@ mod tests {
         (rows.clone(), rows)
     }
 
+    /// Prints, for every tile of `token` ([`tokens`]), its time per block (`per` of the tiles
+    /// of 16 weight rows, `tile(token, first)` computing rows `first..first + TILE_ROWS`)
+    /// beside the four-row dots' `four`.
+    fn print_tile_times(
+        label: &str,
+        four: f64,
+        token: Avx2,
+        per: &dyn Fn(&dyn Fn() -> f32) -> f64,
+        tile: &dyn Fn(Avx2, usize) -> f32,
+    ) {
+        for token in tokens(token) {
+            let tiled = per(&|| (0..16).step_by(TILE_ROWS).map(|t| tile(token, t)).sum());
+            println!("{label}: four-row {four:.3} ns, tile {tiled:.3} ns per block ({token:?})");
+        }
+    }
+
     /// The shortest of 20 timings, in seconds, of 50 calls of `run`.
     fn best_of_runs(run: &dyn Fn() -> f32) -> f64 {
         let mut best = f64::MAX;
@@ -592,26 +608,25 @@ mod tests {
             let per = |run: &dyn Fn() -> f32| {
                 best_of_runs(run) * 1e9 / (50 * 16 * GROUPS * TOGETHER * blocks) as f64
             };
-            let tiles = || (0..16 / TILE_ROWS).map(|t| t * TILE_ROWS);
             let four = per(&|| {
                 let row = |r: usize| groups.map(|g| token.dot_q8_0_four(weight(r), g)[0]);
                 (0..16).map(|r| row(r).iter().sum::<f32>()).sum()
             });
-            for token in tokens(token) {
-                let tiled = per(&|| {
-                    let tile = |t: usize| {
-                        let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
-                        let rows = std::array::from_fn(|r| weight(t + r));
-                        token.dot_q8_0_tile(rows, &groups, &mut results);
-                        results[0][0][0]
-                    };
-                    tiles().map(tile).sum()
-                });
-                println!(
-                    "Q8_0 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block \
-                     ({token:?})"
-                );
-            }
+            print_tile_times(
+                &format!("Q8_0 {blocks} blocks"),
+                four,
+                token,
+                &per,
+                &|token, t| {
+                    let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
+                    token.dot_q8_0_tile(
+                        std::array::from_fn(|r| weight(t + r)),
+                        &groups,
+                        &mut results,
+                    );
+                    results[0][0][0]
+                },
+            );
             let nibbles = |r: usize| WeightRow {
                 scales: &scales[r * blocks..(r + 1) * blocks],
                 mins: &scales[r * blocks..(r + 1) * blocks],
@@ -621,21 +636,18 @@ mod tests {
                 let row = |r: usize| groups.map(|g| token.dot_q4_1_four(nibbles(r), g)[0]);
                 (0..16).map(|r| row(r).iter().sum::<f32>()).sum()
             });
-            for token in tokens(token) {
-                let tiled = per(&|| {
-                    let tile = |t: usize| {
-                        let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
-                        let rows = std::array::from_fn(|r| nibbles(t + r));
-                        token.dot_q4_1_tile(rows, &unsigned_groups, &mut results);
-                        results[0][0][0]
-                    };
-                    tiles().map(tile).sum()
-                });
-                println!(
-                    "Q4_1 {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns per block \
-                     ({token:?})"
-                );
-            }
+            print_tile_times(
+                &format!("Q4_1 {blocks} blocks"),
+                four,
+                token,
+                &per,
+                &|token, t| {
+                    let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
+                    let rows = std::array::from_fn(|r| nibbles(t + r));
+                    token.dot_q4_1_tile(rows, &unsigned_groups, &mut results);
+                    results[0][0][0]
+                },
+            );
             for format in [BlockFormat::Q4_0, BlockFormat::Q5_0, BlockFormat::Q5_1] {
                 let groups = match format {
                     BlockFormat::Q5_1 => unsigned_groups,
@@ -652,21 +664,13 @@ mod tests {
                         |r: usize| groups.map(|g| token.dot_blocks_together(format, row(r), g)[0]);
                     (0..16).map(|r| one(r).iter().sum::<f32>()).sum()
                 });
-                for token in tokens(token) {
-                    let tiled = per(&|| {
-                        let tile = |t: usize| {
-                            let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
-                            let rows = std::array::from_fn(|r| row(t + r));
-                            token.dot_blocks_tile(format, rows, &groups, &mut results);
-                            results[0][0][0]
-                        };
-                        tiles().map(tile).sum()
-                    });
-                    println!(
-                        "{format:?} {blocks} blocks: four-row {four:.3} ns, tile {tiled:.3} ns \
-                         per block ({token:?})"
-                    );
-                }
+                let label = format!("{format:?} {blocks} blocks");
+                print_tile_times(&label, four, token, &per, &|token, t| {
+                    let mut results = [[[0f32; TOGETHER]; TILE_ROWS]; GROUPS];
+                    let rows = std::array::from_fn(|r| row(t + r));
+                    token.dot_blocks_tile(format, rows, &groups, &mut results);
+                    results[0][0][0]
+                });
             }
         }
     }
