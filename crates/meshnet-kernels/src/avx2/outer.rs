@@ -106,18 +106,13 @@ pub(super) unsafe fn outer_blocks<F: Layout>(
     }
 }
 
-/// Each output's eight lanes combined as the reference's `legacy::combine_lanes` combines
-/// them (lane `k` plus lane `k + 4`, then `k` plus `k + 2`, then 0 plus 1), eight outputs at a
-/// time.
+/// Each output's eight lanes combined in the reference's order (`legacy::combine_lanes`),
+/// eight outputs at a time.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
 fn combined(lanes: &[__m256; GROUP]) -> __m256 {
-    let fours: [__m256; 4] = std::array::from_fn(|k| _mm256_add_ps(lanes[k], lanes[k + 4]));
-    _mm256_add_ps(
-        _mm256_add_ps(fours[0], fours[2]),
-        _mm256_add_ps(fours[1], fours[3]),
-    )
+    crate::formats::legacy::combine_lanes_with(lanes, |a, b| _mm256_add_ps(a, b))
 }
 
 /// A block of the tile's four weight rows, ready for any number of activation rows.

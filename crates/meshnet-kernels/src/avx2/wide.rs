@@ -237,18 +237,13 @@ fn interleaved<'a>(
     (first.lifted == lifted && whole && (0..TOGETHER).all(same)).then_some(first)
 }
 
-/// Each output's eight lanes combined as the reference's `legacy::combine_lanes` combines
-/// them (lane `k` plus lane `k + 4`, then `k` plus `k + 2`, then 0 plus 1), sixteen outputs at
-/// a time.
+/// Each output's eight lanes combined in the reference's order (`legacy::combine_lanes`),
+/// sixteen outputs at a time.
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn combined(lanes: &[__m512; GROUP]) -> __m512 {
-    let fours: [__m512; 4] = std::array::from_fn(|k| _mm512_add_ps(lanes[k], lanes[k + 4]));
-    _mm512_add_ps(
-        _mm512_add_ps(fours[0], fours[2]),
-        _mm512_add_ps(fours[1], fours[3]),
-    )
+    crate::formats::legacy::combine_lanes_with(lanes, |a, b| _mm512_add_ps(a, b))
 }
 
 /// A block of the tile's four weight rows, ready for any number of activation rows.

@@ -200,9 +200,15 @@ fn sum_terms(
 /// A row's dot product from its lanes, in this order: lane `k` plus lane `k + 4` (`k < 4`),
 /// then `k` plus `k + 2` (`k < 2`), then lane 0 plus lane 1.
 pub(crate) fn combine_lanes(lanes: [f32; LANES]) -> f32 {
-    let fours: [f32; 4] = std::array::from_fn(|k| lanes[k] + lanes[k + 4]);
-    let twos = [fours[0] + fours[2], fours[1] + fours[3]];
-    twos[0] + twos[1]
+    combine_lanes_with(&lanes, |a, b| a + b)
+}
+
+/// [`combine_lanes`]' order of additions over lanes of any kind (a vector of outputs' lanes
+/// adds them lane by lane, each output in that order), with `add` adding two.
+#[inline]
+pub(crate) fn combine_lanes_with<T: Copy>(lanes: &[T; LANES], add: impl Fn(T, T) -> T) -> T {
+    let fours: [T; 4] = std::array::from_fn(|k| add(lanes[k], lanes[k + 4]));
+    add(add(fours[0], fours[2]), add(fours[1], fours[3]))
 }
 
 /// The 32 activations of block `block`.
